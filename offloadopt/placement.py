@@ -1,0 +1,143 @@
+"""Which parameters keep their optimizer state on the host: pure policy, no CUDA calls.
+
+The offload fraction is a share of optimizer-state bytes, not of parameters: an fp32 param
+costs 8 bytes of state per element (``exp_avg``, ``exp_avg_sq``), a bf16 param with an fp32
+master 12. Only *eligible* params count (``requires_grad``, ``numel >= min_offload_numel``, in a
+group whose ``"offload"`` key is ``None``); a group with ``"offload": True`` goes to the host
+whole and one with ``"offload": False`` stays on the device, and neither counts toward the
+fraction. Eligible params are taken last-registered first: their grads appear first in
+backward and the next forward needs them last (DESIGN.md, "Which params go to the host").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ParamInfo", "Placement", "update_dtype", "state_nbytes", "place", "format_placement"]
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What the policy needs to know of one param (no tensor: the policy is pure)."""
+
+    index: int  # position over all groups, in registration order
+    name: str  # from named_parameters(), else "group{g}.param{i}"
+    group: int  # index of its param group
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    group_offload: bool | None  # the group's "offload" key
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one param's optimizer state lives and what it costs."""
+
+    index: int
+    name: str
+    group: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    where: str  # "host" or "device"
+    state_nbytes: int  # bytes of exp_avg + exp_avg_sq (+ fp32 master), wherever they live
+    reason: str  # why it is there: "fraction", "forced", "frozen", "small", ...
+
+    @property
+    def offloaded(self) -> bool:
+        return self.where == "host"
+
+
+def update_dtype(dtype: torch.dtype, master_weights: bool) -> torch.dtype:
+    """The dtype the AdamW update runs in for a param of ``dtype``: fp32 with masters on
+    for any floating dtype narrower than fp32, else the param's own dtype."""
+    if master_weights and dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return dtype
+
+
+def state_nbytes(numel: int, dtype: torch.dtype, master_weights: bool) -> int:
+    """Bytes of optimizer state for one param: two moments, plus an fp32 master when the
+    update dtype differs from the param's dtype."""
+    udt = update_dtype(dtype, master_weights)
+    size = torch.empty((), dtype=udt).element_size()
+    copies = 3 if udt != dtype else 2
+    return numel * size * copies
+
+
+def place(
+    infos: list[ParamInfo],
+    offload_fraction: float,
+    min_offload_numel: int,
+    master_weights: bool,
+) -> list[Placement]:
+    """Decide, deterministically, which params keep their state on the host.
+
+    Args:
+        infos: the params, in registration order.
+        offload_fraction: share in [0, 1] of the eligible params' state bytes to offload.
+        min_offload_numel: eligible params need at least this many elements.
+        master_weights: whether low-precision params carry an fp32 master (affects bytes).
+
+    Returns:
+        One :class:`Placement` per info, in the same order.
+
+    Walks eligible params from the last registered to the first and offloads each as long as
+    that brings the bytes offloaded nearer to ``offload_fraction`` x the eligible total (a param
+    is taken while ``taken + nbytes / 2 <= target``), so fraction 0 offloads nothing, fraction 1
+    everything eligible, and a fraction in between misses its target by at most half a param.
+    """
+    nbytes = [state_nbytes(i.numel, i.dtype, master_weights) for i in infos]
+    where = ["device"] * len(infos)
+    reason = [""] * len(infos)
+    eligible = []
+    for k, info in enumerate(infos):
+        if not info.requires_grad:
+            reason[k] = "frozen"
+        elif info.numel == 0:
+            reason[k] = "empty"
+        elif info.group_offload is True:
+            where[k], reason[k] = "host", "forced"
+        elif info.group_offload is False:
+            reason[k] = "forbidden"
+        elif info.numel < min_offload_numel:
+            reason[k] = "small"
+        else:
+            eligible.append(k)
+            reason[k] = "fraction"
+    target = offload_fraction * sum(nbytes[k] for k in eligible)
+    taken = 0
+    for k in reversed(eligible):
+        if taken + nbytes[k] / 2 > target:
+            break
+        where[k] = "host"
+        taken += nbytes[k]
+    return [
+        Placement(i.index, i.name, i.group, i.shape, i.dtype, where[k], nbytes[k], reason[k])
+        for k, i in enumerate(infos)
+    ]
+
+
+def format_placement(placements: list[Placement]) -> str:
+    """A fixed-width table of a placement, one line per param, and a total line."""
+    lines = [f"{'param':<40} {'group':>5} {'shape':<18} {'dtype':<9} {'where':<6} {'state MB':>9}  why"]
+    for p in placements:
+        shape = "x".join(map(str, p.shape)) or "()"
+        dtype = str(p.dtype).replace("torch.", "")
+        lines.append(
+            f"{p.name[:40]:<40} {p.group:>5} {shape[:18]:<18} {dtype:<9} {p.where:<6} "
+            f"{p.state_nbytes / 1e6:>9.3f}  {p.reason}"
+        )
+    host = sum(p.state_nbytes for p in placements if p.offloaded)
+    total = sum(p.state_nbytes for p in placements)
+    share = host / total if total else 0.0
+    lines.append(f"state on host: {host / 1e6:.3f} MB of {total / 1e6:.3f} MB ({share:.1%})")
+    return "\n".join(lines)

@@ -1,0 +1,25 @@
+"""Test setup, one mechanism: every test under tests/cuda/ (or marked ``cuda``) carries the
+``cuda`` marker and is skipped when torch sees no GPU, so CI runs the rest and the GPU host
+runs ``pytest -m cuda``. Seeds are fixed per test."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+_CUDA_DIR = Path(__file__).parent / "cuda"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (tests/cuda run on the GPU host)")
+    for item in items:
+        if _CUDA_DIR in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.cuda)
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,119 @@
+"""The CPU stands in for the device: the whole offloaded data path against the fused oracle."""
+
+import pytest
+import torch
+from oracle import FRACTIONS, assert_bitwise, groups_of, hybrid, make_params, seeded_grads
+
+from offloadopt import HybridAdamW
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_fp32_bitwise_equal_to_torch_fused_adamw(fraction):
+    ref_params, params = make_params(), make_params()
+    ref = torch.optim.AdamW(groups_of(ref_params), fused=True)
+    opt = hybrid(params, fraction)
+    for step in range(20):
+        for p, q, g in zip(ref_params, params, seeded_grads(params, step), strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        ref.step()
+        opt.step()
+        assert_bitwise(params, ref_params, f"step {step}")
+    for p, q in zip(ref_params, params, strict=True):
+        assert_bitwise([opt.state[q]["exp_avg"], opt.state[q]["exp_avg_sq"]], [ref.state[p]["exp_avg"], ref.state[p]["exp_avg_sq"]])
+        assert opt.state[q]["step"].item() == ref.state[p]["step"].item() == 20
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_masters_equal_fused_adamw_on_fp32_copies(fraction, dtype):
+    params = make_params(dtype)
+    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    ref = torch.optim.AdamW(groups_of(masters), fused=True)
+    opt = hybrid(params, fraction)
+    for step in range(20):
+        grads = seeded_grads(params, step)
+        for m, p, g in zip(masters, params, grads, strict=True):
+            m.grad, p.grad = g.float(), g.clone()
+        ref.step()
+        opt.step()
+        assert_bitwise(params, [m.detach().to(dtype) for m in masters], f"step {step}")
+    for m, p in zip(masters, params, strict=True):
+        assert_bitwise([opt.state[p]["master"]], [m.detach()])
+        assert opt.state[p]["master"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_master_weights_false_updates_in_param_dtype_like_torch(fraction):
+    ref_params, params = make_params(torch.bfloat16), make_params(torch.bfloat16)
+    ref = torch.optim.AdamW(groups_of(ref_params), fused=True)
+    opt = hybrid(params, fraction, master_weights=False)
+    for step in range(10):
+        for p, q, g in zip(ref_params, params, seeded_grads(params, step), strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        ref.step()
+        opt.step()
+    assert_bitwise(params, ref_params)
+    assert all("master" not in opt.state[p] for p in params)
+    assert all(opt.state[p]["exp_avg"].dtype == torch.bfloat16 for p in params)
+
+
+@pytest.mark.parametrize("fraction,expected", [(0.0, 0), (0.5, None), (1.0, 4)])
+def test_fraction_really_offloads_and_state_is_separate_storage(fraction, expected):
+    params = make_params()
+    opt = hybrid(params, fraction)
+    for p, g in zip(params, seeded_grads(params, 0), strict=True):
+        p.grad = g
+    opt.step()
+    host = [pl for pl in opt.placement if pl.offloaded]
+    if expected is None:
+        assert 0 < len(host) < 4
+    else:
+        assert len(host) == expected
+    # The biases (32, 24 and 16 elements) are below min_offload_numel=64: always on the device.
+    small = {pl.name for pl in opt.placement if pl.reason == "small"}
+    assert small == {"group0.param1", "group1.param1", "group2.param1"}
+    assert not small & {pl.name for pl in host}
+    for pl, p in zip(opt.placement, params, strict=True):
+        bucket = opt._bucket_of.get(p)
+        assert (bucket is not None) == pl.offloaded
+        if pl.offloaded:
+            b, k = bucket
+            storages = {b.weight.untyped_storage().data_ptr(), b.exp_avg.untyped_storage().data_ptr()}
+            assert p.untyped_storage().data_ptr() not in storages
+            assert opt.state[p]["exp_avg"].untyped_storage().data_ptr() == b.exp_avg.untyped_storage().data_ptr()
+            # The host copy is what the kernel updates: it equals the param, in its own memory.
+            assert torch.equal(b.weight_views[k], p.detach())
+            assert b.weight_views[k].data_ptr() != p.data_ptr()
+
+
+def test_placement_is_last_registered_first_and_by_state_bytes():
+    params = [torch.nn.Parameter(torch.zeros(100)) for _ in range(4)]
+    opt = HybridAdamW(params, offload_fraction=0.5, min_offload_numel=1)
+    assert [pl.where for pl in opt.placement] == ["device", "device", "host", "host"]
+    opt = HybridAdamW(params, offload_fraction=0.25, min_offload_numel=1)
+    assert [pl.where for pl in opt.placement] == ["device", "device", "device", "host"]
+    assert "state on host: 0.000 MB" not in opt.placement_table()
+
+
+def test_forced_groups_do_not_count_toward_the_fraction():
+    a, b, c = (torch.nn.Parameter(torch.zeros(100)) for _ in range(3))
+    opt = HybridAdamW(
+        [{"params": [a], "offload": True}, {"params": [b]}, {"params": [c], "offload": False}],
+        offload_fraction=0.0,
+        min_offload_numel=1,
+    )
+    assert [pl.where for pl in opt.placement] == ["host", "device", "device"]
+    assert [pl.reason for pl in opt.placement] == ["forced", "fraction", "forbidden"]
+    opt = HybridAdamW(
+        [{"params": [a], "offload": False}, {"params": [b]}, {"params": [c]}],
+        offload_fraction=0.5,
+        min_offload_numel=1,
+    )
+    assert [pl.where for pl in opt.placement] == ["device", "device", "host"]
+
+
+def test_named_parameters_give_names_in_placement():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt = HybridAdamW(model.named_parameters(), min_offload_numel=1)
+    assert [pl.name for pl in opt.placement] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert "1.weight" in opt.placement_table()
