@@ -70,8 +70,10 @@ class CallSite:
 
     Attributes:
         frames: user frames, innermost first, as the trace names them ``"file(line): func"``.
-        callee: what the innermost user frame called (``"Tensor.item"``, ``"Tensor.to"``), or
-            the CPU op (``"aten::copy_"``) when the trace has no Python stack.
+        callee: what the innermost user frame called (``"Tensor.item"``, ``"Tensor.to"``);
+            when that went through torch's Python first, the first and the last frame below the
+            user's (``"torch/optim/optimizer.py(480): wrapper > Tensor.copy_"``); the CPU op
+            (``"aten::copy_"``) when the trace has no Python stack.
         lines: source lines in the innermost frame's block that call the callee (may be empty).
         count: copies issued from here. nbytes: their bytes.
     """
@@ -413,7 +415,8 @@ def summarize(
                     return tuple(chain[:depth]), "", []
                 below = [_callee_name(f) for f in reversed(chain[:k])]  # outermost first
                 user = tuple(f for f in chain[k:] if is_user(f))[:depth]
-                return user, (below[0][0] if below else ""), [tok for _, tok in below]
+                shown = below[:1] + below[-1:] if len(below) > 1 else below
+                return user, " > ".join(d for d, _ in shown), [tok for _, tok in below]
         return (), (str(op.get("name", "")) if op else ""), []
 
     for e in copies:

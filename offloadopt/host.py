@@ -64,7 +64,7 @@ def alloc_host(numel: int, dtype: torch.dtype, pin: bool, what: str, owner: obje
     Raises:
         PinnedAllocationError: the allocation or the pinning failed; says how many bytes.
     """
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     try:
         t = torch.empty(numel, dtype=dtype)
     except RuntimeError as e:
@@ -107,7 +107,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def add(self, param: torch.Tensor, name: str) -> None:
         self.params.append(param)

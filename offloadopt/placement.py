@@ -68,7 +68,7 @@ def state_nbytes(numel: int, dtype: torch.dtype, master_weights: bool) -> int:
     """Bytes of optimizer state for one param: two moments, plus an fp32 master when the
     update dtype differs from the param's dtype."""
     udt = update_dtype(dtype, master_weights)
-    size = torch.empty((), dtype=udt).element_size()
+    size = udt.itemsize
     copies = 3 if udt != dtype else 2
     return numel * size * copies
 

@@ -1,0 +1,183 @@
+"""The torch.optim contract and argument validation."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from oracle import FRACTIONS, hybrid, make_params, seeded_grads
+
+import offloadopt.host as host
+from offloadopt import HybridAdamW, PinnedAllocationError
+
+
+def w(n=128):
+    return torch.nn.Parameter(torch.randn(n))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(offload_fraction=-0.1), "offload_fraction: -0.1"),
+        (dict(offload_fraction=1.5), "offload_fraction: 1.5"),
+        (dict(offload_fraction=math.nan), "offload_fraction: nan"),
+        (dict(offload_fraction="0.5"), "offload_fraction: '0.5'"),
+        (dict(lr=-1e-3), "learning rate: -0.001"),
+        (dict(eps=-1.0), "epsilon value: -1.0"),
+        (dict(betas=(1.0, 0.999)), "beta parameter at index 0: 1.0"),
+        (dict(betas=(0.9, -0.1)), "beta parameter at index 1: -0.1"),
+        (dict(weight_decay=-0.1), "weight_decay value: -0.1"),
+        (dict(min_offload_numel=-1), "min_offload_numel: -1"),
+        (dict(bucket_nbytes=0), "bucket_nbytes: 0"),
+    ],
+)
+def test_invalid_arguments_raise_naming_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        HybridAdamW([w()], **kwargs)
+
+
+def test_bad_param_lists():
+    with pytest.raises(ValueError, match="empty parameter list"):
+        HybridAdamW([])
+    with pytest.raises(TypeError, match="iterable of Tensors"):
+        HybridAdamW(w())
+    p = w()
+    with pytest.raises(ValueError, match="duplicate parameter.*appears twice"):
+        HybridAdamW([p, p])
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        HybridAdamW([{"params": [p]}, {"params": [p]}])
+    with pytest.raises(ValueError, match="complex parameters are not supported: z"):
+        HybridAdamW([("z", torch.nn.Parameter(torch.zeros(4, dtype=torch.complex64)))])
+    with pytest.raises(TypeError, match="master_weights"):
+        HybridAdamW([p], master_weights="yes")
+    with pytest.raises(ValueError, match="'offload' group key: 'yes'"):
+        HybridAdamW([{"params": [p], "offload": "yes"}])
+    for flag in ("amsgrad", "capturable", "differentiable"):
+        with pytest.raises(NotImplementedError, match=flag):
+            HybridAdamW([p], **{flag: True})
+
+
+def test_one_word_swap_flags_are_accepted():
+    opt = HybridAdamW([w()], lr=1e-3, fused=True, foreach=False, min_offload_numel=1)
+    g = opt.param_groups[0]
+    assert (g["fused"], g["foreach"], g["capturable"], g["differentiable"]) == (True, None, False, False)
+    assert isinstance(opt, torch.optim.Optimizer)
+
+
+def test_tensor_lr_matches_torch():
+    p, q = w(), w()
+    q.data.copy_(p.data)
+    ref = torch.optim.AdamW([p], lr=torch.tensor(0.01), fused=True)
+    opt = HybridAdamW([q], lr=torch.tensor(0.01), min_offload_numel=1)
+    for s in range(3):
+        p.grad = q.grad = seeded_grads([p], s)[0]
+        ref.step()
+        opt.step()
+    torch.testing.assert_close(q, p, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_grad_none_is_skipped_and_no_stale_grad_is_reused(fraction):
+    params = make_params()
+    opt = hybrid(params, fraction)
+    for p, g in zip(params, seeded_grads(params, 0), strict=True):
+        p.grad = g
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    steps = [opt.state[p]["step"].item() for p in params]
+    opt.zero_grad(set_to_none=True)
+    params[0].grad = torch.zeros_like(params[0])  # a zero grad is not a skip
+    opt.step()
+    assert opt.state[params[0]]["step"].item() == 2
+    assert not torch.equal(params[0], before[0])  # momentum still moves it
+    for p, b, s in zip(params[1:], before[1:], steps[1:], strict=True):
+        torch.testing.assert_close(p, b, rtol=0, atol=0)  # untouched: last step's host grad not reused
+        assert opt.state[p]["step"].item() == s
+
+
+def test_zero_grad_keeps_or_drops_grads():
+    p = w()
+    opt = HybridAdamW([p], min_offload_numel=1)
+    p.grad = torch.ones_like(p)
+    opt.zero_grad(set_to_none=False)
+    assert p.grad is not None and p.grad.abs().sum() == 0
+    opt.zero_grad()
+    assert p.grad is None
+
+
+def test_closure_runs_with_grad_and_returns_loss():
+    p = w()
+    opt = HybridAdamW([p], min_offload_numel=1)
+
+    def closure():
+        opt.zero_grad()
+        loss = (p**2).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert loss.item() > 0 and opt.state[p]["step"].item() == 1
+
+
+def test_state_is_lazy_and_unfreezing_later_works():
+    a, b = w(), w()
+    b.requires_grad_(False)
+    opt = HybridAdamW([a, b], min_offload_numel=1)
+    assert len(opt.state) == 0
+    assert [pl.reason for pl in opt.placement] == ["fraction", "frozen"]
+    b.requires_grad_(True)
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    opt.step()
+    assert opt.state[b]["step"].item() == 1 and b not in opt._bucket_of
+
+
+def test_step_hooks_run():
+    p = w()
+    opt = HybridAdamW([p], min_offload_numel=1)
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opt.register_step_post_hook(lambda *a: calls.append("post"))
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert calls == ["pre", "post"]
+
+
+def test_weights_changed_outside_refresh_the_master_with_a_warning():
+    p = torch.nn.Parameter(torch.randn(256).bfloat16())
+    opt = HybridAdamW([p], min_offload_numel=1)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    with torch.no_grad():
+        p.fill_(2.0)  # a checkpoint loaded into the model, an EMA swap, ...
+    with pytest.warns(UserWarning, match="changed outside the optimizer"):
+        opt.step()
+    # The update started from 2.0, not from the stale master.
+    assert (p.float() - 2.0).abs().max() < 0.01
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # our own writes are not mistaken for outside edits
+
+
+def test_pinned_allocation_failure_says_how_many_bytes(monkeypatch):
+    class Cudart:  # a patched allocator: cudaHostRegister fails as on an exhausted host
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    with pytest.raises(PinnedAllocationError, match="could not pin 4000 bytes .* for the test buffer"):
+        host.alloc_host(1000, torch.float32, True, "the test buffer", object())
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(torch, "empty", no_memory)
+    with pytest.raises(PinnedAllocationError, match="could not allocate 8000 bytes .* pinned host memory"):
+        host.alloc_host(1000, torch.float64, True, "the test buffer", object())
+
+
+def test_sparse_grads_raise_naming_the_param():
+    emb = torch.nn.Embedding(100, 64, sparse=True)
+    opt = HybridAdamW(emb.named_parameters(), min_offload_numel=1)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients: weight"):
+        opt.step()
