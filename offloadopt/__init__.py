@@ -1,10 +1,20 @@
 """offloadopt: a hybrid CPU/GPU AdamW that keeps a chosen fraction of the optimizer state and
 fp32 master weights in pinned host memory and overlaps the copies with the GPU's work."""
 
+from offloadopt.audit import PageableCopyError, audit, check_pinned, summarize
 from offloadopt.host import PinnedAllocationError
 from offloadopt.optim import HybridAdamW
 from offloadopt.placement import Placement
 
 __version__ = "0.1.0"
 
-__all__ = ["HybridAdamW", "PinnedAllocationError", "Placement", "__version__"]
+__all__ = [
+    "HybridAdamW",
+    "PinnedAllocationError",
+    "PageableCopyError",
+    "Placement",
+    "audit",
+    "check_pinned",
+    "summarize",
+    "__version__",
+]

@@ -1,28 +1,21 @@
 """Memcpy audit: every copy of a region, by direction and memory kind, with its Python call site.
 
-A host buffer that is quietly pageable costs ~11x on H2D (4.9 against 54.5 GB/s on an H200) and
-makes a ``non_blocking=True`` copy synchronous; Megatron's HybridDeviceOptimizer shipped 580 of
-them per step (DESIGN.md, section 1). This module makes such copies visible in anyone's code.
+A quietly pageable host buffer costs ~11x on H2D (4.9 against 54.5 GB/s on an H200) and makes a
+``non_blocking=True`` copy synchronous (DESIGN.md, section 1); this makes such copies visible.
+``audit()`` records a region with ``torch.profiler`` (``with_stack=True``); ``summarize()`` is a
+pure function over the exported Chrome-trace events, read as kineto writes them
+(``libkineto/src/output_json.cpp``, ``CuptiActivity.cpp``). ``ts`` and ``dur`` are microseconds.
 
-``audit()`` records a region with ``torch.profiler`` (``with_stack=True``) and exports its Chrome
-trace; ``summarize()`` is a pure function over those trace events. Fields it reads, as kineto
-writes them (``libkineto/src/output_json.cpp``, ``CuptiActivity.cpp``):
-
-- ``cat: "gpu_memcpy"`` events named ``"Memcpy <HtoD|DtoH|DtoD|HtoH|PtoP|...> (<src> -> <dst>)"``,
-  memory kinds ``Pageable``, ``Pinned``, ``Device``, ``Managed``, ``Array``, ``Unknown``...;
-  ``args["bytes"]``, ``args["correlation"]`` (CUPTI id), ``args["External id"]`` (the CPU op);
-  ``pid`` is the device, ``tid`` the stream; ``ts`` and ``dur`` are microseconds.
-- ``cat: "kernel"``: compute kernels, same ``pid``/``ts``/``dur`` layout.
-- ``cat: "cuda_runtime"`` (``cudaMemcpyAsync``...): the host call, same ``args["correlation"]``;
-  ``ac2g`` flow events (``ph`` ``s``/``f``, ``id``) link it to the GPU event too.
-- ``cat: "python_function"``: Python frames named ``"file(line): function"`` (paths relative to
-  ``sys.path``), nested by time on the thread that ran them.
-
-Line numbers: torch records a frame when it is entered, so ``line`` is the ``def`` line of a
-function called inside the region, or the current line of a frame already running when
-recording began (the ``with audit():`` line). The exact line that made the copy is recovered
-from the source when it is readable (``CallSite.lines``): the lines of that block calling the
-callee, e.g. the ``.item(`` line for a ``.item()``.
+- ``cat "gpu_memcpy"``: ``"Memcpy <HtoD|DtoH|DtoD|HtoH|PtoP|..> (<src> -> <dst>)"``, kinds
+  ``Pageable Pinned Device Managed Array Unknown..``; ``args["bytes"]``, ``args["correlation"]``,
+  ``args["External id"]`` (the CPU op); ``pid`` is the device, ``tid`` the stream.
+- ``cat "kernel"``: compute kernels, same layout. ``cat "cuda_runtime"``: the host call
+  (``cudaMemcpyAsync``) with the same ``correlation``; ``ac2g`` flow events link the two too.
+- ``cat "python_function"``: frames ``"file(line): function"`` (paths relative to ``sys.path``),
+  nested by time on their thread. torch records a frame when it is entered, so ``line`` is the
+  ``def`` line, or the current line of a frame already running when recording began (the
+  ``with audit():`` line). ``CallSite.lines`` recovers the exact line from the source when it
+  is readable: the lines of that block calling the callee (the ``.item(`` of an ``.item()``).
 """
 
 from __future__ import annotations
@@ -124,11 +117,8 @@ class CopyRow:
 
     @property
     def label(self) -> str:
-        return (
-            "other"
-            if self.direction == "other"
-            else f"{self.direction} ({self.src_kind} -> {self.dst_kind})"
-        )
+        kinds = f" ({self.src_kind} -> {self.dst_kind})" if self.direction != "other" else ""
+        return self.direction + kinds
 
     @property
     def is_pageable(self) -> bool:
@@ -192,11 +182,11 @@ class AuditReport:
         MB is 1e6 bytes, GB/s 1e9 bytes/s; overlap is the share of copy time during which a
         compute kernel ran on the same GPU. Pageable rows list their call sites beneath.
         """
-        head = f"{'Count':>7} {'Total MB':>10} {'Total ms':>10} {'Avg us':>10} {'GB/s':>8} {'Overlap %':>9}  Operation"
+        head = "  Count   Total MB   Total ms     Avg us     GB/s Overlap %  Operation"
         out = [head, "-" * len(head)]
         for r in sorted(self.rows, key=lambda r: -r.time_us):
             bw = f"{r.bandwidth_gbps:8.2f}" if r.bandwidth_gbps is not None else f"{'-':>8}"
-            flag = "  <- PAGEABLE" if r.is_pageable else ""
+            flag = ("  <- PAGEABLE" if r.is_pageable else "") + "".join(f"  {n!r}" for n in r.names)
             out.append(
                 f"{r.count:>7} {r.nbytes / 1e6:>10.2f} {r.time_ms:>10.3f} {r.avg_us:>10.1f} "
                 f"{bw} {r.overlap_pct:>9.1f}  {r.label}{flag}"
@@ -401,12 +391,8 @@ def summarize(
 
     def call_site(e: dict, args: dict) -> tuple[tuple[str, ...], str, list[str]]:
         op = cpu_ops.get(args.get("External id"))
-        anchors = [
-            runtime.get(args.get("correlation")),
-            flow_src.get(flow_dst.get((e.get("pid"), e.get("tid"), e.get("ts")))),
-            op,
-        ]
-        for a in anchors:
+        flow = flow_src.get(flow_dst.get((e.get("pid"), e.get("tid"), e.get("ts"))))
+        for a in (runtime.get(args.get("correlation")), flow, op):  # the host side, best first
             st = stacks.get((a.get("pid"), a.get("tid"))) if a else None
             chain = st.at(_num(a.get("ts")) + _num(a.get("dur")) / 2) if st else []
             if chain:
@@ -427,11 +413,8 @@ def summarize(
         row = rows.setdefault(key, CopyRow(*key))
         if not m and name not in row.names:
             row.names.append(name)
-        s, dur, nbytes = (
-            _num(e.get("ts")),
-            max(_num(e.get("dur")), 0.0),
-            int(_num(args.get("bytes"))),
-        )
+        s, dur = _num(e.get("ts")), max(_num(e.get("dur")), 0.0)
+        nbytes = int(_num(args.get("bytes")))
         row.count, row.nbytes, row.time_us = row.count + 1, row.nbytes + nbytes, row.time_us + dur
         dev = e.get("pid")
         if dev in merged:
@@ -503,17 +486,13 @@ def audit(trace_path: str | os.PathLike | None = None, **summarize_kwargs: Any) 
     result.report = summarize(events, **summarize_kwargs)
 
 
-def _describe(label: str, t: torch.Tensor) -> str:
-    nbytes = t.numel() * t.element_size()
-    return f"{label}: shape {tuple(t.shape)} {t.dtype}, {nbytes} bytes, not pinned"
-
-
 def check_pinned(optimizer: Any) -> list[str]:
     """Every host buffer that crosses the link and is not pinned, as ``"label: shape dtype bytes"``.
 
     An optimizer that knows its copies exposes ``crossing_host_tensors()`` -> list of
     ``(label, tensor)``: the host side of every H2D/D2H copy (``HybridAdamW`` does). Those on
-    the CPU with ``not tensor.is_pinned()`` are returned; an empty list means the invariant holds.
+    the CPU with ``not tensor.is_pinned()`` are returned (empty tensors excepted: nothing of
+    theirs crosses, and they never report pinned); an empty list means the invariant holds.
 
     Fallback for any other optimizer (torch's, Megatron's...): scan ``optimizer.state`` of the
     params that live on an accelerator for CPU tensors, and report each unpinned one as a host
@@ -532,5 +511,8 @@ def check_pinned(optimizer: Any) -> list[str]:
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
                         items.append((f"param_groups[{g}].params[{i}] state[{key!r}]", v))
     return [
-        _describe(label, t) for label, t in items if t.device.type == "cpu" and not t.is_pinned()
+        f"{label}: shape {tuple(t.shape)} {t.dtype}, {t.numel() * t.element_size()} bytes, "
+        "not pinned"
+        for label, t in items
+        if t.device.type == "cpu" and t.numel() and not t.is_pinned()  # empty: nothing crosses
     ]

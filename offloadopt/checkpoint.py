@@ -25,7 +25,12 @@ __all__ = ["detach_host_views", "load"]
 _STATE_KEYS = {"step", "exp_avg", "exp_avg_sq", "master"}
 # Flags that describe how HybridAdamW runs, not what the user chose: always restored to these.
 _OWN_FLAGS = dict(
-    amsgrad=False, foreach=None, capturable=False, differentiable=False, fused=True, decoupled_weight_decay=True
+    amsgrad=False,
+    foreach=None,
+    capturable=False,
+    differentiable=False,
+    fused=True,
+    decoupled_weight_decay=True,
 )
 
 
@@ -44,7 +49,9 @@ def detach_host_views(opt: HybridAdamW, sd: dict[str, Any]) -> dict[str, Any]:
         if entry is None:
             continue
         if p in opt._bucket_of:
-            state[index] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+            state[index] = {
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()
+            }
         else:
             state[index] = dict(entry)
     return {"state": state, "param_groups": sd["param_groups"]}
@@ -75,7 +82,9 @@ def _validate(opt: HybridAdamW, sd: Any) -> tuple[list[dict], dict[int, dict]]:
         merged = {**g, **s}
         validate_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
         if merged.get("amsgrad"):
-            raise ValueError(f"saved param group {gi} has amsgrad=True, which HybridAdamW does not support")
+            raise ValueError(
+                f"saved param group {gi} has amsgrad=True, which HybridAdamW does not support"
+            )
         if not isinstance(merged.get("maximize", False), bool):
             raise ValueError(f"saved param group {gi} has maximize={merged['maximize']!r}")
     params = _params(opt)
@@ -90,25 +99,38 @@ def _validate(opt: HybridAdamW, sd: Any) -> tuple[list[dict], dict[int, dict]]:
             raise ValueError(f"state of {name} is a {type(entry).__name__}, not a dict")
         unknown = set(entry) - _STATE_KEYS
         if unknown:
-            raise ValueError(f"state of {name} has keys {sorted(unknown)} that HybridAdamW does not use")
+            raise ValueError(
+                f"state of {name} has keys {sorted(unknown)} that HybridAdamW does not use"
+            )
         for k in ("step", "exp_avg", "exp_avg_sq"):
             if k not in entry:
                 raise ValueError(f"state of {name} lacks {k!r}")
         step = entry["step"]
         if isinstance(step, torch.Tensor):
             if step.numel() != 1:
-                raise ValueError(f"state of {name}: 'step' has shape {tuple(step.shape)}, expected a scalar")
+                raise ValueError(
+                    f"state of {name}: 'step' has shape {tuple(step.shape)}, expected a scalar"
+                )
             step = float(step.detach().cpu())
-        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step < 0:
+        if (
+            isinstance(step, bool)
+            or not isinstance(step, (int, float))
+            or not math.isfinite(step)
+            or step < 0
+        ):
             raise ValueError(f"state of {name}: invalid 'step' {entry['step']!r}")
         for k in ("exp_avg", "exp_avg_sq", "master"):
             t = entry.get(k)
             if t is None and k == "master":
                 continue
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                raise ValueError(f"state of {name}: {k!r} must be a floating-point Tensor, got {t!r:.60}")
+                raise ValueError(
+                    f"state of {name}: {k!r} must be a floating-point Tensor, got {t!r:.60}"
+                )
             if t.shape != p.shape:
-                raise ValueError(f"state of {name}: {k!r} has shape {tuple(t.shape)}, the param {tuple(p.shape)}")
+                raise ValueError(
+                    f"state of {name}: {k!r} has shape {tuple(t.shape)}, the param {tuple(p.shape)}"
+                )
         state[ids[key]] = entry
     return list(saved_groups), state
 
@@ -149,7 +171,9 @@ def load(opt: HybridAdamW, state_dict: dict[str, Any]) -> None:
             opt._init_state(p)
         mine = opt.state[p]
         step = entry["step"]
-        mine["step"].copy_(step.detach() if isinstance(step, torch.Tensor) else torch.tensor(float(step)))
+        mine["step"].copy_(
+            step.detach() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+        )
         mine["exp_avg"].copy_(entry["exp_avg"])
         mine["exp_avg_sq"].copy_(entry["exp_avg_sq"])
         mirror = opt._mirror(p)
@@ -172,4 +196,6 @@ def load(opt: HybridAdamW, state_dict: dict[str, Any]) -> None:
         hook(opt)
     if any(e.get("master") is not None and "master" not in opt.state.get(p, {})
            for (p, _), e in ((_params(opt)[i], e) for i, e in saved_state.items())):  # fmt: skip
-        warnings.warn("the state dict carries fp32 masters for fp32 params: they were ignored", stacklevel=3)
+        warnings.warn(
+            "the state dict carries fp32 masters for fp32 params: they were ignored", stacklevel=3
+        )

@@ -104,6 +104,7 @@ class Bucket:
     weight_views: list[torch.Tensor] = field(default_factory=list)
     exp_avg_views: list[torch.Tensor] = field(default_factory=list)
     exp_avg_sq_views: list[torch.Tensor] = field(default_factory=list)
+    _slot_views: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -121,6 +122,14 @@ class Bucket:
             flat[o : o + p.numel()].view(p.shape)
             for o, p in zip(self.offsets, self.params, strict=True)
         ]
+
+    def slot_views(self, slot: torch.Tensor) -> list[torch.Tensor]:
+        """Per-param views of a staging slot (a flat uint8 buffer, never rebound), cached."""
+        key = (slot.data_ptr(), slot.device.index or 0)
+        views = self._slot_views.get(key)
+        if views is None:
+            views = self._slot_views[key] = self.views(slot[: self.nbytes].view(self.dtype))
+        return views
 
     def allocate(self, pin: bool, owner: object) -> None:
         label = f"bucket of group {self.group} ({len(self.params)} params, first {self.names[0]})"

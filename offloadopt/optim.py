@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import warnings
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -136,12 +134,28 @@ class HybridAdamW(Optimizer):
             or not isinstance(offload_fraction, (int, float))
             or not 0.0 <= offload_fraction <= 1.0
         ):
-            raise ValueError(f"Invalid offload_fraction: {offload_fraction!r} (expected a number in [0, 1])")
-        if isinstance(min_offload_numel, bool) or not isinstance(min_offload_numel, int) or min_offload_numel < 0:
-            raise ValueError(f"Invalid min_offload_numel: {min_offload_numel!r} (expected an int >= 0)")
-        if isinstance(bucket_nbytes, bool) or not isinstance(bucket_nbytes, int) or bucket_nbytes <= 0:
+            raise ValueError(
+                f"Invalid offload_fraction: {offload_fraction!r} (expected a number in [0, 1])"
+            )
+        if (
+            isinstance(min_offload_numel, bool)
+            or not isinstance(min_offload_numel, int)
+            or min_offload_numel < 0
+        ):
+            raise ValueError(
+                f"Invalid min_offload_numel: {min_offload_numel!r} (expected an int >= 0)"
+            )
+        if (
+            isinstance(bucket_nbytes, bool)
+            or not isinstance(bucket_nbytes, int)
+            or bucket_nbytes <= 0
+        ):
             raise ValueError(f"Invalid bucket_nbytes: {bucket_nbytes!r} (expected an int > 0)")
-        for flag, value in [("master_weights", master_weights), ("pin_memory", pin_memory), ("maximize", maximize)]:
+        for flag, value in [
+            ("master_weights", master_weights),
+            ("pin_memory", pin_memory),
+            ("maximize", maximize),
+        ]:
             if not isinstance(value, bool):
                 raise TypeError(f"Invalid {flag}: {value!r} (expected a bool)")
         if amsgrad:
@@ -180,6 +194,9 @@ class HybridAdamW(Optimizer):
         self._timing: list[tuple[str, Any, Any]] = []
         self._stats: dict[str, float] = {}
         self._warned: set[str] = set()
+        # Test hook: called as hook("d2h" | "h2d") inside each side-stream context, before the
+        # copies; the race tests queue a torch.cuda._sleep there to make the copies late.
+        self._side_stream_hook: Callable[[str], None] | None = None
         super().__init__(params, defaults)
         self._place(list(range(len(self.param_groups))))
         self._ready = True
@@ -200,18 +217,28 @@ class HybridAdamW(Optimizer):
         for i, p in enumerate(tensors):
             label = names[i] or f"param {i} of the new group"
             if not isinstance(p, torch.Tensor):
-                raise TypeError(f"optimizer can only optimize Tensors, but {label} is {torch.typename(p)}")
+                raise TypeError(
+                    f"optimizer can only optimize Tensors, but {label} is {torch.typename(p)}"
+                )
             if id(p) in seen:
-                raise ValueError(f"duplicate parameter in one group: {label} (shape {tuple(p.shape)}) appears twice")
+                raise ValueError(
+                    f"duplicate parameter in one group: {label} (shape {tuple(p.shape)}) appears twice"
+                )
             seen[id(p)] = i
             if p.is_complex():
                 raise ValueError(f"complex parameters are not supported: {label} is {p.dtype}")
             if not p.is_floating_point():
-                raise ValueError(f"{label} has dtype {p.dtype}: only floating-point params can be optimized")
+                raise ValueError(
+                    f"{label} has dtype {p.dtype}: only floating-point params can be optimized"
+                )
             if p.layout != torch.strided:
-                raise ValueError(f"sparse parameters are not supported: {label} has layout {p.layout}")
+                raise ValueError(
+                    f"sparse parameters are not supported: {label} has layout {p.layout}"
+                )
             if p.device.type not in ("cpu", "cuda"):
-                raise ValueError(f"{label} is on {p.device}: HybridAdamW supports cpu and cuda params")
+                raise ValueError(
+                    f"{label} is on {p.device}: HybridAdamW supports cpu and cuda params"
+                )
         for key in ("lr", "betas", "eps", "weight_decay"):
             if key in param_group:
                 validate_hparams(
@@ -223,7 +250,9 @@ class HybridAdamW(Optimizer):
                 break
         offload = param_group.get("offload")
         if offload is not None and not isinstance(offload, bool):
-            raise ValueError(f"Invalid 'offload' group key: {offload!r} (expected True, False or None)")
+            raise ValueError(
+                f"Invalid 'offload' group key: {offload!r} (expected True, False or None)"
+            )
         if param_group.get("amsgrad"):
             raise NotImplementedError("HybridAdamW does not support amsgrad=True yet")
         super().add_param_group(param_group)
@@ -247,10 +276,20 @@ class HybridAdamW(Optimizer):
             for i, p in enumerate(g["params"]):
                 name = self._param_name(g, gi, i)
                 infos.append(
-                    ParamInfo(start + len(infos), name, gi, tuple(p.shape), p.dtype, p.requires_grad, g["offload"])
+                    ParamInfo(
+                        start + len(infos),
+                        name,
+                        gi,
+                        tuple(p.shape),
+                        p.dtype,
+                        p.requires_grad,
+                        g["offload"],
+                    )
                 )
                 tensors.append(p)
-        placements = place(infos, self.offload_fraction, self.min_offload_numel, self.master_weights)
+        placements = place(
+            infos, self.offload_fraction, self.min_offload_numel, self.master_weights
+        )
         order = [(tensors[k], pl.name, pl.group, update_dtype(pl.dtype, self.master_weights))
                  for k, pl in reversed(list(enumerate(placements))) if pl.offloaded]  # fmt: skip
         buckets = build_buckets(order, self.bucket_nbytes)
@@ -289,10 +328,18 @@ class HybridAdamW(Optimizer):
     def _make_staging(self, device: torch.device, nbytes: int) -> dict[str, list[torch.Tensor]]:
         """Byte slots for one device: host (pinned on CUDA) and, on CUDA, device slots each way."""
         pin = self.pin_memory and device.type == "cuda"
-        s = {"host": [alloc_host(nbytes, torch.uint8, pin, "grad staging", self) for _ in range(_SLOTS)]}
+        s = {
+            "host": [
+                alloc_host(nbytes, torch.uint8, pin, "grad staging", self) for _ in range(_SLOTS)
+            ]
+        }
         if device.type == "cuda":
-            s["d2h"] = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(_SLOTS)]
-            s["h2d"] = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(_SLOTS)]
+            s["d2h"] = [
+                torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(_SLOTS)
+            ]
+            s["h2d"] = [
+                torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(_SLOTS)
+            ]
         return s
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -319,7 +366,9 @@ class HybridAdamW(Optimizer):
         bad = [f"{label}: {t.numel() * t.element_size()} bytes" for label, t in self.crossing_host_tensors()
                if t.numel() and not t.is_pinned()]  # fmt: skip
         if bad:
-            raise RuntimeError("host buffers that cross the link must be pinned; not pinned: " + "; ".join(bad))
+            raise RuntimeError(
+                "host buffers that cross the link must be pinned; not pinned: " + "; ".join(bad)
+            )
 
     def placement_table(self) -> str:
         """The placement as a fixed-width table (see :func:`offloadopt.placement.format_placement`)."""
@@ -334,7 +383,9 @@ class HybridAdamW(Optimizer):
     @property
     def pinned_nbytes(self) -> int:
         """Of :attr:`host_nbytes`, the bytes that are pinned."""
-        return sum(t.numel() * t.element_size() for _, t in self.crossing_host_tensors() if t.is_pinned())
+        return sum(
+            t.numel() * t.element_size() for _, t in self.crossing_host_tensors() if t.is_pinned()
+        )
 
     @property
     def stats(self) -> dict[str, float]:
@@ -366,7 +417,9 @@ class HybridAdamW(Optimizer):
                 loss = closure()
         t0 = time.perf_counter()
         work = self._collect()
-        stats = dict.fromkeys(("d2h_wait_ms", "cpu_update_ms", "device_update_ms", "h2d_ms", "d2h_ms"), 0.0)
+        stats = dict.fromkeys(
+            ("d2h_wait_ms", "cpu_update_ms", "device_update_ms", "h2d_ms", "d2h_ms"), 0.0
+        )
         stats.update(d2h_nbytes=0, h2d_nbytes=0)
         self._timing = []
         compute = {d: torch.cuda.current_stream(d) for d in self._streams}
@@ -396,9 +449,13 @@ class HybridAdamW(Optimizer):
                     continue
                 name = self._param_name(group, gi, i)
                 if p.grad.is_sparse or p.grad.layout != torch.strided:
-                    raise RuntimeError(f"HybridAdamW does not support sparse gradients: {name} has a {p.grad.layout} grad")
+                    raise RuntimeError(
+                        f"HybridAdamW does not support sparse gradients: {name} has a {p.grad.layout} grad"
+                    )
                 if p.grad.shape != p.shape:
-                    raise RuntimeError(f"grad of {name} has shape {tuple(p.grad.shape)}, param {tuple(p.shape)}")
+                    raise RuntimeError(
+                        f"grad of {name} has shape {tuple(p.grad.shape)}, param {tuple(p.shape)}"
+                    )
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
@@ -413,7 +470,10 @@ class HybridAdamW(Optimizer):
                 else:
                     device_work.setdefault(gi, []).append(p)
         order = {id(b): n for n, b in enumerate(self.buckets)}
-        return {"device": device_work, "host": sorted(host_work.values(), key=lambda w: order[id(w[0])])}
+        return {
+            "device": device_work,
+            "host": sorted(host_work.values(), key=lambda w: order[id(w[0])]),
+        }
 
     def _mirror(self, p: torch.Tensor) -> torch.Tensor | None:
         """The optimizer's own copy of ``p``'s weights (host weight view or device master)."""
@@ -521,15 +581,20 @@ class HybridAdamW(Optimizer):
         def launch_d2h(n: int) -> None:
             b, idx = items[n]
             slot = n % _SLOTS
-            host = staging["host"][slot][: b.nbytes].view(b.dtype)
+            host_slot = staging["host"][slot]
             grads = [b.params[k].grad for k in idx]
             if not cuda:
-                torch._foreach_copy_([b.views(host)[k] for k in idx], grads)
+                views = b.slot_views(host_slot)
+                torch._foreach_copy_([views[k] for k in idx], grads)
                 return
-            dev = staging["d2h"][slot][: b.nbytes].view(b.dtype)
+            host = host_slot[: b.nbytes].view(b.dtype)
+            dev_slot = staging["d2h"][slot]
+            dev = dev_slot[: b.nbytes].view(b.dtype)
             with torch.cuda.stream(d2h):
+                if self._side_stream_hook is not None:
+                    self._side_stream_hook("d2h")
                 start = d2h.record_event(torch.cuda.Event(enable_timing=True))
-                views = b.views(dev)
+                views = b.slot_views(dev_slot)
                 torch._foreach_copy_([views[k] for k in idx], grads)  # upcast on the GPU
                 # non_blocking: same dtype, both contiguous, host side pinned -> a true async DMA;
                 # the host reads it only after the event below.
@@ -549,8 +614,7 @@ class HybridAdamW(Optimizer):
                 if last_h2d is not None:
                     last_h2d.synchronize()  # last step's H2D from these weights is done: safe to overwrite
             stats["d2h_wait_ms"] += (time.perf_counter() - t) * 1e3
-            host = staging["host"][n % _SLOTS][: b.nbytes].view(b.dtype)
-            grad_views = b.views(host)
+            grad_views = b.slot_views(staging["host"][n % _SLOTS])
             t = time.perf_counter()
             with torch.profiler.record_function("offloadopt.cpu_update"):
                 self._adamw(
@@ -564,13 +628,16 @@ class HybridAdamW(Optimizer):
             if not cuda:
                 torch._foreach_copy_(params, [b.weight_views[k] for k in idx])
             else:
-                dev = staging["h2d"][n % _SLOTS][: b.nbytes].view(b.dtype)
+                dev_slot = staging["h2d"][n % _SLOTS]
+                dev = dev_slot[: b.nbytes].view(b.dtype)
                 with torch.cuda.stream(h2d):
+                    if self._side_stream_hook is not None:
+                        self._side_stream_hook("h2d")
                     start = h2d.record_event(torch.cuda.Event(enable_timing=True))
                     # non_blocking: pinned source, same dtype, contiguous; the host does not write
                     # b.weight again before this bucket's event (checked at the next step).
                     dev.copy_(b.weight, non_blocking=True)
-                    views = b.views(dev)
+                    views = b.slot_views(dev_slot)
                     torch._foreach_copy_(params, [views[k] for k in idx])  # downcast on the GPU
                     ev = h2d.record_event(torch.cuda.Event(enable_timing=True))
                 self._h2d_events[id(b)] = ev
@@ -582,8 +649,6 @@ class HybridAdamW(Optimizer):
             # GPU-side wait, no host sync: the next forward on the compute stream reads the
             # params only after the last H2D (the h2d stream runs its copies in order).
             torch.cuda.current_stream(device).wait_event(self._h2d_events[id(items[-1][0])])
-        if not cuda:
-            stats["d2h_nbytes"] += 0
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -610,7 +675,3 @@ class HybridAdamW(Optimizer):
         head = super().__repr__()
         n = sum(1 for p in self.placement if p.offloaded)
         return f"{head[:-1]}offload_fraction: {self.offload_fraction}\n    offloaded params: {n} of {len(self.placement)}\n)"
-
-
-def _isfinite(x: float) -> bool:
-    return math.isfinite(x)

@@ -128,7 +128,9 @@ def place(
 
 def format_placement(placements: list[Placement]) -> str:
     """A fixed-width table of a placement, one line per param, and a total line."""
-    lines = [f"{'param':<40} {'group':>5} {'shape':<18} {'dtype':<9} {'where':<6} {'state MB':>9}  why"]
+    lines = [
+        f"{'param':<40} {'group':>5} {'shape':<18} {'dtype':<9} {'where':<6} {'state MB':>9}  why"
+    ]
     for p in placements:
         shape = "x".join(map(str, p.shape)) or "()"
         dtype = str(p.dtype).replace("torch.", "")

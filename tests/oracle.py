@@ -38,4 +38,6 @@ def hybrid(params, fraction, **kw) -> HybridAdamW:
 def assert_bitwise(actual, expected, what=""):
     # CPU paths run the very same kernel on the very same inputs: any difference is a bug.
     for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-        torch.testing.assert_close(a, e, rtol=0, atol=0, msg=lambda m, i=i: f"{what} param {i}: {m}")
+        torch.testing.assert_close(
+            a, e, rtol=0, atol=0, msg=lambda m, i=i: f"{what} param {i}: {m}"
+        )

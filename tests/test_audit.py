@@ -106,7 +106,9 @@ def test_bandwidth_is_bytes_over_time_in_decimal_gb():
     r = row(summarize(events), "DtoH (Device -> Pinned)")
     assert r.bandwidth_gbps == pytest.approx(2 * 2**30 / 0.04 / 1e9)
     assert r.time_ms == pytest.approx(40.0)
-    zero = row(summarize([memcpy("Memcpy HtoD (Pinned -> Device)", 5, 0, 8)]), "HtoD (Pinned -> Device)")
+    zero = row(
+        summarize([memcpy("Memcpy HtoD (Pinned -> Device)", 5, 0, 8)]), "HtoD (Pinned -> Device)"
+    )
     assert zero.bandwidth_gbps is None  # no time, no bandwidth (not a division by zero)
 
 
@@ -138,16 +140,29 @@ def test_pageable_copy_is_attributed_to_the_innermost_user_frame():
     assert h2d.callee == "torch/optim/optimizer.py(480): wrapper > Tensor.to"
     (item,) = row(report, "DtoH (Device -> Pageable)").call_sites
     assert (item.frames[0], item.callee) == ("train.py(30): log", "Tensor.item")
-    assert ref_innermost_user([e for e in events if e["cat"] == "python_function"], 745) == (
-        item.frames[0]
+    assert (
+        ref_innermost_user([e for e in events if e["cat"] == "python_function"], 745)
+        == (item.frames[0])
     )
 
 
 def test_attribution_falls_back_to_flow_events_then_to_the_cpu_op():
-    frames = [py("job.py(7): run", 0, 1000), py("<built-in method copy_ of Tensor object>", 100, 50)]
+    frames = [
+        py("job.py(7): run", 0, 1000),
+        py("<built-in method copy_ of Tensor object>", 100, 50),
+    ]
     flow = [
         {"ph": "s", "id": 9, "pid": PID, "tid": TID, "ts": 120, "cat": "ac2g", "name": "ac2g"},
-        {"ph": "f", "id": 9, "pid": 0, "tid": 7, "ts": 300, "cat": "ac2g", "name": "ac2g", "bp": "e"},
+        {
+            "ph": "f",
+            "id": 9,
+            "pid": 0,
+            "tid": 7,
+            "ts": 300,
+            "cat": "ac2g",
+            "name": "ac2g",
+            "bp": "e",
+        },
     ]
     via_flow = memcpy("Memcpy HtoD (Pageable -> Device)", 300, 5, 8)  # no correlation arg
     op = {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "pid": PID, "tid": TID, "ts": 400,
@@ -252,7 +267,7 @@ def test_check_raises_listing_the_offending_copy_and_allow_pageable_passes():
 interval = st.tuples(st.integers(0, 200), st.integers(0, 60))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, database=None)
 @given(
     copies=st.lists(st.tuples(interval, st.integers(0, 1), st.integers(0, 10**9)), max_size=6),
     kernels=st.lists(st.tuples(interval, st.integers(0, 1), st.integers(0, 3)), max_size=12),
@@ -273,7 +288,7 @@ def test_overlap_and_totals_match_the_sampling_reference(copies, kernels):
         assert r.bandwidth_gbps == pytest.approx(r.nbytes / (r.time_us * 1e-6) / 1e9)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, database=None)
 @given(st.lists(st.tuples(st.sampled_from(DIRECTIONS + ["??", ""]), st.sampled_from(KINDS),
                           st.sampled_from(KINDS), st.text(max_size=12)), max_size=8))  # fmt: skip
 def test_names_parse_like_the_string_reference(specs):
@@ -304,10 +319,14 @@ def nested_frames(draw, lo=0, hi=1000, depth=0):
     return frames
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, database=None)
 @given(frames=nested_frames(), t=st.integers(0, 1000))
 def test_attribution_matches_the_linear_scan_reference(frames, t):
-    events = [*frames, runtime(1, t, 0), memcpy("Memcpy HtoD (Pageable -> Device)", t, 1, 8, corr=1)]
+    events = [
+        *frames,
+        runtime(1, t, 0),
+        memcpy("Memcpy HtoD (Pageable -> Device)", t, 1, 8, corr=1),
+    ]
     (site,) = summarize(events, resolve_lines=False).rows[0].call_sites
     expected = ref_innermost_user(frames, t)
     if expected is not None:
@@ -338,14 +357,18 @@ class _FakePinned:
 
     device, shape, dtype = torch.device("cpu"), (2,), torch.bfloat16
 
+    def numel(self):
+        return 2
+
     def is_pinned(self):
         return True
 
 
 def test_check_pinned_lists_unpinned_crossing_tensors():
     master = torch.zeros(4, 3)
-    opt = SimpleNamespace(crossing_host_tensors=lambda: [("bucket0.weights", master),
-                                                         ("bucket0.grads", _FakePinned())])  # fmt: skip
+    crossing = [("bucket0.weights", master), ("bucket0.grads", _FakePinned())]
+    crossing += [("bucket1.weights (empty)", torch.empty(0))]
+    opt = SimpleNamespace(crossing_host_tensors=lambda: crossing)
     assert check_pinned(opt) == [
         "bucket0.weights: shape (4, 3) torch.float32, 48 bytes, not pinned"
     ]

@@ -14,7 +14,9 @@ def adamw_pair(make, fraction, **kw):
     torch.manual_seed(0)
     model = make()
     ref = torch.optim.AdamW(ref_model.parameters(), fused=True, **kw)
-    opt = HybridAdamW(model.named_parameters(), offload_fraction=fraction, min_offload_numel=1, **kw)
+    opt = HybridAdamW(
+        model.named_parameters(), offload_fraction=fraction, min_offload_numel=1, **kw
+    )
     return ref_model, ref, model, opt
 
 
@@ -30,7 +32,9 @@ def test_c04_grads_of_several_backward_passes_accumulate(fraction):
     opt.step()
     ref.step()
     assert (w in opt._bucket_of) == (fraction > 0)
-    torch.testing.assert_close(opt.state[w]["exp_avg"], torch.tensor(0.3), rtol=0, atol=1e-7)  # (1 - 0.9) x 3
+    torch.testing.assert_close(
+        opt.state[w]["exp_avg"], torch.tensor(0.3), rtol=0, atol=1e-7
+    )  # (1 - 0.9) x 3
     torch.testing.assert_close(opt.state[w]["exp_avg"], ref.state[ref_w]["exp_avg"], rtol=0, atol=0)
     torch.testing.assert_close(w, ref_w, rtol=0, atol=0)
 
@@ -117,7 +121,9 @@ def test_c08_mixed_dtypes(fraction):
         for m, (_, p) in zip(masters, params, strict=True):
             torch.testing.assert_close(p.detach(), m.detach().to(p.dtype), rtol=0, atol=0)
         for p in (lin.weight, lin.bias):
-            torch.testing.assert_close(p.detach(), opt.state[p]["master"].to(torch.bfloat16), rtol=0, atol=0)
+            torch.testing.assert_close(
+                p.detach(), opt.state[p]["master"].to(torch.bfloat16), rtol=0, atol=0
+            )
 
 
 @pytest.mark.parametrize("fraction", FRACTIONS)
@@ -136,13 +142,17 @@ def test_c13_empty_and_zero_size_params(fraction):
         opt.step()
     assert empty.shape == (0, 8) and lin.weight.shape == (8, 8)
     for p in (lin.weight, lin.bias):
-        assert torch.isfinite(p).all() and all(torch.isfinite(v).all() for v in opt.state[p].values())
+        assert torch.isfinite(p).all() and all(
+            torch.isfinite(v).all() for v in opt.state[p].values()
+        )
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)`")
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
 def test_c11_lr_scheduler_moves_offloaded_and_device_params_alike():
     a, b = torch.nn.Parameter(torch.zeros(64)), torch.nn.Parameter(torch.zeros(64))
-    opt = HybridAdamW([{"params": [a]}, {"params": [b], "offload": False}], lr=0.1, min_offload_numel=1)
+    opt = HybridAdamW(
+        [{"params": [a]}, {"params": [b], "offload": False}], lr=0.1, min_offload_numel=1
+    )
     assert isinstance(opt, torch.optim.Optimizer)
     assert a in opt._bucket_of and b not in opt._bucket_of
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5**epoch)

@@ -52,7 +52,9 @@ def test_c09_resume_is_bitwise_exact(fraction):
     run(opt, fresh, 1, start=3)
     assert_bitwise(fresh, ref_params)
     assert opt.state[fresh[0]]["step"].item() == 4 and opt.state[fresh[1]]["step"].item() == 4
-    torch.testing.assert_close(fresh[0].detach(), opt.state[fresh[0]]["master"].bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        fresh[0].detach(), opt.state[fresh[0]]["master"].bfloat16(), rtol=0, atol=0
+    )
     assert "master" not in opt.state[fresh[1]]
 
 
@@ -107,14 +109,18 @@ def test_c10_group_values_scheduler_and_own_keys_survive_a_load():
         min_offload_numel=1,
     )  # fmt: skip
     sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1000)
-    ptrs = [(b.weight.data_ptr(), b.exp_avg.data_ptr(), b.exp_avg_sq.data_ptr()) for b in opt2.buckets]
+    ptrs = [
+        (b.weight.data_ptr(), b.exp_avg.data_ptr(), b.exp_avg_sq.data_ptr()) for b in opt2.buckets
+    ]
     opt2.load_state_dict(opt_sd)
     sched2.load_state_dict(sched_sd)
     g = opt2.param_groups[0]
     assert (g["lr"], g["betas"], g["weight_decay"]) == (0.125, (0.8, 0.9), 0.3)
     assert sched2.last_epoch == 58 and g["initial_lr"] == 0.125
     assert [gr["offload"] for gr in opt2.param_groups] == [None, False]
-    assert ptrs == [(b.weight.data_ptr(), b.exp_avg.data_ptr(), b.exp_avg_sq.data_ptr()) for b in opt2.buckets]
+    assert ptrs == [
+        (b.weight.data_ptr(), b.exp_avg.data_ptr(), b.exp_avg_sq.data_ptr()) for b in opt2.buckets
+    ]
     for p in fresh[:2]:
         b, k = opt2._bucket_of[p]
         assert opt2.state[p]["exp_avg"].data_ptr() == b.exp_avg_views[k].data_ptr()
@@ -192,12 +198,21 @@ def _bad_dicts(sd):
     first = next(iter(sd["state"]))
     yield "has 2 parameter groups, the optimizer 3", edit(lambda d: d["param_groups"].pop())
     yield "has 1 params", edit(lambda d: d["param_groups"][0].__setitem__("params", [0]))
-    yield "'exp_avg' has shape", edit(lambda d: d["state"][first].__setitem__("exp_avg", torch.zeros(3)))
+    yield (
+        "'exp_avg' has shape",
+        edit(lambda d: d["state"][first].__setitem__("exp_avg", torch.zeros(3))),
+    )
     yield "lacks 'exp_avg_sq'", edit(lambda d: d["state"][first].pop("exp_avg_sq"))
-    yield "keys \\['max_exp_avg_sq'\\]", edit(lambda d: d["state"][first].__setitem__("max_exp_avg_sq", torch.zeros(1)))
+    yield (
+        "keys \\['max_exp_avg_sq'\\]",
+        edit(lambda d: d["state"][first].__setitem__("max_exp_avg_sq", torch.zeros(1))),
+    )
     yield "Invalid learning rate: -1", edit(lambda d: d["param_groups"][2].__setitem__("lr", -1.0))
     yield "amsgrad=True", edit(lambda d: d["param_groups"][1].__setitem__("amsgrad", True))
-    yield "invalid 'step'", edit(lambda d: d["state"][first].__setitem__("step", torch.tensor(float("nan"))))
+    yield (
+        "invalid 'step'",
+        edit(lambda d: d["state"][first].__setitem__("step", torch.tensor(float("nan")))),
+    )
     yield "in no saved param group", edit(lambda d: d["state"].__setitem__(99, d["state"][first]))
     yield "'state' and 'param_groups'", {"state": {}}
 

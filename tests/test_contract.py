@@ -60,7 +60,12 @@ def test_bad_param_lists():
 def test_one_word_swap_flags_are_accepted():
     opt = HybridAdamW([w()], lr=1e-3, fused=True, foreach=False, min_offload_numel=1)
     g = opt.param_groups[0]
-    assert (g["fused"], g["foreach"], g["capturable"], g["differentiable"]) == (True, None, False, False)
+    assert (g["fused"], g["foreach"], g["capturable"], g["differentiable"]) == (
+        True,
+        None,
+        False,
+        False,
+    )
     assert isinstance(opt, torch.optim.Optimizer)
 
 
@@ -91,7 +96,9 @@ def test_grad_none_is_skipped_and_no_stale_grad_is_reused(fraction):
     assert opt.state[params[0]]["step"].item() == 2
     assert not torch.equal(params[0], before[0])  # momentum still moves it
     for p, b, s in zip(params[1:], before[1:], steps[1:], strict=True):
-        torch.testing.assert_close(p, b, rtol=0, atol=0)  # untouched: last step's host grad not reused
+        torch.testing.assert_close(
+            p, b, rtol=0, atol=0
+        )  # untouched: last step's host grad not reused
         assert opt.state[p]["step"].item() == s
 
 
@@ -164,14 +171,18 @@ def test_pinned_allocation_failure_says_how_many_bytes(monkeypatch):
             return 2  # cudaErrorMemoryAllocation
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
-    with pytest.raises(PinnedAllocationError, match="could not pin 4000 bytes .* for the test buffer"):
+    with pytest.raises(
+        PinnedAllocationError, match="could not pin 4000 bytes .* for the test buffer"
+    ):
         host.alloc_host(1000, torch.float32, True, "the test buffer", object())
 
     def no_memory(*args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
 
     monkeypatch.setattr(torch, "empty", no_memory)
-    with pytest.raises(PinnedAllocationError, match="could not allocate 8000 bytes .* pinned host memory"):
+    with pytest.raises(
+        PinnedAllocationError, match="could not allocate 8000 bytes .* pinned host memory"
+    ):
         host.alloc_host(1000, torch.float64, True, "the test buffer", object())
 
 

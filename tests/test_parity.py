@@ -19,7 +19,10 @@ def test_fp32_bitwise_equal_to_torch_fused_adamw(fraction):
         opt.step()
         assert_bitwise(params, ref_params, f"step {step}")
     for p, q in zip(ref_params, params, strict=True):
-        assert_bitwise([opt.state[q]["exp_avg"], opt.state[q]["exp_avg_sq"]], [ref.state[p]["exp_avg"], ref.state[p]["exp_avg_sq"]])
+        assert_bitwise(
+            [opt.state[q]["exp_avg"], opt.state[q]["exp_avg_sq"]],
+            [ref.state[p]["exp_avg"], ref.state[p]["exp_avg_sq"]],
+        )
         assert opt.state[q]["step"].item() == ref.state[p]["step"].item() == 20
 
 
@@ -78,9 +81,15 @@ def test_fraction_really_offloads_and_state_is_separate_storage(fraction, expect
         assert (bucket is not None) == pl.offloaded
         if pl.offloaded:
             b, k = bucket
-            storages = {b.weight.untyped_storage().data_ptr(), b.exp_avg.untyped_storage().data_ptr()}
+            storages = {
+                b.weight.untyped_storage().data_ptr(),
+                b.exp_avg.untyped_storage().data_ptr(),
+            }
             assert p.untyped_storage().data_ptr() not in storages
-            assert opt.state[p]["exp_avg"].untyped_storage().data_ptr() == b.exp_avg.untyped_storage().data_ptr()
+            assert (
+                opt.state[p]["exp_avg"].untyped_storage().data_ptr()
+                == b.exp_avg.untyped_storage().data_ptr()
+            )
             # The host copy is what the kernel updates: it equals the param, in its own memory.
             assert torch.equal(b.weight_views[k], p.detach())
             assert b.weight_views[k].data_ptr() != p.data_ptr()

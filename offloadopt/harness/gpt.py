@@ -151,7 +151,9 @@ class GPT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, t = idx.shape
         if t > self.cfg.block_size:
-            raise ValueError(f"sequence of {t} tokens is longer than block_size {self.cfg.block_size}")
+            raise ValueError(
+                f"sequence of {t} tokens is longer than block_size {self.cfg.block_size}"
+            )
         pos = torch.arange(t, device=idx.device)  # (t,) int64
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (b, t, d)
         for block in self.transformer.h:

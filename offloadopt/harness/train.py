@@ -86,7 +86,9 @@ class TrainConfig:
             if getattr(cfg, name) < 1:
                 raise ValueError(f"Invalid {name}: {getattr(cfg, name)} (must be >= 1)")
         if cfg.seq_len > PRESETS[self.preset].block_size:
-            raise ValueError(f"seq_len {cfg.seq_len} > block_size {PRESETS[self.preset].block_size}")
+            raise ValueError(
+                f"seq_len {cfg.seq_len} > block_size {PRESETS[self.preset].block_size}"
+            )
         return cfg
 
 
@@ -188,7 +190,9 @@ def train(cfg: TrainConfig) -> dict:
     cuda = device.type == "cuda"
     data = mock_data(PRESETS[cfg.preset].vocab_size) if cfg.mock_data else load_text(cfg.data)
     print(f"data: {data.description}")
-    print(f"data: byte unigram entropy {data.entropy_nats:.4f} nats (held-out loss should end below)")
+    print(
+        f"data: byte unigram entropy {data.entropy_nats:.4f} nats (held-out loss should end below)"
+    )
 
     model, opt = make_model_and_optimizer(cfg)
     n_params = model.num_params()
@@ -243,7 +247,7 @@ def train(cfg: TrainConfig) -> dict:
             pinned = getattr(opt, "pinned_nbytes", 0) / gb
             val = f"{val_loss:6.4f}" if evaluated else f"{'-':>6}"
             tqdm.write(
-                f"step {step:6d}/{cfg.steps:<6d} | loss {train_loss:6.4f} | held-out {val} | "
+                f"step {step:6d}/{cfg.steps} | loss {train_loss:6.4f} | held-out {val} | "
                 f"{step_ms[-1]:8.1f} ms | {tokens_per_step / step_ms[-1] * 1e3:10,.0f} tok/s | "
                 f"gpu {peak_gpu:6.2f} GB | rss {host_rss_nbytes() / gb:6.2f} GB | "
                 f"pinned {pinned:6.2f} GB",
@@ -289,35 +293,98 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--device", default=d.device, help="cpu or cuda[:N] (default: %(default)s)")
     a("--preset", default=d.preset, choices=list(PRESETS), help="model size (default: %(default)s)")
-    a("--optimizer", default=d.optimizer, choices=["hybrid", "adamw"],
-      help="hybrid: HybridAdamW; adamw: torch.optim.AdamW(fused=True) (default: %(default)s)")
-    a("--offload-fraction", type=float, default=d.offload_fraction,
-      help="HybridAdamW: share of optimizer-state bytes on the host, 0..1 (default: %(default)s)")
-    a("--min-offload-numel", type=int, default=d.min_offload_numel,
-      help="HybridAdamW: params with fewer elements stay on the device (default: %(default)s)")
+    a(
+        "--optimizer",
+        default=d.optimizer,
+        choices=["hybrid", "adamw"],
+        help="hybrid: HybridAdamW; adamw: torch.optim.AdamW(fused=True) (default: %(default)s)",
+    )
+    a(
+        "--offload-fraction",
+        type=float,
+        default=d.offload_fraction,
+        help="HybridAdamW: share of optimizer-state bytes on the host, 0..1 (default: %(default)s)",
+    )
+    a(
+        "--min-offload-numel",
+        type=int,
+        default=d.min_offload_numel,
+        help="HybridAdamW: params with fewer elements stay on the device (default: %(default)s)",
+    )
     a("--steps", type=int, default=d.steps, help="optimizer steps (default: %(default)s)")
-    a("--batch-size", type=int, default=None,
-      help="sequences per step (default: per preset, 16 for tiny)")
-    a("--seq-len", type=int, default=None,
-      help="tokens per sequence (default: the preset's block_size)")
-    a("--lr", type=float, default=None, help="peak learning rate (default: per preset, 3e-3 for tiny)")
-    a("--warmup-steps", type=int, default=None,
-      help="linear warm-up steps before cosine decay to lr/10 (default: steps/20)")
-    a("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (default: %(default)s)")
-    a("--grad-clip", type=float, default=d.grad_clip,
-      help="max global grad norm, 0 = off (default: %(default)s)")
-    a("--seed", type=int, default=d.seed, help="seed of model init and batches (default: %(default)s)")
-    a("--dtype", default=None, choices=list(DTYPES),
-      help="model param dtype (default: fp32 on cpu, bf16 on cuda)")
-    a("--data", default=None, metavar="FILE",
-      help="text file, read as bytes (default: CPython's pydoc_data.topics)")
+    a(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="sequences per step (default: per preset, 16 for tiny)",
+    )
+    a(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sequence (default: the preset's block_size)",
+    )
+    a(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate (default: per preset, 3e-3 for tiny)",
+    )
+    a(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="linear warm-up steps before cosine decay to lr/10 (default: steps/20)",
+    )
+    a(
+        "--weight-decay",
+        type=float,
+        default=d.weight_decay,
+        help="AdamW weight decay (default: %(default)s)",
+    )
+    a(
+        "--grad-clip",
+        type=float,
+        default=d.grad_clip,
+        help="max global grad norm, 0 = off (default: %(default)s)",
+    )
+    a(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="seed of model init and batches (default: %(default)s)",
+    )
+    a(
+        "--dtype",
+        default=None,
+        choices=list(DTYPES),
+        help="model param dtype (default: fp32 on cpu, bf16 on cuda)",
+    )
+    a(
+        "--data",
+        default=None,
+        metavar="FILE",
+        help="text file, read as bytes (default: CPython's pydoc_data.topics)",
+    )
     a("--mock-data", action="store_true", help="uniform random tokens: loss stays at ln(vocab)")
-    a("--eval-every", type=int, default=d.eval_every,
-      help="held-out evaluation every N steps, and at the last (default: %(default)s)")
-    a("--eval-batches", type=int, default=d.eval_batches,
-      help="batches per held-out evaluation (default: %(default)s)")
-    a("--log-every", type=int, default=d.log_every,
-      help="one log line every N steps (default: %(default)s)")
+    a(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help="held-out evaluation every N steps, and at the last (default: %(default)s)",
+    )
+    a(
+        "--eval-batches",
+        type=int,
+        default=d.eval_batches,
+        help="batches per held-out evaluation (default: %(default)s)",
+    )
+    a(
+        "--log-every",
+        type=int,
+        default=d.log_every,
+        help="one log line every N steps (default: %(default)s)",
+    )
     a("--no-progress", action="store_true", help="no tqdm progress bar on stderr")
 
 

@@ -1,0 +1,429 @@
+"""Side-by-side benchmark: HybridAdamW at several fractions and the anchors, one process.
+
+Every configuration trains the same model from the same initial weights on the same batches:
+warm-up steps, then timed steps bracketed by ``torch.cuda.synchronize()``; medians reported.
+Baseline: HybridAdamW at fraction 0 (fp32 masters and moments on the GPU, torch's fused CUDA
+AdamW). JSON is written after each configuration, so a cut-short run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offloadopt.harness import anchors
+from offloadopt.harness.data import get_batch, load_text, mock_data
+from offloadopt.harness.gpt import GPT, PRESETS
+from offloadopt.harness.train import host_rss_nbytes
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# HybridAdamW's weights must match the baseline's within the CPU-vs-GPU fused-kernel difference:
+# a few bf16 roundings flip, so the RMS of the difference stays far below one step's move
+# (lr / RMS(w) ~ 3e-2 for the defaults); a skipped or stale step lands above this.
+DRIFT_RTOL = 2e-3
+
+
+@dataclass
+class BenchConfig:
+    preset: str = "gpt2-xl"  # model preset (offloadopt.harness.gpt.PRESETS)
+    device: str = "cuda"  # cuda, or cpu for a smoke test of the harness
+    dtype: str = "bf16"  # model weights: bf16 or fp32
+    batch_size: int = 4  # sequences per step
+    seq_len: int = 1024  # tokens per sequence
+    warmup: int = 3  # untimed steps per configuration
+    steps: int = 10  # timed steps per configuration (medians over these)
+    slow_steps: int = 3  # timed steps for anchors known to take seconds per step
+    lr: float = 6e-4  # AdamW learning rate
+    fractions: list[float] = field(default_factory=lambda: [0.0, 0.1, 0.25, 0.5, 1.0])
+    anchors: list[str] = field(default_factory=lambda: list(anchors.ANCHORS))  # see anchors.ANCHORS
+    kernel: bool = True  # also time torch's fused AdamW kernel alone on the host
+    mock_data: bool = False  # uniform random tokens instead of the real text
+    data: str | None = None  # text file (default: CPython's pydoc topics)
+    seed: int = 0
+    out: str = "bench-out"  # folder for bench.json and bench.png
+    audit: bool = True  # audit one training iteration per configuration (pageable copies)
+    progress: bool = True
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _empty_caches(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        empty_host = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        if empty_host is not None:
+            empty_host()  # the pinned blocks an anchor left in torch's caching host allocator
+
+
+def _pinned_nbytes(opt: Any) -> int:
+    """Pinned host bytes: the optimizer's own count, else torch's caching host allocator's."""
+    if hasattr(opt, "pinned_nbytes"):
+        return int(opt.pinned_nbytes)
+    try:
+        stats = torch.cuda.host_memory_stats()
+        return int(stats.get("allocated_bytes.current", stats.get("allocation.current", 0)))
+    except Exception:  # noqa: BLE001 - older torch: unknown
+        return 0
+
+
+def time_kernel(shapes: list[torch.Size], reps: int = 5) -> dict[str, float]:
+    """torch's fused AdamW kernel alone over fp32 host tensors shaped like the model's params,
+    and the two CPU casts it would need with bf16 grads and weights; medians in ms."""
+    n = sum(math.prod(s) for s in shapes)
+    params = [torch.randn(s) for s in shapes]
+    grads = [torch.randn(s) for s in shapes]
+    m = [torch.zeros(s) for s in shapes]
+    v = [torch.zeros(s) for s in shapes]
+    steps = [torch.zeros(()) for _ in shapes]
+    kernel = []
+    for i in range(reps + 1):
+        t = time.perf_counter()
+        torch._foreach_add_(steps, 1)
+        torch._fused_adamw_(params, grads, m, v, [], steps, amsgrad=False, lr=1e-4, beta1=0.9,
+                            beta2=0.95, weight_decay=0.1, eps=1e-8, maximize=False)  # fmt: skip
+        if i:
+            kernel.append((time.perf_counter() - t) * 1e3)
+    del m, v
+    low = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+    casts = []
+    for i in range(reps + 1):
+        t = time.perf_counter()
+        torch._foreach_copy_(grads, low)  # bf16 grad -> fp32
+        torch._foreach_copy_(low, params)  # fp32 master -> bf16 weight
+        if i:
+            casts.append((time.perf_counter() - t) * 1e3)
+    kernel_ms, casts_ms = statistics.median(kernel), statistics.median(casts)
+    return {"kernel_ms": kernel_ms, "kernel_ns_per_param": kernel_ms * 1e6 / n,
+            "cpu_casts_ms": casts_ms, "cpu_casts_ns_per_param": casts_ms * 1e6 / n, "params": n}  # fmt: skip
+
+
+def time_link(device: torch.device, nbytes: int = 2**30, reps: int = 5) -> dict[str, float]:
+    """GB/s of one pinned copy each way, for fp32 and bf16 (the cast-placement question)."""
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        n = nbytes // dtype.itemsize
+        host = torch.empty(n, dtype=dtype, pin_memory=True)
+        dev = torch.empty(n, dtype=dtype, device=device)
+        for name, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
+            times = []
+            for _ in range(reps):
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                start.record()
+                dst.copy_(src, non_blocking=True)  # pinned host side: a true async DMA
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            out[f"{name}_{str(dtype).split('.')[-1]}_gbps"] = (
+                nbytes / statistics.median(times) / 1e6
+            )
+        del host, dev
+    _empty_caches(device)
+    return out
+
+
+class Bench:
+    """Holds the model, its initial weights and the batches shared by every configuration."""
+
+    def __init__(self, cfg: BenchConfig):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.model_cfg = PRESETS[cfg.preset]
+        torch.manual_seed(cfg.seed)
+        with self.device:
+            self.model = GPT(self.model_cfg).to(DTYPES[cfg.dtype])
+        self.init = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        data = mock_data(self.model_cfg.vocab_size) if cfg.mock_data else load_text(cfg.data)
+        self.data = data
+        gen = torch.Generator().manual_seed(cfg.seed)
+        n = cfg.warmup + max(cfg.steps, cfg.slow_steps)
+        self.batches = [
+            get_batch(data, "train", cfg.batch_size, cfg.seq_len, gen, self.device)
+            for _ in range(n)
+        ]
+        self.baseline: dict[str, torch.Tensor] | None = None
+
+    def reset_model(self) -> GPT:
+        self.model.load_state_dict(self.init)
+        self.model.zero_grad(set_to_none=True)
+        return self.model
+
+    def fresh_model(self) -> GPT:
+        """A new model with the initial weights (for anchors that wrap or reshard the model)."""
+        torch.manual_seed(self.cfg.seed)
+        with self.device:
+            model = GPT(self.model_cfg).to(DTYPES[self.cfg.dtype])
+        model.load_state_dict(self.init)
+        return model
+
+    def run(self, name: str, build, slow: bool = False) -> dict[str, Any]:
+        """Build one configuration, warm it up, time it, audit it, check its weights."""
+        cfg, device = self.cfg, self.device
+        _empty_caches(device)
+        t = time.perf_counter()
+        model = self.reset_model()
+        built = build(model, cfg.lr)
+        opt, step_fn = built["opt"], built.get("step")
+        if step_fn is None:
+
+            def step_fn(o=opt) -> None:
+                o.step()
+                o.zero_grad(set_to_none=True)
+
+        construct_s = time.perf_counter() - t
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        fb, total, stats = [], [], []
+        timed = cfg.slow_steps if slow else cfg.steps
+        loss = None
+        for i, (x, y) in enumerate(self.batches[: cfg.warmup + timed]):
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = built.get("loss", lambda m, x, y: m(x, y)[1])(model, x, y)
+            loss.backward()
+            _sync(device)
+            t1 = time.perf_counter()
+            step_fn()
+            _sync(device)
+            t2 = time.perf_counter()
+            if i >= cfg.warmup:
+                fb.append((t1 - t0) * 1e3)
+                total.append((t2 - t0) * 1e3)
+                if hasattr(opt, "stats"):
+                    stats.append(opt.stats)
+        result: dict[str, Any] = {
+            "name": name, "kind": built.get("kind", "hybrid"), "fraction": built.get("fraction"),
+            "numerics": built.get("numerics", "same"), "construct_s": construct_s,
+            "step_ms": statistics.median(total), "step_ms_min": min(total), "step_ms_max": max(total),
+            "fwd_bwd_ms": statistics.median(fb),
+            "opt_ms": statistics.median(t - f for t, f in zip(total, fb, strict=True)),
+            "peak_gpu_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0,
+            "host_rss_gb": host_rss_nbytes() / 1e9, "pinned_gb": _pinned_nbytes(opt) / 1e9,
+            "loss": float(loss.detach()), "timed_steps": len(total),
+        }  # fmt: skip
+        for key in ("d2h_nbytes", "h2d_nbytes", "cpu_update_ms", "d2h_wait_ms", "h2d_ms"):
+            if stats and key in stats[-1]:
+                result[key] = statistics.median(s[key] for s in stats)
+        if cfg.audit and device.type == "cuda":
+            result.update(self._audit(model, step_fn, built))
+        result.update(self._check_weights(name, model, result["numerics"]))
+        del built, model, opt, step_fn
+        _empty_caches(device)
+        return result
+
+    def _audit(self, model, step_fn, built) -> dict[str, Any]:
+        """One more training iteration, batch transfer included, under the memcpy audit."""
+        from offloadopt.audit import audit
+
+        gen = torch.Generator().manual_seed(self.cfg.seed + 99)
+        with audit() as a:
+            x, y = get_batch(
+                self.data, "train", self.cfg.batch_size, self.cfg.seq_len, gen, self.device
+            )
+            loss = built.get("loss", lambda m, x, y: m(x, y)[1])(model, x, y)
+            loss.backward()
+            step_fn()
+            _sync(self.device)
+        rows = a.report.rows
+        link = [r for r in rows if r.direction in ("HtoD", "DtoH")]
+        return {
+            "pageable_copies": a.report.pageable_count,
+            "link_copies": sum(r.count for r in link),
+            "link_nbytes": sum(r.nbytes for r in link),
+            "audit": a.report.to_dict(),
+        }
+
+    def _check_weights(self, name: str, model, numerics: str) -> dict[str, Any]:
+        params = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
+        checksum = sum(float(v.double().sum()) for v in params.values())
+        out: dict[str, Any] = {"checksum": checksum}
+        if self.baseline is None:
+            self.baseline = {k: v.detach().to("cpu", copy=True) for k, v in params.items()}
+            out["status"] = "baseline"
+            return out
+        num = den = 0.0
+        for k, v in params.items():
+            base = self.baseline[k].to(v.device, torch.float32)
+            num += float((v.float() - base).pow(2).sum())
+            den += float(base.pow(2).sum())
+        rel = math.sqrt(num / den) if den else 0.0
+        out["rms_rel_diff"] = rel
+        if numerics != "same":
+            out["status"] = f"other numerics ({numerics})"
+        else:
+            out["status"] = (
+                "ok" if rel <= DRIFT_RTOL else f"DRIFT (rms rel diff {rel:.2e} > {DRIFT_RTOL})"
+            )
+        return out
+
+
+def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
+    """Run every configuration of ``cfg``; returns (and writes) the list of results."""
+    from tqdm import tqdm
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(cfg)
+    device = bench.device
+    header = {"config": asdict(cfg), "torch": torch.__version__, "params": bench.model.num_params(),
+              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
+              "cpu_threads": torch.get_num_threads()}  # fmt: skip
+    jobs = [(f"hybrid:{f:g}", anchors.hybrid(f), False) for f in sorted(set(cfg.fractions) | {0.0})]
+    for name in cfg.anchors:
+        if name not in anchors.ANCHORS:
+            raise ValueError(f"Invalid anchor: {name!r} (choose from {sorted(anchors.ANCHORS)})")
+        if device.type == "cuda":
+            builder, slow = anchors.ANCHORS[name]
+            jobs.append((name, builder, slow))
+    results: list[dict[str, Any]] = []
+
+    def write() -> None:
+        (out / "bench.json").write_text(
+            json.dumps({**header, "results": results}, indent=1, default=str)
+        )
+
+    if cfg.kernel:
+        shapes = [p.shape for p in bench.model.parameters()]
+        results.append({"name": "fused-kernel-alone", "kind": "kernel", **time_kernel(shapes)})
+        if device.type == "cuda":
+            results[-1].update(time_link(device))
+        write()
+    for name, builder, slow in tqdm(jobs, desc="configurations", disable=not cfg.progress):
+        try:
+            results.append(bench.run(name, builder, slow))
+        except anchors.Unavailable as e:
+            results.append({"name": name, "kind": "anchor", "status": f"skipped: {e}"})
+        except Exception as e:  # noqa: BLE001 - one broken anchor must not lose the others
+            results.append(
+                {"name": name, "kind": "anchor", "status": f"error: {type(e).__name__}: {e}"[:300]}
+            )
+            _empty_caches(device)
+        write()
+    print(format_table(results))
+    plot(results, out / "bench.png")
+    return results
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    cols = f"{'configuration':<28} {'step ms':>8} {'fwd+bwd':>8} {'opt ms':>8} {'peak GB':>8} {'pinned GB':>9} {'pageable':>8}  status"
+    lines = [cols]
+    for r in results:
+        if r.get("kind") == "kernel":
+            lines.append(f"{r['name']:<28} kernel {r['kernel_ms']:.1f} ms ({r['kernel_ns_per_param']:.3f} ns/param), "
+                         f"CPU casts {r['cpu_casts_ms']:.1f} ms")  # fmt: skip
+            continue
+        if "step_ms" not in r:
+            lines.append(f"{r['name']:<28} {r.get('status', '')}")
+            continue
+        lines.append(
+            f"{r['name']:<28} {r['step_ms']:>8.1f} {r['fwd_bwd_ms']:>8.1f} {r['opt_ms']:>8.1f} "
+            f"{r['peak_gpu_gb']:>8.2f} {r['pinned_gb']:>9.2f} {r.get('pageable_copies', '-'):>8}  {r.get('status', '')}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Step time and peak GPU memory against offload fraction; anchors as marked points."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install offloadopt[bench])")
+        return
+    ok = [r for r in results if "step_ms" in r]
+    hybrid = sorted((r for r in ok if r["kind"] == "hybrid"), key=lambda r: r["fraction"])
+    others = [r for r in ok if r["kind"] != "hybrid" and r.get("fraction") is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, label in (
+        (axes[0], "step_ms", "step time (ms, median)"),
+        (axes[1], "peak_gpu_gb", "peak GPU memory (GB)"),
+    ):
+        ax.plot(
+            [r["fraction"] for r in hybrid], [r[key] for r in hybrid], "o-", label="HybridAdamW"
+        )
+        for r in others:
+            ax.scatter([r["fraction"]], [r[key]], marker="x", s=60)
+            ax.annotate(
+                r["name"],
+                (r["fraction"], r[key]),
+                fontsize=7,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
+        ax.set_xlabel("offload fraction")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(
+        f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, torch {torch.__version__}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    d = BenchConfig()
+    p.add_argument("--preset", default=d.preset, choices=sorted(PRESETS))
+    p.add_argument("--device", default=d.device, help="cuda (default) or cpu")
+    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per configuration")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per configuration")
+    p.add_argument(
+        "--slow-steps", type=int, default=d.slow_steps, help="timed steps for slow anchors"
+    )
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument(
+        "--fractions",
+        type=float,
+        nargs="+",
+        default=d.fractions,
+        help="HybridAdamW offload fractions",
+    )
+    p.add_argument(
+        "--anchors",
+        nargs="*",
+        default=d.anchors,
+        help=f"any of {sorted(anchors.ANCHORS)}; none: --anchors",
+    )
+    p.add_argument("--no-kernel", action="store_true", help="skip timing the fused kernel alone")
+    p.add_argument(
+        "--no-audit", action="store_true", help="skip the memcpy audit of each configuration"
+    )
+    p.add_argument("--mock-data", action="store_true", help="uniform random tokens")
+    p.add_argument("--data", default=None, help="text file (default: CPython's pydoc topics)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", default=d.out, help="folder for bench.json and bench.png")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = BenchConfig(
+        preset=args.preset, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
+        seq_len=args.seq_len, warmup=args.warmup, steps=args.steps, slow_steps=args.slow_steps,
+        lr=args.lr, fractions=args.fractions, anchors=args.anchors, kernel=not args.no_kernel,
+        mock_data=args.mock_data, data=args.data, seed=args.seed, out=args.out,
+        audit=not args.no_audit, progress=not args.no_progress,
+    )  # fmt: skip
+    results = run_bench(cfg)
+    print(json.dumps({"out": str(Path(cfg.out) / "bench.json"), "configurations": len(results)}))
+    return 0

@@ -1,0 +1,202 @@
+"""The harness: GPT-2 model, byte data, the training loop and the ``train`` command (CPU, fast)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from offloadopt.cli import main
+from offloadopt.harness.data import byte_entropy_nats, get_batch, load_text, mock_data
+from offloadopt.harness.gpt import GPT, PRESETS
+from offloadopt.harness.train import TrainConfig, lr_at, make_model_and_optimizer, train
+
+# a short run: a few seconds on 2 cores
+SHORT = dict(steps=12, batch_size=8, seq_len=64, eval_every=6, eval_batches=2, progress=False)
+
+
+# --- model ---------------------------------------------------------------------------------
+
+
+def test_first_loss_is_ln_vocab():
+    cfg = PRESETS["tiny"]
+    model = GPT(cfg)
+    gen = torch.Generator().manual_seed(0)
+    idx, targets = torch.randint(0, cfg.vocab_size, (2, 8, cfg.block_size), generator=gen)
+    _, loss = model(idx, targets)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.1
+
+
+def test_head_is_tied_to_token_embedding():
+    model = GPT(PRESETS["tiny"])
+    assert model.lm_head.weight is model.transformer.wte.weight
+    names = [n for n, _ in model.named_parameters()]
+    assert "transformer.wte.weight" in names and "lm_head.weight" not in names
+    # still one Parameter after the bf16 cast of the harness
+    cfg = TrainConfig(optimizer="adamw", dtype="bf16").resolved()
+    model, _ = make_model_and_optimizer(cfg)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_gpt2_init():
+    cfg = PRESETS["tiny"]
+    model = GPT(cfg)
+    params = dict(model.named_parameters())
+    # 16384 draws: the sample std is within 3% of the target with overwhelming probability
+    proj = params["transformer.h.0.mlp.c_proj.weight"]
+    assert proj.std().item() == pytest.approx(0.02 / math.sqrt(2 * cfg.n_layer), rel=0.03)
+    assert params["transformer.h.0.mlp.c_fc.weight"].std().item() == pytest.approx(0.02, rel=0.03)
+    assert all(p.count_nonzero() == 0 for n, p in params.items() if n.endswith(".bias"))
+
+
+def test_attention_is_causal():
+    model = GPT(PRESETS["tiny"])
+    idx = torch.randint(0, 256, (1, 16))
+    changed = idx.clone()
+    changed[0, 10] = (idx[0, 10] + 1) % 256
+    with torch.no_grad():
+        a, _ = model(idx)
+        b, _ = model(changed)
+    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=0)  # past: bitwise unchanged
+    assert not torch.equal(a[:, 10:], b[:, 10:])
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt2", "gpt2-xl"])
+def test_param_count_formula_matches_model(name):
+    with torch.device("meta"):  # no memory: gpt2-xl would be 6.2 GB in fp32
+        model = GPT(PRESETS[name])
+    assert model.num_params() == PRESETS[name].num_params()
+
+
+def test_gpt2_xl_has_1_56e9_params():
+    assert PRESETS["gpt2-xl"].num_params() == pytest.approx(1.557e9, rel=1e-3)
+    assert PRESETS["gpt2"].num_params() == pytest.approx(124.5e6, rel=1e-3)
+
+
+# --- data ----------------------------------------------------------------------------------
+
+
+def test_entropy_of_known_strings():
+    assert byte_entropy_nats(b"aaaa") == 0.0
+    assert byte_entropy_nats(b"abab") == pytest.approx(math.log(2), abs=1e-12)
+    # p = (2/3, 1/3): -(2/3 ln 2/3 + 1/3 ln 1/3) = ln 3 - (2/3) ln 2 = 0.636514168...
+    assert byte_entropy_nats(b"aab") == pytest.approx(0.6365141682948128, abs=1e-12)
+    assert byte_entropy_nats(torch.tensor([97, 97, 98], dtype=torch.uint8)) == pytest.approx(
+        0.6365141682948128, abs=1e-12
+    )
+    with pytest.raises(ValueError):
+        byte_entropy_nats(b"")
+
+
+def test_default_text_entropy_is_english_like():
+    data = load_text()
+    assert 2.8 < data.entropy_nats < 3.6
+    assert len(data.train) > 9 * len(data.heldout) - 10
+
+
+def test_split_is_disjoint_and_held_out_is_the_end(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_bytes(b"a" * 900 + b"b" * 100)
+    data = load_text(str(path))
+    assert data.train.dtype == torch.uint8 and data.heldout.dtype == torch.uint8
+    assert len(data.train) == 900 and len(data.heldout) == 100
+    assert bool((data.train == ord("a")).all()) and bool((data.heldout == ord("b")).all())
+    gen = torch.Generator().manual_seed(0)
+    x, _ = get_batch(data, "heldout", 16, 32, gen)
+    assert bool((x == ord("b")).all())  # held-out batches never read training bytes
+
+
+def test_batches_are_shifted_windows_and_seeded():
+    data = load_text()
+    x, y = get_batch(data, "train", 4, 32, torch.Generator().manual_seed(3))
+    assert x.shape == y.shape == (4, 32)
+    assert x.dtype == y.dtype == torch.int64 and x.device.type == "cpu"
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    text = bytes(data.train.tolist())
+    for row, target in zip(x, y, strict=True):
+        assert bytes(row.tolist()) + bytes([int(target[-1])]) in text
+    x2, y2 = get_batch(data, "train", 4, 32, torch.Generator().manual_seed(3))
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+
+
+def test_mock_batches_cover_the_vocab_range():
+    data = mock_data(50304)
+    assert data.entropy_nats == pytest.approx(math.log(50304))
+    x, y = get_batch(data, "train", 8, 64, torch.Generator().manual_seed(0))
+    assert x.dtype == torch.int64 and int(x.min()) >= 0 and int(x.max()) < 50304
+    assert int(x.max()) > 256  # not bytes
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+# --- training ------------------------------------------------------------------------------
+
+
+def test_lr_schedule():
+    assert lr_at(1, 1.0, 10, 100) == pytest.approx(0.1)
+    assert lr_at(10, 1.0, 10, 100) == pytest.approx(1.0)
+    assert lr_at(100, 1.0, 10, 100) == pytest.approx(0.1)
+    assert lr_at(1, 1.0, 0, 100) == pytest.approx(1.0, rel=1e-3)
+
+
+def test_train_returns_summary_and_loss_decreases():
+    out = train(TrainConfig(optimizer="adamw", **SHORT))
+    for key in (
+        "final_train_loss",
+        "final_heldout_loss",
+        "entropy_nats",
+        "heldout_below_entropy",
+        "median_step_ms",
+        "tokens_per_s",
+        "peak_gpu_gb",
+        "params",
+        "host_rss_gb",
+    ):
+        assert key in out, key
+    assert out["params"] == PRESETS["tiny"].num_params()
+    assert out["first_train_loss"] == pytest.approx(math.log(256), abs=0.1)
+    assert out["final_train_loss"] < out["first_train_loss"] - 1.0
+    assert out["final_heldout_loss"] < math.log(256) - 1.0
+    assert out["median_step_ms"] > 0 and out["tokens_per_s"] > 0
+    json.dumps(out)  # the summary is the last line: it must serialise
+
+
+def test_hybrid_trains_bitwise_like_fused_adamw():
+    # fp32 on the CPU: HybridAdamW at fraction 1 runs torch's fused kernel on its own state,
+    # so the whole run must match torch.optim.AdamW(fused=True) exactly (DESIGN.md section 3)
+    ref = train(TrainConfig(optimizer="adamw", min_offload_numel=1, **SHORT))
+    hyb = train(TrainConfig(optimizer="hybrid", min_offload_numel=1, **SHORT))
+    for key in ("first_train_loss", "final_train_loss", "final_heldout_loss"):
+        assert hyb[key] == ref[key], key
+
+
+def test_invalid_config_raises():
+    with pytest.raises(ValueError, match="preset"):
+        TrainConfig(preset="gpt5").resolved()
+    with pytest.raises(ValueError, match="seq_len"):
+        TrainConfig(seq_len=4096).resolved()
+
+
+def test_cli_train_prints_json_last(capsys):
+    argv = [
+        "train",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--eval-batches",
+        "1",
+        "--optimizer",
+        "adamw",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("data: ")
+    assert any(line.startswith("step ") for line in lines)
+    summary = json.loads(lines[-1])
+    assert summary["steps"] == 2 and summary["optimizer"] == "adamw"
+    assert summary["entropy_nats"] == pytest.approx(load_text().entropy_nats)
