@@ -1,6 +1,5 @@
 """HybridAdamW on the GPU: pinned invariant, races, parity, memory. Run on the GPU host."""
 
-import copy
 import io
 
 import pytest
@@ -154,7 +153,6 @@ def test_pin_memory_false_warns_and_takes_the_pageable_path():
 def test_c02_pinning_survives_a_load_from_torch_load():
     model = big_cheap_model()
     opt = HybridAdamW(model.parameters(), offload_fraction=1.0)
-    assert all("master" in opt.state.get(p, {"master": 1}) for p in model.parameters())
     train(model, opt, steps=2)
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
@@ -206,10 +204,16 @@ def test_c04_c05_accumulation_and_clipping_on_the_gpu(fraction):
     ref = torch.optim.AdamW([ref_w], fused=True)
     opt.step()
     ref.step()
-    exp_avg = opt.state[w]["exp_avg"].cpu()
-    torch.testing.assert_close(exp_avg, ref.state[ref_w]["exp_avg"], rtol=0, atol=0)
-    if fraction > 0:  # the very same CPU kernel
-        torch.testing.assert_close(w.detach().cpu(), ref_w.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        w.grad.cpu(), torch.tensor([0.5999999, 0.7999998]), rtol=0, atol=1e-7
+    )
+    # Offloaded: the very same CPU kernel, bitwise. On the device: the CUDA kernel may round
+    # the moment update differently in the last place.
+    atol = 0 if fraction > 0 else 1e-7
+    torch.testing.assert_close(
+        opt.state[w]["exp_avg"].cpu(), ref.state[ref_w]["exp_avg"], rtol=0, atol=atol
+    )
+    torch.testing.assert_close(w.detach().cpu(), ref_w.detach(), rtol=0, atol=atol)
 
 
 def test_stats_report_bytes_and_times():
@@ -220,4 +224,4 @@ def test_stats_report_bytes_and_times():
     n = sum(p.numel() for p in model.parameters())
     assert s["d2h_nbytes"] == s["h2d_nbytes"] == 4 * n
     assert s["cpu_update_ms"] > 0 and s["h2d_ms"] > 0 and s["d2h_ms"] > 0
-    assert opt.pinned_nbytes >= 4 * n and copy.copy(s) == s
+    assert opt.pinned_nbytes >= 4 * n
