@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from offloadopt.harness.data import TokenData, get_batch, load_text, mock_data
 from offloadopt.harness.gpt import GPT, PRESETS
+from offloadopt.optim import HybridAdamW
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -82,6 +83,8 @@ class TrainConfig:
             lr=self.lr if self.lr is not None else lr,
             warmup_steps=self.warmup_steps if self.warmup_steps is not None else self.steps // 20,
         )
+        if cfg.warmup_steps < 0:
+            raise ValueError(f"Invalid warmup_steps: {cfg.warmup_steps} (must be >= 0)")
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every"):
             if getattr(cfg, name) < 1:
                 raise ValueError(f"Invalid {name}: {getattr(cfg, name)} (must be >= 1)")
@@ -115,8 +118,6 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
     if cfg.optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), fused=True, **kwargs)
     else:
-        from offloadopt import HybridAdamW  # lazy: optim.py may be absent while drafting
-
         opt = HybridAdamW(
             model.named_parameters(),
             offload_fraction=cfg.offload_fraction,
@@ -136,8 +137,8 @@ def train_step(
     """One forward, backward, optional grad clipping, ``opt.step()`` and ``zero_grad``.
 
     ``x``, ``y``: (batch, seq) int64 on the model's device. Returns the detached 0-dim fp32
-    loss on the device: no host sync and no device-to-host copy happen here (``.item()`` would
-    be a pageable D2H copy in a profile).
+    loss on the device: this function adds no host sync and no device-to-host copy of its own
+    (``.item()`` would show as a pageable D2H copy in a profile); the optimizer may sync.
     """
     _, loss = model(x, y)
     loss.backward()
