@@ -48,7 +48,7 @@ def detach_host_views(opt: HybridAdamW, sd: dict[str, Any]) -> dict[str, Any]:
         entry = sd["state"].get(index)
         if entry is None:
             continue
-        if p in opt._bucket_of:
+        if p in opt._home:
             state[index] = {
                 k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()
             }

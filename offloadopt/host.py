@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["PinnedAllocationError", "alloc_host", "Bucket", "build_buckets"]
+__all__ = ["PinnedAllocationError", "alloc_host", "Arena", "Segment", "Bucket", "build_arenas"]
 
 
 class PinnedAllocationError(RuntimeError):
@@ -80,15 +80,14 @@ def alloc_host(numel: int, dtype: torch.dtype, pin: bool, what: str, owner: obje
 
 
 @dataclass
-class Bucket:
-    """A few params of one group, one device and one update dtype, with flat host state.
+class Arena:
+    """Flat host state of the offloaded params of one (group, device, update dtype).
 
-    The unit of the D2H -> CPU update -> H2D pipeline. Buffers, all ``(numel,)`` on the host:
-    ``weight`` the fp32 master (or, for a param already in the update dtype, its host copy),
-    pinned because it crosses H2D; ``exp_avg`` and ``exp_avg_sq`` pageable (they never cross).
-    ``*_views`` are per-param views shaped like each param: the fused kernel takes lists, and
-    per-param views of a flat buffer give bitwise the same result as one flat call while each
-    param keeps its own ``step``.
+    The params lie back to back in backward order (last-registered first); every buffer is
+    ``(numel,)`` on the host: ``weight`` the fp32 master (or, for a param already in the update
+    dtype, its host copy), pinned because it crosses H2D; ``exp_avg`` and ``exp_avg_sq``
+    pageable (they never cross). Each param's state is a view of its own contiguous range,
+    shaped like the param, so one allocation per buffer serves any number of params.
     """
 
     group: int
@@ -96,75 +95,125 @@ class Bucket:
     dtype: torch.dtype  # update dtype: fp32, or the param dtype without masters
     params: list[torch.Tensor] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)  # position in backward order
     offsets: list[int] = field(default_factory=list)
     numel: int = 0
     weight: torch.Tensor | None = None  # (numel,) update dtype, pinned host: crosses H2D
     exp_avg: torch.Tensor | None = None  # (numel,) update dtype, pageable host
     exp_avg_sq: torch.Tensor | None = None  # (numel,) update dtype, pageable host
-    weight_views: list[torch.Tensor] = field(default_factory=list)
-    exp_avg_views: list[torch.Tensor] = field(default_factory=list)
-    exp_avg_sq_views: list[torch.Tensor] = field(default_factory=list)
-    _slot_views: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
-    def add(self, param: torch.Tensor, name: str) -> None:
+    def add(self, param: torch.Tensor, name: str, rank: int) -> None:
         self.params.append(param)
         self.names.append(name)
+        self.ranks.append(rank)
         self.offsets.append(self.numel)
         self.numel += param.numel()
 
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per-param views, shaped like the params, of the first ``numel`` of ``flat``."""
-        return [
-            flat[o : o + p.numel()].view(p.shape)
-            for o, p in zip(self.offsets, self.params, strict=True)
-        ]
+    def view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
+        """Param ``k``'s range of ``flat``, shaped like the param."""
+        p = self.params[k]
+        return flat[self.offsets[k] : self.offsets[k] + p.numel()].view(p.shape)
+
+    def allocate(self, pin: bool, owner: object) -> None:
+        label = f"group {self.group} ({len(self.params)} params, first {self.names[0]})"
+        self.weight = alloc_host(self.numel, self.dtype, pin, f"the weights of {label}", owner)
+        self.exp_avg = alloc_host(self.numel, self.dtype, False, f"exp_avg of {label}", owner)
+        self.exp_avg_sq = alloc_host(self.numel, self.dtype, False, f"exp_avg_sq of {label}", owner)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part ``[lo, hi)`` (flat elements) of param ``k`` of an arena that lies in a bucket."""
+
+    k: int  # index of the param in its arena
+    lo: int
+    hi: int
+    offset: int  # where the segment starts in the bucket (elements)
+
+
+@dataclass
+class Bucket:
+    """A range ``[lo, hi)`` of an arena: the unit of the D2H -> CPU update -> H2D pipeline.
+
+    Bucket boundaries may cut through a param (a 322 MB embedding need not have a 322 MB
+    staging slot); AdamW is elementwise, and each segment keeps its param's ``step``, so the
+    fused kernel over segments is bitwise the same as over whole params.
+    """
+
+    arena: Arena
+    lo: int
+    hi: int
+    segments: list[Segment]
+    _slot_views: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.arena.dtype.itemsize
+
+    def params(self) -> list[torch.Tensor]:
+        return [self.arena.params[s.k] for s in self.segments]
+
+    def state_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each segment's flat range of an arena buffer (``weight``, ``exp_avg``, ...)."""
+        return [flat[self.lo + s.offset : self.lo + s.offset + s.hi - s.lo] for s in self.segments]
 
     def slot_views(self, slot: torch.Tensor) -> list[torch.Tensor]:
-        """Per-param views of a staging slot (a flat uint8 buffer, never rebound), cached."""
+        """Each segment's flat range of a staging slot (flat uint8, never rebound), cached."""
         key = (slot.data_ptr(), slot.device.index or 0)
         views = self._slot_views.get(key)
         if views is None:
-            views = self._slot_views[key] = self.views(slot[: self.nbytes].view(self.dtype))
+            flat = slot[: self.nbytes].view(self.arena.dtype)
+            views = self._slot_views[key] = [
+                flat[s.offset : s.offset + s.hi - s.lo] for s in self.segments
+            ]
         return views
 
-    def allocate(self, pin: bool, owner: object) -> None:
-        label = f"bucket of group {self.group} ({len(self.params)} params, first {self.names[0]})"
-        self.weight = alloc_host(self.numel, self.dtype, pin, f"the weights of the {label}", owner)
-        self.exp_avg = alloc_host(self.numel, self.dtype, False, f"exp_avg of the {label}", owner)
-        self.exp_avg_sq = alloc_host(
-            self.numel, self.dtype, False, f"exp_avg_sq of the {label}", owner
-        )
-        self.weight_views = self.views(self.weight)
-        self.exp_avg_views = self.views(self.exp_avg)
-        self.exp_avg_sq_views = self.views(self.exp_avg_sq)
+    def param_views(self) -> list[torch.Tensor]:
+        """Each segment's flat range of its (contiguous) param or grad-shaped target."""
+        return [self.arena.params[s.k].view(-1)[s.lo : s.hi] for s in self.segments]
 
 
-def build_buckets(
+def build_arenas(
     items: list[tuple[torch.Tensor, str, int, torch.dtype]], bucket_nbytes: int
-) -> list[Bucket]:
-    """Pack params into buckets in the order given (the backward order: last-registered first).
+) -> tuple[list[Arena], list[Bucket]]:
+    """Lay params out in arenas and cut the arenas into buckets of at most ``bucket_nbytes``.
 
     Args:
-        items: ``(param, name, group, update_dtype)`` tuples.
-        bucket_nbytes: close a bucket once its update-dtype bytes reach this; a param larger
-            than this gets a bucket of its own.
+        items: ``(param, name, group, update_dtype)`` in backward order (last-registered first).
+        bucket_nbytes: most bytes (of update dtype) per bucket.
 
-    Each (group, device, dtype) has one open bucket at a time, so interleaved groups (say,
-    weights with decay and biases without) still fill large buckets.
+    Returns:
+        The arenas (one per (group, device, dtype)) and the buckets, ordered by the earliest
+        backward-order position they hold, so the grads that appear first move first.
     """
-    done: list[Bucket] = []
-    open_: dict[tuple, Bucket] = {}
-    for param, name, group, dtype in items:
+    arenas: dict[tuple, Arena] = {}
+    for rank, (param, name, group, dtype) in enumerate(items):
         key = (group, param.device, dtype)
-        b = open_.get(key)
-        if b is None:
-            b = open_[key] = Bucket(group=group, device=param.device, dtype=dtype)
-        b.add(param, name)
-        if b.nbytes >= bucket_nbytes:
-            done.append(open_.pop(key))
-    done.extend(open_.values())
-    return done
+        if key not in arenas:
+            arenas[key] = Arena(group=group, device=param.device, dtype=dtype)
+        arenas[key].add(param, name, rank)
+    buckets = []
+    for arena in arenas.values():
+        size = max(1, bucket_nbytes // arena.dtype.itemsize)
+        k = 0
+        for lo in range(0, arena.numel, size):
+            hi = min(lo + size, arena.numel)
+            segments = []
+            while k < len(arena.params) and arena.offsets[k] < hi:
+                start, n = arena.offsets[k], arena.params[k].numel()
+                a, b = max(start, lo), min(start + n, hi)
+                segments.append(Segment(k, a - start, b - start, a - lo))
+                if start + n > hi:
+                    break  # the rest of param k goes to the next bucket
+                k += 1
+            buckets.append(Bucket(arena, lo, hi, segments))
+    buckets.sort(key=lambda b: b.arena.ranks[b.segments[0].k])
+    return list(arenas.values()), buckets

@@ -12,7 +12,7 @@ import torch
 from torch.optim import Optimizer
 
 from offloadopt import checkpoint
-from offloadopt.host import Bucket, alloc_host, build_buckets
+from offloadopt.host import Arena, Bucket, alloc_host, build_arenas
 from offloadopt.placement import ParamInfo, Placement, format_placement, place, update_dtype
 
 __all__ = ["HybridAdamW"]
@@ -185,8 +185,9 @@ class HybridAdamW(Optimizer):
             decoupled_weight_decay=True, offload=None,
         )  # fmt: skip
         self.placement: list[Placement] = []
+        self.arenas: list[Arena] = []
         self.buckets: list[Bucket] = []
-        self._bucket_of: dict[torch.Tensor, tuple[Bucket, int]] = {}
+        self._home: dict[torch.Tensor, tuple[Arena, int]] = {}  # offloaded param -> its place
         self._written: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (_version, data_ptr)
         self._staging: dict[torch.device, dict[str, list[torch.Tensor]]] = {}
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
@@ -276,44 +277,35 @@ class HybridAdamW(Optimizer):
             for i, p in enumerate(g["params"]):
                 name = self._param_name(g, gi, i)
                 infos.append(
-                    ParamInfo(
-                        start + len(infos),
-                        name,
-                        gi,
-                        tuple(p.shape),
-                        p.dtype,
-                        p.requires_grad,
-                        g["offload"],
-                    )
-                )
+                    ParamInfo(start + len(infos), name, gi, tuple(p.shape), p.dtype,
+                              p.requires_grad, g["offload"], p.is_contiguous())
+                )  # fmt: skip
                 tensors.append(p)
         placements = place(
             infos, self.offload_fraction, self.min_offload_numel, self.master_weights
         )
         order = [(tensors[k], pl.name, pl.group, update_dtype(pl.dtype, self.master_weights))
                  for k, pl in reversed(list(enumerate(placements))) if pl.offloaded]  # fmt: skip
-        buckets = build_buckets(order, self.bucket_nbytes)
-        devices = {b.device for b in buckets}
+        arenas, buckets = build_arenas(order, self.bucket_nbytes)
+        devices = {a.device for a in arenas}
         if self.pin_memory is False and any(d.type == "cuda" for d in devices):
             self._warn_once(
                 "pageable",
                 "HybridAdamW(pin_memory=False): host buffers are pageable, so every copy over the "
                 "link takes the slow pageable path; this setting exists to reproduce and measure it",
             )
-        for b in buckets:
-            b.allocate(pin=self.pin_memory and b.device.type == "cuda", owner=self)
-        max_nbytes = {d: max(b.nbytes for b in buckets if b.device == d) for d in devices}
-        staging = {d: self._make_staging(d, n) for d, n in max_nbytes.items()}
+        for arena in arenas:
+            arena.allocate(pin=self.pin_memory and arena.device.type == "cuda", owner=self)
+        staging = {d: self._make_staging(d) for d in devices if d not in self._staging}
         # Everything allocated: commit.
         for d, s in staging.items():
-            old = self._staging.get(d)
-            if old is None or old["host"][0].numel() < s["host"][0].numel():
-                self._staging[d] = s
-            if d.type == "cuda" and d not in self._streams:
+            self._staging[d] = s
+            if d.type == "cuda":
                 self._streams[d] = (torch.cuda.Stream(d), torch.cuda.Stream(d))  # D2H, H2D
-        for b in buckets:
-            for k, p in enumerate(b.params):
-                self._bucket_of[p] = (b, k)
+        for arena in arenas:
+            for k, p in enumerate(arena.params):
+                self._home[p] = (arena, k)
+        self.arenas.extend(arenas)
         self.buckets.extend(buckets)
         self.placement.extend(placements)
         if buckets and torch.get_num_threads() == 1 and (os.cpu_count() or 1) > 1:
@@ -325,9 +317,11 @@ class HybridAdamW(Optimizer):
             )
         self._check_pinned()
 
-    def _make_staging(self, device: torch.device, nbytes: int) -> dict[str, list[torch.Tensor]]:
-        """Byte slots for one device: host (pinned on CUDA) and, on CUDA, device slots each way."""
+    def _make_staging(self, device: torch.device) -> dict[str, list[torch.Tensor]]:
+        """Byte slots of ``bucket_nbytes`` for one device: host (pinned on CUDA) and, on CUDA,
+        device slots each way."""
         pin = self.pin_memory and device.type == "cuda"
+        nbytes = self.bucket_nbytes
         s = {
             "host": [
                 alloc_host(nbytes, torch.uint8, pin, "grad staging", self) for _ in range(_SLOTS)
@@ -351,9 +345,14 @@ class HybridAdamW(Optimizer):
     def crossing_host_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every host buffer that crosses the link: ``(label, tensor)`` pairs."""
         out = []
-        for k, b in enumerate(self.buckets):
-            if b.device.type == "cuda":
-                out.append((f"bucket {k} weight ({b.names[0]}, ...)", b.weight))
+        for k, a in enumerate(self.arenas):
+            if a.device.type == "cuda":
+                out.append(
+                    (
+                        f"arena {k} weights (group {a.group}, {len(a.params)} params, first {a.names[0]})",
+                        a.weight,
+                    )
+                )
         for d, s in self._staging.items():
             if d.type == "cuda":
                 out += [(f"{d} grad staging slot {i}", t) for i, t in enumerate(s["host"])]
@@ -377,7 +376,7 @@ class HybridAdamW(Optimizer):
     @property
     def host_nbytes(self) -> int:
         """Bytes of host memory held for optimizer state and staging."""
-        n = sum(3 * b.nbytes for b in self.buckets)
+        n = sum(3 * a.nbytes for a in self.arenas)
         return n + sum(sum(t.numel() for t in s["host"]) for s in self._staging.values())
 
     @property
@@ -430,19 +429,26 @@ class HybridAdamW(Optimizer):
         for gi, params in work["device"].items():
             self._device_update(self.param_groups[gi], params)
         stats["device_update_ms"] = (time.perf_counter() - t) * 1e3
+        # Each param's step advances once, even when buckets cut it in several segments.
+        if work["host_params"]:
+            torch._foreach_add_([self.state[p]["step"] for p in work["host_params"]], 1)
         by_device: dict[torch.device, list[tuple[Bucket, list[int]]]] = {}
         for b, idx in work["host"]:
-            by_device.setdefault(b.device, []).append((b, idx))
+            by_device.setdefault(b.arena.device, []).append((b, idx))
         for device, items in by_device.items():
             self._offloaded_update(device, items, before.get(device), stats)
         stats["step_ms"] = (time.perf_counter() - t0) * 1e3
         self._stats = stats
         return loss
 
+    def is_offloaded(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s optimizer state (and fp32 master) lives on the host."""
+        return p in self._home
+
     def _collect(self) -> dict[str, Any]:
         """Validate grads, refresh stale masters, create state lazily; sort work by placement."""
         device_work: dict[int, list[torch.Tensor]] = {}
-        host_work: dict[int, tuple[Bucket, list[int]]] = {}
+        host_params: list[torch.Tensor] = []
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
@@ -464,36 +470,38 @@ class HybridAdamW(Optimizer):
                     self._init_state(p)
                 else:
                     self._refresh_if_stale(p, self._param_name(group, gi, i))
-                if p in self._bucket_of:
-                    b, k = self._bucket_of[p]
-                    host_work.setdefault(id(b), (b, []))[1].append(k)
+                if p in self._home:
+                    host_params.append(p)
                 else:
                     device_work.setdefault(gi, []).append(p)
-        order = {id(b): n for n, b in enumerate(self.buckets)}
-        return {
-            "device": device_work,
-            "host": sorted(host_work.values(), key=lambda w: order[id(w[0])]),
-        }
+        with_grad = {id(p) for p in host_params}
+        host_work = []
+        for b in self.buckets:
+            idx = [n for n, seg in enumerate(b.segments) if id(b.arena.params[seg.k]) in with_grad]
+            if idx:
+                host_work.append((b, idx))
+        return {"device": device_work, "host": host_work, "host_params": host_params}
 
     def _mirror(self, p: torch.Tensor) -> torch.Tensor | None:
         """The optimizer's own copy of ``p``'s weights (host weight view or device master)."""
-        if p in self._bucket_of:
-            b, k = self._bucket_of[p]
-            return b.weight_views[k]
+        if p in self._home:
+            arena, k = self._home[p]
+            return arena.view(arena.weight, k)
         return self.state.get(p, {}).get("master")
 
     def _init_state(self, p: torch.Tensor) -> None:
         """Lazily create ``p``'s state at its first grad, as torch does."""
-        if p in self._bucket_of:
-            b, k = self._bucket_of[p]
-            b.weight_views[k].copy_(p.detach())  # blocking D2H (once per param): master = weights
+        if p in self._home:
+            arena, k = self._home[p]
+            weight = arena.view(arena.weight, k)
+            weight.copy_(p.detach())  # blocking D2H (once per param): master = weights
             state = {
                 "step": torch.zeros((), dtype=torch.float32),
-                "exp_avg": b.exp_avg_views[k].zero_(),
-                "exp_avg_sq": b.exp_avg_sq_views[k].zero_(),
+                "exp_avg": arena.view(arena.exp_avg, k).zero_(),
+                "exp_avg_sq": arena.view(arena.exp_avg_sq, k).zero_(),
             }
-            if b.dtype != p.dtype:
-                state["master"] = b.weight_views[k]
+            if arena.dtype != p.dtype:
+                state["master"] = weight
         else:
             udt = update_dtype(p.dtype, self.master_weights)
             state = {
@@ -532,12 +540,16 @@ class HybridAdamW(Optimizer):
             return lr.to(device)
         return lr
 
-    def _adamw(self, group: dict[str, Any], weights, grads, exp_avgs, exp_avg_sqs, steps) -> None:
-        """torch's own fused AdamW kernel over lists (per-param views and steps)."""
+    def _adamw(
+        self, group: dict[str, Any], weights, grads, exp_avgs, exp_avg_sqs, steps, increment=True
+    ) -> None:
+        """torch's own fused AdamW kernel over lists (per-param views and steps); with
+        ``increment=False`` the steps were already advanced (params split across buckets)."""
         if not weights:
             return
         beta1, beta2 = group["betas"]
-        torch._foreach_add_(steps, 1)
+        if increment:
+            torch._foreach_add_(steps, 1)
         torch._fused_adamw_(
             weights, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False,
             lr=self._lr_for(group, weights[0].device), beta1=float(beta1), beta2=float(beta2),
@@ -568,8 +580,17 @@ class HybridAdamW(Optimizer):
         s = [self.state[p] for p in params]
         return [x["exp_avg"] for x in s], [x["exp_avg_sq"] for x in s], [x["step"] for x in s]
 
+    @staticmethod
+    def _grad_segments(b: Bucket, idx: list[int]) -> list[torch.Tensor]:
+        """The flat grad ranges of a bucket's segments ``idx``."""
+        segs = [b.segments[i] for i in idx]
+        return [b.arena.params[s.k].grad.reshape(-1)[s.lo : s.hi] for s in segs]
+
     def _offloaded_update(self, device, items, before, stats) -> None:
-        """The bucket pipeline: D2H (k+1) and H2D (k-1) overlap the CPU update of bucket k."""
+        """The bucket pipeline: D2H (k+1) and H2D (k-1) overlap the CPU update of bucket k.
+
+        ``items``: ``(bucket, segment indices whose param has a grad)`` in bucket order.
+        """
         staging = self._staging[device]
         cuda = device.type == "cuda"
         d2h, h2d = self._streams[device] if cuda else (None, None)
@@ -580,25 +601,23 @@ class HybridAdamW(Optimizer):
 
         def launch_d2h(n: int) -> None:
             b, idx = items[n]
-            slot = n % _SLOTS
-            host_slot = staging["host"][slot]
-            grads = [b.params[k].grad for k in idx]
+            host_slot = staging["host"][n % _SLOTS]
             if not cuda:
                 views = b.slot_views(host_slot)
-                torch._foreach_copy_([views[k] for k in idx], grads)
+                torch._foreach_copy_([views[i] for i in idx], self._grad_segments(b, idx))
                 return
-            host = host_slot[: b.nbytes].view(b.dtype)
-            dev_slot = staging["d2h"][slot]
-            dev = dev_slot[: b.nbytes].view(b.dtype)
+            dev_slot = staging["d2h"][n % _SLOTS]
             with torch.cuda.stream(d2h):
                 if self._side_stream_hook is not None:
                     self._side_stream_hook("d2h")
                 start = d2h.record_event(torch.cuda.Event(enable_timing=True))
+                # On the side stream: a non-contiguous grad's flat copy is made (and freed) there.
+                grads = self._grad_segments(b, idx)
                 views = b.slot_views(dev_slot)
-                torch._foreach_copy_([views[k] for k in idx], grads)  # upcast on the GPU
+                torch._foreach_copy_([views[i] for i in idx], grads)  # upcast on the GPU
                 # non_blocking: same dtype, both contiguous, host side pinned -> a true async DMA;
                 # the host reads it only after the event below.
-                host.copy_(dev, non_blocking=True)
+                host_slot[: b.nbytes].copy_(dev_slot[: b.nbytes], non_blocking=True)
                 pending[n] = d2h.record_event(torch.cuda.Event(enable_timing=True))
                 self._timing.append(("d2h_ms", start, pending[n]))
             stats["d2h_nbytes"] += b.nbytes
@@ -606,7 +625,7 @@ class HybridAdamW(Optimizer):
         for n in range(min(_SLOTS, len(items))):
             launch_d2h(n)
         for n, (b, idx) in enumerate(items):
-            group = self.param_groups[b.group]
+            group = self.param_groups[b.arena.group]
             t = time.perf_counter()
             if cuda:
                 pending.pop(n).synchronize()  # the host reads the pinned grads only once D2H landed
@@ -614,37 +633,43 @@ class HybridAdamW(Optimizer):
                 if last_h2d is not None:
                     last_h2d.synchronize()  # last step's H2D from these weights is done: safe to overwrite
             stats["d2h_wait_ms"] += (time.perf_counter() - t) * 1e3
-            grad_views = b.slot_views(staging["host"][n % _SLOTS])
+            grads = b.slot_views(staging["host"][n % _SLOTS])
+            weights = b.state_views(b.arena.weight)
+            exp_avgs = b.state_views(b.arena.exp_avg)
+            exp_avg_sqs = b.state_views(b.arena.exp_avg_sq)
+            steps = [self.state[b.arena.params[seg.k]]["step"] for seg in b.segments]
             t = time.perf_counter()
             with torch.profiler.record_function("offloadopt.cpu_update"):
-                self._adamw(
-                    group, [b.weight_views[k] for k in idx], [grad_views[k] for k in idx],
-                    *self._state_lists([b.params[k] for k in idx]),
-                )  # fmt: skip
+                self._adamw(group, *([x[i] for i in idx] for x in (weights, grads, exp_avgs, exp_avg_sqs, steps)),
+                            increment=False)  # fmt: skip
             stats["cpu_update_ms"] += (time.perf_counter() - t) * 1e3
             if n + _SLOTS < len(items):
                 launch_d2h(n + _SLOTS)  # its slot's grads were consumed by the kernel above
-            params = [b.params[k] for k in idx]
+            targets = b.param_views()
             if not cuda:
-                torch._foreach_copy_(params, [b.weight_views[k] for k in idx])
+                torch._foreach_copy_([targets[i] for i in idx], [weights[i] for i in idx])
             else:
                 dev_slot = staging["h2d"][n % _SLOTS]
-                dev = dev_slot[: b.nbytes].view(b.dtype)
                 with torch.cuda.stream(h2d):
                     if self._side_stream_hook is not None:
                         self._side_stream_hook("h2d")
                     start = h2d.record_event(torch.cuda.Event(enable_timing=True))
                     # non_blocking: pinned source, same dtype, contiguous; the host does not write
-                    # b.weight again before this bucket's event (checked at the next step).
-                    dev.copy_(b.weight, non_blocking=True)
+                    # these weights again before this bucket's event (checked at the next step).
+                    dev_slot[: b.nbytes].copy_(
+                        b.arena.weight[b.lo : b.hi].view(torch.uint8), non_blocking=True
+                    )
                     views = b.slot_views(dev_slot)
-                    torch._foreach_copy_(params, [views[k] for k in idx])  # downcast on the GPU
+                    torch._foreach_copy_(
+                        [targets[i] for i in idx], [views[i] for i in idx]
+                    )  # downcast on the GPU
                     ev = h2d.record_event(torch.cuda.Event(enable_timing=True))
                 self._h2d_events[id(b)] = ev
                 self._timing.append(("h2d_ms", start, ev))
-            stats["h2d_nbytes"] += b.nbytes if cuda else 0
-            for p in params:
-                self._mark_written(p)
+                stats["h2d_nbytes"] += b.nbytes
+        for b, idx in items:
+            for i in idx:
+                self._mark_written(b.arena.params[b.segments[i].k])
         if cuda:
             # GPU-side wait, no host sync: the next forward on the compute stream reads the
             # params only after the last H2D (the h2d stream runs its copies in order).

@@ -29,6 +29,7 @@ class ParamInfo:
     dtype: torch.dtype
     requires_grad: bool
     group_offload: bool | None  # the group's "offload" key
+    contiguous: bool = True  # offloaded params are copied as flat ranges, so must be contiguous
 
     @property
     def numel(self) -> int:
@@ -104,6 +105,8 @@ def place(
             reason[k] = "frozen"
         elif info.numel == 0:
             reason[k] = "empty"
+        elif not info.contiguous:
+            reason[k] = "non-contiguous"
         elif info.group_offload is True:
             where[k], reason[k] = "host", "forced"
         elif info.group_offload is False:

@@ -135,7 +135,7 @@ def test_state_is_lazy_and_unfreezing_later_works():
     b.requires_grad_(True)
     a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
     opt.step()
-    assert opt.state[b]["step"].item() == 1 and b not in opt._bucket_of
+    assert opt.state[b]["step"].item() == 1 and not opt.is_offloaded(b)
 
 
 def test_step_hooks_run():
