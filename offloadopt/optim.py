@@ -390,7 +390,8 @@ class HybridAdamW(Optimizer):
     def stats(self) -> dict[str, float]:
         """Figures of the last ``step()``: ``d2h_wait_ms`` (host time blocked on D2H events),
         ``cpu_update_ms`` (host time in the fused kernel), ``device_update_ms`` (host time
-        launching the device-resident update), ``h2d_ms`` and ``d2h_ms`` (GPU time of the
+        launching the device-resident update), ``collect_ms`` (host time checking grads and
+        state before the update), ``h2d_ms`` and ``d2h_ms`` (GPU time of the
         copies and casts on the side streams), ``d2h_nbytes`` / ``h2d_nbytes`` (bytes over the
         link), ``step_ms`` (host wall time of ``step()``)."""
         if self._timing:
@@ -416,10 +417,11 @@ class HybridAdamW(Optimizer):
                 loss = closure()
         t0 = time.perf_counter()
         work = self._collect()
+        collect_ms = (time.perf_counter() - t0) * 1e3
         stats = dict.fromkeys(
             ("d2h_wait_ms", "cpu_update_ms", "device_update_ms", "h2d_ms", "d2h_ms"), 0.0
         )
-        stats.update(d2h_nbytes=0, h2d_nbytes=0)
+        stats.update(d2h_nbytes=0, h2d_nbytes=0, collect_ms=collect_ms)
         self._timing = []
         compute = {d: torch.cuda.current_stream(d) for d in self._streams}
         # Marks all work queued on the compute stream before this step (backward, clipping):

@@ -26,10 +26,12 @@ from offloadopt.harness.gpt import GPT, PRESETS
 from offloadopt.harness.train import host_rss_nbytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# HybridAdamW's weights must match the baseline's within the CPU-vs-GPU fused-kernel difference:
-# a few bf16 roundings flip, so the RMS of the difference stays far below one step's move
-# (lr / RMS(w) ~ 3e-2 for the defaults); a skipped or stale step lands above this.
-DRIFT_RTOL = 2e-3
+# HybridAdamW's weights must match the baseline's within the run-to-run variation of training
+# itself: backward on the GPU is not deterministic (flash attention accumulates with atomics),
+# and AdamW turns the tiny grad differences of near-zero grads into lr-sized moves. The
+# benchmark measures that floor by running the baseline twice; a configuration drifts when its
+# RMS relative difference exceeds DRIFT_FACTOR x that floor.
+DRIFT_FACTOR = 3.0
 
 
 @dataclass
@@ -156,7 +158,8 @@ class Bench:
             get_batch(data, "train", cfg.batch_size, cfg.seq_len, gen, self.device)
             for _ in range(n)
         ]
-        self.baseline: dict[str, torch.Tensor] | None = None
+        self.baseline: dict[int, dict[str, torch.Tensor]] = {}  # steps taken -> weights
+        self.noise_floor: float | None = None  # RMS relative difference of two baseline runs
 
     def reset_model(self) -> GPT:
         self.model.load_state_dict(self.init)
@@ -191,6 +194,7 @@ class Bench:
         fb, total, stats = [], [], []
         timed = cfg.slow_steps if slow else cfg.steps
         loss = None
+        snapshots: dict[int, dict[str, torch.Tensor]] = {}
         for i, (x, y) in enumerate(self.batches[: cfg.warmup + timed]):
             _sync(device)
             t0 = time.perf_counter()
@@ -206,6 +210,8 @@ class Bench:
                 total.append((t2 - t0) * 1e3)
                 if hasattr(opt, "stats"):
                     stats.append(opt.stats)
+            if built.get("baseline") and i + 1 == cfg.warmup + cfg.slow_steps:
+                snapshots[i + 1] = self._weights(model)  # to check the slow anchors against
         result: dict[str, Any] = {
             "name": name, "kind": built.get("kind", "hybrid"), "fraction": built.get("fraction"),
             "numerics": built.get("numerics", "same"), "construct_s": construct_s,
@@ -219,9 +225,19 @@ class Bench:
         for key in ("d2h_nbytes", "h2d_nbytes", "cpu_update_ms", "d2h_wait_ms", "h2d_ms"):
             if stats and key in stats[-1]:
                 result[key] = statistics.median(s[key] for s in stats)
+        steps_taken = cfg.warmup + timed
+        if built.get("baseline"):
+            self.baseline = {**snapshots, steps_taken: self._weights(model)}
+            result["status"] = "baseline"
+        else:
+            result.update(
+                self._check_weights(
+                    model, steps_taken, result["numerics"], built.get("repeat", False)
+                )
+            )
+        result["checksum"] = sum(float(v.double().sum()) for v in self._weights(model).values())
         if cfg.audit and device.type == "cuda":
             result.update(self._audit(model, step_fn, built))
-        result.update(self._check_weights(name, model, result["numerics"]))
         del built, model, opt, step_fn
         _empty_caches(device)
         return result
@@ -248,34 +264,58 @@ class Bench:
             "audit": a.report.to_dict(),
         }
 
-    def _check_weights(self, name: str, model, numerics: str) -> dict[str, Any]:
-        params = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
-        checksum = sum(float(v.double().sum()) for v in params.values())
-        out: dict[str, Any] = {"checksum": checksum}
-        if self.baseline is None:
-            self.baseline = {k: v.detach().to("cpu", copy=True) for k, v in params.items()}
-            out["status"] = "baseline"
-            return out
+    @staticmethod
+    def _weights(model) -> dict[str, torch.Tensor]:
+        return {
+            k: v.detach().to("cpu", copy=True)
+            for k, v in model.state_dict().items()
+            if v.is_floating_point()
+        }
+
+    def _check_weights(self, model, steps: int, numerics: str, repeat: bool) -> dict[str, Any]:
+        """RMS relative difference from the baseline's weights after as many steps."""
+        base = self.baseline.get(steps)
+        if base is None:
+            return {"status": "no baseline weights at this step count"}
         num = den = 0.0
-        for k, v in params.items():
-            base = self.baseline[k].to(v.device, torch.float32)
-            num += float((v.float() - base).pow(2).sum())
-            den += float(base.pow(2).sum())
+        for k, v in model.state_dict().items():
+            if k in base:
+                b = base[k].to(v.device, torch.float32)
+                num += float((v.float() - b).pow(2).sum())
+                den += float(b.pow(2).sum())
         rel = math.sqrt(num / den) if den else 0.0
-        out["rms_rel_diff"] = rel
-        if numerics != "same":
+        out: dict[str, Any] = {"rms_rel_diff": rel}
+        if repeat:
+            self.noise_floor = rel
+            out["status"] = "noise floor (baseline run again)"
+        elif numerics != "same":
             out["status"] = f"other numerics ({numerics})"
+        elif self.noise_floor is None:
+            out["status"] = "unchecked (no noise floor)"
         else:
+            limit = DRIFT_FACTOR * max(self.noise_floor, 1e-7)
             out["status"] = (
-                "ok" if rel <= DRIFT_RTOL else f"DRIFT (rms rel diff {rel:.2e} > {DRIFT_RTOL})"
+                "ok" if rel <= limit else f"DRIFT (rms rel diff {rel:.2e} > {limit:.2e})"
             )
         return out
+
+
+def _tagged(build, **tags):
+    """A builder whose result carries extra keys (``baseline``, ``repeat``)."""
+
+    def tagged(model, lr):
+        return {**build(model, lr), **tags}
+
+    return tagged
 
 
 def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     """Run every configuration of ``cfg``; returns (and writes) the list of results."""
     from tqdm import tqdm
 
+    for name in cfg.anchors:
+        if name not in anchors.ANCHORS:
+            raise ValueError(f"Invalid anchor: {name!r} (choose from {sorted(anchors.ANCHORS)})")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     bench = Bench(cfg)
@@ -283,10 +323,12 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     header = {"config": asdict(cfg), "torch": torch.__version__, "params": bench.model.num_params(),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
               "cpu_threads": torch.get_num_threads()}  # fmt: skip
-    jobs = [(f"hybrid:{f:g}", anchors.hybrid(f), False) for f in sorted(set(cfg.fractions) | {0.0})]
+    jobs = [("hybrid:0", _tagged(anchors.hybrid(0.0), baseline=True), False),
+            ("hybrid:0 (repeat)", _tagged(anchors.hybrid(0.0), repeat=True), False)]  # fmt: skip
+    jobs += [
+        (f"hybrid:{f:g}", anchors.hybrid(f), False) for f in sorted(set(cfg.fractions) - {0.0})
+    ]
     for name in cfg.anchors:
-        if name not in anchors.ANCHORS:
-            raise ValueError(f"Invalid anchor: {name!r} (choose from {sorted(anchors.ANCHORS)})")
         if device.type == "cuda":
             builder, slow = anchors.ANCHORS[name]
             jobs.append((name, builder, slow))

@@ -56,14 +56,27 @@ def test_pinned_h2d_is_not_flagged():
     a.report.check()
 
 
-def test_item_is_a_device_to_pageable_copy_at_its_line():
+def test_item_is_a_device_to_host_copy_attributed_to_its_line():
+    # A pageable scalar on older torch; torch 2.11 stages .item() through pinned memory (seen on
+    # the H200 host: "Memcpy DtoH (Device -> Pinned)", 4 bytes). Either way it is attributed.
     x = torch.randn(1000, device="cuda")
     with audit() as a:
         x.sum().item()  # item
-    r = row(a.report, "DtoH (Device -> Pageable)")
+    (r,) = [r for r in a.report.rows if r.direction == "DtoH"]
+    assert r.nbytes == 4 and r.src_kind == "Device"
     (site,) = [s for s in r.call_sites if s.file.endswith(THIS_FILE)]
     assert site.callee == "Tensor.item"
     assert site.lines == (line_of("item"),)
+
+
+def test_cpu_of_a_cuda_tensor_is_a_pageable_dtoh_at_its_line():
+    x = torch.randn(1000, device="cuda")
+    with audit() as a:
+        x.cpu()  # cpu
+    r = row(a.report, "DtoH (Device -> Pageable)")
+    (site,) = [s for s in r.call_sites if s.file.endswith(THIS_FILE)]
+    assert site.callee == "Tensor.cpu"
+    assert site.lines == (line_of("cpu"),)
     assert a.report.pageable_count == r.count
 
 

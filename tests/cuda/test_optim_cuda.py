@@ -105,15 +105,22 @@ def test_grads_edited_on_a_busy_compute_stream_reach_the_update():
 
 @pytest.mark.parametrize("fraction", FRACTIONS)
 def test_parity_with_torch_fused_adamw_on_the_gpu(fraction):
-    ref_model, model = big_cheap_model(torch.float32), big_cheap_model(torch.float32)
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, fused=True)
-    opt = HybridAdamW(model.parameters(), lr=1e-3, offload_fraction=fraction)
-    train(ref_model, ref)
-    train(model, opt)
-    err = max(
-        (p - q).abs().max().item()
-        for p, q in zip(model.parameters(), ref_model.parameters(), strict=True)
-    )
+    """Same seeded grads every step (no training feedback, which would amplify any rounding
+    difference): what is left is the CPU kernel against the CUDA one."""
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(4096, 1024, generator=gen) for _ in range(4)]
+    ref_params = [torch.nn.Parameter(t.cuda()) for t in init]
+    params = [torch.nn.Parameter(t.cuda()) for t in init]
+    ref = torch.optim.AdamW(ref_params, lr=1e-3, fused=True)
+    opt = HybridAdamW(params, lr=1e-3, offload_fraction=fraction)
+    assert sum(opt.is_offloaded(p) for p in params) == {0.0: 0, 0.5: 2, 1.0: 4}[fraction]
+    for _ in range(20):
+        grads = [torch.randn(t.shape, generator=gen).cuda() for t in init]
+        for p, q, g in zip(ref_params, params, grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        ref.step()
+        opt.step()
+    err = max((p - q).abs().max().item() for p, q in zip(params, ref_params, strict=True))
     print(f"fraction {fraction}: max |hybrid - torch fused on GPU| = {err:.3g}")
     if fraction == 0.0:
         assert err == 0.0  # the same CUDA kernel on the same inputs
