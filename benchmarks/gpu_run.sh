@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, wheels in .whl/): bash benchmarks/gpu_run.sh [quick|full]
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|bench|audit|all]...
 set -uo pipefail
-MODE=${1:-full}
 OUT=${OUT:-/tmp/offloadopt-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -11,13 +10,21 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::SyntaxWarning
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(), 'threads', torch.get_num_threads())"
-git rev-parse --short HEAD 2>/dev/null || true
-if [[ $MODE != bench ]]; then
-  timeout 300 python3 -m pytest tests/cuda -m cuda -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
-  python3 tests/cuda/record_fixture.py "$OUT/audit_trace_h200.json" 2>&1 | tail -3
-fi
-if [[ $MODE == quick ]]; then exit 0; fi
-timeout 420 python3 -m offloadopt bench --preset gpt2-xl --batch-size 4 --seq-len 1024 \
-  --warmup 3 --steps 10 --slow-steps 2 --no-progress --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -25
+for part in "${@:-all}"; do
+  if [[ $part == tests || $part == all ]]; then
+    timeout 300 python3 -m pytest tests/cuda -m cuda -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15
+    python3 tests/cuda/record_fixture.py "$OUT/audit_trace_h200.json" 2>&1 | tail -3
+  fi
+  if [[ $part == bench || $part == all ]]; then
+    timeout 420 python3 -m offloadopt bench --preset gpt2-xl --batch-size 4 --seq-len 1024 \
+      --warmup 3 --steps 10 --slow-steps 2 --no-progress --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -16
+  fi
+  if [[ $part == audit || $part == all ]]; then
+    for opt in "hybrid" "hybrid --no-pin-memory" "megatron"; do
+      timeout 200 python3 -m offloadopt audit --device cuda --preset gpt2-xl --batch-size 4 --seq-len 1024 \
+        --offload-fraction 1.0 --optimizer $opt 2>&1 | tee -a "$OUT/audit.log" | tail -12
+    done
+  fi
+done
