@@ -162,8 +162,16 @@ class Bucket:
         return [self.arena.params[s.k] for s in self.segments]
 
     def state_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each segment's flat range of an arena buffer (``weight``, ``exp_avg``, ...)."""
-        return [flat[self.lo + s.offset : self.lo + s.offset + s.hi - s.lo] for s in self.segments]
+        """Each segment's flat range of an arena buffer (``weight``, ``exp_avg``, ...), cached
+        (arena buffers are never rebound)."""
+        key = (flat.data_ptr(), -1)
+        views = self._slot_views.get(key)
+        if views is None:
+            views = [
+                flat[self.lo + s.offset : self.lo + s.offset + s.hi - s.lo] for s in self.segments
+            ]
+            self._slot_views[key] = views
+        return views
 
     def slot_views(self, slot: torch.Tensor) -> list[torch.Tensor]:
         """Each segment's flat range of a staging slot (flat uint8, never rebound), cached."""

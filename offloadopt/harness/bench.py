@@ -9,6 +9,7 @@ AdamW). JSON is written after each configuration, so a cut-short run keeps what 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import math
@@ -63,6 +64,10 @@ def _sync(device: torch.device) -> None:
 
 def _empty_caches(device: torch.device) -> None:
     gc.collect()
+    try:  # give freed heap memory back to the OS, so RSS figures are per configuration
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     if device.type == "cuda":
         torch.cuda.empty_cache()
         empty_host = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
@@ -178,6 +183,7 @@ class Bench:
         """Build one configuration, warm it up, time it, audit it, check its weights."""
         cfg, device = self.cfg, self.device
         _empty_caches(device)
+        rss_before = host_rss_nbytes()
         t = time.perf_counter()
         model = self.reset_model()
         built = build(model, cfg.lr)
@@ -219,12 +225,12 @@ class Bench:
             "fwd_bwd_ms": statistics.median(fb),
             "opt_ms": statistics.median(t - f for t, f in zip(total, fb, strict=True)),
             "peak_gpu_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0,
-            "host_rss_gb": host_rss_nbytes() / 1e9, "pinned_gb": _pinned_nbytes(opt) / 1e9,
+            "host_rss_gb": host_rss_nbytes() / 1e9, "host_added_gb": (host_rss_nbytes() - rss_before) / 1e9,
+            "pinned_gb": _pinned_nbytes(opt) / 1e9, "opt_host_gb": getattr(opt, "host_nbytes", 0) / 1e9,
             "loss": float(loss.detach()), "timed_steps": len(total),
         }  # fmt: skip
-        for key in ("d2h_nbytes", "h2d_nbytes", "cpu_update_ms", "d2h_wait_ms", "h2d_ms"):
-            if stats and key in stats[-1]:
-                result[key] = statistics.median(s[key] for s in stats)
+        for key in stats[-1] if stats else ():
+            result[f"opt_stats_{key}"] = statistics.median(s[key] for s in stats)
         steps_taken = cfg.warmup + timed
         if built.get("baseline"):
             self.baseline = {**snapshots, steps_taken: self._weights(model)}

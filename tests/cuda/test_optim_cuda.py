@@ -8,10 +8,11 @@ import torch
 from offloadopt import HybridAdamW
 
 FRACTIONS = (0.0, 0.5, 1.0)
-# Max |HybridAdamW (CPU kernel) - torch.optim.AdamW(fused=True) on CUDA| seen on the H200 host
-# after 20 steps of fp32 params, lr 1e-3 (the two fused kernels round differently): see
-# test_parity_with_torch_fused_adamw_on_the_gpu, which prints it.
-GPU_VS_CPU_KERNEL_ATOL = 1e-6
+# Max |HybridAdamW (torch's CPU fused kernel) - torch.optim.AdamW(fused=True) on CUDA| after 20
+# steps of 4 x (4096 x 1024) fp32 params ~ N(0, 1), lr 1e-3, the same seeded grads: 9.54e-6 at
+# fractions 0.5 and 1 (H200 host, torch 2.11, 2026-11-30; the two kernels round differently;
+# deterministic, so the same every run). test_parity_with_torch_fused_adamw_on_the_gpu prints it.
+GPU_VS_CPU_KERNEL_ATOL = 1e-5
 
 
 class Lockstep:
