@@ -296,11 +296,19 @@ class HybridAdamW(Optimizer):
             )
         for arena in arenas:
             arena.allocate(pin=self.pin_memory and arena.device.type == "cuda", owner=self)
-        staging = {d: self._make_staging(d) for d in devices if d not in self._staging}
+        # Slots as large as the largest bucket (at most bucket_nbytes); a later add_param_group
+        # that needs larger ones replaces them, before any step can have a copy in flight.
+        need = {d: max(b.nbytes for b in buckets if b.arena.device == d) for d in devices}
+        staging = {d: self._make_staging(d, n) for d, n in need.items()
+                   if d not in self._staging or self._staging[d]["host"][0].numel() < n}  # fmt: skip
         # Everything allocated: commit.
         for d, s in staging.items():
+            if d in self._streams:
+                torch.cuda.synchronize(d)  # no copy of the last step still uses the old slots
             self._staging[d] = s
-            if d.type == "cuda":
+            for b in self.buckets:
+                b._slot_views.clear()
+            if d.type == "cuda" and d not in self._streams:
                 self._streams[d] = (torch.cuda.Stream(d), torch.cuda.Stream(d))  # D2H, H2D
         for arena in arenas:
             for k, p in enumerate(arena.params):
@@ -317,11 +325,10 @@ class HybridAdamW(Optimizer):
             )
         self._check_pinned()
 
-    def _make_staging(self, device: torch.device) -> dict[str, list[torch.Tensor]]:
-        """Byte slots of ``bucket_nbytes`` for one device: host (pinned on CUDA) and, on CUDA,
-        device slots each way."""
+    def _make_staging(self, device: torch.device, nbytes: int) -> dict[str, list[torch.Tensor]]:
+        """Byte slots of ``nbytes`` for one device: host (pinned on CUDA) and, on CUDA, device
+        slots each way."""
         pin = self.pin_memory and device.type == "cuda"
-        nbytes = self.bucket_nbytes
         s = {
             "host": [
                 alloc_host(nbytes, torch.uint8, pin, "grad staging", self) for _ in range(_SLOTS)

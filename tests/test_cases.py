@@ -196,3 +196,20 @@ def test_c15_sparse_embedding_raises_at_first_step_naming_the_param():
     emb(torch.tensor([0, 3])).sum().backward()
     with pytest.raises(RuntimeError, match="sparse gradients: embedding.weight"):
         opt.step()
+
+
+def test_c12_a_larger_added_group_grows_the_staging_and_stays_exact():
+    small, big = torch.nn.Parameter(torch.randn(100)), torch.nn.Parameter(torch.randn(5000))
+    ref_small, ref_big = (torch.nn.Parameter(p.detach().clone()) for p in (small, big))
+    opt = HybridAdamW([small], min_offload_numel=1)
+    ref = torch.optim.AdamW([ref_small], fused=True)
+    opt.add_param_group({"params": [big], "lr": 1e-2})
+    ref.add_param_group({"params": [ref_big], "lr": 1e-2})
+    assert opt._staging[torch.device("cpu")]["host"][0].numel() >= 4 * 5000
+    for _ in range(3):
+        for p, q in ((small, ref_small), (big, ref_big)):
+            p.grad = q.grad = torch.randn(p.shape)
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(big, ref_big, rtol=0, atol=0)
+    torch.testing.assert_close(small, ref_small, rtol=0, atol=0)
