@@ -171,23 +171,17 @@ class Bench:
         self.model.zero_grad(set_to_none=True)
         return self.model
 
-    def fresh_model(self) -> GPT:
-        """A new model with the initial weights (for anchors that wrap or reshard the model)."""
-        torch.manual_seed(self.cfg.seed)
-        with self.device:
-            model = GPT(self.model_cfg).to(DTYPES[self.cfg.dtype])
-        model.load_state_dict(self.init)
-        return model
-
     def run(self, name: str, build, slow: bool = False) -> dict[str, Any]:
         """Build one configuration, warm it up, time it, audit it, check its weights."""
         cfg, device = self.cfg, self.device
         _empty_caches(device)
         rss_before = host_rss_nbytes()
         t = time.perf_counter()
-        model = self.reset_model()
-        built = build(model, cfg.lr)
-        opt, step_fn = built["opt"], built.get("step")
+        built = build(self.reset_model(), cfg.lr)
+        model, opt, step_fn = built.get("model", self.model), built["opt"], built.get("step")
+        forward = built.get("loss", lambda m, x, y: m(x, y)[1])
+        backward = built.get("backward", lambda loss: loss.backward())
+        weights = built.get("weights", self._weights)
         if step_fn is None:
 
             def step_fn(o=opt) -> None:
@@ -204,8 +198,8 @@ class Bench:
         for i, (x, y) in enumerate(self.batches[: cfg.warmup + timed]):
             _sync(device)
             t0 = time.perf_counter()
-            loss = built.get("loss", lambda m, x, y: m(x, y)[1])(model, x, y)
-            loss.backward()
+            loss = forward(model, x, y)
+            backward(loss)
             _sync(device)
             t1 = time.perf_counter()
             step_fn()
@@ -217,7 +211,7 @@ class Bench:
                 if hasattr(opt, "stats"):
                     stats.append(opt.stats)
             if built.get("baseline") and i + 1 == cfg.warmup + cfg.slow_steps:
-                snapshots[i + 1] = self._weights(model)  # to check the slow anchors against
+                snapshots[i + 1] = weights(model)  # to check the slow anchors against
         result: dict[str, Any] = {
             "name": name, "kind": built.get("kind", "hybrid"), "fraction": built.get("fraction"),
             "numerics": built.get("numerics", "same"), "construct_s": construct_s,
@@ -233,22 +227,22 @@ class Bench:
             result[f"opt_stats_{key}"] = statistics.median(s[key] for s in stats)
         steps_taken = cfg.warmup + timed
         if built.get("baseline"):
-            self.baseline = {**snapshots, steps_taken: self._weights(model)}
+            self.baseline = {**snapshots, steps_taken: weights(model)}
             result["status"] = "baseline"
         else:
             result.update(
                 self._check_weights(
-                    model, steps_taken, result["numerics"], built.get("repeat", False)
+                    weights(model), steps_taken, result["numerics"], built.get("repeat", False)
                 )
             )
-        result["checksum"] = sum(float(v.double().sum()) for v in self._weights(model).values())
+        result["checksum"] = sum(float(v.double().sum()) for v in weights(model).values())
         if cfg.audit and device.type == "cuda":
-            result.update(self._audit(model, step_fn, built))
+            result.update(self._audit(model, forward, backward, step_fn))
         del built, model, opt, step_fn
         _empty_caches(device)
         return result
 
-    def _audit(self, model, step_fn, built) -> dict[str, Any]:
+    def _audit(self, model, forward, backward, step_fn) -> dict[str, Any]:
         """One more training iteration, batch transfer included, under the memcpy audit."""
         from offloadopt.audit import audit
 
@@ -257,8 +251,7 @@ class Bench:
             x, y = get_batch(
                 self.data, "train", self.cfg.batch_size, self.cfg.seq_len, gen, self.device
             )
-            loss = built.get("loss", lambda m, x, y: m(x, y)[1])(model, x, y)
-            loss.backward()
+            backward(forward(model, x, y))
             step_fn()
             _sync(self.device)
         rows = a.report.rows
@@ -278,15 +271,17 @@ class Bench:
             if v.is_floating_point()
         }
 
-    def _check_weights(self, model, steps: int, numerics: str, repeat: bool) -> dict[str, Any]:
+    def _check_weights(
+        self, weights: dict[str, torch.Tensor], steps: int, numerics: str, repeat: bool
+    ) -> dict[str, Any]:
         """RMS relative difference from the baseline's weights after as many steps."""
         base = self.baseline.get(steps)
         if base is None:
             return {"status": "no baseline weights at this step count"}
         num = den = 0.0
-        for k, v in model.state_dict().items():
+        for k, v in weights.items():
             if k in base:
-                b = base[k].to(v.device, torch.float32)
+                b = base[k].float()
                 num += float((v.float() - b).pow(2).sum())
                 den += float(b.pow(2).sum())
         rel = math.sqrt(num / den) if den else 0.0
