@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from offloadopt.validation import validate_hparams
+
 if TYPE_CHECKING:
     from offloadopt.optim import HybridAdamW
 
@@ -59,8 +61,6 @@ def detach_host_views(opt: HybridAdamW, sd: dict[str, Any]) -> dict[str, Any]:
 
 def _validate(opt: HybridAdamW, sd: Any) -> tuple[list[dict], dict[int, dict]]:
     """Check everything; return the saved groups and the state by param position."""
-    from offloadopt.optim import validate_hparams
-
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("state_dict must be a dict with 'state' and 'param_groups' keys")
     groups, saved_groups = opt.param_groups, sd["param_groups"]

@@ -12,38 +12,12 @@ import torch
 from torch.optim import Optimizer
 
 from offloadopt import checkpoint
-from offloadopt.host import Arena, Bucket, alloc_host, build_arenas
+from offloadopt.host import Arena, Bucket, build_arenas
+from offloadopt.pipeline import Pipeline, fused_adamw
 from offloadopt.placement import ParamInfo, Placement, format_placement, place, update_dtype
+from offloadopt.validation import validate_group, validate_options
 
 __all__ = ["HybridAdamW"]
-
-_SLOTS = 2  # staging slots per direction: bucket k+1 moves while bucket k is updated
-
-
-def validate_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
-    """Raise ``ValueError``/``TypeError`` naming the bad value, as ``torch.optim.AdamW`` does."""
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
-        lr_value = float(lr.detach().cpu())
-    elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
-        lr_value = float(lr)
-    else:
-        raise TypeError(f"Invalid learning rate: {lr!r} (expected a float or a 1-element Tensor)")
-    if not lr_value >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps!r}")
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)):
-        raise TypeError(f"Invalid weight_decay value: {weight_decay!r}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid betas: {betas!r} (expected a pair)")
-    for i, b in enumerate(betas):
-        b = float(b) if isinstance(b, torch.Tensor) and b.numel() == 1 else b
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {betas[i]!r}")
 
 
 class HybridAdamW(Optimizer):
@@ -128,42 +102,12 @@ class HybridAdamW(Optimizer):
         pin_memory: bool = True,
         bucket_nbytes: int = 64 * 2**20,
     ):
-        validate_hparams(lr, betas, eps, weight_decay)
-        if (
-            isinstance(offload_fraction, bool)
-            or not isinstance(offload_fraction, (int, float))
-            or not 0.0 <= offload_fraction <= 1.0
-        ):
-            raise ValueError(
-                f"Invalid offload_fraction: {offload_fraction!r} (expected a number in [0, 1])"
-            )
-        if (
-            isinstance(min_offload_numel, bool)
-            or not isinstance(min_offload_numel, int)
-            or min_offload_numel < 0
-        ):
-            raise ValueError(
-                f"Invalid min_offload_numel: {min_offload_numel!r} (expected an int >= 0)"
-            )
-        if (
-            isinstance(bucket_nbytes, bool)
-            or not isinstance(bucket_nbytes, int)
-            or bucket_nbytes <= 0
-        ):
-            raise ValueError(f"Invalid bucket_nbytes: {bucket_nbytes!r} (expected an int > 0)")
-        for flag, value in [
-            ("master_weights", master_weights),
-            ("pin_memory", pin_memory),
-            ("maximize", maximize),
-        ]:
-            if not isinstance(value, bool):
-                raise TypeError(f"Invalid {flag}: {value!r} (expected a bool)")
-        if amsgrad:
-            raise NotImplementedError("HybridAdamW does not support amsgrad=True yet")
-        if capturable:
-            raise NotImplementedError("HybridAdamW does not support capturable=True (CUDA graphs)")
-        if differentiable:
-            raise NotImplementedError("HybridAdamW does not support differentiable=True")
+        validate_options(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+            maximize=maximize, capturable=capturable, differentiable=differentiable,
+            offload_fraction=offload_fraction, min_offload_numel=min_offload_numel,
+            master_weights=master_weights, pin_memory=pin_memory, bucket_nbytes=bucket_nbytes,
+        )  # fmt: skip
         if isinstance(params, torch.Tensor):
             raise TypeError(
                 "params argument given to the optimizer should be an iterable of Tensors or dicts, "
@@ -189,15 +133,9 @@ class HybridAdamW(Optimizer):
         self.buckets: list[Bucket] = []
         self._home: dict[torch.Tensor, tuple[Arena, int]] = {}  # offloaded param -> its place
         self._written: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (_version, data_ptr)
-        self._staging: dict[torch.device, dict[str, list[torch.Tensor]]] = {}
-        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-        self._h2d_events: dict[int, torch.cuda.Event] = {}  # id(bucket) -> its last H2D
-        self._timing: list[tuple[str, Any, Any]] = []
+        self._pipelines: dict[torch.device, Pipeline] = {}  # staging and side streams per device
         self._stats: dict[str, float] = {}
         self._warned: set[str] = set()
-        # Test hook: called as hook("d2h" | "h2d") inside each side-stream context, before the
-        # copies; the race tests queue a torch.cuda._sleep there to make the copies late.
-        self._side_stream_hook: Callable[[str], None] | None = None
         super().__init__(params, defaults)
         self._place(list(range(len(self.param_groups))))
         self._ready = True
@@ -208,54 +146,7 @@ class HybridAdamW(Optimizer):
         with the fraction applied to the new group's eligible state bytes."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {torch.typename(param_group)}")
-        param_group = dict(param_group)
-        raw = param_group["params"]
-        raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
-        param_group["params"] = raw
-        tensors = [p[1] if isinstance(p, tuple) else p for p in raw]
-        names = [p[0] if isinstance(p, tuple) else None for p in raw]
-        seen: dict[int, int] = {}
-        for i, p in enumerate(tensors):
-            label = names[i] or f"param {i} of the new group"
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(
-                    f"optimizer can only optimize Tensors, but {label} is {torch.typename(p)}"
-                )
-            if id(p) in seen:
-                raise ValueError(
-                    f"duplicate parameter in one group: {label} (shape {tuple(p.shape)}) appears twice"
-                )
-            seen[id(p)] = i
-            if p.is_complex():
-                raise ValueError(f"complex parameters are not supported: {label} is {p.dtype}")
-            if not p.is_floating_point():
-                raise ValueError(
-                    f"{label} has dtype {p.dtype}: only floating-point params can be optimized"
-                )
-            if p.layout != torch.strided:
-                raise ValueError(
-                    f"sparse parameters are not supported: {label} has layout {p.layout}"
-                )
-            if p.device.type not in ("cpu", "cuda"):
-                raise ValueError(
-                    f"{label} is on {p.device}: HybridAdamW supports cpu and cuda params"
-                )
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            if key in param_group:
-                validate_hparams(
-                    param_group.get("lr", self.defaults["lr"]),
-                    param_group.get("betas", self.defaults["betas"]),
-                    param_group.get("eps", self.defaults["eps"]),
-                    param_group.get("weight_decay", self.defaults["weight_decay"]),
-                )
-                break
-        offload = param_group.get("offload")
-        if offload is not None and not isinstance(offload, bool):
-            raise ValueError(
-                f"Invalid 'offload' group key: {offload!r} (expected True, False or None)"
-            )
-        if param_group.get("amsgrad"):
-            raise NotImplementedError("HybridAdamW does not support amsgrad=True yet")
+        param_group = validate_group(param_group, self.defaults)
         super().add_param_group(param_group)
         if self._ready:
             try:
@@ -299,17 +190,22 @@ class HybridAdamW(Optimizer):
         # Slots as large as the largest bucket (at most bucket_nbytes); a later add_param_group
         # that needs larger ones replaces them, before any step can have a copy in flight.
         need = {d: max(b.nbytes for b in buckets if b.arena.device == d) for d in devices}
-        staging = {d: self._make_staging(d, n) for d, n in need.items()
-                   if d not in self._staging or self._staging[d]["host"][0].numel() < n}  # fmt: skip
+        pin = {d: self.pin_memory and d.type == "cuda" for d in devices}
+        new_pipelines = {d: Pipeline(d, n, pin[d], self) for d, n in need.items()
+                         if d not in self._pipelines or self._pipelines[d].nbytes < n}  # fmt: skip
         # Everything allocated: commit.
-        for d, s in staging.items():
-            if d in self._streams:
-                torch.cuda.synchronize(d)  # no copy of the last step still uses the old slots
-            self._staging[d] = s
+        for d, pipeline in new_pipelines.items():
+            old = self._pipelines.get(d)
+            if old is not None:
+                if old.cuda:
+                    torch.cuda.synchronize(d)  # no copy of the last step still uses the old slots
+                pipeline.h2d_events, pipeline.side_stream_hook = (
+                    old.h2d_events,
+                    old.side_stream_hook,
+                )
+            self._pipelines[d] = pipeline
             for b in self.buckets:
                 b._slot_views.clear()
-            if d.type == "cuda" and d not in self._streams:
-                self._streams[d] = (torch.cuda.Stream(d), torch.cuda.Stream(d))  # D2H, H2D
         for arena in arenas:
             for k, p in enumerate(arena.params):
                 self._home[p] = (arena, k)
@@ -324,24 +220,6 @@ class HybridAdamW(Optimizer):
                 "several processes): call torch.set_num_threads(cores // local ranks)",
             )
         self._check_pinned()
-
-    def _make_staging(self, device: torch.device, nbytes: int) -> dict[str, list[torch.Tensor]]:
-        """Byte slots of ``nbytes`` for one device: host (pinned on CUDA) and, on CUDA, device
-        slots each way."""
-        pin = self.pin_memory and device.type == "cuda"
-        s = {
-            "host": [
-                alloc_host(nbytes, torch.uint8, pin, "grad staging", self) for _ in range(_SLOTS)
-            ]
-        }
-        if device.type == "cuda":
-            s["d2h"] = [
-                torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(_SLOTS)
-            ]
-            s["h2d"] = [
-                torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(_SLOTS)
-            ]
-        return s
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -360,9 +238,9 @@ class HybridAdamW(Optimizer):
                         a.weight,
                     )
                 )
-        for d, s in self._staging.items():
+        for d, pipeline in self._pipelines.items():
             if d.type == "cuda":
-                out += [(f"{d} grad staging slot {i}", t) for i, t in enumerate(s["host"])]
+                out += [(f"{d} grad staging slot {i}", t) for i, t in enumerate(pipeline.host)]
         return out
 
     def _check_pinned(self) -> None:
@@ -384,7 +262,7 @@ class HybridAdamW(Optimizer):
     def host_nbytes(self) -> int:
         """Bytes of host memory held for optimizer state and staging."""
         n = sum(3 * a.nbytes for a in self.arenas)
-        return n + sum(sum(t.numel() for t in s["host"]) for s in self._staging.values())
+        return n + sum(sum(t.numel() for t in p.host) for p in self._pipelines.values())
 
     @property
     def pinned_nbytes(self) -> int:
@@ -401,13 +279,10 @@ class HybridAdamW(Optimizer):
         state before the update), ``h2d_ms`` and ``d2h_ms`` (GPU time of the
         copies and casts on the side streams), ``d2h_nbytes`` / ``h2d_nbytes`` (bytes over the
         link), ``step_ms`` (host wall time of ``step()``)."""
-        if self._timing:
-            totals = {"d2h_ms": 0.0, "h2d_ms": 0.0}
-            for key, start, end in self._timing:
-                end.synchronize()  # the events of the last step; long done by the next forward
-                totals[key] += start.elapsed_time(end)
-            self._stats.update(totals)
-            self._timing = []
+        for pipeline in self._pipelines.values():
+            if pipeline.timing:
+                for key, ms in pipeline.collect_timing().items():
+                    self._stats[key] = self._stats.get(key, 0.0) + ms
         return dict(self._stats)
 
     # ------------------------------------------------------------------ step
@@ -429,11 +304,11 @@ class HybridAdamW(Optimizer):
             ("d2h_wait_ms", "cpu_update_ms", "device_update_ms", "h2d_ms", "d2h_ms"), 0.0
         )
         stats.update(d2h_nbytes=0, h2d_nbytes=0, collect_ms=collect_ms)
-        self._timing = []
-        compute = {d: torch.cuda.current_stream(d) for d in self._streams}
+        for pipeline in self._pipelines.values():
+            pipeline.timing = []
         # Marks all work queued on the compute stream before this step (backward, clipping):
         # the side streams wait on it, so grads are final and no kernel still reads old weights.
-        before = {d: s.record_event() for d, s in compute.items()}
+        before = {d: p.record_start() for d, p in self._pipelines.items()}
         t = time.perf_counter()
         for gi, params in work["device"].items():
             self._device_update(self.param_groups[gi], params)
@@ -445,7 +320,10 @@ class HybridAdamW(Optimizer):
         for b, idx in work["host"]:
             by_device.setdefault(b.arena.device, []).append((b, idx))
         for device, items in by_device.items():
-            self._offloaded_update(device, items, before.get(device), stats)
+            self._pipelines[device].run(items, self.state, self.param_groups, before[device], stats)
+        for b, idx in work["host"]:
+            for i in idx:
+                self._mark_written(b.arena.params[b.segments[i].k])
         stats["step_ms"] = (time.perf_counter() - t0) * 1e3
         self._stats = stats
         return loss
@@ -541,35 +419,11 @@ class HybridAdamW(Optimizer):
             mirror.copy_(current)
         self._mark_written(p)
 
-    def _lr_for(self, group: dict[str, Any], device: torch.device):
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and lr.device != device:
-            # One synchronous copy: the kernel must not read an lr still in flight (torch's
-            # functional fused path moves it with non_blocking=True and can race).
-            return lr.to(device)
-        return lr
-
-    def _adamw(
-        self, group: dict[str, Any], weights, grads, exp_avgs, exp_avg_sqs, steps, increment=True
-    ) -> None:
-        """torch's own fused AdamW kernel over lists (per-param views and steps); with
-        ``increment=False`` the steps were already advanced (params split across buckets)."""
-        if not weights:
-            return
-        beta1, beta2 = group["betas"]
-        if increment:
-            torch._foreach_add_(steps, 1)
-        torch._fused_adamw_(
-            weights, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False,
-            lr=self._lr_for(group, weights[0].device), beta1=float(beta1), beta2=float(beta2),
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-        )  # fmt: skip
-
     def _device_update(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """Fused AdamW on the device, on the compute stream; fp32 masters where they exist,
         fed grads upcast chunk by chunk so the fp32 temporaries stay under ``bucket_nbytes``."""
         plain = [p for p in params if "master" not in self.state[p]]
-        self._adamw(group, plain, [p.grad for p in plain], *self._state_lists(plain))
+        fused_adamw(group, plain, [p.grad for p in plain], *self._state_lists(plain))
         mastered = [p for p in params if "master" in self.state[p]]
         chunk: list[torch.Tensor] = []
         nbytes = 0
@@ -579,7 +433,7 @@ class HybridAdamW(Optimizer):
             if nbytes >= self.bucket_nbytes or n == len(mastered) - 1:
                 masters = [self.state[q]["master"] for q in chunk]
                 grads = [q.grad.to(m.dtype) for q, m in zip(chunk, masters, strict=True)]
-                self._adamw(group, masters, grads, *self._state_lists(chunk))
+                fused_adamw(group, masters, grads, *self._state_lists(chunk))
                 torch._foreach_copy_(chunk, masters)  # weights = round(master)
                 for q in chunk:
                     self._mark_written(q)
@@ -588,101 +442,6 @@ class HybridAdamW(Optimizer):
     def _state_lists(self, params: list[torch.Tensor]):
         s = [self.state[p] for p in params]
         return [x["exp_avg"] for x in s], [x["exp_avg_sq"] for x in s], [x["step"] for x in s]
-
-    @staticmethod
-    def _grad_segments(b: Bucket, idx: list[int]) -> list[torch.Tensor]:
-        """The flat grad ranges of a bucket's segments ``idx``."""
-        segs = [b.segments[i] for i in idx]
-        return [b.arena.params[s.k].grad.reshape(-1)[s.lo : s.hi] for s in segs]
-
-    def _offloaded_update(self, device, items, before, stats) -> None:
-        """The bucket pipeline: D2H (k+1) and H2D (k-1) overlap the CPU update of bucket k.
-
-        ``items``: ``(bucket, segment indices whose param has a grad)`` in bucket order.
-        """
-        staging = self._staging[device]
-        cuda = device.type == "cuda"
-        d2h, h2d = self._streams[device] if cuda else (None, None)
-        if cuda:
-            d2h.wait_event(before)  # grads final: backward and any in-place edit of them done
-            h2d.wait_event(before)  # no queued compute kernel still reads the old weights
-        pending: dict[int, Any] = {}
-
-        def launch_d2h(n: int) -> None:
-            b, idx = items[n]
-            host_slot = staging["host"][n % _SLOTS]
-            if not cuda:
-                views = b.slot_views(host_slot)
-                torch._foreach_copy_([views[i] for i in idx], self._grad_segments(b, idx))
-                return
-            dev_slot = staging["d2h"][n % _SLOTS]
-            with torch.cuda.stream(d2h):
-                if self._side_stream_hook is not None:
-                    self._side_stream_hook("d2h")
-                start = d2h.record_event(torch.cuda.Event(enable_timing=True))
-                # On the side stream: a non-contiguous grad's flat copy is made (and freed) there.
-                grads = self._grad_segments(b, idx)
-                views = b.slot_views(dev_slot)
-                torch._foreach_copy_([views[i] for i in idx], grads)  # upcast on the GPU
-                # non_blocking: same dtype, both contiguous, host side pinned -> a true async DMA;
-                # the host reads it only after the event below.
-                host_slot[: b.nbytes].copy_(dev_slot[: b.nbytes], non_blocking=True)
-                pending[n] = d2h.record_event(torch.cuda.Event(enable_timing=True))
-                self._timing.append(("d2h_ms", start, pending[n]))
-            stats["d2h_nbytes"] += b.nbytes
-
-        for n in range(min(_SLOTS, len(items))):
-            launch_d2h(n)
-        for n, (b, idx) in enumerate(items):
-            group = self.param_groups[b.arena.group]
-            t = time.perf_counter()
-            if cuda:
-                pending.pop(n).synchronize()  # the host reads the pinned grads only once D2H landed
-                last_h2d = self._h2d_events.get(id(b))
-                if last_h2d is not None:
-                    last_h2d.synchronize()  # last step's H2D from these weights is done: safe to overwrite
-            stats["d2h_wait_ms"] += (time.perf_counter() - t) * 1e3
-            grads = b.slot_views(staging["host"][n % _SLOTS])
-            weights = b.state_views(b.arena.weight)
-            exp_avgs = b.state_views(b.arena.exp_avg)
-            exp_avg_sqs = b.state_views(b.arena.exp_avg_sq)
-            steps = [self.state[b.arena.params[seg.k]]["step"] for seg in b.segments]
-            t = time.perf_counter()
-            with torch.profiler.record_function("offloadopt.cpu_update"):
-                self._adamw(group, *([x[i] for i in idx] for x in (weights, grads, exp_avgs, exp_avg_sqs, steps)),
-                            increment=False)  # fmt: skip
-            stats["cpu_update_ms"] += (time.perf_counter() - t) * 1e3
-            if n + _SLOTS < len(items):
-                launch_d2h(n + _SLOTS)  # its slot's grads were consumed by the kernel above
-            targets = b.param_views()
-            if not cuda:
-                torch._foreach_copy_([targets[i] for i in idx], [weights[i] for i in idx])
-            else:
-                dev_slot = staging["h2d"][n % _SLOTS]
-                with torch.cuda.stream(h2d):
-                    if self._side_stream_hook is not None:
-                        self._side_stream_hook("h2d")
-                    start = h2d.record_event(torch.cuda.Event(enable_timing=True))
-                    # non_blocking: pinned source, same dtype, contiguous; the host does not write
-                    # these weights again before this bucket's event (checked at the next step).
-                    dev_slot[: b.nbytes].copy_(
-                        b.arena.weight[b.lo : b.hi].view(torch.uint8), non_blocking=True
-                    )
-                    views = b.slot_views(dev_slot)
-                    torch._foreach_copy_(
-                        [targets[i] for i in idx], [views[i] for i in idx]
-                    )  # downcast on the GPU
-                    ev = h2d.record_event(torch.cuda.Event(enable_timing=True))
-                self._h2d_events[id(b)] = ev
-                self._timing.append(("h2d_ms", start, ev))
-                stats["h2d_nbytes"] += b.nbytes
-        for b, idx in items:
-            for i in idx:
-                self._mark_written(b.arena.params[b.segments[i].k])
-        if cuda:
-            # GPU-side wait, no host sync: the next forward on the compute stream reads the
-            # params only after the last H2D (the h2d stream runs its copies in order).
-            torch.cuda.current_stream(device).wait_event(self._h2d_events[id(items[-1][0])])
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
