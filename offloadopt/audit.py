@@ -24,12 +24,9 @@ import bisect
 import contextlib
 import gzip
 import json
-import linecache
 import os
 import re
-import sys
 import tempfile
-import tokenize
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -37,13 +34,14 @@ from typing import Any
 
 import torch
 
+from offloadopt import callsite
+from offloadopt.callsite import FRAME, Stacks, callee_name, num
+
 __all__ = ["PageableCopyError", "CallSite", "CopyRow", "AuditReport", "summarize"]
 __all__ += ["load_trace_events", "Audit", "audit", "check_pinned"]
 
 # "Memcpy HtoD (Pinned -> Device)"; kinds may hold spaces ("Device Static").
 MEMCPY_NAME = re.compile(r"^\s*Memcpy\s+(\w+)\s*\(\s*([^()]*?)\s*->\s*([^()]*?)\s*\)\s*$")
-_FRAME = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<func>.+)$")
-_BUILTIN = re.compile(r"^<built-in (?:method|function) ([\w.]+)(?: of (\w+) object)?")
 # Frames that are not the user's: built-ins (<built-in ...>, <frozen ...>), torch's own Python,
 # and stdlib plumbing between a call site and torch.
 INTERNAL_FRAMES = (
@@ -80,12 +78,12 @@ class CallSite:
     @property
     def file(self) -> str:
         """File of the innermost user frame, as the trace names it (relative to sys.path)."""
-        m = _FRAME.match(self.frames[0] if self.frames else "")
+        m = FRAME.match(self.frames[0] if self.frames else "")
         return m["file"] if m else ""
 
     @property
     def function(self) -> str:
-        m = _FRAME.match(self.frames[0] if self.frames else "")
+        m = FRAME.match(self.frames[0] if self.frames else "")
         return m["func"] if m else ""
 
     def __str__(self) -> str:
@@ -215,13 +213,6 @@ class AuditReport:
         return self
 
 
-def _num(x: Any) -> float:
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return 0.0
-
-
 def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[tuple[float, float]] = []
     for s, e in sorted(intervals):
@@ -239,92 +230,6 @@ def _covered(merged: list[tuple[float, float]], starts: list[float], s: float, e
         total += max(0.0, min(e, merged[i][1]) - max(s, merged[i][0]))
         i += 1
     return total
-
-
-class _Stacks:
-    """Python frames of one thread, nested by time; ``at(t)`` gives the stack, innermost first."""
-
-    def __init__(self, events: list[dict]) -> None:
-        evs = sorted(events, key=lambda e: (_num(e.get("ts")), -_num(e.get("dur"))))
-        self.starts = [_num(e.get("ts")) for e in evs]
-        self.ends = [s + _num(e.get("dur")) for s, e in zip(self.starts, evs, strict=True)]
-        self.names = [str(e.get("name", "")) for e in evs]
-        self.parent: list[int] = []
-        open_: list[int] = []
-        for i, s in enumerate(self.starts):
-            while open_ and self.ends[open_[-1]] <= s:
-                open_.pop()
-            self.parent.append(open_[-1] if open_ else -1)
-            open_.append(i)
-
-    def at(self, t: float) -> list[str]:
-        # With proper nesting, the innermost frame holding t is an ancestor of the last one
-        # that started before t.
-        i = bisect.bisect_right(self.starts, t) - 1
-        while i >= 0 and self.ends[i] < t:
-            i = self.parent[i]
-        chain = []
-        while i >= 0:
-            chain.append(self.names[i])
-            i = self.parent[i]
-        return chain
-
-
-def _callee_name(frame: str) -> tuple[str, str]:
-    """(display name, identifier searched in the source) of a non-user frame."""
-    m = _BUILTIN.match(frame)
-    if m:
-        name = m[1].rsplit(".", 1)[-1]
-        return (f"Tensor.{name}" if m[2] in ("Tensor", "TensorBase") else m[1]), name
-    m = _FRAME.match(frame)
-    return (frame, m["func"]) if m else (frame, "")
-
-
-def _find_source(file: str, cache: dict[str, str | None]) -> str | None:
-    if file not in cache:
-        roots = ["", os.getcwd(), *sys.path] if not os.path.isabs(file) else [""]
-        cache[file] = next((p for r in roots if os.path.isfile(p := os.path.join(r, file))), None)
-    return cache[file]
-
-
-def _block(lines: list[str], start: int) -> list[str]:
-    """The statement at ``lines[start]`` with its indented body (a def, a with block...)."""
-    rows, base, body = 0, None, False
-    try:
-        for tok in tokenize.generate_tokens(iter(lines[start:]).__next__):
-            if tok.type in (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT):
-                continue
-            col = len(tok.line) - len(tok.line.lstrip())
-            if base is None:
-                base = col
-            elif tok.start[0] > rows and col <= base and body and tok.type != tokenize.ENDMARKER:
-                break  # a sibling or outer statement begins
-            if tok.type == tokenize.NEWLINE:
-                rows, body = tok.end[0], not tok.line.lstrip().startswith("@") or body
-            elif tok.type == tokenize.ENDMARKER:
-                break
-    except (tokenize.TokenError, IndentationError, SyntaxError):
-        pass
-    return lines[start : start + max(rows, 1)]
-
-
-def _resolve_lines(frame: str, tokens: list[str], cache: dict) -> tuple[int, ...]:
-    m = _FRAME.match(frame)
-    path = _find_source(m["file"], cache) if m else None
-    if path is None:
-        return ()
-    lines, first = linecache.getlines(path), int(m["line"])
-    if not 0 < first <= len(lines):
-        return ()
-    block = _block(lines, first - 1)
-    for tok in tokens:
-        if not tok.isidentifier() or tok.startswith("__"):
-            continue
-        pat = re.compile(rf"\b{re.escape(tok)}\s*\(")
-        hits = tuple(first + k for k, text in enumerate(block) if pat.search(text))
-        if hits:
-            return hits
-    return ()
 
 
 def summarize(
@@ -365,8 +270,8 @@ def summarize(
         if ph == "X" and cat in ("gpu_memcpy", "memcpy"):
             copies.append(e)
         elif ph == "X" and cat == "kernel":
-            s = _num(e.get("ts"))
-            kernels[e.get("pid")].append((s, s + _num(e.get("dur"))))
+            s = num(e.get("ts"))
+            kernels[e.get("pid")].append((s, s + num(e.get("dur"))))
         elif ph == "X" and cat in ("cuda_runtime", "cuda_driver") and "correlation" in args:
             runtime[args["correlation"]] = e
         elif ph == "X" and cat == "cpu_op" and "External id" in args:
@@ -380,13 +285,13 @@ def summarize(
 
     merged = {dev: _merge(iv) for dev, iv in kernels.items()}
     starts = {dev: [s for s, _ in iv] for dev, iv in merged.items()}
-    stacks = {k: _Stacks(v) for k, v in py.items()}
+    stacks = {k: Stacks(v) for k, v in py.items()}
     rows: dict[tuple[str, str, str], CopyRow] = {}
     sites: dict[tuple, CallSite] = {}
     src_cache: dict[str, str | None] = {}
 
     def is_user(frame: str) -> bool:
-        m = _FRAME.match(frame)
+        m = FRAME.match(frame)
         return m is not None and not any(r.search(m["file"]) for r in internal_re)
 
     def call_site(e: dict, args: dict) -> tuple[tuple[str, ...], str, list[str]]:
@@ -394,12 +299,12 @@ def summarize(
         flow = flow_src.get(flow_dst.get((e.get("pid"), e.get("tid"), e.get("ts"))))
         for a in (runtime.get(args.get("correlation")), flow, op):  # the host side, best first
             st = stacks.get((a.get("pid"), a.get("tid"))) if a else None
-            chain = st.at(_num(a.get("ts")) + _num(a.get("dur")) / 2) if st else []
+            chain = st.at(num(a.get("ts")) + num(a.get("dur")) / 2) if st else []
             if chain:
                 k = next((i for i, f in enumerate(chain) if is_user(f)), None)
                 if k is None:  # no user frame (a torch thread): show torch's innermost frames
                     return tuple(chain[:depth]), "", []
-                below = [_callee_name(f) for f in reversed(chain[:k])]  # outermost first
+                below = [callee_name(f) for f in reversed(chain[:k])]  # outermost first
                 user = tuple(f for f in chain[k:] if is_user(f))[:depth]
                 shown = below[:1] + below[-1:] if len(below) > 1 else below
                 return user, " > ".join(d for d, _ in shown), [tok for _, tok in below]
@@ -413,8 +318,8 @@ def summarize(
         row = rows.setdefault(key, CopyRow(*key))
         if not m and name not in row.names:
             row.names.append(name)
-        s, dur = _num(e.get("ts")), max(_num(e.get("dur")), 0.0)
-        nbytes = int(_num(args.get("bytes")))
+        s, dur = num(e.get("ts")), max(num(e.get("dur")), 0.0)
+        nbytes = int(num(args.get("bytes")))
         row.count, row.nbytes, row.time_us = row.count + 1, row.nbytes + nbytes, row.time_us + dur
         dev = e.get("pid")
         if dev in merged:
@@ -422,7 +327,11 @@ def summarize(
         frames, callee, tokens = call_site(e, args)
         site = sites.get((key, frames, callee))
         if site is None:
-            lines = _resolve_lines(frames[0], tokens, src_cache) if resolve_lines and frames else ()
+            lines = (
+                callsite.resolve_lines(frames[0], tokens, src_cache)
+                if resolve_lines and frames
+                else ()
+            )
             site = sites[(key, frames, callee)] = CallSite(frames, callee, lines)
             row.call_sites.append(site)
         site.count, site.nbytes = site.count + 1, site.nbytes + nbytes

@@ -1,25 +1,44 @@
 """The anchors the benchmark measures beside HybridAdamW, each built when importable.
 
-Each builder takes the model (on its device, initial weights loaded) and the learning rate and
-returns ``{"opt", "fraction", "kind", "numerics"}`` (and optionally ``"step"``, a callable
-doing the optimizer step and zero_grad). A missing package raises :class:`Unavailable`, which the
-benchmark records as "skipped".
+Each builder takes the bench's shared model (on its device, initial weights loaded) and the
+learning rate, and returns a dict:
+
+- ``opt``: the optimizer (read for ``stats``, ``pinned_nbytes``, ``host_nbytes`` if it has them).
+- ``fraction``, ``kind`` ("anchor"), ``numerics``: "same", or a short name of different math
+  (then the weights are compared with the baseline's but not judged).
+- optionally ``model``: its own model to train instead (a deep copy, a wrapper, an engine);
+  the shared model must stay usable, so an anchor that changes a module in place copies it.
+- optionally ``step()`` (optimizer step and zero_grad), ``loss(model, x, y)``,
+  ``backward(loss)``, ``weights(model) -> {name: CPU tensor}`` with the shared model's
+  ``state_dict`` names and dtypes (for the drift check), and ``close()`` (run after the
+  configuration, to free what garbage collection alone would not).
+
+A builder that takes a ``batch_size`` keyword gets the bench's. A missing package (or a
+device the anchor cannot use) raises :class:`Unavailable`, which the benchmark records as
+"skipped".
 """
 
 from __future__ import annotations
 
+import atexit
+import copy
 import functools
 import importlib.util
+import logging
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from offloadopt.harness.models import transformer_blocks
+
 __all__ = ["Unavailable", "ANCHORS", "megatron_hybrid_optimizer_class"]
 
 
 class Unavailable(RuntimeError):
-    """The anchor's package is not importable here."""
+    """The anchor's package is not importable here, or the anchor cannot use this device."""
 
 
 def megatron_hybrid_optimizer_class():
@@ -110,10 +129,136 @@ def torch_adamw(model: torch.nn.Module, lr: float) -> dict[str, Any]:
     }
 
 
+def _single_rank_group(device: torch.device) -> None:
+    """A torch.distributed process group of one rank, for the engines that need one: RANK=0,
+    LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT where unset; nccl
+    on a GPU, gloo on the CPU. Kept for the process (later anchors reuse it), destroyed at exit."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1")):  # fmt: skip
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))  # port 0: the OS picks a free one
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+
+
+def _float_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    return {k: v.dtype for k, v in model.state_dict().items() if v.is_floating_point()}
+
+
+def _host_weights(
+    module: torch.nn.Module, dtypes: dict[str, torch.dtype]
+) -> dict[str, torch.Tensor]:
+    """``module``'s state as plain CPU tensors, for the entries of ``dtypes`` (the shared model's
+    floating-point ``state_dict`` names): DTensors gathered whole, each cast to that entry's
+    dtype, so fp32 masters compare as the bf16 weights they give the forward."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in module.state_dict().items():
+        if k in dtypes:
+            v = v.full_tensor() if isinstance(v, DTensor) else v
+            out[k] = v.detach().to("cpu", dtypes[k], copy=True)
+    return out
+
+
+def deepspeed_zero2(model: torch.nn.Module, lr: float, batch_size: int = 1) -> dict[str, Any]:
+    """DeepSpeed ZeRO-2 with ``offload_optimizer: cpu`` (pinned), one rank, on a deep copy.
+
+    Its engine casts the copy to bf16 and flattens its params in place. During backward the
+    grads are reduced in buckets and copied D2H into fp32 host buffers; in ``step()`` its own
+    AVX CPU Adam (``DeepSpeedCPUAdam``, which the config's AdamW type selects) updates the fp32
+    masters on the host, which are cast to bf16 there, into a pinned buffer, and go back H2D as
+    one flat copy. No clipping, one micro batch per step. The engine does the forward
+    (``engine(x)``), ``engine.backward(loss)`` and ``engine.step()`` (which also zeroes the
+    grads); ZeRO-2 keeps the full bf16 params on ``engine.module``.
+
+    DeepSpeedCPUAdam compiles itself at first use (about a minute on the GPU host), inside
+    ``deepspeed.initialize``: that time lands in the configuration's ``construct_s``, not in its
+    steps. Raises :class:`Unavailable` without deepspeed or without a CUDA device.
+    """
+    if importlib.util.find_spec("deepspeed") is None:
+        raise Unavailable("deepspeed is not installed")
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise Unavailable(f"DeepSpeed ZeRO-Offload needs a CUDA device, not {device.type}")
+    _single_rank_group(device)
+    try:
+        import deepspeed
+    except Exception as e:  # noqa: BLE001 - any import failure means unavailable
+        raise Unavailable(f"deepspeed: {e}") from e
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines bury the table
+    dtypes = _float_dtypes(model)
+    hp = adamw_kwargs(lr)
+    config = {
+        "train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0, "steps_per_print": 2**31 - 1,
+        "bf16": {"enabled": next(model.parameters()).dtype == torch.bfloat16},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": hp["lr"], "betas": list(hp["betas"]),
+                                                  "eps": hp["eps"], "weight_decay": hp["weight_decay"]}},
+    }  # fmt: skip
+    clone = copy.deepcopy(model)
+    engine, opt, _, _ = deepspeed.initialize(
+        model=clone, model_parameters=clone.parameters(), config=config
+    )
+    return {
+        "model": engine, "opt": opt, "step": engine.step, "backward": engine.backward,
+        "weights": lambda e: _host_weights(e.module, dtypes), "close": engine.destroy,
+        "fraction": 1.0, "kind": "anchor", "numerics": "DeepSpeed CPU Adam",
+    }  # fmt: skip
+
+
+def fsdp2_cpu_offload(model: torch.nn.Module, lr: float) -> dict[str, Any]:
+    """PyTorch FSDP2 (``fully_shard``) with ``CPUOffloadPolicy(pin_memory=True)``, one rank, on
+    an fp32 deep copy: one FSDP group per transformer block, then the root (embeddings, final
+    norm, head).
+
+    The fp32 params (the masters), their grads and torch's fused AdamW state live in pinned
+    host memory. Before each group's forward and backward its fp32 params are copied H2D and
+    cast to the model's dtype (``MixedPrecisionPolicy``); after backward its grads are reduced
+    in fp32 and copied D2H; ``opt.step()`` runs on the CPU. That is the baseline's math (fp32
+    masters and moments, bf16 compute, torch's fused AdamW), so it is judged as "same".
+
+    On a CPU device (the tests) the params live on the host already: no offload policy, gloo.
+    """
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    except ImportError as e:
+        raise Unavailable(f"FSDP2: {e}") from e
+    device = next(model.parameters()).device
+    _single_rank_group(device)
+    dtypes = _float_dtypes(model)
+    mp = MixedPrecisionPolicy(
+        param_dtype=next(model.parameters()).dtype, reduce_dtype=torch.float32
+    )
+    shard: dict[str, Any] = {"mesh": init_device_mesh(device.type, (1,)), "mp_policy": mp}
+    if device.type == "cuda":
+        shard["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    clone = copy.deepcopy(model).float()  # fully_shard changes modules in place
+    for block in transformer_blocks(clone):
+        fully_shard(block, **shard)
+    fully_shard(clone, **shard)
+    opt = torch.optim.AdamW(clone.parameters(), fused=True, **adamw_kwargs(lr))
+    return {
+        "model": clone, "opt": opt, "weights": lambda m: _host_weights(m, dtypes),
+        "fraction": 1.0, "kind": "anchor", "numerics": "same",
+    }  # fmt: skip
+
+
 # name -> (builder, slow): slow anchors get BenchConfig.slow_steps timed steps.
 ANCHORS: dict[str, tuple[Any, bool]] = {
     "megatron:0": (megatron(0.0, fix_pinning=False, fused_cpu=False), False),
     "megatron:1": (megatron(1.0, fix_pinning=False, fused_cpu=False), True),
     "megatron-pinfix-fused:1": (megatron(1.0, fix_pinning=True, fused_cpu=True), False),
     "torchao": (torchao_offload, False),
+    "deepspeed-zero2": (deepspeed_zero2, False),
+    "fsdp2-cpuoffload": (fsdp2_cpu_offload, False),
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import inspect
 import json
 import math
 import statistics
@@ -21,9 +22,10 @@ from typing import Any
 
 import torch
 
-from offloadopt.harness import anchors
+from offloadopt.harness import anchors, models
 from offloadopt.harness.data import get_batch, load_text, mock_data
-from offloadopt.harness.gpt import GPT, PRESETS
+from offloadopt.harness.probes import time_kernel, time_link
+from offloadopt.harness.report import format_table, plot
 from offloadopt.harness.train import host_rss_nbytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -37,7 +39,7 @@ DRIFT_FACTOR = 3.0
 
 @dataclass
 class BenchConfig:
-    preset: str = "gpt2-xl"  # model preset (offloadopt.harness.gpt.PRESETS)
+    preset: str = "gpt2-xl"  # model preset (offloadopt.harness.models.MODEL_PRESETS)
     device: str = "cuda"  # cuda, or cpu for a smoke test of the harness
     dtype: str = "bf16"  # model weights: bf16 or fp32
     batch_size: int = 4  # sequences per step
@@ -86,76 +88,18 @@ def _pinned_nbytes(opt: Any) -> int:
         return 0
 
 
-def time_kernel(shapes: list[torch.Size], reps: int = 5) -> dict[str, float]:
-    """torch's fused AdamW kernel alone over fp32 host tensors shaped like the model's params,
-    and the two CPU casts it would need with bf16 grads and weights; medians in ms."""
-    n = sum(math.prod(s) for s in shapes)
-    params = [torch.randn(s) for s in shapes]
-    grads = [torch.randn(s) for s in shapes]
-    m = [torch.zeros(s) for s in shapes]
-    v = [torch.zeros(s) for s in shapes]
-    steps = [torch.zeros(()) for _ in shapes]
-    kernel = []
-    for i in range(reps + 1):
-        t = time.perf_counter()
-        torch._foreach_add_(steps, 1)
-        torch._fused_adamw_(params, grads, m, v, [], steps, amsgrad=False, lr=1e-4, beta1=0.9,
-                            beta2=0.95, weight_decay=0.1, eps=1e-8, maximize=False)  # fmt: skip
-        if i:
-            kernel.append((time.perf_counter() - t) * 1e3)
-    del m, v
-    low = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
-    casts = []
-    for i in range(reps + 1):
-        t = time.perf_counter()
-        torch._foreach_copy_(grads, low)  # bf16 grad -> fp32
-        torch._foreach_copy_(low, params)  # fp32 master -> bf16 weight
-        if i:
-            casts.append((time.perf_counter() - t) * 1e3)
-    kernel_ms, casts_ms = statistics.median(kernel), statistics.median(casts)
-    return {"kernel_ms": kernel_ms, "kernel_ns_per_param": kernel_ms * 1e6 / n,
-            "cpu_casts_ms": casts_ms, "cpu_casts_ns_per_param": casts_ms * 1e6 / n, "params": n}  # fmt: skip
-
-
-def time_link(device: torch.device, nbytes: int = 2**30, reps: int = 5) -> dict[str, float]:
-    """GB/s of one pinned copy each way, for fp32 and bf16 (the cast-placement question)."""
-    out = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        n = nbytes // dtype.itemsize
-        host = torch.empty(n, dtype=dtype, pin_memory=True)
-        dev = torch.empty(n, dtype=dtype, device=device)
-        for name, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
-            times = []
-            for _ in range(reps):
-                start, end = (
-                    torch.cuda.Event(enable_timing=True),
-                    torch.cuda.Event(enable_timing=True),
-                )
-                start.record()
-                dst.copy_(src, non_blocking=True)  # pinned host side: a true async DMA
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            out[f"{name}_{str(dtype).split('.')[-1]}_gbps"] = (
-                nbytes / statistics.median(times) / 1e6
-            )
-        del host, dev
-    _empty_caches(device)
-    return out
-
-
 class Bench:
     """Holds the model, its initial weights and the batches shared by every configuration."""
 
     def __init__(self, cfg: BenchConfig):
         self.cfg = cfg
         self.device = torch.device(cfg.device)
-        self.model_cfg = PRESETS[cfg.preset]
         torch.manual_seed(cfg.seed)
-        with self.device:
-            self.model = GPT(self.model_cfg).to(DTYPES[cfg.dtype])
+        self.model = models.build_model(cfg.preset, self.device, DTYPES[cfg.dtype])
+        self.loss = models.loss_fn(cfg.preset)  # loss(model, x, y), the model or a wrapper of it
         self.init = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        data = mock_data(self.model_cfg.vocab_size) if cfg.mock_data else load_text(cfg.data)
+        vocab_size = models.vocab_size(self.model)
+        data = mock_data(vocab_size) if cfg.mock_data else load_text(cfg.data)
         self.data = data
         gen = torch.Generator().manual_seed(cfg.seed)
         n = cfg.warmup + max(cfg.steps, cfg.slow_steps)
@@ -166,20 +110,30 @@ class Bench:
         self.baseline: dict[int, dict[str, torch.Tensor]] = {}  # steps taken -> weights
         self.noise_floor: float | None = None  # RMS relative difference of two baseline runs
 
-    def reset_model(self) -> GPT:
+    def reset_model(self) -> torch.nn.Module:
+        self.model.to(self.device)  # back from the host if the last configuration parked it
         self.model.load_state_dict(self.init)
         self.model.zero_grad(set_to_none=True)
         return self.model
 
     def run(self, name: str, build, slow: bool = False) -> dict[str, Any]:
-        """Build one configuration, warm it up, time it, audit it, check its weights."""
+        """Build one configuration, warm it up, time it, audit it, check its weights.
+
+        ``build(model, lr)`` (also ``batch_size=`` when it takes that keyword) returns the
+        dict anchors.py describes. A configuration that trains its own copy of the model gets
+        the shared one parked on the host meanwhile, so the shared weights do not count in its
+        peak GPU memory; its host figures then include them (``parked_gb``).
+        """
         cfg, device = self.cfg, self.device
         _empty_caches(device)
         rss_before = host_rss_nbytes()
         t = time.perf_counter()
-        built = build(self.reset_model(), cfg.lr)
+        sized = "batch_size" in inspect.signature(build).parameters
+        built = build(
+            self.reset_model(), cfg.lr, **({"batch_size": cfg.batch_size} if sized else {})
+        )
         model, opt, step_fn = built.get("model", self.model), built["opt"], built.get("step")
-        forward = built.get("loss", lambda m, x, y: m(x, y)[1])
+        forward = built.get("loss", self.loss)
         backward = built.get("backward", lambda loss: loss.backward())
         weights = built.get("weights", self._weights)
         if step_fn is None:
@@ -189,6 +143,11 @@ class Bench:
                 o.zero_grad(set_to_none=True)
 
         construct_s = time.perf_counter() - t
+        shared = [*self.model.parameters(), *self.model.buffers()]
+        parked_nbytes = 0
+        if device.type == "cuda" and not {id(p) for p in model.parameters()} & set(map(id, shared)):
+            parked_nbytes = sum(v.nbytes for v in shared)
+            self.model.to("cpu")  # reset_model brings it back
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         fb, total, stats = [], [], []
@@ -221,6 +180,7 @@ class Bench:
             "peak_gpu_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0,
             "host_rss_gb": host_rss_nbytes() / 1e9, "host_added_gb": (host_rss_nbytes() - rss_before) / 1e9,
             "pinned_gb": _pinned_nbytes(opt) / 1e9, "opt_host_gb": getattr(opt, "host_nbytes", 0) / 1e9,
+            "parked_gb": parked_nbytes / 1e9,
             "loss": float(loss.detach()), "timed_steps": len(total),
         }  # fmt: skip
         for key in stats[-1] if stats else ():
@@ -238,6 +198,8 @@ class Bench:
         result["checksum"] = sum(float(v.double().sum()) for v in weights(model).values())
         if cfg.audit and device.type == "cuda":
             result.update(self._audit(model, forward, backward, step_fn))
+        if built.get("close") is not None:
+            built["close"]()  # what garbage collection alone would not free
         del built, model, opt, step_fn
         _empty_caches(device)
         return result
@@ -321,7 +283,7 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     bench = Bench(cfg)
     device = bench.device
-    header = {"config": asdict(cfg), "torch": torch.__version__, "params": bench.model.num_params(),
+    header = {"config": asdict(cfg), "torch": torch.__version__, "params": models.num_params(bench.model),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
               "cpu_threads": torch.get_num_threads()}  # fmt: skip
     jobs = [("hybrid:0", _tagged(anchors.hybrid(0.0), baseline=True), False),
@@ -345,6 +307,7 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
         results.append({"name": "fused-kernel-alone", "kind": "kernel", **time_kernel(shapes)})
         if device.type == "cuda":
             results[-1].update(time_link(device))
+            _empty_caches(device)
         write()
     for name, builder, slow in tqdm(jobs, desc="configurations", disable=not cfg.progress):
         try:
@@ -362,69 +325,10 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     return results
 
 
-def format_table(results: list[dict[str, Any]]) -> str:
-    cols = f"{'configuration':<28} {'step ms':>8} {'fwd+bwd':>8} {'opt ms':>8} {'peak GB':>8} {'pinned GB':>9} {'pageable':>8}  status"
-    lines = [cols]
-    for r in results:
-        if r.get("kind") == "kernel":
-            lines.append(f"{r['name']:<28} kernel {r['kernel_ms']:.1f} ms ({r['kernel_ns_per_param']:.3f} ns/param), "
-                         f"CPU casts {r['cpu_casts_ms']:.1f} ms")  # fmt: skip
-            continue
-        if "step_ms" not in r:
-            lines.append(f"{r['name']:<28} {r.get('status', '')}")
-            continue
-        lines.append(
-            f"{r['name']:<28} {r['step_ms']:>8.1f} {r['fwd_bwd_ms']:>8.1f} {r['opt_ms']:>8.1f} "
-            f"{r['peak_gpu_gb']:>8.2f} {r['pinned_gb']:>9.2f} {r.get('pageable_copies', '-'):>8}  {r.get('status', '')}"
-        )
-    return "\n".join(lines)
-
-
-def plot(results: list[dict[str, Any]], path: Path) -> None:
-    """Step time and peak GPU memory against offload fraction; anchors as marked points."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install offloadopt[bench])")
-        return
-    ok = [r for r in results if "step_ms" in r]
-    hybrid = sorted((r for r in ok if r["kind"] == "hybrid"), key=lambda r: r["fraction"])
-    others = [r for r in ok if r["kind"] != "hybrid" and r.get("fraction") is not None]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, label in (
-        (axes[0], "step_ms", "step time (ms, median)"),
-        (axes[1], "peak_gpu_gb", "peak GPU memory (GB)"),
-    ):
-        ax.plot(
-            [r["fraction"] for r in hybrid], [r[key] for r in hybrid], "o-", label="HybridAdamW"
-        )
-        for r in others:
-            ax.scatter([r["fraction"]], [r[key]], marker="x", s=60)
-            ax.annotate(
-                r["name"],
-                (r["fraction"], r[key]),
-                fontsize=7,
-                xytext=(4, 4),
-                textcoords="offset points",
-            )
-        ax.set_xlabel("offload fraction")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(
-        f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, torch {torch.__version__}"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     d = BenchConfig()
-    p.add_argument("--preset", default=d.preset, choices=sorted(PRESETS))
+    p.add_argument("--preset", default=d.preset, choices=models.MODEL_PRESETS,
+                   help="GPT presets; hf-* build a transformers model from its config")  # fmt: skip
     p.add_argument("--device", default=d.device, help="cuda (default) or cpu")
     p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")

@@ -1,0 +1,148 @@
+"""The models the benchmark trains: the harness's GPT presets, or a transformers model built
+from its config class (random initialisation, nothing downloaded) for the ``hf-*`` presets.
+
+Every model takes the same batches: ``x`` and ``y``, (batch, seq) int64 token ids on the
+model's device, ``y`` already shifted by one token, and every loss is the fp32 mean
+cross-entropy in nats. The transformers models use ``sdpa`` attention and no dropout, as the
+GPT does, so a step costs what training would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from offloadopt.harness.gpt import GPT, PRESETS
+
+# name -> (transformers config class, its arguments)
+HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    # the "gpt2-xl" preset's shape as transformers writes GPT-2: 1.56e9 params, tied head
+    "hf-gpt2-xl": (
+        "GPT2Config",
+        dict(
+            n_layer=48,
+            n_embd=1600,
+            n_head=25,
+            vocab_size=50304,
+            n_positions=1024,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
+    ),  # fmt: skip
+    # TinyLlama-1.1B's shape: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head
+    "hf-llama-1b": (
+        "LlamaConfig",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=22,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            intermediate_size=5632,
+            vocab_size=32000,
+            max_position_embeddings=2048,
+        ),
+    ),  # fmt: skip
+    # byte vocabularies, for the CPU tests
+    "hf-gpt2-tiny": (
+        "GPT2Config",
+        dict(
+            n_layer=2,
+            n_embd=64,
+            n_head=4,
+            vocab_size=256,
+            n_positions=128,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+    ),  # fmt: skip
+    "hf-llama-tiny": (
+        "LlamaConfig",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=176,
+            vocab_size=256,
+            max_position_embeddings=128,
+        ),
+    ),  # fmt: skip
+}
+MODEL_PRESETS: list[str] = [*PRESETS, *HF_PRESETS]
+# where each model family keeps its list of transformer blocks
+_BLOCK_PATHS = ("transformer.h", "model.layers")  # GPT and transformers' GPT-2; Llama
+
+
+def build_model(preset: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A freshly initialised model of ``preset`` on ``device``, its params in ``dtype``; seed
+    torch first for the same weights. Raises ``ValueError`` for an unknown preset and
+    ``ImportError`` for an ``hf-*`` preset without transformers."""
+    if preset in PRESETS:
+        with device:
+            return GPT(PRESETS[preset]).to(dtype)
+    if preset not in HF_PRESETS:
+        raise ValueError(f"Invalid preset: {preset!r} (choose from {MODEL_PRESETS})")
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(f"preset {preset!r} needs transformers (pip install transformers)") from e
+    config_cls, kwargs = HF_PRESETS[preset]
+    config = getattr(transformers, config_cls)(
+        **kwargs, use_cache=False, attn_implementation="sdpa"
+    )
+    # Built in dtype, as from_pretrained(dtype=...) does, rather than cast after: buffers that
+    # transformers computes in fp32 on purpose (RoPE's inv_freq) stay fp32.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            return transformers.AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def gpt_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(x, y)[1]
+
+
+def hf_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """fp32 cross-entropy of a transformers causal LM's logits against ``y`` (already shifted,
+    so no ``labels``: transformers would shift them again)."""
+    logits = model(input_ids=x).logits  # (batch, seq, vocab) in the model's dtype
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+
+def loss_fn(preset: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss(model, x, y) -> 0-dim fp32 loss`` for the models of ``preset``; ``model`` may be
+    a wrapper (an FSDP module, a DeepSpeed engine) that takes the same arguments."""
+    return hf_loss if preset in HF_PRESETS else gpt_loss
+
+
+def vocab_size(model: nn.Module) -> int:
+    return model.cfg.vocab_size if isinstance(model, GPT) else model.config.vocab_size
+
+
+def num_params(model: nn.Module) -> int:
+    """Parameter elements, a tied head counted once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's list of transformer blocks (the unit FSDP shards by); ``ValueError`` when
+    the model keeps them nowhere known."""
+    for path in _BLOCK_PATHS:
+        try:
+            blocks = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(blocks, nn.ModuleList):
+            return blocks
+    raise ValueError(f"no transformer blocks at {_BLOCK_PATHS} in {type(model).__name__}")
