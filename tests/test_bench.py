@@ -1,17 +1,22 @@
 """The benchmark harness with a tiny model, the CPU standing in for the device."""
 
 import json
+import os
+import sys
+from unittest import mock
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from offloadopt.harness import anchors
-from offloadopt.harness.bench import Bench, BenchConfig, format_table, run_bench
+from offloadopt.harness import anchors, models
+from offloadopt.harness.bench import Bench, BenchConfig, _tagged, format_table, run_bench
 
 
 def tiny(tmp_path, **kw):
-    kw = {"anchors": [], **kw}
-    return BenchConfig(preset="tiny", device="cpu", batch_size=2, seq_len=16, warmup=1, steps=2,
-                       slow_steps=1, out=str(tmp_path), progress=False, **kw)  # fmt: skip
+    kw = {"anchors": [], "preset": "tiny", **kw}
+    return BenchConfig(device="cpu", batch_size=2, seq_len=16, warmup=1, steps=2, slow_steps=1,
+                       out=str(tmp_path), progress=False, **kw)  # fmt: skip
 
 
 def test_run_bench_writes_json_and_every_hybrid_fraction_matches_the_baseline(tmp_path, capsys):
@@ -58,3 +63,71 @@ def test_unknown_anchor_is_a_clear_error_before_anything_runs(tmp_path):
     with pytest.raises(ValueError, match="Invalid anchor: 'nope'"):
         run_bench(tiny(tmp_path, anchors=["nope"]))
     assert not (tmp_path / "bench.json").exists()
+
+
+def test_a_builder_that_takes_batch_size_gets_the_benchs_and_its_close_runs_once(tmp_path):
+    bench = Bench(tiny(tmp_path))
+    seen = []
+
+    def build(model, lr, batch_size=None):
+        seen.append(batch_size)
+        return {**anchors.hybrid(0.5)(model, lr), "close": lambda: seen.append("closed")}
+
+    bench.run("sized", build)
+    assert seen == [2, "closed"]
+
+
+@pytest.mark.parametrize("preset", ["hf-gpt2-tiny", "hf-llama-tiny"])
+def test_transformers_presets_run_through_the_bench_and_fraction_1_matches(tmp_path, preset):
+    pytest.importorskip("transformers")
+    results = run_bench(tiny(tmp_path, preset=preset, fractions=[0.0, 1.0], kernel=False))
+    assert [r["name"] for r in results] == ["hybrid:0", "hybrid:0 (repeat)", "hybrid:1"]
+    assert results[2]["status"] == "ok" and results[2]["checksum"] == results[0]["checksum"]
+    assert 4.0 < results[0]["loss"] < 7.0  # about ln(256) = 5.55 after 3 steps from init
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["params"] == models.num_params(models.build_model(preset, "cpu", torch.float32))
+
+
+def test_an_hf_preset_without_transformers_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    with pytest.raises(ImportError, match="needs transformers"):
+        models.build_model("hf-gpt2-tiny", torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ValueError, match="Invalid preset: 'nope'"):
+        models.build_model("nope", torch.device("cpu"), torch.bfloat16)
+    assert {"hf-gpt2-xl", "hf-llama-1b", "gpt2-xl"} <= set(models.MODEL_PRESETS)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
+@pytest.mark.parametrize("preset", ["tiny", "hf-llama-tiny"])
+def test_fsdp2_anchor_is_bitwise_the_baseline_on_cpu_and_leaves_the_shared_model(tmp_path, preset):
+    if preset.startswith("hf-"):
+        pytest.importorskip("transformers")
+    bench = Bench(tiny(tmp_path, preset=preset))
+    base = bench.run("hybrid:0", _tagged(anchors.hybrid(0.0), baseline=True))
+    bench.run("repeat", _tagged(anchors.hybrid(0.0), repeat=True))
+    # On the CPU FSDP2 runs without the offload policy (the params live on the host already),
+    # with the same math: fp32 params, bf16 compute, fp32 grads, torch's fused CPU AdamW.
+    with mock.patch.dict(os.environ):  # RANK, MASTER_PORT, ... the anchor sets
+        try:
+            fsdp = bench.run("fsdp2-cpuoffload", anchors.fsdp2_cpu_offload)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    assert fsdp["status"] == "ok" and fsdp["rms_rel_diff"] == 0.0, fsdp
+    assert fsdp["checksum"] == base["checksum"]
+    again = bench.run("hybrid:0 after", anchors.hybrid(0.0))
+    assert again["checksum"] == base["checksum"]  # the shared model was left as it was
+
+
+def test_the_new_anchors_are_cleanly_unavailable_on_a_cpu_only_machine(tmp_path, monkeypatch):
+    bench = Bench(tiny(tmp_path))
+    with pytest.raises(anchors.Unavailable, match="deepspeed is not installed|CUDA device"):
+        anchors.deepspeed_zero2(bench.reset_model(), 1e-3)
+    assert not dist.is_available() or not dist.is_initialized()  # refused before any setup
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", None)  # a torch without FSDP2
+    with pytest.raises(anchors.Unavailable, match="FSDP2"):
+        anchors.fsdp2_cpu_offload(bench.reset_model(), 1e-3)
+    # run_bench measures anchors on a GPU only: on the CPU they are not even attempted
+    new = ["deepspeed-zero2", "fsdp2-cpuoffload"]
+    results = run_bench(tiny(tmp_path, anchors=new, fractions=[0.0], kernel=False))
+    assert [r["name"] for r in results] == ["hybrid:0", "hybrid:0 (repeat)"]

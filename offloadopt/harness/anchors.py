@@ -131,8 +131,9 @@ def torch_adamw(model: torch.nn.Module, lr: float) -> dict[str, Any]:
 
 def _single_rank_group(device: torch.device) -> None:
     """A torch.distributed process group of one rank, for the engines that need one: RANK=0,
-    LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT where unset; nccl
-    on a GPU, gloo on the CPU. Kept for the process (later anchors reuse it), destroyed at exit."""
+    LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT where unset. nccl
+    for CUDA tensors, gloo for any collective an engine runs on a CPU tensor. Kept for the
+    process (later anchors reuse it), destroyed at exit."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -144,7 +145,7 @@ def _single_rank_group(device: torch.device) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))  # port 0: the OS picks a free one
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 
@@ -156,14 +157,15 @@ def _host_weights(
     module: torch.nn.Module, dtypes: dict[str, torch.dtype]
 ) -> dict[str, torch.Tensor]:
     """``module``'s state as plain CPU tensors, for the entries of ``dtypes`` (the shared model's
-    floating-point ``state_dict`` names): DTensors gathered whole, each cast to that entry's
+    floating-point ``state_dict`` names): DTensors gathered whole on their mesh's device (as
+    torch's own ``_gather_state_dict`` does with CPU-offloaded ones), each entry cast to that
     dtype, so fp32 masters compare as the bf16 weights they give the forward."""
     from torch.distributed.tensor import DTensor
 
     out = {}
     for k, v in module.state_dict().items():
         if k in dtypes:
-            v = v.full_tensor() if isinstance(v, DTensor) else v
+            v = v.to(v.device_mesh.device_type).full_tensor() if isinstance(v, DTensor) else v
             out[k] = v.detach().to("cpu", dtypes[k], copy=True)
     return out
 
@@ -221,10 +223,12 @@ def fsdp2_cpu_offload(model: torch.nn.Module, lr: float) -> dict[str, Any]:
     norm, head).
 
     The fp32 params (the masters), their grads and torch's fused AdamW state live in pinned
-    host memory. Before each group's forward and backward its fp32 params are copied H2D and
-    cast to the model's dtype (``MixedPrecisionPolicy``); after backward its grads are reduced
-    in fp32 and copied D2H; ``opt.step()`` runs on the CPU. That is the baseline's math (fp32
-    masters and moments, bf16 compute, torch's fused AdamW), so it is judged as "same".
+    host memory. A group's fp32 params are copied H2D and cast to the model's dtype
+    (``MixedPrecisionPolicy``) when the group is needed: for its forward, and again for its
+    backward (blocks free theirs after forward); after backward its grads are reduced in fp32
+    and copied D2H; ``opt.step()`` runs on the CPU. That is the baseline's math (fp32 masters
+    and moments, bf16 compute, torch's fused AdamW), so it is judged as "same" (on the CPU it
+    is bitwise the baseline: tests/test_bench.py).
 
     On a CPU device (the tests) the params live on the host already: no offload policy, gloo.
     """

@@ -1,14 +1,17 @@
-"""The benchmark's results for people: one fixed-width table row per configuration, and a plot
-of step time and peak GPU memory against the offload fraction."""
+"""The benchmark's results for people: one fixed-width table row per configuration, a plot of
+step time and peak GPU memory against the offload fraction, and Markdown for RESULTS.md
+(``python -m offloadopt.harness.report bench-out/bench.json``)."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["format_table", "plot"]
+__all__ = ["format_table", "plot", "markdown"]
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
@@ -69,3 +72,60 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _f(x: Any, digits: int = 1) -> str:
+    return f"{x:.{digits}f}" if isinstance(x, (int, float)) else "-"
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The header line, the configurations table and the kernel/link figures of a bench.json."""
+    cfg = data["config"]
+    out = [
+        f"{cfg['preset']} ({data['params'] / 1e9:.2f}e9 params), {cfg['dtype']}, batch "
+        f"{cfg['batch_size']} x {cfg['seq_len']}, {data['gpu']}, {data['cpu_threads']} CPU threads, "
+        f"torch {data['torch']}; medians of {cfg['steps']} timed steps after {cfg['warmup']} "
+        f"warm-up ({cfg['slow_steps']} for the slow anchors).",
+        "",
+        "| configuration | step ms (min-max) | fwd+bwd ms | optimizer ms | CPU update ms | peak GPU GB "
+        "| optimizer host GB | pinned GB | link GB/step | pageable copies | weights vs baseline |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    kernel = None
+    for r in data["results"]:
+        if r.get("kind") == "kernel":
+            kernel = r
+            continue
+        if "step_ms" not in r:
+            out.append(f"| {r['name']} | {r.get('status', '')} |" + " |" * 9)
+            continue
+        spread = f"{_f(r['step_ms'])} ({_f(r['step_ms_min'])}-{_f(r['step_ms_max'])})"
+        rel = f" (RMS rel diff {r['rms_rel_diff']:.1e})" if "rms_rel_diff" in r else ""
+        out.append(
+            f"| {r['name']} | {spread} | {_f(r['fwd_bwd_ms'])} | {_f(r['opt_ms'])} "
+            f"| {_f(r.get('opt_stats_cpu_update_ms'))} | {_f(r['peak_gpu_gb'], 2)} "
+            f"| {_f(r.get('opt_host_gb') or None, 2)} | {_f(r['pinned_gb'], 2)} "
+            f"| {_f(r.get('link_nbytes', 0) / 1e9, 2)} | {r.get('pageable_copies', '-')} | {r.get('status', '')}{rel} |"
+        )
+    if kernel:
+        out += [
+            "",
+            f"torch's fused AdamW kernel alone on the host, fp32, {kernel['params'] / 1e9:.2f}e9 params: "
+            f"{_f(kernel['kernel_ms'])} ms ({kernel['kernel_ns_per_param']:.3f} ns/param); the two CPU casts "
+            f"(bf16 grad -> fp32, fp32 master -> bf16) would add {_f(kernel['cpu_casts_ms'])} ms "
+            f"({kernel['cpu_casts_ns_per_param']:.3f} ns/param).",
+        ]
+        if "h2d_float32_gbps" in kernel:
+            out.append(
+                f"Pinned copies of 1 GiB: H2D {_f(kernel['h2d_float32_gbps'])} GB/s fp32, "
+                f"{_f(kernel['h2d_bfloat16_gbps'])} bf16; D2H {_f(kernel['d2h_float32_gbps'])} fp32, "
+                f"{_f(kernel['d2h_bfloat16_gbps'])} bf16."
+            )
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m offloadopt.harness.report BENCH_JSON")
+    with open(sys.argv[1]) as f:
+        print(markdown(json.load(f)))
