@@ -18,7 +18,7 @@ for part in "${@:-all}"; do
     python3 tests/cuda/record_fixture.py "$OUT/audit_trace_h200.json" 2>&1 | tail -3
   fi
   if [[ $part == bench || $part == all ]]; then
-    timeout 420 python3 -m offloadopt bench --preset gpt2-xl --batch-size 4 --seq-len 1024 \
+    timeout 540 python3 -m offloadopt bench --preset gpt2-xl --batch-size 4 --seq-len 1024 \
       --warmup 3 --steps 10 --slow-steps 2 --no-progress --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -16
   fi
   if [[ $part == audit || $part == all ]]; then

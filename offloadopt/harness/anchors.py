@@ -263,6 +263,6 @@ ANCHORS: dict[str, tuple[Any, bool]] = {
     "megatron:1": (megatron(1.0, fix_pinning=False, fused_cpu=False), True),
     "megatron-pinfix-fused:1": (megatron(1.0, fix_pinning=True, fused_cpu=True), False),
     "torchao": (torchao_offload, False),
-    "deepspeed-zero2": (deepspeed_zero2, False),
     "fsdp2-cpuoffload": (fsdp2_cpu_offload, False),
+    "deepspeed-zero2": (deepspeed_zero2, False),  # last: its CPU Adam compiles itself first (~1 min)
 }
