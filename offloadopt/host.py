@@ -140,8 +140,9 @@ class Bucket:
     """A range ``[lo, hi)`` of an arena: the unit of the D2H -> CPU update -> H2D pipeline.
 
     Bucket boundaries may cut through a param (a 322 MB embedding need not have a 322 MB
-    staging slot); AdamW is elementwise, and each segment keeps its param's ``step``, so the
-    fused kernel over segments is bitwise the same as over whole params.
+    staging slot), at multiples of :data:`CUT_ALIGN` elements from its start; AdamW is
+    elementwise and each segment keeps its param's ``step``, so the fused kernel over segments
+    is bitwise the same as over whole params.
     """
 
     arena: Arena
@@ -189,6 +190,14 @@ class Bucket:
         return [self.arena.params[s.k].view(-1)[s.lo : s.hi] for s in self.segments]
 
 
+# Bucket boundaries inside a param fall on multiples of this many elements from the param's start:
+# torch's CPU fused kernel vectorises each tensor from its start in cache-line units (16 fp32,
+# 32 bf16) and handles only a tensor's last few elements with scalar code, which rounds
+# differently. Cutting a param at such a multiple keeps every element on the same code path as
+# in one whole-tensor call, so the result stays bitwise torch's.
+CUT_ALIGN = 64
+
+
 def build_arenas(
     items: list[tuple[torch.Tensor, str, int, torch.dtype]], bucket_nbytes: int
 ) -> tuple[list[Arena], list[Bucket]]:
@@ -210,18 +219,25 @@ def build_arenas(
         arenas[key].add(param, name, rank)
     buckets = []
     for arena in arenas.values():
-        size = max(1, bucket_nbytes // arena.dtype.itemsize)
-        k = 0
-        for lo in range(0, arena.numel, size):
-            hi = min(lo + size, arena.numel)
-            segments = []
-            while k < len(arena.params) and arena.offsets[k] < hi:
-                start, n = arena.offsets[k], arena.params[k].numel()
-                a, b = max(start, lo), min(start + n, hi)
-                segments.append(Segment(k, a - start, b - start, a - lo))
-                if start + n > hi:
-                    break  # the rest of param k goes to the next bucket
-                k += 1
-            buckets.append(Bucket(arena, lo, hi, segments))
+        size = max(CUT_ALIGN, bucket_nbytes // arena.dtype.itemsize)
+        lo, segments = 0, []
+        for k, p in enumerate(arena.params):
+            start, n, done = arena.offsets[k], p.numel(), 0
+            while done < n:
+                room = size - (start + done - lo)
+                take = n - done
+                if take > room:  # cut param k, at a multiple of CUT_ALIGN from its start
+                    take = (done + room) // CUT_ALIGN * CUT_ALIGN - done
+                if take <= 0:  # no aligned cut fits: close this bucket first
+                    buckets.append(Bucket(arena, lo, start + done, segments))
+                    lo, segments = start + done, []
+                    continue
+                segments.append(Segment(k, done, done + take, start + done - lo))
+                done += take
+                if start + done - lo >= size or done < n:
+                    buckets.append(Bucket(arena, lo, start + done, segments))
+                    lo, segments = start + done, []
+        if segments:
+            buckets.append(Bucket(arena, lo, arena.numel, segments))
     buckets.sort(key=lambda b: b.arena.ranks[b.segments[0].k])
     return list(arenas.values()), buckets

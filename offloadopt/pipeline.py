@@ -170,13 +170,13 @@ class Pipeline:
                     last_h2d.synchronize()  # last step's H2D from these weights is done: safe to overwrite
             stats["d2h_wait_ms"] += (time.perf_counter() - t) * 1e3
             lists = (b.state_views(b.arena.weight), b.slot_views(self.host[n % SLOTS]),
-                     b.state_views(b.arena.exp_avg), b.state_views(b.arena.exp_avg_sq),
-                     [state[b.arena.params[s.k]]["step"] for s in b.segments])  # fmt: skip
+                     b.state_views(b.arena.exp_avg), b.state_views(b.arena.exp_avg_sq))  # fmt: skip
+            # Only the segments whose param has a grad: the others may have no state yet.
+            steps = [state[b.arena.params[b.segments[i].k]]["step"] for i in idx]
             t = time.perf_counter()
             with torch.profiler.record_function("offloadopt.cpu_update"):
-                fused_adamw(
-                    groups[b.arena.group], *([x[i] for i in idx] for x in lists), increment=False
-                )
+                fused_adamw(groups[b.arena.group], *([x[i] for i in idx] for x in lists), steps,
+                            increment=False)  # fmt: skip
             stats["cpu_update_ms"] += (time.perf_counter() - t) * 1e3
             if n + SLOTS < len(items):
                 pending[n + SLOTS] = self._launch_d2h(

@@ -192,3 +192,24 @@ def test_sparse_grads_raise_naming_the_param():
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="sparse gradients: weight"):
         opt.step()
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_a_param_without_grad_sharing_a_bucket_with_one_that_has_one(fraction):
+    # An unused submodule: its params never get a grad, so never get state; they share the
+    # bucket of the used ones (found by a fresh user: KeyError 'step').
+    m = torch.nn.ModuleDict(
+        {"used": torch.nn.Linear(128, 128), "unused": torch.nn.Linear(128, 128)}
+    )
+    ref_m = torch.nn.ModuleDict({"used": torch.nn.Linear(128, 128)})
+    ref_m.load_state_dict({k: v for k, v in m.state_dict().items() if k.startswith("used")})
+    opt = HybridAdamW(m.parameters(), offload_fraction=fraction)
+    ref = torch.optim.AdamW(ref_m.parameters(), fused=True)
+    x = torch.randn(2, 128)
+    for _ in range(2):
+        for model, o in ((m, opt), (ref_m, ref)):
+            model["used"](x).sum().backward()
+            o.step()
+            o.zero_grad()
+    assert not any(p in opt.state for p in m["unused"].parameters())
+    torch.testing.assert_close(m["used"].weight, ref_m["used"].weight, rtol=0, atol=0)

@@ -264,5 +264,8 @@ ANCHORS: dict[str, tuple[Any, bool]] = {
     "megatron-pinfix-fused:1": (megatron(1.0, fix_pinning=True, fused_cpu=True), False),
     "torchao": (torchao_offload, False),
     "fsdp2-cpuoffload": (fsdp2_cpu_offload, False),
-    "deepspeed-zero2": (deepspeed_zero2, False),  # last: its CPU Adam compiles itself first (~1 min)
+    "deepspeed-zero2": (
+        deepspeed_zero2,
+        False,
+    ),  # last: its CPU Adam compiles itself first (~1 min)
 }
