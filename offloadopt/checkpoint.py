@@ -194,8 +194,9 @@ def load(opt: HybridAdamW, state_dict: dict[str, Any]) -> None:
             opt._mark_written(p)
     for hook in opt._optimizer_load_state_dict_post_hooks.values():
         hook(opt)
-    if any(e.get("master") is not None and "master" not in opt.state.get(p, {})
-           for (p, _), e in ((_params(opt)[i], e) for i, e in saved_state.items())):  # fmt: skip
+    params = _params(opt)
+    if any(e.get("master") is not None and "master" not in opt.state.get(params[i][0], {})
+           for i, e in saved_state.items()):  # fmt: skip
         warnings.warn(
             "the state dict carries fp32 masters for fp32 params: they were ignored", stacklevel=3
         )

@@ -8,6 +8,7 @@ status. Adding a command is one import and one entry.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 
 from offloadopt.harness import audit_job, bench, train
@@ -40,13 +41,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_arguments, run) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )  # fmt: skip
         add_arguments(p)
         p.set_defaults(run=run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit status."""
-    args = build_parser().parse_args(argv)
-    return args.run(args)
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit status.
+
+    Bad input (an invalid value, a missing file, an anchor that is not installed, a CUDA device
+    on a machine without one) ends with one ``offloadopt: error: ...`` line and status 2.
+    """
+    import torch
+
+    from offloadopt.harness.anchors import Unavailable
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    device = str(getattr(args, "device", "") or "")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {device}, but torch sees no CUDA device here (try --device cpu)")
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError, IsADirectoryError, Unavailable) as e:
+        print(f"offloadopt: error: {e}", file=sys.stderr)
+        return 2

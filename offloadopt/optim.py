@@ -209,6 +209,13 @@ class HybridAdamW(Optimizer):
         for arena in arenas:
             for k, p in enumerate(arena.params):
                 self._home[p] = (arena, k)
+        odd = [pl.name for pl in placements if pl.reason == "non-contiguous"]
+        if odd and self.offload_fraction > 0:
+            self._warn_once(
+                "non-contiguous",
+                f"{len(odd)} params are not contiguous (e.g. channels_last conv weights: "
+                f"{', '.join(odd[:3])}) and keep their state on the device",
+            )
         self.arenas.extend(arenas)
         self.buckets.extend(buckets)
         self.placement.extend(placements)
@@ -467,4 +474,15 @@ class HybridAdamW(Optimizer):
     def __repr__(self) -> str:
         head = super().__repr__()
         n = sum(1 for p in self.placement if p.offloaded)
-        return f"{head[:-1]}offload_fraction: {self.offload_fraction}\n    offloaded params: {n} of {len(self.placement)}\n)"
+        return (
+            f"{head[:-2]}\n    offload_fraction: {self.offload_fraction}\n"
+            f"    offloaded params: {n} of {len(self.placement)}\n)"
+        )
+
+    def __getstate__(self):
+        # torch's Optimizer pickles only defaults, state and groups; ours would come back
+        # without its pinned arenas, staging and streams, broken. Refuse clearly instead.
+        raise TypeError(
+            "HybridAdamW cannot be pickled or deep-copied: its state lives in pinned host buffers "
+            "and CUDA streams of this process; save and load opt.state_dict() instead"
+        )

@@ -213,3 +213,20 @@ def test_a_param_without_grad_sharing_a_bucket_with_one_that_has_one(fraction):
             o.zero_grad()
     assert not any(p in opt.state for p in m["unused"].parameters())
     torch.testing.assert_close(m["used"].weight, ref_m["used"].weight, rtol=0, atol=0)
+
+
+def test_non_contiguous_params_stay_on_the_device_with_a_warning():
+    conv = torch.nn.Conv2d(8, 16, 3).to(memory_format=torch.channels_last)
+    with pytest.warns(UserWarning, match="not contiguous.*weight"):
+        opt = HybridAdamW(conv.named_parameters(), min_offload_numel=1)
+    assert not opt.is_offloaded(conv.weight) and opt.is_offloaded(conv.bias)
+    conv(torch.randn(1, 8, 5, 5).to(memory_format=torch.channels_last)).sum().backward()
+    opt.step()
+
+
+def test_pickling_is_refused_clearly():
+    import copy
+
+    opt = HybridAdamW([w()], min_offload_numel=1)
+    with pytest.raises(TypeError, match="cannot be pickled or deep-copied"):
+        copy.deepcopy(opt)

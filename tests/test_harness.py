@@ -200,3 +200,12 @@ def test_cli_train_prints_json_last(capsys):
     summary = json.loads(lines[-1])
     assert summary["steps"] == 2 and summary["optimizer"] == "adamw"
     assert summary["entropy_nats"] == pytest.approx(load_text().entropy_nats)
+
+
+def test_cli_errors_are_one_line_not_tracebacks(capsys):
+    from offloadopt.cli import main
+
+    assert main(["train", "--steps", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "offloadopt: error: Invalid steps: 0 (must be >= 1)"
+    assert main(["train", "--data", "/nonexistent/file.txt", "--steps", "1"]) == 2
+    assert "No such file" in capsys.readouterr().err

@@ -169,3 +169,20 @@ def test_any_bucket_cutting_is_bitwise_torch(sizes, bucket_nbytes, master):
         opt.step()
         ref.step()
     assert_bitwise(params, [r.detach().to(dtype) for r in refs])
+
+
+def test_cuts_at_unaligned_offsets_regression():
+    """A fresh user's reproducer: 3 x 100 elements, 256-byte buckets. Cut at element 28 of a
+    param, its first 28 elements took the kernel's scalar tail path and came out 1 ulp off."""
+    torch.manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(100)) for _ in range(3)]
+    refs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = HybridAdamW(params, lr=1e-2, min_offload_numel=1, bucket_nbytes=256)
+    ref = torch.optim.AdamW(refs, lr=1e-2, fused=True)
+    for _ in range(30):
+        for p, r in zip(params, refs, strict=True):
+            g = torch.randn(100)
+            p.grad, r.grad = g, g.clone()
+        opt.step()
+        ref.step()
+    assert_bitwise(params, refs)

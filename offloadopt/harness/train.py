@@ -78,8 +78,8 @@ class TrainConfig:
         cfg = replace(
             self,
             dtype=dtype,
-            batch_size=self.batch_size or batch,
-            seq_len=self.seq_len or PRESETS[self.preset].block_size,
+            batch_size=batch if self.batch_size is None else self.batch_size,
+            seq_len=PRESETS[self.preset].block_size if self.seq_len is None else self.seq_len,
             lr=self.lr if self.lr is not None else lr,
             warmup_steps=self.warmup_steps if self.warmup_steps is not None else self.steps // 20,
         )
