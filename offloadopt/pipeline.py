@@ -67,16 +67,16 @@ class Pipeline:
     def __init__(self, device: torch.device, nbytes: int, pin: bool, owner: object):
         self.device = device
         self.cuda = device.type == "cuda"
-        self.host = [
+        self.host = [  # SLOTS x (nbytes,) uint8, host, pinned on CUDA: grads land here (D2H)
             alloc_host(nbytes, torch.uint8, pin, "grad staging", owner) for _ in range(SLOTS)
         ]
         self.d2h_slots = self.h2d_slots = None
         self.d2h = self.h2d = None
         if self.cuda:
-            self.d2h_slots = [
+            self.d2h_slots = [  # SLOTS x (nbytes,) uint8, device: grads upcast here before D2H
                 torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(SLOTS)
             ]
-            self.h2d_slots = [
+            self.h2d_slots = [  # SLOTS x (nbytes,) uint8, device: masters land here, then downcast
                 torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(SLOTS)
             ]
             self.d2h, self.h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
@@ -95,6 +95,7 @@ class Pipeline:
         return torch.cuda.current_stream(self.device).record_event() if self.cuda else None
 
     def _timed(self, stream) -> Any:
+        """Start-of-copies event on ``stream``, for ``stats`` only: nothing waits on it."""
         if self.side_stream_hook is not None:
             self.side_stream_hook("d2h" if stream is self.d2h else "h2d")
         return stream.record_event(torch.cuda.Event(enable_timing=True))
