@@ -97,6 +97,8 @@ def _validate(opt: HybridAdamW, sd: Any) -> tuple[list[dict], dict[int, dict]]:
         p, name = params[ids[key]]
         if not isinstance(entry, dict):
             raise ValueError(f"state of {name} is a {type(entry).__name__}, not a dict")
+        if not entry:
+            continue  # an empty entry (a defaultdict lookup) means no state, as in torch
         unknown = set(entry) - _STATE_KEYS
         if unknown:
             raise ValueError(
@@ -111,6 +113,8 @@ def _validate(opt: HybridAdamW, sd: Any) -> tuple[list[dict], dict[int, dict]]:
                 raise ValueError(
                     f"state of {name}: 'step' has shape {tuple(step.shape)}, expected a scalar"
                 )
+            if step.is_meta:
+                raise ValueError(f"state of {name}: 'step' is on the meta device (no value)")
             step = float(step.detach().cpu())
         if (
             isinstance(step, bool)
@@ -123,15 +127,20 @@ def _validate(opt: HybridAdamW, sd: Any) -> tuple[list[dict], dict[int, dict]]:
             t = entry.get(k)
             if t is None and k == "master":
                 continue
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.is_complex():
+                what = f"a {t.dtype} Tensor" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
-                    f"state of {name}: {k!r} must be a floating-point Tensor, got {t!r:.60}"
+                    f"state of {name}: {k!r} must be a floating-point Tensor, got {what}"
+                )
+            if t.is_meta or t.layout != torch.strided:
+                raise ValueError(
+                    f"state of {name}: {k!r} has no values here ({t.device}, {t.layout})"
                 )
             if t.shape != p.shape:
                 raise ValueError(
                     f"state of {name}: {k!r} has shape {tuple(t.shape)}, the param {tuple(p.shape)}"
                 )
-        state[ids[key]] = entry
+        state[ids[key]] = {**entry, "step": step}  # step as a float: any 1-element shape loads
     return list(saved_groups), state
 
 
@@ -171,9 +180,7 @@ def load(opt: HybridAdamW, state_dict: dict[str, Any]) -> None:
             opt._init_state(p)
         mine = opt.state[p]
         step = entry["step"]
-        mine["step"].copy_(
-            step.detach() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
-        )
+        mine["step"].fill_(step)
         mine["exp_avg"].copy_(entry["exp_avg"])
         mine["exp_avg_sq"].copy_(entry["exp_avg_sq"])
         mirror = opt._mirror(p)
@@ -198,5 +205,7 @@ def load(opt: HybridAdamW, state_dict: dict[str, Any]) -> None:
     if any(e.get("master") is not None and "master" not in opt.state.get(params[i][0], {})
            for i, e in saved_state.items()):  # fmt: skip
         warnings.warn(
-            "the state dict carries fp32 masters for fp32 params: they were ignored", stacklevel=3
+            "the state dict carries fp32 masters for params that keep none here (fp32 params, or "
+            "master_weights=False): they were ignored, and the moments take the params' dtype",
+            stacklevel=3,
         )

@@ -20,6 +20,15 @@ from offloadopt.validation import validate_group, validate_options
 __all__ = ["HybridAdamW"]
 
 
+def _matching(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``grad`` in ``like``'s dtype and strides. torch's fused kernels walk param, grad and
+    moments as flat memory, so a grad with other strides (a transposed grad set by hand) would
+    be paired with the wrong elements; autograd's grads already match and pass through."""
+    if grad.dtype == like.dtype and grad.stride() == like.stride():
+        return grad
+    return torch.empty_like(like).copy_(grad)
+
+
 class HybridAdamW(Optimizer):
     r"""AdamW with exactly the math of ``torch.optim.AdamW(fused=True)``, whose optimizer state
     and fp32 master weights live on the host for a chosen fraction of the parameters.
@@ -417,20 +426,22 @@ class HybridAdamW(Optimizer):
         if mirror is None or self._written.get(p) == (p._version, p.data_ptr()):
             return
         current = p.detach().to(mirror.device)
-        if not torch.equal(mirror.to(p.dtype), current):
+        changed = mirror.to(p.dtype) != current  # (shape of p) bool, where the mirror is stale
+        if changed.any():
             warnings.warn(
-                f"the weights of {name} changed outside the optimizer since its last step; "
-                "its master copy was refreshed from them",
+                f"the weights of {name} changed outside the optimizer since its last step "
+                f"({int(changed.sum())} of {p.numel()} elements); its master copy was refreshed there",
                 stacklevel=4,
             )
-            mirror.copy_(current)
+            # Only the changed elements: the others keep their fp32 master's precision.
+            mirror.copy_(torch.where(changed, current.to(mirror.dtype), mirror))
         self._mark_written(p)
 
     def _device_update(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """Fused AdamW on the device, on the compute stream; fp32 masters where they exist,
         fed grads upcast chunk by chunk so the fp32 temporaries stay under ``bucket_nbytes``."""
         plain = [p for p in params if "master" not in self.state[p]]
-        fused_adamw(group, plain, [p.grad for p in plain], *self._state_lists(plain))
+        fused_adamw(group, plain, [_matching(p.grad, p) for p in plain], *self._state_lists(plain))
         mastered = [p for p in params if "master" in self.state[p]]
         chunk: list[torch.Tensor] = []
         nbytes = 0
@@ -439,7 +450,7 @@ class HybridAdamW(Optimizer):
             nbytes += p.numel() * 4
             if nbytes >= self.bucket_nbytes or n == len(mastered) - 1:
                 masters = [self.state[q]["master"] for q in chunk]
-                grads = [q.grad.to(m.dtype) for q, m in zip(chunk, masters, strict=True)]
+                grads = [_matching(q.grad, m) for q, m in zip(chunk, masters, strict=True)]
                 fused_adamw(group, masters, grads, *self._state_lists(chunk))
                 torch._foreach_copy_(chunk, masters)  # weights = round(master)
                 for q in chunk:

@@ -232,3 +232,44 @@ def test_a_bad_state_dict_raises_and_leaves_the_optimizer_unchanged():
         for k, entry in expected["state"].items():
             for name, t in entry.items():
                 torch.testing.assert_close(now["state"][k][name], t, rtol=0, atol=0, msg=match)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_empty_state_entries_from_defaultdict_lookups_load(fraction):
+    # A second user: `"exp_avg" in opt.state[p]` (logging code) leaves {} in the defaultdict;
+    # torch saves and loads such entries, so must we.
+    params = make_params()
+    opt = hybrid(params, fraction)
+    assert "exp_avg" not in opt.state[params[0]]
+    opt.load_state_dict(roundtrip(opt.state_dict()))
+    run(opt, params, 2)
+    _ = opt.state[
+        torch.nn.Parameter(torch.zeros(1))
+    ]  # a foreign key: not ours, ignored by torch too
+    torch_opt = torch.optim.AdamW(groups_of(make_params()), fused=True)
+    _ = torch_opt.state[torch_opt.param_groups[0]["params"][0]]
+    hybrid(make_params(), fraction).load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+
+
+def test_step_of_any_one_element_shape_loads_and_meta_tensors_are_refused_untouched():
+    params = make_params()
+    opt = hybrid(params, 1.0)
+    run(opt, params, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    for entry in sd["state"].values():
+        entry["step"] = entry["step"].reshape(1)  # (1,) instead of ()
+    opt.load_state_dict(sd)
+    assert all(
+        opt.state[p]["step"].shape == () and opt.state[p]["step"].item() == 2 for p in params
+    )
+    before = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(sd)
+    bad["param_groups"][0]["lr"] = 0.5
+    bad["state"][max(bad["state"])]["exp_avg"] = torch.empty(params[-1].shape, device="meta")
+    with pytest.raises(ValueError, match="meta"):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for k, entry in before["state"].items():
+        for name, t in entry.items():
+            torch.testing.assert_close(after["state"][k][name], t, rtol=0, atol=0)

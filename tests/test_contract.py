@@ -1,5 +1,6 @@
 """The torch.optim contract and argument validation."""
 
+import copy
 import math
 import warnings
 
@@ -230,3 +231,60 @@ def test_pickling_is_refused_clearly():
     opt = HybridAdamW([w()], min_offload_numel=1)
     with pytest.raises(TypeError, match="cannot be pickled or deep-copied"):
         copy.deepcopy(opt)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_a_partial_outside_edit_refreshes_only_the_changed_elements(fraction):
+    # A second user: re-initialising one embedding row must not round the fp32 master of the
+    # other rows to bf16.
+    gen = torch.Generator().manual_seed(5)
+    w0 = torch.randn(64, 64, generator=gen).bfloat16()
+    p, q = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.float())
+    opt = HybridAdamW([p], lr=1e-2, offload_fraction=fraction, min_offload_numel=1)
+    ref = torch.optim.AdamW([q], lr=1e-2, fused=True)
+
+    def step():
+        g = torch.randn(64, 64, generator=gen).bfloat16()
+        p.grad, q.grad = g, g.float()
+        opt.step()
+        ref.step()
+
+    step()
+    step()
+    with torch.no_grad():
+        p[0].fill_(0.25)
+        q[0].fill_(0.25)
+    with pytest.warns(UserWarning, match="64 of 4096 elements"):
+        step()
+    step()
+    torch.testing.assert_close(p.detach(), q.detach().bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(opt.state[p]["master"], q.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grads_with_other_strides_give_the_same_update_at_every_fraction(fraction, dtype):
+    # A second user: a transposed grad set by hand. torch's fused kernel walks memory flat and
+    # ignores the grad's strides; HybridAdamW matches the grad to the param first, everywhere.
+    gen = torch.Generator().manual_seed(6)
+    w0 = torch.randn(96, 80, generator=gen).to(dtype)
+    p, q = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.float())
+    opt = HybridAdamW([p], lr=1e-2, offload_fraction=fraction, min_offload_numel=1)
+    ref = torch.optim.AdamW([q], lr=1e-2, fused=True)
+    for _ in range(3):
+        g = torch.randn(80, 96, generator=gen).to(dtype).t()  # (96, 80), not contiguous
+        p.grad, q.grad = g, g.float().contiguous()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(p.detach(), q.detach().to(dtype), rtol=0, atol=0)
+
+
+def test_masters_loaded_into_an_optimizer_without_masters_warn_accurately():
+    params = make_params(torch.bfloat16)
+    opt = hybrid(params, 1.0)
+    for p, g in zip(params, seeded_grads(params, 0), strict=True):
+        p.grad = g
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    with pytest.warns(UserWarning, match="master_weights=False"):
+        hybrid(params, 1.0, master_weights=False).load_state_dict(sd)
