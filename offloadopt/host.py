@@ -159,9 +159,6 @@ class Bucket:
     def nbytes(self) -> int:
         return self.numel * self.arena.dtype.itemsize
 
-    def params(self) -> list[torch.Tensor]:
-        return [self.arena.params[s.k] for s in self.segments]
-
     def state_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each segment's flat range of an arena buffer (``weight``, ``exp_avg``, ...), cached
         (arena buffers are never rebound)."""
