@@ -337,9 +337,8 @@ class HybridAdamW(Optimizer):
             by_device.setdefault(b.arena.device, []).append((b, idx))
         for device, items in by_device.items():
             self._pipelines[device].run(items, self.state, self.param_groups, before[device], stats)
-        for b, idx in work["host"]:
-            for i in idx:
-                self._mark_written(b.arena.params[b.segments[i].k])
+        for p in work["host_params"]:
+            self._mark_written(p)
         stats["step_ms"] = (time.perf_counter() - t0) * 1e3
         self._stats = stats
         return loss
@@ -356,14 +355,15 @@ class HybridAdamW(Optimizer):
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                name = self._param_name(group, gi, i)
-                if p.grad.is_sparse or p.grad.layout != torch.strided:
+                if p.grad.layout != torch.strided:
                     raise RuntimeError(
-                        f"HybridAdamW does not support sparse gradients: {name} has a {p.grad.layout} grad"
+                        "HybridAdamW does not support sparse gradients: "
+                        f"{self._param_name(group, gi, i)} has a {p.grad.layout} grad"
                     )
                 if p.grad.shape != p.shape:
                     raise RuntimeError(
-                        f"grad of {name} has shape {tuple(p.grad.shape)}, param {tuple(p.shape)}"
+                        f"grad of {self._param_name(group, gi, i)} has shape "
+                        f"{tuple(p.grad.shape)}, param {tuple(p.shape)}"
                     )
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
