@@ -1,61 +1,622 @@
-"""HybridAdamW: torch's fused AdamW with a chosen fraction of its state on the host."""
+"""The hybrid optimizers: torch's fused update rules with a chosen fraction of their state on
+the host. :class:`HybridOptimizer` is the machinery, written once; :class:`HybridAdamW` is AdamW's
+signature on it (offloadopt/rules.py holds the rule)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
 from offloadopt import checkpoint
-from offloadopt.host import Arena, Bucket, build_arenas
-from offloadopt.pipeline import Pipeline, fused_adamw
+from offloadopt.layout import Arena, Bucket, build_arenas
+from offloadopt.pipeline import BucketWork, Pipeline
 from offloadopt.placement import ParamInfo, Placement, format_placement, place, update_dtype
-from offloadopt.validation import validate_group, validate_options
+from offloadopt.records import ParamRecord
+from offloadopt.rules import ADAMW, Hyper, Rule
+from offloadopt.transfer import Transfer
+from offloadopt.validation import validate_group, validate_options, validate_params_arg
+from offloadopt.worker import Worker, default_cpu_threads, local_ranks, usable_cores
 
-__all__ = ["HybridAdamW"]
+__all__ = ["HybridOptimizer", "HybridAdamW"]
+
+log = logging.getLogger("offloadopt")
 
 
 def _matching(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``grad`` in ``like``'s dtype and strides. torch's fused kernels walk param, grad and
-    moments as flat memory, so a grad with other strides (a transposed grad set by hand) would
+    state as flat memory, so a grad with other strides (a transposed grad set by hand) would
     be paired with the wrong elements; autograd's grads already match and pass through."""
     if grad.dtype == like.dtype and grad.stride() == like.stride():
         return grad
     return torch.empty_like(like).copy_(grad)
 
 
-class HybridAdamW(Optimizer):
+class HybridOptimizer(Optimizer):
+    """The machinery shared by the hybrid optimizers (see :class:`HybridAdamW` for the
+    timeline, memory and caveats). A subclass sets :attr:`rule` and maps its torch signature
+    onto ``hyper`` (the rule's hyperparameters)."""
+
+    rule: Rule = ADAMW
+
+    def __init__(
+        self,
+        params,
+        hyper: dict[str, Any],
+        *,
+        amsgrad: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        offload_fraction: float = 1.0,
+        min_offload_numel: int = 4096,
+        master_weights: bool = True,
+        pin_memory: bool = True,
+        bucket_nbytes: int = 64 * 2**20,
+        flush_denormal: bool = True,
+        cpu_threads: int | None = None,
+        timeout_s: float = 600.0,
+    ):
+        validate_options(
+            self.rule, hyper, amsgrad=amsgrad, capturable=capturable,
+            differentiable=differentiable, offload_fraction=offload_fraction,
+            min_offload_numel=min_offload_numel, master_weights=master_weights,
+            pin_memory=pin_memory, bucket_nbytes=bucket_nbytes, flush_denormal=flush_denormal,
+            cpu_threads=cpu_threads, timeout_s=timeout_s,
+        )  # fmt: skip
+        params = validate_params_arg(params)
+        self.offload_fraction = float(offload_fraction)
+        self.min_offload_numel = min_offload_numel
+        self.master_weights = master_weights
+        self.pin_memory = pin_memory
+        self.bucket_nbytes = bucket_nbytes
+        self.flush_denormal = flush_denormal
+        self.cpu_threads = cpu_threads or default_cpu_threads()
+        self.timeout_s = float(timeout_s)
+        self._ready = False
+        # torch's group flags, so a cross-load into torch's optimizer keeps its fused kernel.
+        defaults = {**hyper, **self.rule.torch_flags, "offload": None}
+        if "betas" in defaults:
+            defaults["betas"] = tuple(defaults["betas"])
+        self.placement: list[Placement] = []
+        self.arenas: list[Arena] = []
+        self.buckets: list[Bucket] = []
+        self._records: dict[torch.Tensor, ParamRecord] = {}
+        self._pipeline: Pipeline | None = None  # made with the first offloaded param
+        self._stats: dict[str, float] = {}
+        self._warned: set[str] = set()
+        super().__init__(params, defaults)
+        self._place(list(range(len(self.param_groups))))
+        self._ready = True
+
+    # ------------------------------------------------------------------ construction
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (``torch.optim`` contract); its params are placed by the same rule,
+        with the fraction applied to the new group's eligible state bytes.
+
+        Raises:
+            TypeError, ValueError, NotImplementedError: a bad group (named); nothing is added.
+        """
+        param_group = validate_group(param_group, self.defaults, self.rule)
+        super().add_param_group(param_group)
+        if self._ready:
+            try:
+                self._place([len(self.param_groups) - 1])
+            except BaseException:
+                self.param_groups.pop()  # nothing half built: the group goes with its failure
+                raise
+
+    def _name(self, group: dict[str, Any], gi: int, i: int) -> str:
+        names = group.get("param_names")
+        return names[i] if names and i < len(names) else f"group{gi}.param{i}"
+
+    def _place(self, group_indices: list[int]) -> None:
+        """Place the params of these groups and allocate their host buffers (all or nothing)."""
+        start = sum(len(g["params"]) for g in self.param_groups[: group_indices[0]])
+        infos, tensors = [], []
+        for gi in group_indices:
+            g = self.param_groups[gi]
+            for i, p in enumerate(g["params"]):
+                infos.append(
+                    ParamInfo(start + len(infos), self._name(g, gi, i), gi, tuple(p.shape),
+                              p.dtype, p.requires_grad, g["offload"], p.is_contiguous())
+                )  # fmt: skip
+                tensors.append(p)
+        placements = place(infos, self.offload_fraction, self.min_offload_numel,
+                           self.master_weights, len(self.rule.state_keys))  # fmt: skip
+        order = [(tensors[k], pl.name, pl.group, update_dtype(pl.dtype, self.master_weights))
+                 for k, pl in reversed(list(enumerate(placements))) if pl.offloaded]  # fmt: skip
+        arenas, buckets = build_arenas(order, self.bucket_nbytes)
+        devices = {a.device for a in arenas}
+        pin = {d: self.pin_memory and d.type == "cuda" for d in devices}
+        if not self.pin_memory and any(d.type == "cuda" for d in devices):
+            self._warn_once(
+                "pageable",
+                f"{type(self).__name__}(pin_memory=False): host buffers are pageable, so every "
+                "copy over the link takes the slow pageable path; this setting exists to "
+                "reproduce and measure it",
+            )
+        new_transfers: dict[torch.device, Transfer] = {}
+        try:
+            for arena in arenas:
+                arena.allocate(self.rule.state_keys, pin[arena.device])
+            # Staging as large as the largest bucket (at most bucket_nbytes); a later
+            # add_param_group that needs more replaces it, between steps.
+            for d in devices:
+                need = max(b.nbytes for b in buckets if b.arena.device == d)
+                old = self._pipeline.transfers.get(d) if self._pipeline else None
+                if old is None or old.nbytes < need:
+                    new_transfers[d] = Transfer(d, need, pin[d])
+            if buckets and self._pipeline is None:
+                self._pipeline = Pipeline(self._start_worker(), self.timeout_s)
+        except BaseException:
+            for arena in arenas:
+                arena.release()
+            for tr in new_transfers.values():
+                tr.close()
+            raise
+        # Everything allocated: commit.
+        for d, tr in new_transfers.items():
+            old = self._pipeline.transfers.get(d)
+            if old is not None:
+                old.close()  # no copy of the last step still uses it; unpinned now
+                tr.adopt(old)
+            self._pipeline.transfers[d] = tr
+            for b in self.buckets:
+                b.forget_slot_views()
+        for pl in placements:
+            self._records[tensors[pl.index - start]] = ParamRecord(pl.name, pl)
+        for arena in arenas:
+            for k, p in enumerate(arena.params):
+                rec = self._records[p]
+                rec.arena, rec.k = arena, k
+        for n, b in enumerate(buckets, start=len(self.buckets)):
+            b.index = n
+        odd = [pl.name for pl in placements if pl.reason == "non-contiguous"]
+        if odd and self.offload_fraction > 0:
+            self._warn_once(
+                "non-contiguous",
+                f"{len(odd)} params are not contiguous (e.g. channels_last conv weights: "
+                f"{', '.join(odd[:3])}) and keep their state on the device",
+            )
+        self.arenas.extend(arenas)
+        self.buckets.extend(buckets)
+        self.placement.extend(placements)
+        self._check_pinned()
+
+    def _start_worker(self) -> Worker:
+        """The CPU worker, with the thread count decided once and said where it surprises."""
+        cores, ranks = usable_cores(), local_ranks()
+        if os.environ.get("OMP_NUM_THREADS") == "1" and self.cpu_threads > 1:
+            log.warning(
+                "offloadopt: OMP_NUM_THREADS=1 (torchrun sets it when it starts several "
+                "processes); the CPU update runs on its own %d threads (cores %d // local ranks "
+                "%d - 1); pass cpu_threads= to choose", self.cpu_threads, cores, ranks,
+            )  # fmt: skip
+        if self.cpu_threads * ranks < cores // 2:
+            self._warn_once(
+                "threads",
+                f"the CPU update will run on {self.cpu_threads} threads x {ranks} local ranks, "
+                f"far below the {cores} cores this process may use (cpu_threads=)",
+            )
+        return Worker(self.cpu_threads, self.flush_denormal)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=4)
+
+    # ------------------------------------------------------------------ reporting
+    def crossing_host_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every host buffer that crosses the link: ``(label, tensor)`` pairs."""
+        out = [(f"the master of arena {k}, {a.label}", a.master)
+               for k, a in enumerate(self.arenas) if a.device.type == "cuda"]  # fmt: skip
+        for d, tr in self._transfers().items():
+            if d.type == "cuda":
+                out += [(f"{d} grad staging slot {i}", t) for i, t in enumerate(tr.host_slots())]
+        return out
+
+    def _transfers(self) -> dict[torch.device, Transfer]:
+        return self._pipeline.transfers if self._pipeline is not None else {}
+
+    def _check_pinned(self) -> None:
+        """The pinned invariant: every crossing host buffer is pinned (unless pin_memory=False)."""
+        if not self.pin_memory:
+            return
+        bad = [f"{label}: {t.numel() * t.element_size()} bytes" for label, t in self.crossing_host_tensors()
+               if t.numel() and not t.is_pinned()]  # fmt: skip
+        if bad:
+            raise RuntimeError(
+                "host buffers that cross the link must be pinned; not pinned: " + "; ".join(bad)
+            )
+
+    def placement_table(self) -> str:
+        """The placement as a fixed-width table (see :func:`offloadopt.placement.format_placement`)."""
+        return format_placement(self.placement)
+
+    def is_offloaded(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s optimizer state (and fp32 master) lives on the host."""
+        rec = self._records.get(p)
+        return rec is not None and rec.offloaded
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of host memory held for optimizer state and staging."""
+        n = sum(a.buffers.nbytes for a in self.arenas if a.buffers is not None)
+        return n + sum(tr.ring.buffers.nbytes for tr in self._transfers().values())
+
+    @property
+    def pinned_nbytes(self) -> int:
+        """Of :attr:`host_nbytes`, the bytes that are pinned now."""
+        n = sum(a.buffers.pinned_nbytes for a in self.arenas if a.buffers is not None)
+        return n + sum(tr.ring.buffers.pinned_nbytes for tr in self._transfers().values())
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Figures of the last ``step()``: ``d2h_wait_ms`` (worker time blocked on D2H
+        events), ``cpu_update_ms`` (worker time in the fused kernel), ``device_update_ms``
+        (host time launching the device-resident update), ``collect_ms`` (host time checking
+        grads and state before the update), ``h2d_ms`` and ``d2h_ms`` (GPU time of the copies
+        and casts on the side streams), ``d2h_nbytes`` / ``h2d_nbytes`` (bytes over the
+        link), ``step_ms`` (host wall time of ``step()``), ``cpu_threads`` (the worker's).
+
+        Reading it waits for the CUDA events of that step's copies (long done by the time the
+        next forward has run)."""
+        if self._pipeline is not None:
+            for key, ms in self._pipeline.collect_timing().items():
+                self._stats[key] = self._stats.get(key, 0.0) + ms
+        return dict(self._stats)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """One update of every param with a grad; params whose grad is None are skipped.
+
+        Raises:
+            RuntimeError: a sparse grad, a grad whose shape differs from its param, a param
+                listed in two groups (named); nothing was changed.
+            ValueError, TypeError: a group's hyperparameter is invalid (named); nothing changed.
+            WorkerError: an offloaded update failed on the worker (names the bucket).
+            TimeoutError: a wait outlasted ``timeout_s`` (names what it waited for).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t0 = time.perf_counter()
+        # Phase 0: freeze every group's hyperparameters and collect this step's work. Every
+        # check runs here, before any state is touched.
+        device_work, works, host_params = self._collect()
+        stats = dict.fromkeys(("d2h_wait_ms", "cpu_update_ms", "h2d_ms", "d2h_ms"), 0.0)
+        stats.update(d2h_nbytes=0, h2d_nbytes=0, collect_ms=(time.perf_counter() - t0) * 1e3)
+        stats["cpu_threads"] = self.cpu_threads if self._pipeline is not None else 0
+        # The training thread's stream on each device, captured here and handed to the copies:
+        # its event marks all work queued before this step (backward, clipping, the last
+        # forward's reads of the weights), and it is the stream that reads the new weights.
+        streams, ready = {}, {}
+        for d, tr in self._transfers().items():
+            streams[d] = torch.cuda.current_stream(d) if tr.cuda else None
+            ready[d] = tr.mark(streams[d])
+        # Phase 1: device-resident params, torch's fused kernel on the compute stream.
+        t = time.perf_counter()
+        for hyper, params in device_work:
+            self._device_update(hyper, params)
+        stats["device_update_ms"] = (time.perf_counter() - t) * 1e3
+        if works:
+            # Phase 2: offloaded buckets: D2H, the rule on the worker, H2D. Each param's step
+            # advances once, even when buckets cut it in several segments.
+            torch._foreach_add_([self.state[p]["step"] for p in host_params], 1)
+            jobs = self._pipeline.run(works, ready, self._update_bucket, stats)
+            self._pipeline.finish(jobs)
+            # Phase 3: publish: each device's compute stream waits for the copies back.
+            self._pipeline.publish(streams, works)
+        for p in host_params:
+            self._records[p].mark_written(p)
+        stats["step_ms"] = (time.perf_counter() - t0) * 1e3
+        self._stats = stats
+        return loss
+
+    def _record(self, p: torch.Tensor, group: dict[str, Any], gi: int, i: int) -> ParamRecord:
+        """``p``'s record; a param put into a group's list by hand gets one now (on the device)."""
+        rec = self._records.get(p)
+        if rec is None:
+            info = ParamInfo(-1, self._name(group, gi, i), gi, tuple(p.shape), p.dtype,
+                             p.requires_grad, group.get("offload"))  # fmt: skip
+            pl = place([info], 0.0, 0, self.master_weights, len(self.rule.state_keys))[0]
+            rec = self._records[p] = ParamRecord(pl.name, replace(pl, reason="added by hand"))
+            self.placement.append(rec.placement)
+        return rec
+
+    def _collect(self) -> tuple[list, list[BucketWork], list[torch.Tensor]]:
+        """Validate and freeze every group, check every grad, then create state lazily and
+        refresh stale masters; returns the device work ``[(hyper, params)]``, the bucket work
+        and the offloaded params with a grad."""
+        hyper_of: dict[torch.Tensor, Hyper] = {}
+        device_work = []
+        seen: dict[torch.Tensor, int] = {}
+        for gi, group in enumerate(self.param_groups):
+            try:
+                hyper = self.rule.freeze(group)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"param group {gi}: {e}") from e
+            on_device = []
+            for i, p in enumerate(group["params"]):
+                if p in seen:
+                    raise RuntimeError(
+                        f"{self._name(group, gi, i)} is in param groups {seen[p]} and {gi}: "
+                        "a param may be in one group only"
+                    )
+                seen[p] = gi
+                if p.grad is None:
+                    continue
+                if p.grad.layout != torch.strided:
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not support sparse gradients: "
+                        f"{self._name(group, gi, i)} has a {p.grad.layout} grad"
+                    )
+                if p.grad.shape != p.shape:
+                    raise RuntimeError(
+                        f"grad of {self._name(group, gi, i)} has shape "
+                        f"{tuple(p.grad.shape)}, param {tuple(p.shape)}"
+                    )
+                hyper_of[p] = hyper
+                if not self._record(p, group, gi, i).offloaded:
+                    on_device.append(p)
+            if on_device:
+                device_work.append((hyper, on_device))
+        # Every check passed: state may change from here on.
+        for p in hyper_of:
+            rec = self._records[p]
+            if not self.state.get(p):
+                self._init_state(p, rec)
+            elif rec.is_stale(p):
+                self._refresh_if_stale(p, rec)
+        host_params = [p for p in hyper_of if self._records[p].offloaded]
+        works = []
+        for b in self.buckets:
+            params = b.arena.params
+            idx = [n for n, s in enumerate(b.segments) if params[s.k] in hyper_of]
+            if not idx:
+                continue
+            calls: dict[int, tuple[Hyper, list[int], list[torch.Tensor]]] = {}
+            for pos, n in enumerate(idx):
+                p = params[b.segments[n].k]
+                hyper = hyper_of[p]
+                call = calls.setdefault(id(hyper), (hyper, [], []))
+                call[1].append(pos)
+                call[2].append(self.state[p]["step"])
+            works.append(BucketWork(b, idx, list(calls.values())))
+        return device_work, works, host_params
+
+    def _update_bucket(self, work: BucketWork, grads: list[torch.Tensor]) -> None:
+        """On the worker: the rule over the bucket's segments ``work.idx``, whose grads (in
+        the update dtype, on the host) are ``grads``; one kernel call per group."""
+        b = work.bucket
+        masters = b.state_views(b.arena.master)
+        states = [b.state_views(b.arena.states[k]) for k in self.rule.state_keys]
+        for hyper, positions, steps in work.payload:
+            segs = [work.idx[j] for j in positions]
+            self.rule.update(hyper, [masters[i] for i in segs], [grads[j] for j in positions],
+                             [[s[i] for i in segs] for s in states], steps, host=True)  # fmt: skip
+
+    def _init_state(self, p: torch.Tensor, rec: ParamRecord) -> None:
+        """Lazily create ``p``'s state at its first grad, as torch does."""
+        step = {"step": torch.zeros((), dtype=torch.float32)} if self.rule.has_step else {}
+        if rec.offloaded:
+            master = rec.home("master")
+            master.copy_(p.detach())  # blocking D2H (once per param): master = weights
+            state = {**step, **{k: rec.home(k).zero_() for k in self.rule.state_keys}}
+            if rec.arena.dtype != p.dtype:
+                state["master"] = master
+        else:
+            udt = update_dtype(p.dtype, self.master_weights)
+            if step:
+                step["step"] = step["step"].to(p.device)
+            state = {**step, **{k: torch.zeros_like(p, dtype=udt, memory_format=torch.preserve_format)
+                                for k in self.rule.state_keys}}  # fmt: skip
+            if udt != p.dtype:
+                state["master"] = p.detach().to(udt, memory_format=torch.preserve_format, copy=True)
+        self.state[p] = state
+        rec.mark_written(p)
+
+    def _refresh_if_stale(self, p: torch.Tensor, rec: ParamRecord) -> None:
+        """No stale masters: weights changed outside the optimizer win over its copy."""
+        master = rec.master(self.state[p])
+        if master is None:
+            rec.mark_written(p)
+            return
+        current = p.detach().to(master.device)
+        changed = master.to(p.dtype) != current  # (shape of p) bool, where the master is stale
+        if changed.any():
+            warnings.warn(
+                f"the weights of {rec.name} changed outside the optimizer since its last step "
+                f"({int(changed.sum())} of {p.numel()} elements); its master copy was refreshed there",
+                stacklevel=4,
+            )
+            # Only the changed elements: the others keep their fp32 master's precision.
+            master.copy_(torch.where(changed, current.to(master.dtype), master))
+        rec.mark_written(p)
+
+    def _device_update(self, hyper: Hyper, params: list[torch.Tensor]) -> None:
+        """The rule on the device, on the compute stream; fp32 masters where they exist, fed
+        grads upcast chunk by chunk so the fp32 temporaries stay under ``bucket_nbytes``."""
+        plain = [p for p in params if "master" not in self.state[p]]
+        self._device_rule(hyper, plain, plain, [_matching(p.grad, p) for p in plain])
+        mastered = [p for p in params if "master" in self.state[p]]
+        chunk: list[torch.Tensor] = []
+        nbytes = 0
+        for n, p in enumerate(mastered):
+            chunk.append(p)
+            nbytes += p.numel() * 4
+            if nbytes >= self.bucket_nbytes or n == len(mastered) - 1:
+                masters = [self.state[q]["master"] for q in chunk]
+                grads = [_matching(q.grad, m) for q, m in zip(chunk, masters, strict=True)]
+                self._device_rule(hyper, chunk, masters, grads)
+                torch._foreach_copy_(chunk, masters)  # weights = round(master)
+                for q in chunk:
+                    self._records[q].mark_written(q)
+                chunk, nbytes = [], 0
+
+    def _device_rule(self, hyper: Hyper, params, weights, grads) -> None:
+        if not params:
+            return
+        states = [[self.state[p][k] for p in params] for k in self.rule.state_keys]
+        steps = [self.state[p]["step"] for p in params] if self.rule.has_step else []
+        if steps:
+            torch._foreach_add_(steps, 1)
+        self.rule.update(hyper, weights, grads, states, steps, host=False)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The rule's torch layout (``torch.optim.AdamW(fused=True)``'s) plus ``"master"``
+        (fp32) where one exists. Loadable with ``torch.load(weights_only=True)``.
+
+        Offloaded entries are standalone copies taken now (a view of an arena would save the
+        whole arena); device entries are the live tensors, as torch returns them.
+        """
+        sd = super().state_dict()
+        snapshot = [self.is_offloaded(p) for g in self.param_groups for p in g["params"]]
+        return checkpoint.pack(sd, snapshot)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Validate the whole dict, then copy it into the existing buffers.
+
+        Group hyperparameters (and extra keys such as a scheduler's ``initial_lr``) come from
+        the dict; ``params``, ``param_names`` and ``offload`` stay the optimizer's own, and the
+        rule's torch flags are restored. State is copied, never aliased: masters keep fp32,
+        offloaded state stays in its arena on the host. A low-precision param with no master
+        in the dict (a checkpoint of ``torch.optim.AdamW`` on a bf16 model) gets its master
+        from its current weights, with a warning: such a resume cannot be exact. An fp32
+        offloaded param's host copy is refreshed from the param. Params with no saved state
+        lose theirs (it is made again at their next grad), as in torch.
+
+        Raises:
+            ValueError: the dict does not fit this optimizer; nothing was changed.
+        """
+        sd = dict(state_dict) if isinstance(state_dict, dict) else state_dict
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
+        groups = self.param_groups
+        specs = [[(self._record(p, g, gi, i).name, tuple(p.shape)) for i, p in enumerate(g["params"])]
+                 for gi, g in enumerate(groups)]  # fmt: skip
+        saved_groups, saved_state = checkpoint.validate(sd, self.rule, specs)
+        for g, s in zip(groups, saved_groups, strict=True):
+            g.update(checkpoint.merge_group(g, s, self.rule))
+        ignored_masters = False
+        params = [p for g in groups for p in g["params"]]
+        for index, p in enumerate(params):
+            entry = saved_state.get(index)
+            if entry is None:
+                self.state.pop(p, None)
+                continue
+            self._load_entry(p, self._records[p], entry)
+            ignored_masters |= entry.get("master") is not None and "master" not in self.state[p]
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+        if ignored_masters:
+            warnings.warn(
+                "the state dict carries fp32 masters for params that keep none here (fp32 "
+                "params, or master_weights=False): they were ignored, and the state takes the "
+                "params' dtype",
+                stacklevel=2,
+            )
+        self._check_pinned()
+
+    def _load_entry(self, p: torch.Tensor, rec: ParamRecord, entry: dict[str, Any]) -> None:
+        """Copy one validated saved entry into ``p``'s existing state."""
+        if not self.state.get(p):
+            self._init_state(p, rec)
+        mine = self.state[p]
+        if self.rule.has_step:
+            mine["step"].fill_(entry["step"])
+        for k in self.rule.state_keys:
+            mine[k].copy_(entry[k])
+        if "master" in mine:
+            if entry.get("master") is not None:
+                mine["master"].copy_(entry["master"])
+                rec.forget_written()  # compare with the weights at the next step
+            else:
+                mine["master"].copy_(p.detach())
+                rec.mark_written(p)
+                self._warn_once(
+                    "no-master",
+                    f"the state dict has no fp32 master for {rec.name} ({p.dtype}): masters were "
+                    "made from the current weights, so this resume is not bitwise exact",
+                )
+        elif rec.offloaded:
+            rec.home("master").copy_(p.detach())  # fp32 offloaded: the param is the truth
+            rec.mark_written(p)
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop the CPU worker and unpin the staging (idempotent). The optimizer cannot step
+        afterwards; its state and ``state_dict()`` stay readable. Also runs when it is
+        garbage-collected and at interpreter exit."""
+        if self._pipeline is not None:
+            self._pipeline.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        head = super().__repr__()
+        n = sum(1 for p in self.placement if p.offloaded)
+        return (
+            f"{head[:-2]}\n    offload_fraction: {self.offload_fraction}\n"
+            f"    offloaded params: {n} of {len(self.placement)}\n)"
+        )
+
+    def __getstate__(self):
+        # torch's Optimizer pickles only defaults, state and groups; ours would come back
+        # without its pinned arenas, staging, worker and streams, broken. Refuse clearly.
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled or deep-copied: its state lives in pinned "
+            "host buffers, a worker thread and CUDA streams of this process; save and load "
+            "opt.state_dict() instead"
+        )
+
+
+class HybridAdamW(HybridOptimizer):
     r"""AdamW with exactly the math of ``torch.optim.AdamW(fused=True)``, whose optimizer state
     and fp32 master weights live on the host for a chosen fraction of the parameters.
 
     Timeline of one training step:
 
     1. *Backward* (unchanged): grads appear on the device as usual.
-    2. *step()*: device-resident params are updated by torch's fused AdamW on the compute
-       stream. For the offloaded params, bucket by bucket (last-registered params first), a D2H
-       side stream upcasts the grads into a device staging slot and copies them to a pinned host
-       staging slot, then records an event; the host waits for that event only, runs
-       ``torch._fused_adamw_`` on the bucket's fp32 master, ``exp_avg`` and ``exp_avg_sq``
-       (per-param views, per-param ``step``), and queues the fp32 master H2D on a second side
-       stream into a device slot, from which it is cast into the params. The D2H of bucket k+1
-       and the H2D of bucket k-1 run while the CPU updates bucket k.
-    3. *Before the next forward*: ``step()`` makes the compute stream wait (a GPU-side event
+    2. *step()*: phase 0 freezes every group's hyperparameters and checks every grad; phase 1
+       updates the device-resident params with torch's fused AdamW on the compute stream;
+       phase 2 moves the offloaded params bucket by bucket (last-registered params first): a
+       D2H side stream upcasts the grads into a device staging slot and copies them to a
+       pinned host slot; a CPU worker thread waits for that event, runs ``torch._fused_adamw_``
+       on the bucket's fp32 master, ``exp_avg`` and ``exp_avg_sq`` (per-param views, per-param
+       ``step``) and queues the master's H2D on a second side stream into a device slot, from
+       which it is cast into the params. The D2H of bucket k+1 and the H2D of bucket k-1 run
+       while the worker updates bucket k. ``step()`` waits for the worker before it returns.
+    3. *Before the next forward*: phase 3 makes the compute stream wait (a GPU-side event
        wait, no host sync) for the last H2D, so the next forward reads the new weights.
 
-    Casts run on the GPU in both directions: that leaves the CPU only the fused kernel, which
-    is the bottleneck (bf16 over the link is cheap and the link is otherwise idle); see
-    benchmarks/RESULTS.md for the figures behind this choice.
+    The worker runs with flush-to-zero and denormals-are-zero (``flush_denormal=True``): torch's
+    CPU kernel is 4-9x slower on subnormal operands (tiny grads, an ``exp_avg`` stuck near
+    zero); flushing changes results only where values are subnormal, far below where ``eps``
+    dominates the update. With ``flush_denormal=False`` results are bitwise torch's there too.
+    The training thread's floating-point mode is never changed.
 
     Memory per parameter, bf16 params with masters: device-resident 2 (weight) + 2 (grad) +
     12 (fp32 master, ``exp_avg``, ``exp_avg_sq``) bytes on the GPU; offloaded 2 + 2 on the GPU and
     12 on the host (master 4 pinned, moments 8 pageable), plus staging of 4 x ``bucket_nbytes``
     on the GPU and 2 x ``bucket_nbytes`` pinned on the host. fp32 params: 4 + 4 + 8 on the GPU,
-    or 4 + 4 on the GPU and 12 on the host (host weight copy pinned, moments).
+    or 4 + 4 on the GPU and 12 on the host (master copy pinned, moments).
 
     Without CUDA every param is a CPU tensor and the same path runs with the CPU standing in
     for the device: separate host state, plain copies, no pinning, no streams.
@@ -67,8 +628,9 @@ class HybridAdamW(Optimizer):
     supported; ``fused`` and ``foreach`` are accepted and ignored (torch's fused kernel always runs).
 
     Args:
-        params: tensors, ``named_parameters()`` or param-group dicts; a group may carry
-            ``"offload": True`` (all its trainable params go to the host) or ``False`` (none do).
+        params: tensors, ``named_parameters()`` or param-group dicts (a list, not a set); a
+            group may carry ``"offload": True`` (all its trainable params go to the host) or
+            ``False`` (none do).
         lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``; ``lr`` may be a Tensor.
         offload_fraction: share in [0, 1] of the eligible params' optimizer-state bytes kept
             on the host (see :mod:`offloadopt.placement`).
@@ -78,6 +640,10 @@ class HybridAdamW(Optimizer):
         pin_memory: pin crossing host buffers (checked); False reproduces the slow pageable path
             and warns once.
         bucket_nbytes: target bytes of fp32 state per bucket (pipelining unit).
+        flush_denormal: run the CPU update with flush-to-zero (see above).
+        cpu_threads: OpenMP threads of the CPU worker; default the cores this process may use
+            (its affinity) divided by the local ranks, minus one for the training thread.
+        timeout_s: the longest any wait for the worker or a copy may last (seconds).
 
     Raises:
         ValueError, TypeError: a bad argument, named in the message, before anything is built.
@@ -90,6 +656,8 @@ class HybridAdamW(Optimizer):
         opt = HybridAdamW(model.named_parameters(), lr=3e-4, offload_fraction=1.0)
         loss = model(x, y)[1]; loss.backward(); opt.step(); opt.zero_grad()
     """
+
+    rule = ADAMW
 
     def __init__(
         self,
@@ -110,390 +678,14 @@ class HybridAdamW(Optimizer):
         master_weights: bool = True,
         pin_memory: bool = True,
         bucket_nbytes: int = 64 * 2**20,
+        flush_denormal: bool = True,
+        cpu_threads: int | None = None,
+        timeout_s: float = 600.0,
     ):
-        validate_options(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-            maximize=maximize, capturable=capturable, differentiable=differentiable,
+        super().__init__(
+            params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize),
+            amsgrad=amsgrad, capturable=capturable, differentiable=differentiable,
             offload_fraction=offload_fraction, min_offload_numel=min_offload_numel,
             master_weights=master_weights, pin_memory=pin_memory, bucket_nbytes=bucket_nbytes,
+            flush_denormal=flush_denormal, cpu_threads=cpu_threads, timeout_s=timeout_s,
         )  # fmt: skip
-        if isinstance(params, torch.Tensor):
-            raise TypeError(
-                "params argument given to the optimizer should be an iterable of Tensors or dicts, "
-                f"but got {torch.typename(params)}"
-            )
-        params = list(params)
-        if not params:
-            raise ValueError("optimizer got an empty parameter list")
-        self.offload_fraction = float(offload_fraction)
-        self.min_offload_numel = min_offload_numel
-        self.master_weights = master_weights
-        self.pin_memory = pin_memory
-        self.bucket_nbytes = bucket_nbytes
-        self._ready = False
-        # torch's group flags, so a cross-load into torch.optim.AdamW keeps its fused kernel.
-        defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
-            maximize=maximize, foreach=None, capturable=False, differentiable=False, fused=True,
-            decoupled_weight_decay=True, offload=None,
-        )  # fmt: skip
-        self.placement: list[Placement] = []
-        self.arenas: list[Arena] = []
-        self.buckets: list[Bucket] = []
-        self._home: dict[torch.Tensor, tuple[Arena, int]] = {}  # offloaded param -> its place
-        self._written: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (_version, data_ptr)
-        self._pipelines: dict[torch.device, Pipeline] = {}  # staging and side streams per device
-        self._stats: dict[str, float] = {}
-        self._warned: set[str] = set()
-        super().__init__(params, defaults)
-        self._place(list(range(len(self.param_groups))))
-        self._ready = True
-
-    # ------------------------------------------------------------------ construction
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (``torch.optim`` contract); its params are placed by the same rule,
-        with the fraction applied to the new group's eligible state bytes."""
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, but got {torch.typename(param_group)}")
-        param_group = validate_group(param_group, self.defaults)
-        super().add_param_group(param_group)
-        if self._ready:
-            try:
-                self._place([len(self.param_groups) - 1])
-            except BaseException:
-                self.param_groups.pop()  # nothing half built: the group goes with its failure
-                raise
-
-    def _param_name(self, group: dict[str, Any], gi: int, i: int) -> str:
-        names = group.get("param_names")
-        return names[i] if names else f"group{gi}.param{i}"
-
-    def _place(self, group_indices: list[int]) -> None:
-        """Place the params of these groups and allocate their host buffers (all or nothing)."""
-        start = sum(len(g["params"]) for g in self.param_groups[: group_indices[0]])
-        infos, tensors = [], []
-        for gi in group_indices:
-            g = self.param_groups[gi]
-            for i, p in enumerate(g["params"]):
-                name = self._param_name(g, gi, i)
-                infos.append(
-                    ParamInfo(start + len(infos), name, gi, tuple(p.shape), p.dtype,
-                              p.requires_grad, g["offload"], p.is_contiguous())
-                )  # fmt: skip
-                tensors.append(p)
-        placements = place(
-            infos, self.offload_fraction, self.min_offload_numel, self.master_weights
-        )
-        order = [(tensors[k], pl.name, pl.group, update_dtype(pl.dtype, self.master_weights))
-                 for k, pl in reversed(list(enumerate(placements))) if pl.offloaded]  # fmt: skip
-        arenas, buckets = build_arenas(order, self.bucket_nbytes)
-        devices = {a.device for a in arenas}
-        if self.pin_memory is False and any(d.type == "cuda" for d in devices):
-            self._warn_once(
-                "pageable",
-                "HybridAdamW(pin_memory=False): host buffers are pageable, so every copy over the "
-                "link takes the slow pageable path; this setting exists to reproduce and measure it",
-            )
-        for arena in arenas:
-            arena.allocate(pin=self.pin_memory and arena.device.type == "cuda", owner=self)
-        # Slots as large as the largest bucket (at most bucket_nbytes); a later add_param_group
-        # that needs larger ones replaces them, before any step can have a copy in flight.
-        need = {d: max(b.nbytes for b in buckets if b.arena.device == d) for d in devices}
-        pin = {d: self.pin_memory and d.type == "cuda" for d in devices}
-        new_pipelines = {d: Pipeline(d, n, pin[d], self) for d, n in need.items()
-                         if d not in self._pipelines or self._pipelines[d].nbytes < n}  # fmt: skip
-        # Everything allocated: commit.
-        for d, pipeline in new_pipelines.items():
-            old = self._pipelines.get(d)
-            if old is not None:
-                if old.cuda:
-                    torch.cuda.synchronize(d)  # no copy of the last step still uses the old slots
-                pipeline.h2d_events, pipeline.side_stream_hook = (
-                    old.h2d_events,
-                    old.side_stream_hook,
-                )
-            self._pipelines[d] = pipeline
-            for b in self.buckets:
-                b._slot_views.clear()
-        for arena in arenas:
-            for k, p in enumerate(arena.params):
-                self._home[p] = (arena, k)
-        odd = [pl.name for pl in placements if pl.reason == "non-contiguous"]
-        if odd and self.offload_fraction > 0:
-            self._warn_once(
-                "non-contiguous",
-                f"{len(odd)} params are not contiguous (e.g. channels_last conv weights: "
-                f"{', '.join(odd[:3])}) and keep their state on the device",
-            )
-        self.arenas.extend(arenas)
-        self.buckets.extend(buckets)
-        self.placement.extend(placements)
-        if buckets and torch.get_num_threads() == 1 and (os.cpu_count() or 1) > 1:
-            self._warn_once(
-                "threads",
-                f"the CPU AdamW update will run on 1 thread of {os.cpu_count()} cores "
-                f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')!r}; torchrun sets 1 when it starts "
-                "several processes): call torch.set_num_threads(cores // local ranks)",
-            )
-        self._check_pinned()
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, stacklevel=3)
-
-    # ------------------------------------------------------------------ reporting
-    def crossing_host_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Every host buffer that crosses the link: ``(label, tensor)`` pairs."""
-        out = []
-        for k, a in enumerate(self.arenas):
-            if a.device.type == "cuda":
-                out.append(
-                    (
-                        f"arena {k} weights (group {a.group}, {len(a.params)} params, first {a.names[0]})",
-                        a.weight,
-                    )
-                )
-        for d, pipeline in self._pipelines.items():
-            if d.type == "cuda":
-                out += [(f"{d} grad staging slot {i}", t) for i, t in enumerate(pipeline.host)]
-        return out
-
-    def _check_pinned(self) -> None:
-        """The pinned invariant: every crossing host buffer is pinned (unless pin_memory=False)."""
-        if not self.pin_memory:
-            return
-        bad = [f"{label}: {t.numel() * t.element_size()} bytes" for label, t in self.crossing_host_tensors()
-               if t.numel() and not t.is_pinned()]  # fmt: skip
-        if bad:
-            raise RuntimeError(
-                "host buffers that cross the link must be pinned; not pinned: " + "; ".join(bad)
-            )
-
-    def placement_table(self) -> str:
-        """The placement as a fixed-width table (see :func:`offloadopt.placement.format_placement`)."""
-        return format_placement(self.placement)
-
-    @property
-    def host_nbytes(self) -> int:
-        """Bytes of host memory held for optimizer state and staging."""
-        n = sum(3 * a.nbytes for a in self.arenas)
-        return n + sum(sum(t.numel() for t in p.host) for p in self._pipelines.values())
-
-    @property
-    def pinned_nbytes(self) -> int:
-        """Of :attr:`host_nbytes`, the bytes that are pinned."""
-        return sum(
-            t.numel() * t.element_size() for _, t in self.crossing_host_tensors() if t.is_pinned()
-        )
-
-    @property
-    def stats(self) -> dict[str, float]:
-        """Figures of the last ``step()``: ``d2h_wait_ms`` (host time blocked on D2H events),
-        ``cpu_update_ms`` (host time in the fused kernel), ``device_update_ms`` (host time
-        launching the device-resident update), ``collect_ms`` (host time checking grads and
-        state before the update), ``h2d_ms`` and ``d2h_ms`` (GPU time of the
-        copies and casts on the side streams), ``d2h_nbytes`` / ``h2d_nbytes`` (bytes over the
-        link), ``step_ms`` (host wall time of ``step()``)."""
-        for pipeline in self._pipelines.values():
-            if pipeline.timing:
-                for key, ms in pipeline.collect_timing().items():
-                    self._stats[key] = self._stats.get(key, 0.0) + ms
-        return dict(self._stats)
-
-    # ------------------------------------------------------------------ step
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None):
-        """One AdamW step over every param with a grad; params whose grad is None are skipped.
-
-        Raises:
-            RuntimeError: a sparse grad, or a grad whose shape differs from its param (named).
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        t0 = time.perf_counter()
-        work = self._collect()
-        collect_ms = (time.perf_counter() - t0) * 1e3
-        stats = dict.fromkeys(
-            ("d2h_wait_ms", "cpu_update_ms", "device_update_ms", "h2d_ms", "d2h_ms"), 0.0
-        )
-        stats.update(d2h_nbytes=0, h2d_nbytes=0, collect_ms=collect_ms)
-        for pipeline in self._pipelines.values():
-            pipeline.timing = []
-        # Marks all work queued on the compute stream before this step (backward, clipping):
-        # the side streams wait on it, so grads are final and no kernel still reads old weights.
-        before = {d: p.record_start() for d, p in self._pipelines.items()}
-        t = time.perf_counter()
-        for gi, params in work["device"].items():
-            self._device_update(self.param_groups[gi], params)
-        stats["device_update_ms"] = (time.perf_counter() - t) * 1e3
-        # Each param's step advances once, even when buckets cut it in several segments.
-        if work["host_params"]:
-            torch._foreach_add_([self.state[p]["step"] for p in work["host_params"]], 1)
-        by_device: dict[torch.device, list[tuple[Bucket, list[int]]]] = {}
-        for b, idx in work["host"]:
-            by_device.setdefault(b.arena.device, []).append((b, idx))
-        for device, items in by_device.items():
-            self._pipelines[device].run(items, self.state, self.param_groups, before[device], stats)
-        for p in work["host_params"]:
-            self._mark_written(p)
-        stats["step_ms"] = (time.perf_counter() - t0) * 1e3
-        self._stats = stats
-        return loss
-
-    def is_offloaded(self, p: torch.Tensor) -> bool:
-        """Whether ``p``'s optimizer state (and fp32 master) lives on the host."""
-        return p in self._home
-
-    def _collect(self) -> dict[str, Any]:
-        """Validate grads, refresh stale masters, create state lazily; sort work by placement."""
-        device_work: dict[int, list[torch.Tensor]] = {}
-        host_params: list[torch.Tensor] = []
-        for gi, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                if p.grad.layout != torch.strided:
-                    raise RuntimeError(
-                        "HybridAdamW does not support sparse gradients: "
-                        f"{self._param_name(group, gi, i)} has a {p.grad.layout} grad"
-                    )
-                if p.grad.shape != p.shape:
-                    raise RuntimeError(
-                        f"grad of {self._param_name(group, gi, i)} has shape "
-                        f"{tuple(p.grad.shape)}, param {tuple(p.shape)}"
-                    )
-        for gi, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                if p not in self.state or not self.state[p]:
-                    self._init_state(p)
-                else:
-                    self._refresh_if_stale(p, self._param_name(group, gi, i))
-                if p in self._home:
-                    host_params.append(p)
-                else:
-                    device_work.setdefault(gi, []).append(p)
-        with_grad = {id(p) for p in host_params}
-        host_work = []
-        for b in self.buckets:
-            idx = [n for n, seg in enumerate(b.segments) if id(b.arena.params[seg.k]) in with_grad]
-            if idx:
-                host_work.append((b, idx))
-        return {"device": device_work, "host": host_work, "host_params": host_params}
-
-    def _mirror(self, p: torch.Tensor) -> torch.Tensor | None:
-        """The optimizer's own copy of ``p``'s weights (host weight view or device master)."""
-        if p in self._home:
-            arena, k = self._home[p]
-            return arena.view(arena.weight, k)
-        return self.state.get(p, {}).get("master")
-
-    def _init_state(self, p: torch.Tensor) -> None:
-        """Lazily create ``p``'s state at its first grad, as torch does."""
-        if p in self._home:
-            arena, k = self._home[p]
-            weight = arena.view(arena.weight, k)
-            weight.copy_(p.detach())  # blocking D2H (once per param): master = weights
-            state = {
-                "step": torch.zeros((), dtype=torch.float32),
-                "exp_avg": arena.view(arena.exp_avg, k).zero_(),
-                "exp_avg_sq": arena.view(arena.exp_avg_sq, k).zero_(),
-            }
-            if arena.dtype != p.dtype:
-                state["master"] = weight
-        else:
-            udt = update_dtype(p.dtype, self.master_weights)
-            state = {
-                "step": torch.zeros((), dtype=torch.float32, device=p.device),
-                "exp_avg": torch.zeros_like(p, dtype=udt, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(p, dtype=udt, memory_format=torch.preserve_format),
-            }
-            if udt != p.dtype:
-                state["master"] = p.detach().to(udt, memory_format=torch.preserve_format, copy=True)
-        self.state[p] = state
-        self._mark_written(p)
-
-    def _mark_written(self, p: torch.Tensor) -> None:
-        self._written[p] = (p._version, p.data_ptr())
-
-    def _refresh_if_stale(self, p: torch.Tensor, name: str) -> None:
-        """No stale masters: weights changed outside the optimizer win over its copy."""
-        mirror = self._mirror(p)
-        if mirror is None or self._written.get(p) == (p._version, p.data_ptr()):
-            return
-        current = p.detach().to(mirror.device)
-        changed = mirror.to(p.dtype) != current  # (shape of p) bool, where the mirror is stale
-        if changed.any():
-            warnings.warn(
-                f"the weights of {name} changed outside the optimizer since its last step "
-                f"({int(changed.sum())} of {p.numel()} elements); its master copy was refreshed there",
-                stacklevel=4,
-            )
-            # Only the changed elements: the others keep their fp32 master's precision.
-            mirror.copy_(torch.where(changed, current.to(mirror.dtype), mirror))
-        self._mark_written(p)
-
-    def _device_update(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        """Fused AdamW on the device, on the compute stream; fp32 masters where they exist,
-        fed grads upcast chunk by chunk so the fp32 temporaries stay under ``bucket_nbytes``."""
-        plain = [p for p in params if "master" not in self.state[p]]
-        fused_adamw(group, plain, [_matching(p.grad, p) for p in plain], *self._state_lists(plain))
-        mastered = [p for p in params if "master" in self.state[p]]
-        chunk: list[torch.Tensor] = []
-        nbytes = 0
-        for n, p in enumerate(mastered):
-            chunk.append(p)
-            nbytes += p.numel() * 4
-            if nbytes >= self.bucket_nbytes or n == len(mastered) - 1:
-                masters = [self.state[q]["master"] for q in chunk]
-                grads = [_matching(q.grad, m) for q, m in zip(chunk, masters, strict=True)]
-                fused_adamw(group, masters, grads, *self._state_lists(chunk))
-                torch._foreach_copy_(chunk, masters)  # weights = round(master)
-                for q in chunk:
-                    self._mark_written(q)
-                chunk, nbytes = [], 0
-
-    def _state_lists(self, params: list[torch.Tensor]):
-        s = [self.state[p] for p in params]
-        return [x["exp_avg"] for x in s], [x["exp_avg_sq"] for x in s], [x["step"] for x in s]
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """``torch.optim.AdamW(fused=True)``'s layout plus ``"master"`` (fp32) where one exists.
-
-        Offloaded state is returned as standalone copies (a view of a bucket would save the
-        whole bucket); device state is returned by reference, as torch does. Loadable with
-        ``torch.load(weights_only=True)``.
-        """
-        sd = super().state_dict()
-        return checkpoint.detach_host_views(self, sd)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Validate the whole dict, then copy into the existing buffers (see
-        :func:`offloadopt.checkpoint.load`).
-
-        Raises:
-            ValueError: the dict does not fit this optimizer; nothing was changed.
-        """
-        checkpoint.load(self, state_dict)
-        self._check_pinned()
-
-    def __repr__(self) -> str:
-        head = super().__repr__()
-        n = sum(1 for p in self.placement if p.offloaded)
-        return (
-            f"{head[:-2]}\n    offload_fraction: {self.offload_fraction}\n"
-            f"    offloaded params: {n} of {len(self.placement)}\n)"
-        )
-
-    def __getstate__(self):
-        # torch's Optimizer pickles only defaults, state and groups; ours would come back
-        # without its pinned arenas, staging and streams, broken. Refuse clearly instead.
-        raise TypeError(
-            "HybridAdamW cannot be pickled or deep-copied: its state lives in pinned host buffers "
-            "and CUDA streams of this process; save and load opt.state_dict() instead"
-        )

@@ -1,199 +1,161 @@
-"""The offloaded part of one step: D2H -> CPU fused AdamW -> H2D, bucket by bucket.
+"""The schedule of the offloaded part of a step: D2H -> CPU update (worker) -> H2D, per bucket.
 
-One :class:`Pipeline` per device owns the staging slots and, on CUDA, the two side streams.
-Without CUDA the same code runs with plain copies and no streams (the CPU stands in for the
-device), so CI exercises the whole data path.
+The pipeline moves bytes; it does not know the update rule. The optimizer hands it, per step,
+the buckets to move (with the segments whose param has a grad), the events the copies must
+follow (captured on the training thread: no thread looks up ``current_stream()`` for another)
+and an ``update(work, grads)`` callable that runs the rule on the worker. Step mode: the
+training thread starts each bucket's D2H as soon as a staging slot is free and queues the
+bucket on the worker; the worker waits for that D2H, runs the update, gives the slot back and
+queues the H2D. So the D2H of bucket k+1 and the H2D of bucket k-1 overlap the CPU update of
+bucket k. ``step()`` waits for the worker before it returns. The invariants (I1)-(I5) cited
+below are in transfer.py's note.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from offloadopt.host import Bucket, alloc_host
+from offloadopt.layout import Bucket
+from offloadopt.transfer import Slot, Transfer, wait_event
+from offloadopt.worker import Job, Worker
 
-__all__ = ["SLOTS", "fused_adamw", "Pipeline"]
-
-SLOTS = 2  # staging slots per direction: bucket k+1 moves while bucket k is updated
-
-
-def fused_adamw(
-    group: dict[str, Any], weights, grads, exp_avgs, exp_avg_sqs, steps, increment=True
-) -> None:
-    """torch's own fused AdamW kernel (``torch._fused_adamw_``, as ``torch.optim.AdamW(fused=True)``
-    calls it) over lists of same-device tensors, with the group's hyperparameters.
-
-    With ``increment=False`` the ``steps`` were already advanced (a param cut into several
-    bucket segments advances once). A CUDA tensor ``lr`` feeding a CPU kernel is brought over
-    with one synchronous copy: torch's functional fused path moves it with
-    ``non_blocking=True``, which can race with the kernel reading it.
-    """
-    if not weights:
-        return
-    beta1, beta2 = group["betas"]
-    lr = group["lr"]
-    if (
-        isinstance(lr, torch.Tensor)
-        and lr.device != weights[0].device
-        and weights[0].device.type != "cuda"
-    ):
-        lr = lr.to(weights[0].device)  # synchronous: the kernel reads it at once
-    if increment:
-        torch._foreach_add_(steps, 1)
-    torch._fused_adamw_(
-        weights, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr,
-        beta1=float(beta1), beta2=float(beta2), weight_decay=group["weight_decay"],
-        eps=group["eps"], maximize=group["maximize"],
-    )  # fmt: skip
+__all__ = ["BucketWork", "Pipeline"]
 
 
-def _grad_segments(b: Bucket, idx: list[int]) -> list[torch.Tensor]:
-    """The flat grad ranges of a bucket's segments ``idx``."""
-    segs = [b.segments[i] for i in idx]
-    return [b.arena.params[s.k].grad.reshape(-1)[s.lo : s.hi] for s in segs]
+@dataclass
+class BucketWork:
+    """One bucket's share of a step: the segments ``idx`` whose param has a grad, and what the
+    update needs, prepared on the training thread (the worker never reads ``opt.state``)."""
+
+    bucket: Bucket
+    idx: list[int]
+    payload: Any = None  # the optimizer's (frozen hyperparameters, steps, ...)
 
 
 class Pipeline:
-    """Staging and streams of one device, and the bucket pipeline over them.
+    """Transfers per device, the worker, and the step-mode schedule over them.
 
-    Staging, all flat uint8 slots of ``nbytes`` allocated once: ``host`` (pinned on CUDA), and
-    on CUDA ``d2h`` and ``h2d`` device slots (the casts run there). Each bucket is copied as one
-    contiguous range, so every async copy is same dtype, contiguous and pinned on the host.
+    Args:
+        worker: runs the updates and the H2D launches.
+        timeout_s: the longest any single wait may last before it raises ``TimeoutError``.
     """
 
-    def __init__(self, device: torch.device, nbytes: int, pin: bool, owner: object):
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.host = [  # SLOTS x (nbytes,) uint8, host, pinned on CUDA: grads land here (D2H)
-            alloc_host(nbytes, torch.uint8, pin, "grad staging", owner) for _ in range(SLOTS)
-        ]
-        self.d2h_slots = self.h2d_slots = None
-        self.d2h = self.h2d = None
-        if self.cuda:
-            self.d2h_slots = [  # SLOTS x (nbytes,) uint8, device: grads upcast here before D2H
-                torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(SLOTS)
-            ]
-            self.h2d_slots = [  # SLOTS x (nbytes,) uint8, device: masters land here, then downcast
-                torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(SLOTS)
-            ]
-            self.d2h, self.h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
-        self.h2d_events: dict[int, torch.cuda.Event] = {}  # id(bucket) -> its last H2D
-        self.timing: list[tuple[str, Any, Any]] = []  # (stats key, start event, end event)
-        # Test hook: called as hook("d2h" | "h2d") inside each side-stream context, before the
-        # copies; the race tests queue a torch.cuda._sleep there to make the copies late.
-        self.side_stream_hook: Callable[[str], None] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.host[0].numel()
-
-    def record_start(self) -> Any:
-        """An event on the compute stream marking all work queued before this step."""
-        return torch.cuda.current_stream(self.device).record_event() if self.cuda else None
-
-    def _timed(self, stream) -> Any:
-        """Start-of-copies event on ``stream``, for ``stats`` only: nothing waits on it."""
-        if self.side_stream_hook is not None:
-            self.side_stream_hook("d2h" if stream is self.d2h else "h2d")
-        return stream.record_event(torch.cuda.Event(enable_timing=True))
-
-    def _launch_d2h(self, b: Bucket, idx: list[int], slot: int, stats: dict) -> Any:
-        """Copy bucket ``b``'s grads (segments ``idx``) into host slot ``slot``; the event to wait on."""
-        host_slot = self.host[slot]
-        if not self.cuda:
-            views = b.slot_views(host_slot)
-            torch._foreach_copy_([views[i] for i in idx], _grad_segments(b, idx))
-            return None
-        dev_slot = self.d2h_slots[slot]
-        with torch.cuda.stream(self.d2h):
-            start = self._timed(self.d2h)
-            # On the side stream: a non-contiguous grad's flat copy is made (and freed) there.
-            views = b.slot_views(dev_slot)
-            torch._foreach_copy_(
-                [views[i] for i in idx], _grad_segments(b, idx)
-            )  # upcast on the GPU
-            # non_blocking: same dtype, both contiguous, host side pinned -> a true async DMA;
-            # the host reads the slot only after the event below.
-            host_slot[: b.nbytes].copy_(dev_slot[: b.nbytes], non_blocking=True)
-            done = self.d2h.record_event(torch.cuda.Event(enable_timing=True))
-        self.timing.append(("d2h_ms", start, done))
-        stats["d2h_nbytes"] += b.nbytes
-        return done
-
-    def _launch_h2d(self, b: Bucket, idx: list[int], slot: int, stats: dict) -> None:
-        """Write bucket ``b``'s new weights (segments ``idx``) into its params."""
-        targets = b.param_views()
-        weights = b.state_views(b.arena.weight)
-        if not self.cuda:
-            torch._foreach_copy_([targets[i] for i in idx], [weights[i] for i in idx])
-            return
-        dev_slot = self.h2d_slots[slot]
-        with torch.cuda.stream(self.h2d):
-            start = self._timed(self.h2d)
-            # non_blocking: pinned source, same dtype, contiguous; the host does not write these
-            # weights again before this bucket's event has completed (checked in run()).
-            dev_slot[: b.nbytes].copy_(
-                b.arena.weight[b.lo : b.hi].view(torch.uint8), non_blocking=True
-            )
-            views = b.slot_views(dev_slot)
-            torch._foreach_copy_(
-                [targets[i] for i in idx], [views[i] for i in idx]
-            )  # downcast on the GPU
-            done = self.h2d.record_event(torch.cuda.Event(enable_timing=True))
-        self.h2d_events[id(b)] = done
-        self.timing.append(("h2d_ms", start, done))
-        stats["h2d_nbytes"] += b.nbytes
+    def __init__(self, worker: Worker, timeout_s: float):
+        self.worker = worker
+        self.timeout_s = timeout_s
+        self.transfers: dict[torch.device, Transfer] = {}
+        # Test hook: called on the worker before each bucket's update (a delay there shows any
+        # reliance on the worker being fast).
+        self.worker_hook: Callable[[Bucket], None] | None = None
 
     def run(
-        self, items: list[tuple[Bucket, list[int]]], state, groups, before, stats: dict
-    ) -> None:
-        """Update the buckets ``items`` (``(bucket, segment indices whose param has a grad)``, in
-        bucket order): D2H (k+1) and H2D (k-1) overlap the CPU update of bucket k.
+        self,
+        works: list[BucketWork],
+        ready: dict[torch.device, Any],
+        update: Callable[[BucketWork, list[torch.Tensor]], None],
+        stats: dict[str, float],
+    ) -> list[Job]:
+        """Start every bucket of ``works`` (in order) and queue its update on the worker.
 
-        ``state`` is the optimizer's state (steps already advanced), ``groups`` its param groups,
-        ``before`` the event of :meth:`record_start`; ``stats`` accumulates times and bytes.
+        ``ready[device]`` is the event (None without CUDA) after which the grads are final and
+        no queued kernel reads the old weights. Returns the jobs; :meth:`finish` waits for them.
+        Blocks only for free staging slots (I5).
         """
-        if self.cuda:
-            self.d2h.wait_event(before)  # grads final: backward and any in-place edit of them done
-            self.h2d.wait_event(before)  # no queued compute kernel still reads the old weights
-        pending = {
-            n: self._launch_d2h(*items[n], n % SLOTS, stats) for n in range(min(SLOTS, len(items)))
-        }
-        for n, (b, idx) in enumerate(items):
+        jobs: list[Job] = []
+        try:
+            for work in works:
+                jobs.append(self._start(work, ready[work.bucket.arena.device], update, stats))
+        except BaseException:
+            # Nothing of this step may still run when the caller sees the error.
+            try:
+                self.finish(jobs)
+            except BaseException:  # noqa: BLE001 - the first error is the one raised
+                pass
+            raise
+        return jobs
+
+    def _start(self, work: BucketWork, ready: Any, update, stats: dict[str, float]) -> Job:
+        """Take a slot, start the bucket's D2H, queue its host part on the worker."""
+        b = work.bucket
+        tr = self.transfers[b.arena.device]
+        slot = tr.ring.acquire(self.timeout_s, b.label)  # (I5) backpressure from the worker
+        try:
+            d2h_done = tr.start_d2h(b, work.idx, slot, ready)
+            stats["d2h_nbytes"] += b.nbytes
+
+            def host_part() -> None:
+                self._host_part(tr, work, slot, d2h_done, ready, update, stats)
+
+            return self.worker.submit(host_part, b.label)
+        except BaseException:
+            if tr.cuda:
+                tr.d2h.synchronize()  # (I5) the D2H into this slot is done before it is reused
+            tr.ring.release(slot)
+            raise
+
+    def _host_part(
+        self, tr: Transfer, work: BucketWork, slot: Slot, d2h_done, weights_free, update, stats
+    ) -> None:
+        """On the worker: wait for the D2H, update, free the slot, queue the H2D."""
+        b = work.bucket
+        try:
             t = time.perf_counter()
-            if self.cuda:
-                pending.pop(n).synchronize()  # the host reads the pinned grads only once D2H landed
-                last_h2d = self.h2d_events.get(id(b))
-                if last_h2d is not None:
-                    last_h2d.synchronize()  # last step's H2D from these weights is done: safe to overwrite
+            wait_event(d2h_done, f"the D2H of {b.label}", self.timeout_s)  # (I2)
+            tr.wait_h2d_done(b, self.timeout_s)  # (I3) last step's H2D from this master is done
             stats["d2h_wait_ms"] += (time.perf_counter() - t) * 1e3
-            lists = (b.state_views(b.arena.weight), b.slot_views(self.host[n % SLOTS]),
-                     b.state_views(b.arena.exp_avg), b.state_views(b.arena.exp_avg_sq))  # fmt: skip
-            # Only the segments whose param has a grad: the others may have no state yet.
-            steps = [state[b.arena.params[b.segments[i].k]]["step"] for i in idx]
+            if self.worker_hook is not None:
+                self.worker_hook(b)
+            views = b.slot_views(slot.host)
             t = time.perf_counter()
             with torch.profiler.record_function("offloadopt.cpu_update"):
-                fused_adamw(groups[b.arena.group], *([x[i] for i in idx] for x in lists), steps,
-                            increment=False)  # fmt: skip
+                update(work, [views[i] for i in work.idx])
             stats["cpu_update_ms"] += (time.perf_counter() - t) * 1e3
-            if n + SLOTS < len(items):
-                pending[n + SLOTS] = self._launch_d2h(
-                    *items[n + SLOTS], n % SLOTS, stats
-                )  # slot consumed above
-            self._launch_h2d(b, idx, n % SLOTS, stats)
-        if self.cuda and items:
-            # GPU-side wait, no host sync: the next forward on the compute stream reads the
-            # params only after the last H2D (the h2d stream runs its copies in order).
-            torch.cuda.current_stream(self.device).wait_event(self.h2d_events[id(items[-1][0])])
+        finally:
+            tr.ring.release(slot)  # (I5) the host has read the grads (or given up on them)
+        tr.start_h2d(b, work.idx, slot, weights_free)
+        stats["h2d_nbytes"] += b.nbytes
+
+    def finish(self, jobs: list[Job]) -> None:
+        """Wait for ``jobs`` in order; the first failure is raised once all have ended, so no
+        job of this step still runs when the caller sees the error.
+
+        Raises:
+            WorkerError: a job failed (names its bucket). TimeoutError: a job never ended.
+        """
+        first: BaseException | None = None
+        for job in jobs:
+            try:
+                job.wait(self.timeout_s)
+            except TimeoutError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the others
+                first = first or e
+        if first is not None:
+            raise first
+
+    def publish(self, streams: dict[torch.device, Any], works: list[BucketWork]) -> None:
+        """(I4) Each device's consumer stream (handed in) waits for its buckets' H2D."""
+        by_device: dict[torch.device, list[Bucket]] = {}
+        for work in works:
+            by_device.setdefault(work.bucket.arena.device, []).append(work.bucket)
+        for device, buckets in by_device.items():
+            self.transfers[device].publish(streams[device], buckets)
 
     def collect_timing(self) -> dict[str, float]:
-        """GPU milliseconds of the last run's copies and casts, per side stream."""
-        totals = {"d2h_ms": 0.0, "h2d_ms": 0.0}
-        for key, start, end in self.timing:
-            end.synchronize()  # the events of the last step; long done by the next forward
-            totals[key] += start.elapsed_time(end)
-        self.timing = []
+        totals: dict[str, float] = {}
+        for tr in self.transfers.values():
+            if tr.cuda:
+                for key, ms in tr.collect_timing().items():
+                    totals[key] = totals.get(key, 0.0) + ms
         return totals
+
+    def close(self) -> None:
+        """Stop the worker, wait for every copy, unpin the staging (idempotent)."""
+        self.worker.close()
+        for tr in self.transfers.values():
+            tr.close()

@@ -65,13 +65,13 @@ def update_dtype(dtype: torch.dtype, master_weights: bool) -> torch.dtype:
     return dtype
 
 
-def state_nbytes(numel: int, dtype: torch.dtype, master_weights: bool) -> int:
-    """Bytes of optimizer state for one param: two moments, plus an fp32 master when the
-    update dtype differs from the param's dtype."""
+def state_nbytes(numel: int, dtype: torch.dtype, master_weights: bool, n_states: int = 2) -> int:
+    """Bytes of optimizer state for one param: ``n_states`` tensors of the update dtype (the
+    rule's state keys: AdamW's two moments), plus an fp32 master when the update dtype differs
+    from the param's dtype."""
     udt = update_dtype(dtype, master_weights)
-    size = udt.itemsize
-    copies = 3 if udt != dtype else 2
-    return numel * size * copies
+    copies = n_states + (1 if udt != dtype else 0)
+    return numel * udt.itemsize * copies
 
 
 def place(
@@ -79,6 +79,7 @@ def place(
     offload_fraction: float,
     min_offload_numel: int,
     master_weights: bool,
+    n_states: int = 2,
 ) -> list[Placement]:
     """Decide, deterministically, which params keep their state on the host.
 
@@ -87,6 +88,7 @@ def place(
         offload_fraction: share in [0, 1] of the eligible params' state bytes to offload.
         min_offload_numel: eligible params need at least this many elements.
         master_weights: whether low-precision params carry an fp32 master (affects bytes).
+        n_states: state tensors the update rule keeps per param (AdamW: 2).
 
     Returns:
         One :class:`Placement` per info, in the same order.
@@ -96,7 +98,7 @@ def place(
     is taken while ``taken + nbytes / 2 <= target``), so fraction 0 offloads nothing, fraction 1
     everything eligible, and a fraction in between misses its target by at most half a param.
     """
-    nbytes = [state_nbytes(i.numel, i.dtype, master_weights) for i in infos]
+    nbytes = [state_nbytes(i.numel, i.dtype, master_weights, n_states) for i in infos]
     where = ["device"] * len(infos)
     reason = [""] * len(infos)
     eligible = []

@@ -1,7 +1,6 @@
-"""Argument checks for HybridAdamW: each raises before anything is built and names the value.
-
-They follow ``torch/optim/adamw.py``'s messages (``ValueError(f"Invalid learning rate: {lr}")``)
-so that errors read the same as torch's.
+"""Argument checks for the hybrid optimizers: each raises before anything is built and names
+the value. The rule's own hyperparameters are checked by the rule (offloadopt/rules.py), with
+``torch/optim/adamw.py``'s messages (``ValueError(f"Invalid learning rate: {lr}")``).
 """
 
 from __future__ import annotations
@@ -10,33 +9,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["validate_hparams", "validate_options", "validate_group"]
+from offloadopt.rules import Rule
 
-
-def validate_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
-    """Raise ``ValueError``/``TypeError`` naming the bad value, as ``torch.optim.AdamW`` does."""
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
-        lr_value = float(lr.detach().cpu())
-    elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
-        lr_value = float(lr)
-    else:
-        raise TypeError(f"Invalid learning rate: {lr!r} (expected a float or a 1-element Tensor)")
-    if not lr_value >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps!r}")
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)):
-        raise TypeError(f"Invalid weight_decay value: {weight_decay!r}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid betas: {betas!r} (expected a pair)")
-    for i, b in enumerate(betas):
-        b = float(b) if isinstance(b, torch.Tensor) and b.numel() == 1 else b
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {betas[i]!r}")
+__all__ = ["validate_options", "validate_group", "validate_params_arg"]
 
 
 def _check(ok: bool, message: str, exc: type[Exception] = ValueError) -> None:
@@ -44,14 +19,34 @@ def _check(ok: bool, message: str, exc: type[Exception] = ValueError) -> None:
         raise exc(message)
 
 
+def validate_params_arg(params: Any) -> list:
+    """The ``params`` argument as a list (tensors, ``(name, tensor)`` pairs or group dicts).
+
+    Raises:
+        TypeError: a single Tensor, or a set (its order changes between runs, as torch says).
+        ValueError: an empty list.
+    """
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, "
+            f"but got {torch.typename(params)}"
+        )
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(
+            "optimizer parameters need to be organized in ordered collections, but the ordering "
+            "of tensors in sets will change between runs: got a set; use a list instead"
+        )
+    params = list(params)
+    if not params:
+        raise ValueError("optimizer got an empty parameter list")
+    return params
+
+
 def validate_options(
+    rule: Rule,
+    hyper: dict[str, Any],
     *,
-    lr,
-    betas,
-    eps,
-    weight_decay,
     amsgrad,
-    maximize,
     capturable,
     differentiable,
     offload_fraction,
@@ -59,14 +54,17 @@ def validate_options(
     master_weights,
     pin_memory,
     bucket_nbytes,
+    flush_denormal,
+    cpu_threads,
+    timeout_s,
 ) -> None:
-    """The constructor's arguments, AdamW's and ours.
+    """The constructor's arguments: the rule's hyperparameters ``hyper`` and ours.
 
     Raises:
         ValueError, TypeError: a bad value, named in the message.
         NotImplementedError: ``amsgrad``, ``capturable`` or ``differentiable`` set.
-    """  # fmt: skip
-    validate_hparams(lr, betas, eps, weight_decay)
+    """
+    rule.validate(hyper)
 
     def number(x) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -80,24 +78,27 @@ def validate_options(
            f"Invalid min_offload_numel: {min_offload_numel!r} (expected an int >= 0)")  # fmt: skip
     _check(count(bucket_nbytes) and bucket_nbytes > 0,
            f"Invalid bucket_nbytes: {bucket_nbytes!r} (expected an int > 0)")  # fmt: skip
+    _check(cpu_threads is None or (count(cpu_threads) and cpu_threads > 0),
+           f"Invalid cpu_threads: {cpu_threads!r} (expected None or an int > 0)")  # fmt: skip
+    _check(number(timeout_s) and 0 < timeout_s < 1e7,
+           f"Invalid timeout_s: {timeout_s!r} (expected seconds, finite and > 0)")  # fmt: skip
     for flag, value in [
         ("master_weights", master_weights),
         ("pin_memory", pin_memory),
-        ("maximize", maximize),
+        ("flush_denormal", flush_denormal),
     ]:
         _check(isinstance(value, bool), f"Invalid {flag}: {value!r} (expected a bool)", TypeError)
-    _check(not amsgrad, "HybridAdamW does not support amsgrad=True yet", NotImplementedError)
+    name = f"Hybrid{rule.name}"
+    _check(not amsgrad, f"{name} does not support amsgrad=True yet", NotImplementedError)
     _check(
         not capturable,
-        "HybridAdamW does not support capturable=True (CUDA graphs)",
+        f"{name} does not support capturable=True (CUDA graphs)",
         NotImplementedError,
     )
-    _check(
-        not differentiable, "HybridAdamW does not support differentiable=True", NotImplementedError
-    )
+    _check(not differentiable, f"{name} does not support differentiable=True", NotImplementedError)
 
 
-def validate_group(param_group: Any, defaults: dict[str, Any]) -> dict[str, Any]:
+def validate_group(param_group: Any, defaults: dict[str, Any], rule: Rule) -> dict[str, Any]:
     """A param group about to be added: its params (tensors or ``(name, tensor)`` pairs, listed
     once) and its hyperparameters. Returns a shallow copy with ``params`` as a list.
 
@@ -112,8 +113,18 @@ def validate_group(param_group: Any, defaults: dict[str, Any]) -> dict[str, Any]
         f"param_group must be a dict, but got {torch.typename(param_group)}",
         TypeError,
     )
+    _check(
+        "params" in param_group,
+        f"a param group must have a 'params' key (a list of tensors); got keys {sorted(map(str, param_group))}",
+    )
     group = dict(param_group)
     raw = group["params"]
+    _check(
+        not isinstance(raw, (set, frozenset)),
+        "optimizer parameters need to be organized in ordered collections, but the ordering of "
+        "tensors in sets will change between runs: a group's 'params' is a set; use a list",
+        TypeError,
+    )
     raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
     group["params"] = raw
     seen: set[int] = set()
@@ -143,18 +154,16 @@ def validate_group(param_group: Any, defaults: dict[str, Any]) -> dict[str, Any]
             p.device.type in ("cpu", "cuda"),
             f"{label} is on {p.device}: HybridAdamW supports cpu and cuda params",
         )
-    if any(k in group for k in ("lr", "betas", "eps", "weight_decay")):
-        validate_hparams(
-            *(group.get(k, defaults[k]) for k in ("lr", "betas", "eps", "weight_decay"))
-        )
+    rule.validate({k: group.get(k, defaults[k]) for k in rule.hyper_defaults})
     offload = group.get("offload")
     _check(
         offload is None or isinstance(offload, bool),
         f"Invalid 'offload' group key: {offload!r} (expected True, False or None)",
     )
-    _check(
-        not group.get("amsgrad"),
-        "HybridAdamW does not support amsgrad=True yet",
-        NotImplementedError,
-    )
+    for flag in rule.refused_flags:
+        _check(
+            not group.get(flag),
+            f"Hybrid{rule.name} does not support {flag}=True yet",
+            NotImplementedError,
+        )
     return group

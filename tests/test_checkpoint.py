@@ -110,7 +110,8 @@ def test_c10_group_values_scheduler_and_own_keys_survive_a_load():
     )  # fmt: skip
     sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1000)
     ptrs = [
-        (b.weight.data_ptr(), b.exp_avg.data_ptr(), b.exp_avg_sq.data_ptr()) for b in opt2.arenas
+        (a.master.data_ptr(), a.states["exp_avg"].data_ptr(), a.states["exp_avg_sq"].data_ptr())
+        for a in opt2.arenas
     ]
     opt2.load_state_dict(opt_sd)
     sched2.load_state_dict(sched_sd)
@@ -119,11 +120,12 @@ def test_c10_group_values_scheduler_and_own_keys_survive_a_load():
     assert sched2.last_epoch == 58 and g["initial_lr"] == 0.125
     assert [gr["offload"] for gr in opt2.param_groups] == [None, False]
     assert ptrs == [
-        (b.weight.data_ptr(), b.exp_avg.data_ptr(), b.exp_avg_sq.data_ptr()) for b in opt2.arenas
+        (a.master.data_ptr(), a.states["exp_avg"].data_ptr(), a.states["exp_avg_sq"].data_ptr())
+        for a in opt2.arenas
     ]
     for p in fresh[:2]:
-        arena, k = opt2._home[p]
-        assert opt2.state[p]["exp_avg"].data_ptr() == arena.view(arena.exp_avg, k).data_ptr()
+        home = opt2._records[p].home("exp_avg")
+        assert opt2.state[p]["exp_avg"].data_ptr() == home.data_ptr()
 
 
 def _torch_then_hybrid(ref_params, params, fraction):

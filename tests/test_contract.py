@@ -175,7 +175,7 @@ def test_pinned_allocation_failure_says_how_many_bytes(monkeypatch):
     with pytest.raises(
         PinnedAllocationError, match="could not pin 4000 bytes .* for the test buffer"
     ):
-        host.alloc_host(1000, torch.float32, True, "the test buffer", object())
+        host.alloc_host(1000, torch.float32, True, "the test buffer")
 
     def no_memory(*args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
@@ -184,7 +184,7 @@ def test_pinned_allocation_failure_says_how_many_bytes(monkeypatch):
     with pytest.raises(
         PinnedAllocationError, match="could not allocate 8000 bytes .* pinned host memory"
     ):
-        host.alloc_host(1000, torch.float64, True, "the test buffer", object())
+        host.alloc_host(1000, torch.float64, True, "the test buffer")
 
 
 def test_sparse_grads_raise_naming_the_param():

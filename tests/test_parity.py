@@ -81,18 +81,18 @@ def test_fraction_really_offloads_and_state_is_separate_storage(fraction, expect
     for pl, p in zip(opt.placement, params, strict=True):
         assert opt.is_offloaded(p) == pl.offloaded
         if pl.offloaded:
-            arena, k = opt._home[p]
+            rec = opt._records[p]
             storages = {
-                arena.weight.untyped_storage().data_ptr(),
-                arena.exp_avg.untyped_storage().data_ptr(),
+                rec.arena.master.untyped_storage().data_ptr(),
+                rec.arena.states["exp_avg"].untyped_storage().data_ptr(),
             }
             assert p.untyped_storage().data_ptr() not in storages
             assert (
                 opt.state[p]["exp_avg"].untyped_storage().data_ptr()
-                == arena.exp_avg.untyped_storage().data_ptr()
+                == rec.arena.states["exp_avg"].untyped_storage().data_ptr()
             )
             # The host copy is what the kernel updates: it equals the param, in its own memory.
-            assert torch.equal(arena.view(arena.weight, k), p.detach())
+            assert torch.equal(rec.home("master"), p.detach())
 
 
 @pytest.mark.parametrize("bucket_nbytes", [4 * 97, 4 * 1000, 2**20])

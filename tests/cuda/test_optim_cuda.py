@@ -87,7 +87,7 @@ def test_c03_next_forward_never_reads_weights_before_their_h2d(hook):
     model = big_cheap_model()
     opt = HybridAdamW(model.parameters(), offload_fraction=1.0, bucket_nbytes=16 * 2**20)
     assert len(opt.buckets) > 2  # several buckets: the pipeline really overlaps
-    for pipeline in opt._pipelines.values():
+    for pipeline in opt._pipeline.transfers.values():
         pipeline.side_stream_hook = sleep_on(hook) if hook else None
     assert_same_outputs(train(model, opt), ref_outs)
 

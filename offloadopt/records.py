@@ -1,0 +1,63 @@
+"""One record per param: its name, placement, home in host memory and the last write.
+
+``opt.state[p]`` stays the sole owner of step, moments and masters; the record holds what the
+optimizer needs to know about ``p`` besides that. A param's *group* is never stored: it is the
+group whose ``"params"`` list holds it at this step (found by identity, so reordering or popping
+``opt.param_groups`` cannot hand a param another group's hyperparameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from offloadopt.layout import Arena
+from offloadopt.placement import Placement
+
+__all__ = ["ParamRecord"]
+
+
+@dataclass(eq=False)
+class ParamRecord:
+    """What the optimizer knows of one param besides its state.
+
+    ``arena``/``k``: the param's home when offloaded (its master and state are views of the
+    arena's buffers at index ``k``); None on the device. ``written``: ``(param._version,
+    data_ptr)`` when the optimizer last wrote the weights or read them into its master.
+    """
+
+    name: str
+    placement: Placement
+    arena: Arena | None = None
+    k: int = -1
+    written: tuple[int, int] | None = None
+
+    @property
+    def offloaded(self) -> bool:
+        return self.arena is not None
+
+    def master(self, state: dict) -> torch.Tensor | None:
+        """The optimizer's own copy of the weights, shaped like the param: the arena's master
+        view when offloaded, else ``state["master"]`` (a device fp32 master) or None."""
+        if self.arena is not None and self.arena.master is not None:
+            return self.arena.view(self.arena.master, self.k)
+        return state.get("master")
+
+    def home(self, key: str) -> torch.Tensor:
+        """The arena view that holds state ``key`` (``"master"`` or a rule's state key)."""
+        flat = self.arena.master if key == "master" else self.arena.states[key]
+        return self.arena.view(flat, self.k)
+
+    def mark_written(self, p: torch.Tensor) -> None:
+        self.written = (p._version, p.data_ptr())
+
+    def forget_written(self) -> None:
+        """Compare the master with the weights at the next step (after a load)."""
+        self.written = (-1, -1)
+
+    def is_stale(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` may have been written outside the optimizer since the last write
+        (``param._version`` moved, or the param points at other memory). Edits through
+        ``param.data`` do not move the version and are not seen."""
+        return self.written != (p._version, p.data_ptr())

@@ -1,0 +1,167 @@
+"""Update rules: what an optimizer's state is and how one update runs, one entry per rule.
+
+A rule is a small frozen object: the elementwise state keys it keeps per param, whether it
+keeps a ``step`` counter, its hyperparameters with their defaults, the group flags torch's own
+optimizer writes into its groups (so a checkpoint cross-loads into torch and keeps torch's fused
+kernel), validation of those values, a snapshot of a group's values frozen once per step, and the
+functional update over lists of same-device tensors. The update calls torch's own fused kernel;
+it never re-derives the algorithm. The optimizer, the placement policy and the checkpoint code
+ask the rule instead of spelling out a state schema.
+
+:data:`ADAMW` is ``torch.optim.AdamW(fused=True)`` (``torch._fused_adamw_``, Loshchilov & Hutter,
+"Decoupled Weight Decay Regularization", arXiv 1711.05101).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+__all__ = ["Hyper", "Rule", "AdamWRule", "ADAMW", "check_number"]
+
+
+def check_number(name: str, value: Any, lo: float, hi: float | None = None, hi_open=False) -> None:
+    """Raise ``ValueError`` naming ``value`` unless it is a real number (not a bool) in range."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= lo
+    if ok and hi is not None:
+        ok = value < hi if hi_open else value <= hi
+    if not ok:
+        raise ValueError(f"Invalid {name}: {value!r}")
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """A group's hyperparameters frozen for one step: nothing reads the live group dict after
+    the step began (a scheduler's change takes effect at the next step; a worker thread never
+    races the training thread over the dict).
+
+    ``values`` maps each of the rule's hyperparameter names to its value at freeze time;
+    ``lr_host`` is the learning rate as the host kernel takes it (a float, or a CPU tensor
+    copied synchronously from a CUDA one).
+    """
+
+    values: MappingProxyType
+    lr_host: float | torch.Tensor
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One update rule. Subclasses set the fields and implement :meth:`validate` and
+    :meth:`update`."""
+
+    name: str
+    state_keys: tuple[str, ...]  # elementwise state, shaped like the param, in kernel order
+    has_step: bool  # keeps a per-param ``step`` counter (a 0-dim fp32 tensor)
+    hyper_defaults: dict[str, Any] = field(default_factory=dict)  # the rule's hyperparameters
+    torch_flags: dict[str, Any] = field(default_factory=dict)  # restored on every group
+    refused_flags: tuple[str, ...] = ()  # torch options that change the state schema: refused
+
+    def state_copies(self, has_master: bool) -> int:
+        """Tensors of the param's size the optimizer keeps: the state keys, plus a master."""
+        return len(self.state_keys) + (1 if has_master else 0)
+
+    def validate(self, values: dict[str, Any]) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def freeze(self, group: dict[str, Any]) -> Hyper:
+        """Validate a group's current values and snapshot them (a tensor ``lr`` is cloned, so
+        an in-place scheduler edit cannot reach an update in flight).
+
+        Raises:
+            ValueError, TypeError: a bad value, named in the message.
+        """
+        values = {k: group[k] for k in self.hyper_defaults}
+        self.validate(values)
+        lr = values.get("lr")
+        lr_host = lr
+        if isinstance(lr, torch.Tensor):
+            values["lr"] = lr = lr.detach().clone()
+            lr_host = lr if lr.device.type == "cpu" else lr.to("cpu")  # synchronous copy
+        return Hyper(MappingProxyType(values), lr_host)
+
+    def update(self, hyper: Hyper, weights, grads, states, steps, host: bool) -> None:
+        """One update over lists of same-device tensors (``states`` in :attr:`state_keys`
+        order, ``steps`` already advanced); ``host`` selects :attr:`Hyper.lr_host`."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+
+def _validate_adam_values(values: dict[str, Any]) -> None:
+    lr = values["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
+        lr_value = float(lr.detach().cpu())
+    elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
+        lr_value = float(lr)
+    else:
+        raise TypeError(f"Invalid learning rate: {lr!r} (expected a float or a 1-element Tensor)")
+    if not lr_value >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    check_number("epsilon value", values["eps"], 0.0)
+    wd = values["weight_decay"]
+    if isinstance(wd, bool) or not isinstance(wd, (int, float)):
+        raise TypeError(f"Invalid weight_decay value: {wd!r}")
+    check_number("weight_decay value", wd, 0.0)
+    betas = values["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (expected a pair)")
+    for i, b in enumerate(betas):
+        b = float(b) if isinstance(b, torch.Tensor) and b.numel() == 1 else b
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {betas[i]!r}")
+    if not isinstance(values["maximize"], bool):
+        raise ValueError(f"Invalid maximize: {values['maximize']!r} (expected a bool)")
+
+
+@dataclass(frozen=True)
+class AdamWRule(Rule):
+    """AdamW with decoupled weight decay: ``torch._fused_adamw_``, as ``torch.optim.AdamW(
+    fused=True)`` calls it (torch/optim/adam.py, ``_fused_adam``)."""
+
+    def validate(self, values: dict[str, Any]) -> None:
+        """Raise ``ValueError``/``TypeError`` naming the bad value, as ``torch.optim.AdamW``."""
+        _validate_adam_values(values)
+
+    def update(self, hyper: Hyper, weights, grads, states, steps, host: bool) -> None:
+        if not weights:
+            return
+        exp_avgs, exp_avg_sqs = states
+        beta1, beta2 = hyper["betas"]
+        torch._fused_adamw_(
+            weights,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],  # max_exp_avg_sqs: amsgrad is refused
+            steps,
+            amsgrad=False,
+            lr=hyper.lr_host if host else hyper["lr"],
+            beta1=float(beta1),
+            beta2=float(beta2),
+            weight_decay=hyper["weight_decay"],
+            eps=hyper["eps"],
+            maximize=hyper["maximize"],
+        )
+
+
+ADAMW = AdamWRule(
+    name="AdamW",
+    state_keys=("exp_avg", "exp_avg_sq"),
+    has_step=True,
+    hyper_defaults=dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, maximize=False),
+    torch_flags=dict(
+        amsgrad=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=True,
+        decoupled_weight_decay=True,
+    ),
+    refused_flags=("amsgrad",),
+)

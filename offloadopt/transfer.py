@@ -1,0 +1,219 @@
+"""Moving one bucket's bytes over the link, per device: a staging slot ring and two side streams.
+
+[Note: pipeline invariants] Every sync line in this file and in pipeline.py cites one of these:
+
+- (I1) *Grads are final before D2H*: the D2H side stream waits on an event recorded on the
+  stream that produced the grads (handed in by the caller: the training thread's stream at
+  ``step()``), so backward and any in-place edit of the grads queued before it are done.
+- (I2) *The host reads a slot only after its D2H event*: the worker waits on the bucket's
+  D2H-done event before the CPU update reads the pinned grads.
+- (I3) *The host writes a master only after the last H2D from it*: before the CPU update of a
+  bucket, the worker waits on that bucket's previous H2D-done event.
+- (I4) *The forward reads a param only after its H2D*: the H2D side stream first waits on the
+  caller's event (no queued kernel still reads the old weights), and the consumer's stream
+  waits on the bucket's H2D-done event before it reads the params.
+- (I5) *A slot is reused only once free*: a staging slot goes back to the ring only after the
+  host finished reading it; whoever starts a D2H takes a slot from the ring first, waiting for
+  one (backpressure) with a timeout that names what it waited for.
+
+Without CUDA the same calls make plain synchronous copies (the CPU stands in for the device):
+no streams, no events, no pinning.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from offloadopt.host import HostBuffers
+from offloadopt.layout import Bucket
+
+__all__ = ["SLOTS", "Slot", "SlotRing", "Transfer", "wait_event"]
+
+SLOTS = 2  # staging slots per device: bucket k+1 moves while bucket k is updated
+
+
+def wait_event(event: Any, what: str, timeout_s: float) -> None:
+    """Block the calling thread until ``event`` (a CUDA event, or None) has completed.
+
+    Polls instead of ``event.synchronize()`` so that the wait can end: a GPU that never
+    finishes raises instead of hanging the caller.
+
+    Raises:
+        TimeoutError: not done after ``timeout_s`` seconds; the message says what was awaited.
+    """
+    if event is None or event.query():
+        return
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"offloadopt: waited {timeout_s:g} s for {what}; it never finished")
+        time.sleep(20e-6)
+
+
+@dataclass(eq=False)
+class Slot:
+    """One staging slot: flat uint8 buffers of the ring's ``nbytes``."""
+
+    index: int
+    host: torch.Tensor  # (nbytes,) uint8, host, pinned on CUDA: grads land here (D2H)
+    d2h: torch.Tensor | None  # (nbytes,) uint8, device: grads upcast here before D2H
+    h2d: torch.Tensor | None  # (nbytes,) uint8, device: masters land here, then downcast
+
+
+class SlotRing:
+    """:data:`SLOTS` staging slots, handed out in FIFO order: a slot is taken before a D2H
+    writes it and given back once the host has read it (I5)."""
+
+    def __init__(self, device: torch.device, nbytes: int, pin: bool, count: int = SLOTS):
+        self.nbytes = nbytes
+        self.buffers = HostBuffers(self)
+        self.slots = []
+        for i in range(count):
+            host = self.buffers.alloc(nbytes, torch.uint8, pin, f"grad staging slot {i}")
+            d2h = h2d = None
+            if device.type == "cuda":
+                d2h = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                h2d = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.slots.append(Slot(i, host, d2h, h2d))
+        self._free: queue.Queue[Slot] = queue.Queue()
+        for slot in self.slots:
+            self._free.put(slot)
+
+    def acquire(self, timeout_s: float, what: str) -> Slot:
+        """The next free slot, waiting for the host to give one back (backpressure).
+
+        Raises:
+            TimeoutError: none came back within ``timeout_s``; names what it waited for.
+        """
+        try:
+            return self._free.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(
+                f"offloadopt: waited {timeout_s:g} s for a free staging slot for {what}"
+            ) from None
+
+    def release(self, slot: Slot) -> None:
+        self._free.put(slot)
+
+    def close(self) -> None:
+        """Unpin the host slots now; the caller guarantees no copy still uses them."""
+        self.buffers.close()
+
+
+class Transfer:
+    """The staging ring and, on CUDA, the D2H and H2D side streams of one device.
+
+    Each bucket is copied as one contiguous range of a slot, so every async copy is same dtype,
+    contiguous and pinned on the host side. Both casts run on the device: grads are upcast to
+    the update dtype into the device slot before D2H; masters land in a device slot and are
+    downcast into the params (benchmarks/RESULTS.md has the figures behind this choice).
+    """
+
+    def __init__(self, device: torch.device, nbytes: int, pin: bool):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.ring = SlotRing(device, nbytes, pin)
+        self.d2h = self.h2d = None
+        if self.cuda:
+            self.d2h, self.h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        self.h2d_done: dict[Bucket, Any] = {}  # bucket -> the event of its last H2D
+        self.timing: list[tuple[str, Any, Any]] = []  # (stats key, start event, end event)
+        # Test hook: called as hook("d2h" | "h2d") inside each side-stream context, before the
+        # copies; the race tests queue a torch.cuda._sleep there to make the copies late.
+        self.side_stream_hook: Callable[[str], None] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.ring.nbytes
+
+    def host_slots(self) -> list[torch.Tensor]:
+        return [s.host for s in self.ring.slots]
+
+    def adopt(self, old: Transfer) -> None:
+        """Take over ``old``'s per-bucket events and hooks (staging grew: same device)."""
+        self.h2d_done, self.side_stream_hook = old.h2d_done, old.side_stream_hook
+
+    def mark(self, stream: Any) -> Any:
+        """An event on ``stream`` (the caller's stream, captured by the caller) marking all
+        work queued on it so far; None without CUDA."""
+        return stream.record_event() if self.cuda else None
+
+    def _timed_start(self, stream) -> Any:
+        """Start-of-copies event on ``stream``, for ``stats`` only: nothing waits on it."""
+        if self.side_stream_hook is not None:
+            self.side_stream_hook("d2h" if stream is self.d2h else "h2d")
+        return stream.record_event(torch.cuda.Event(enable_timing=True))
+
+    def start_d2h(self, b: Bucket, idx: list[int], slot: Slot, grads_ready: Any) -> Any:
+        """Copy bucket ``b``'s grads (segments ``idx``) into ``slot.host``; returns the D2H-done
+        event to wait on (None without CUDA: the copy is done on return)."""
+        if not self.cuda:
+            views = b.slot_views(slot.host)
+            torch._foreach_copy_([views[i] for i in idx], b.grad_views(idx))
+            return None
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(grads_ready)  # (I1) grads final: backward and edits queued before
+            start = self._timed_start(self.d2h)
+            # On the side stream: a non-contiguous grad's flat copy is made (and freed) there.
+            views = b.slot_views(slot.d2h)
+            torch._foreach_copy_([views[i] for i in idx], b.grad_views(idx))  # upcast on the GPU
+            # non_blocking: same dtype, both contiguous, host side pinned -> a true async DMA;
+            # the host reads the slot only after the event below (I2).
+            slot.host[: b.nbytes].copy_(slot.d2h[: b.nbytes], non_blocking=True)
+            done = self.d2h.record_event(torch.cuda.Event(enable_timing=True))
+        self.timing.append(("d2h_ms", start, done))
+        return done
+
+    def wait_h2d_done(self, b: Bucket, timeout_s: float) -> None:
+        """(I3) Block until the last H2D from ``b``'s master is done: the host may write it."""
+        wait_event(self.h2d_done.get(b), f"the last H2D of {b.label}", timeout_s)
+
+    def start_h2d(self, b: Bucket, idx: list[int], slot: Slot, weights_free: Any) -> None:
+        """Write bucket ``b``'s new weights (segments ``idx``) into its params; on CUDA the
+        copy is queued and :attr:`h2d_done` holds its event."""
+        targets = b.param_views()
+        masters = b.state_views(b.arena.master)
+        if not self.cuda:
+            torch._foreach_copy_([targets[i] for i in idx], [masters[i] for i in idx])
+            return
+        with torch.cuda.stream(self.h2d):
+            self.h2d.wait_event(weights_free)  # (I4) no queued kernel still reads the old weights
+            start = self._timed_start(self.h2d)
+            # non_blocking: pinned source, same dtype, contiguous; the host does not write this
+            # master again before this bucket's event has completed (I3).
+            slot.h2d[: b.nbytes].copy_(b.arena.master[b.lo : b.hi].view(torch.uint8), non_blocking=True)  # fmt: skip
+            views = b.slot_views(slot.h2d)
+            torch._foreach_copy_([targets[i] for i in idx], [views[i] for i in idx])  # downcast
+            done = self.h2d.record_event(torch.cuda.Event(enable_timing=True))
+        self.h2d_done[b] = done
+        self.timing.append(("h2d_ms", start, done))
+
+    def publish(self, stream: Any, buckets: list[Bucket]) -> None:
+        """(I4) GPU-side wait, no host sync: ``stream`` (the consumer's, handed in) reads the
+        params of ``buckets`` only after their H2D. The H2D stream runs its copies in order, so
+        the event of the bucket whose H2D was queued last covers every earlier one."""
+        if self.cuda and buckets:
+            stream.wait_event(self.h2d_done[buckets[-1]])
+
+    def collect_timing(self) -> dict[str, float]:
+        """GPU milliseconds of the copies and casts recorded since the last call, per stream.
+        Waits for those events (the last step's; long done by the next forward)."""
+        totals = {"d2h_ms": 0.0, "h2d_ms": 0.0}
+        for key, start, end in self.timing:
+            end.synchronize()  # stats only: the events of a step that has returned
+            totals[key] += start.elapsed_time(end)
+        self.timing = []
+        return totals
+
+    def close(self) -> None:
+        """Wait for this device's copies, then unpin the staging now."""
+        if self.cuda:
+            self.d2h.synchronize()  # no D2H still writes the host slots
+            self.h2d.synchronize()  # no H2D still reads a master
+        self.ring.close()

@@ -1,0 +1,171 @@
+"""The CPU worker thread that runs the offloaded updates, immune to subnormal floats.
+
+Why a thread of its own: the CPU update can then run while the training thread does other
+work, and its floating-point mode and OpenMP pool are its own. torch's fused CPU AdamW slows
+down 4-9x on subnormal operands (grads near 1e-20, an ``exp_avg`` stuck at a subnormal value
+after ~720 steps of exactly-zero grads; figures in benchmarks/RESULTS.md). Flush-to-zero and
+denormals-are-zero (``torch.set_flush_denormal(True)``) set only the calling thread's MXCSR;
+OpenMP threads that already exist keep theirs, but a thread's own pool, created at its first
+parallel region, inherits its setting. So the worker's first actions, before any other torch
+op, are: set flush-to-zero, set its thread count, and run one parallel op so that its pool
+exists with both settings. The training thread's floating-point mode is never changed, and its
+thread count is restored once the worker's pool exists (``torch.set_num_threads`` also sets the
+default for threads that start later).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import traceback
+import weakref
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["Worker", "Job", "WorkerError", "default_cpu_threads", "local_ranks"]
+
+log = logging.getLogger("offloadopt")
+
+
+class WorkerError(RuntimeError):
+    """An offloaded update failed on the worker; the message names the bucket, the cause is
+    chained (``__cause__``) and its traceback is in the message."""
+
+
+def local_ranks() -> int:
+    """Processes of this job on this host: torchrun's ``LOCAL_WORLD_SIZE``, else the world size
+    of an initialised default process group (``mp.spawn`` sets no variable), else 1."""
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return max(1, dist.get_world_size())
+    return 1
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_cpu_threads() -> int:
+    """The cores this process may use divided by the local ranks, minus one for the training
+    thread; at least 1."""
+    return max(1, usable_cores() // local_ranks() - 1)
+
+
+class Job:
+    """One unit of work on the worker; :meth:`wait` re-raises its failure on the caller."""
+
+    def __init__(self, fn: Callable[[], None], label: str):
+        self.fn, self.label = fn, label
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.error_text = ""
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until the job ran.
+
+        Raises:
+            WorkerError: the job raised (the message names it, the cause is chained).
+            TimeoutError: not done within ``timeout_s``; names the job.
+        """
+        if not self.done.wait(timeout_s):
+            raise TimeoutError(f"offloadopt: waited {timeout_s:g} s for the worker to finish {self.label}")  # fmt: skip
+        if self.error is not None:
+            raise WorkerError(
+                f"the offloaded update of {self.label} failed on the worker: "
+                f"{type(self.error).__name__}: {self.error}\n{self.error_text}"
+            ) from self.error
+
+
+def _serve(jobs: queue.SimpleQueue, ready: threading.Event, threads: int, flush: bool) -> None:
+    """The worker's loop. Holds no reference to the optimizer (it can be collected while the
+    thread waits; its finalizer then stops the thread)."""
+    if flush:
+        torch.set_flush_denormal(True)  # FTZ/DAZ for this thread; its pool, made below, inherits
+    torch.set_num_threads(threads)  # this thread's count (and, for now, the default)
+    torch.get_num_threads()  # torch's per-thread lazy init: adopts the count now
+    torch.ones(1 << 20).mul_(2.0).sum()  # a parallel region: the pool exists, with FTZ set
+    torch.set_grad_enabled(False)  # grad mode is per thread: the updates write params in place
+    ready.set()
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        try:
+            job.fn()
+        except BaseException as e:  # noqa: BLE001 - reported to the waiter, never lost
+            job.error, job.error_text = e, traceback.format_exc()
+        finally:
+            job.fn = None  # drop the closure (and what it holds) now
+            job.done.set()
+
+
+def _stop(jobs: queue.SimpleQueue, thread: threading.Thread) -> None:
+    jobs.put(None)
+    if thread is not threading.current_thread():
+        thread.join(timeout=60)
+
+
+class Worker:
+    """One daemon thread running submitted jobs in FIFO order.
+
+    Args:
+        threads: OpenMP threads of the worker's own pool (``torch.set_num_threads`` there).
+        flush_denormal: set flush-to-zero and denormals-are-zero on the worker (its pool too).
+        timeout_s: how long :meth:`__init__` waits for the thread to start.
+
+    Raises:
+        TimeoutError: the thread did not start in time.
+    """
+
+    def __init__(self, threads: int, flush_denormal: bool, timeout_s: float = 60.0):
+        self.threads, self.flush_denormal = threads, flush_denormal
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        ready = threading.Event()
+        before = torch.get_num_threads()
+        self._thread = threading.Thread(
+            target=_serve,
+            args=(self._jobs, ready, threads, flush_denormal),
+            name="offloadopt-worker",
+            daemon=True,  # a live optimizer never keeps the process from exiting
+        )
+        self._thread.start()
+        started = ready.wait(timeout_s)
+        # The worker's pool exists with its own count: give the training thread (and threads
+        # started later) torch's count back.
+        torch.set_num_threads(before)
+        if not started:
+            raise TimeoutError(
+                f"offloadopt: the CPU worker thread did not start in {timeout_s:g} s"
+            )
+        # Stops the thread when the worker is collected, closed, or at interpreter exit.
+        self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread)
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive and self._thread.is_alive()
+
+    def submit(self, fn: Callable[[], None], label: str) -> Job:
+        """Queue ``fn`` (run on the worker); the returned job's ``wait`` re-raises its error.
+
+        Raises:
+            RuntimeError: the worker was closed.
+        """
+        if not self.alive:
+            raise RuntimeError("offloadopt: the CPU worker is closed (opt.close() was called)")
+        job = Job(fn, label)
+        self._jobs.put(job)
+        return job
+
+    def close(self) -> None:
+        """Let queued jobs finish, then stop the thread (idempotent)."""
+        self._finalizer()
