@@ -113,6 +113,10 @@ class HybridOptimizer(Optimizer):
                 raise
 
     def _name(self, group: dict[str, Any], gi: int, i: int) -> str:
+        """The name of param ``i`` of group ``gi``: its record's, else from ``param_names``."""
+        rec = self._records.get(group["params"][i])
+        if rec is not None:
+            return rec.name
         names = group.get("param_names")
         return names[i] if names and i < len(names) else f"group{gi}.param{i}"
 
@@ -370,6 +374,12 @@ class HybridOptimizer(Optimizer):
                     on_device.append(p)
             if on_device:
                 device_work.append((hyper, on_device))
+        if self._pipeline is not None and not self._pipeline.worker.alive:
+            if any(self._records[p].offloaded for p in hyper_of):
+                raise RuntimeError(
+                    f"{type(self).__name__}: the CPU worker is closed (opt.close() was called); "
+                    "build a new optimizer and load this one's state_dict() to go on"
+                )
         # Every check passed: state may change from here on.
         for p in hyper_of:
             rec = self._records[p]

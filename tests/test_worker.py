@@ -1,0 +1,216 @@
+"""The CPU worker thread: flush-to-zero on its own pool, thread counts, errors, timeouts, lifetime."""
+
+import logging
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from oracle import assert_bitwise
+
+import offloadopt.optim as optim_mod
+from offloadopt import HybridAdamW
+from offloadopt.worker import WorkerError
+
+
+def subnormal_case(n=1 << 16, seed=0):
+    """Params of normal size, grads near 1e-20 (grad**2 is subnormal), and ``exp_avg`` stuck at
+    subnormal values on part of the tensor: the inputs where flush-to-zero changes results."""
+    g = torch.Generator().manual_seed(seed)
+    param = torch.randn(n, generator=g)
+    grad = torch.randn(n, generator=g) * 1e-20
+    exp_avg = torch.zeros(n)
+    exp_avg[: n // 2] = 1e-39 * torch.rand(n // 2, generator=g)  # subnormal fp32 (< 1.18e-38)
+    return param, grad, exp_avg
+
+
+def fused_reference(param, grad, exp_avg, steps, flush: bool):
+    """torch's fused AdamW alone, run ``steps`` times in a thread of its own with flush-to-zero
+    on or off and one OpenMP thread (no pool whose mode could differ)."""
+    out = {}
+
+    def run():
+        torch.set_flush_denormal(flush)
+        torch.set_num_threads(1)
+        p, m, v, s = param.clone(), exp_avg.clone(), torch.zeros_like(param), torch.zeros(())
+        for _ in range(steps):
+            s += 1
+            torch._fused_adamw_([p], [grad.clone()], [m], [v], [], [s], amsgrad=False, lr=1e-3,
+                                beta1=0.9, beta2=0.999, weight_decay=1e-2, eps=1e-8, maximize=False)  # fmt: skip
+        out.update(p=p, m=m, v=v)
+
+    before = torch.get_num_threads()
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    torch.set_num_threads(before)  # set_num_threads also set the default for new threads
+    return out
+
+
+def hybrid_run(param, grad, exp_avg, steps, **kw):
+    p = torch.nn.Parameter(param.clone())
+    opt = HybridAdamW([p], lr=1e-3, min_offload_numel=1, cpu_threads=2, **kw)
+    sd = opt.state_dict()
+    sd["state"] = {0: {"step": 0.0, "exp_avg": exp_avg, "exp_avg_sq": torch.zeros_like(param)}}
+    opt.load_state_dict(sd)  # the subnormal exp_avg, planted
+    assert opt.is_offloaded(p)
+    for _ in range(steps):
+        p.grad = grad.clone()
+        opt.step()
+    state = opt.state[p]
+    opt.close()
+    return {"p": p.detach(), "m": state["exp_avg"], "v": state["exp_avg_sq"]}
+
+
+def test_flush_denormal_matches_torch_kernel_under_flush_to_zero():
+    """The worker's whole pool (2 threads) runs with FTZ/DAZ: the result equals torch's kernel
+    run under flush-to-zero, bitwise, and differs from it run without (so the test can fail)."""
+    case = subnormal_case()
+    got = hybrid_run(*case, steps=3, flush_denormal=True)
+    ftz = fused_reference(*case, steps=3, flush=True)
+    plain = fused_reference(*case, steps=3, flush=False)
+    assert_bitwise([got["p"], got["m"], got["v"]], [ftz["p"], ftz["m"], ftz["v"]], "ftz")
+    assert not torch.equal(ftz["v"], plain["v"])  # grad**2 flushed to zero, or kept subnormal
+
+
+def test_flush_denormal_false_stays_bitwise_torch_on_subnormal_data():
+    case = subnormal_case()
+    got = hybrid_run(*case, steps=3, flush_denormal=False)
+    plain = fused_reference(*case, steps=3, flush=False)
+    assert_bitwise([got["p"], got["m"], got["v"]], [plain["p"], plain["m"], plain["v"]], "plain")
+
+
+def test_training_thread_keeps_its_floating_point_mode_and_thread_count():
+    before = torch.get_num_threads()
+    p = torch.nn.Parameter(torch.randn(4096))
+    opt = HybridAdamW([p], min_offload_numel=1, cpu_threads=1)
+    p.grad = torch.randn(4096)
+    opt.step()
+    assert torch.get_num_threads() == before
+    assert torch.tensor([1e-40]).mul(1.0).item() != 0.0  # still subnormal here: no FTZ
+    seen = []
+    opt._pipeline.worker_hook = lambda b: seen.append(torch.get_num_threads())
+    opt.step()
+    assert seen == [1] and opt.stats["cpu_threads"] == 1
+    opt.close()
+
+
+def test_default_threads_are_the_affinity_over_local_ranks_minus_one(monkeypatch):
+    monkeypatch.setattr(optim_mod, "default_cpu_threads", optim_mod.default_cpu_threads)
+    from offloadopt import worker
+
+    monkeypatch.setattr(worker, "usable_cores", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert worker.default_cpu_threads() == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert worker.default_cpu_threads() == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert worker.default_cpu_threads() == 15
+
+
+def test_omp_num_threads_1_is_said_once_and_few_threads_warn(monkeypatch, caplog):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(optim_mod, "usable_cores", lambda: 16)
+    with caplog.at_level(logging.WARNING, logger="offloadopt"):
+        opt = HybridAdamW([torch.nn.Parameter(torch.randn(64))], min_offload_numel=1, cpu_threads=8)
+    assert "OMP_NUM_THREADS=1" in caplog.text and "8 threads" in caplog.text
+    opt.close()
+    with pytest.warns(UserWarning, match="1 threads x 1 local ranks, far below the 16 cores"):
+        opt = HybridAdamW([torch.nn.Parameter(torch.randn(64))], min_offload_numel=1, cpu_threads=1)
+    opt.close()
+
+
+def test_an_error_in_the_worker_reaches_the_caller_naming_the_bucket_and_the_next_step_works():
+    p = torch.nn.Parameter(torch.randn(1000))
+    ref = torch.nn.Parameter(p.detach().clone())
+    opt = HybridAdamW([p], min_offload_numel=1, bucket_nbytes=4 * 256)
+    torch_opt = torch.optim.AdamW([ref], fused=True)
+    assert len(opt.buckets) == 4
+
+    def fail(bucket):
+        if bucket.index == 2:
+            raise RuntimeError("injected")
+
+    opt._pipeline.worker_hook = fail
+    p.grad = torch.randn(1000)
+    with pytest.raises(WorkerError, match=r"bucket 2 \(1 params from group0.param0.*injected"):
+        opt.step()
+    opt._pipeline.worker_hook = None  # every slot came back: the pipeline is not stuck
+    opt.load_state_dict(torch_opt.state_dict())
+    for _ in range(2):
+        ref.grad = p.grad = torch.randn(1000)
+        opt.step()
+        torch_opt.step()
+    opt.close()
+
+
+def test_every_wait_has_a_timeout_that_names_what_it_waited_for():
+    p = torch.nn.Parameter(torch.randn(1000))
+    opt = HybridAdamW([p], min_offload_numel=1, bucket_nbytes=4 * 256, timeout_s=0.2)
+    opt._pipeline.worker_hook = lambda b: time.sleep(0.5)
+    p.grad = torch.randn(1000)
+    t = time.perf_counter()
+    with pytest.raises(
+        TimeoutError,
+        match=r"waited 0.2 s for (a free staging slot for|the worker to finish) bucket",
+    ):
+        opt.step()
+    assert time.perf_counter() - t < 2.0
+    opt.close()
+
+
+def test_close_and_context_manager_stop_the_worker():
+    p = torch.nn.Parameter(torch.randn(100))
+    with HybridAdamW([p], min_offload_numel=1) as opt:
+        p.grad = torch.randn(100)
+        opt.step()
+        thread = opt._pipeline.worker._thread
+        assert thread.is_alive()
+    thread.join(5)
+    assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match="worker is closed"):
+        opt.step()
+    assert opt.state_dict()["state"][0]["step"] == 1  # the state stays readable
+
+
+@pytest.mark.parametrize("how", ["exit", "del", "exception"])
+def test_the_process_exits_cleanly_with_a_live_optimizer(how):
+    code = textwrap.dedent(f"""
+        import torch, offloadopt
+        p = torch.nn.Parameter(torch.randn(10000))
+        opt = offloadopt.HybridAdamW([p], min_offload_numel=1)
+        p.grad = torch.randn(10000)
+        opt.step()
+        if {how!r} == "del":
+            del opt
+        if {how!r} == "exception":
+            raise SystemExit(3)
+        print("done")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == (3 if how == "exception" else 0), r.stderr
+    assert r.stderr == "" or "Traceback" not in r.stderr
+
+
+def test_a_dataloader_that_forks_workers_still_works():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    ref = torch.nn.Linear(64, 64)
+    ref.load_state_dict(model.state_dict())
+    opt = HybridAdamW(model.parameters(), min_offload_numel=1)
+    torch_opt = torch.optim.AdamW(ref.parameters(), fused=True)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 64))
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=8, num_workers=2, multiprocessing_context="fork"
+    )
+    for _epoch in range(2):
+        for (x,) in loader:
+            for m, o in ((model, opt), (ref, torch_opt)):
+                m(x).pow(2).mean().backward()
+                o.step()
+                o.zero_grad()
+    assert_bitwise(list(model.parameters()), list(ref.parameters()), "after forked loaders")
+    opt.close()
