@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|bench|audit|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|bench|audit|ab|all]...
+# "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
+#   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
+#   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
+# and carried (it is git-ignored through .git/info/exclude).
 set -uo pipefail
 OUT=${OUT:-/tmp/offloadopt-out}
 mkdir -p "$OUT"
@@ -20,6 +24,10 @@ for part in "${@:-all}"; do
   if [[ $part == bench || $part == all ]]; then
     timeout 540 python3 -m offloadopt bench --preset gpt2-xl --batch-size 4 --seq-len 1024 \
       --warmup 3 --steps 10 --slow-steps 2 --no-progress --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -16
+  fi
+  if [[ $part == ab ]]; then
+    base=""; [[ -d .baseline/offloadopt_base ]] && base="--baseline-dir .baseline"
+    timeout 420 python3 benchmarks/ab_step.py $base --out "$OUT" 2>&1 | tee "$OUT/ab.log" | tail -14
   fi
   if [[ $part == audit || $part == all ]]; then
     for opt in "hybrid" "hybrid --no-pin-memory" "megatron"; do

@@ -1,6 +1,7 @@
 """HybridAdamW on the GPU: pinned invariant, races, parity, memory. Run on the GPU host."""
 
 import io
+import time
 
 import pytest
 import torch
@@ -78,18 +79,38 @@ def sleep_on(kind_wanted, cycles=20_000_000):
 
 @pytest.mark.parametrize(
     "hook",
-    [None, ("d2h",), ("h2d",), ("d2h", "h2d")],
-    ids=["plain", "slow-d2h", "slow-h2d", "slow-both"],
+    [None, ("d2h",), ("h2d",), ("d2h", "h2d"), ("worker",)],
+    ids=["plain", "slow-d2h", "slow-h2d", "slow-both", "slow-worker"],
 )
 def test_c03_next_forward_never_reads_weights_before_their_h2d(hook):
     ref_model = big_cheap_model()
     ref_outs = train(ref_model, Lockstep(ref_model.parameters()))
     model = big_cheap_model()
-    opt = HybridAdamW(model.parameters(), offload_fraction=1.0, bucket_nbytes=16 * 2**20)
+    # flush_denormal=False: the lockstep oracle runs its kernel on the training thread, without
+    # flush-to-zero; the same setting on both sides (normal-range data either way).
+    opt = HybridAdamW(
+        model.parameters(), offload_fraction=1.0, bucket_nbytes=16 * 2**20, flush_denormal=False
+    )
     assert len(opt.buckets) > 2  # several buckets: the pipeline really overlaps
-    for pipeline in opt._pipeline.transfers.values():
-        pipeline.side_stream_hook = sleep_on(hook) if hook else None
+    for transfer in opt._pipeline.transfers.values():
+        transfer.side_stream_hook = sleep_on(hook) if hook else None
+    if hook and "worker" in hook:
+        opt._pipeline.worker_hook = lambda bucket: time.sleep(0.01)  # the CPU update comes late
     assert_same_outputs(train(model, opt), ref_outs)
+
+
+def test_replaced_staging_is_unpinned_at_once_and_not_counted():
+    model = big_cheap_model()
+    opt = HybridAdamW(model[0].parameters(), offload_fraction=1.0, bucket_nbytes=2**30)
+    old = opt._pipeline.transfers[torch.device("cuda", torch.cuda.current_device())]
+    old_slots = old.host_slots()
+    opt.add_param_group({"params": list(model[1:].parameters())})  # larger buckets: new staging
+    new = opt._pipeline.transfers[old.device]
+    assert new is not old and new.nbytes > old.nbytes
+    assert not any(t.is_pinned() for t in old_slots)
+    crossing = sum(t.numel() * t.element_size() for _, t in opt.crossing_host_tensors())
+    assert opt.pinned_nbytes == crossing
+    train(model, opt, steps=2)
 
 
 def test_grads_edited_on_a_busy_compute_stream_reach_the_update():
@@ -101,7 +122,9 @@ def test_grads_edited_on_a_busy_compute_stream_reach_the_update():
     ref_model = big_cheap_model()
     ref_outs = train(ref_model, Lockstep(ref_model.parameters()), steps=5, before_step=scale)
     model = big_cheap_model()
-    opt = HybridAdamW(model.parameters(), offload_fraction=1.0, bucket_nbytes=16 * 2**20)
+    opt = HybridAdamW(
+        model.parameters(), offload_fraction=1.0, bucket_nbytes=16 * 2**20, flush_denormal=False
+    )
     assert_same_outputs(train(model, opt, steps=5, before_step=scale), ref_outs)
 
 

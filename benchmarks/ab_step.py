@@ -1,0 +1,131 @@
+"""A/B of the optimizer step on the GPU host: this tree against a baseline copy of the package,
+with GPT-2's init and with LayerNorm weights at zero (tiny grads: the subnormal cliff).
+
+Usage (GPU host, repo root): python benchmarks/ab_step.py --baseline-dir .baseline --out $OUT
+``--baseline-dir`` holds an older ``offloadopt`` renamed ``offloadopt_base`` (see gpu_run.sh);
+without it only this tree runs. One process, configurations interleaved (A B B A), the same
+initial weights and batches for each; medians of the timed steps after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from offloadopt.harness import models
+from offloadopt.harness.data import get_batch, load_text
+
+
+def zero_layernorm_(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, torch.nn.LayerNorm) and m.weight is not None:
+            m.weight.data.zero_()
+
+
+def run_config(pkg, model, init, batches, fraction, warmup, steps, **kw):
+    model.load_state_dict(init)
+    model.zero_grad(set_to_none=True)
+    loss_fn = models.loss_fn("gpt2-xl")
+    t = time.perf_counter()
+    opt = pkg.HybridAdamW(model.parameters(), lr=6e-4, weight_decay=0.1,
+                          offload_fraction=fraction, **kw)  # fmt: skip
+    build_s = time.perf_counter() - t
+    fb, total, cpu = [], [], []
+    for i, (x, y) in enumerate(batches[: warmup + steps]):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss_fn(model, x, y).backward()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if i >= warmup:
+            fb.append((t1 - t0) * 1e3)
+            total.append((t2 - t0) * 1e3)
+            cpu.append(opt.stats.get("cpu_update_ms", 0.0))
+    out = {
+        "step_ms": statistics.median(total), "step_ms_min": min(total), "step_ms_max": max(total),
+        "fwd_bwd_ms": statistics.median(fb), "cpu_update_ms": statistics.median(cpu),
+        "build_s": build_s, "threads": opt.stats.get("cpu_threads", torch.get_num_threads()),
+        "checksum": sum(float(p.detach().double().sum()) for p in model.parameters()),
+    }  # fmt: skip
+    if hasattr(opt, "close"):
+        opt.close()
+    del opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="gpt2-xl")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--fraction", type=float, default=1.0)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--baseline-dir", default=None)
+    ap.add_argument("--out", default="ab-out")
+    args = ap.parse_args()
+    impls = {"new": importlib.import_module("offloadopt")}
+    if args.baseline_dir:
+        sys.path.insert(0, args.baseline_dir)
+        impls["base"] = importlib.import_module("offloadopt_base")
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = models.build_model(args.preset, device, torch.bfloat16)
+    inits = {"gpt2-init": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    zero_layernorm_(model)
+    inits["zero-ln"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    data = load_text(None)
+    gen = torch.Generator().manual_seed(0)
+    batches = [get_batch(data, "train", args.batch_size, args.seq_len, gen, device)
+               for _ in range(args.warmup + args.steps)]  # fmt: skip
+    order = [(i, n) for n in ("gpt2-init", "zero-ln") for i in impls]
+    order += [(i, n) for n in ("gpt2-init", "zero-ln") for i in reversed(list(impls))]
+    results: dict[str, list[dict]] = {}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for impl, init in order:
+        r = run_config(
+            impls[impl], model, inits[init], batches, args.fraction, args.warmup, args.steps
+        )
+        results.setdefault(f"{impl}/{init}", []).append(r)
+        print(f"{impl:5} {init:10} step {r['step_ms']:7.1f} ms (min {r['step_ms_min']:.1f}, max "
+              f"{r['step_ms_max']:.1f})  fwd+bwd {r['fwd_bwd_ms']:6.1f}  cpu update "
+              f"{r['cpu_update_ms']:6.1f}  threads {r['threads']}", flush=True)  # fmt: skip
+        (out / "ab_step.json").write_text(
+            json.dumps({"args": vars(args), "results": results}, indent=1)
+        )
+    print(f"\n{args.preset} bf16 batch {args.batch_size}x{args.seq_len} fraction {args.fraction}, "
+          f"torch {torch.__version__}, {torch.cuda.get_device_name()}; median of the runs' medians")  # fmt: skip
+    summary = {k: statistics.median(r["step_ms"] for r in v) for k, v in results.items()}
+    for k, v in summary.items():
+        print(f"  {k:18} {v:7.1f} ms")
+    if "new/gpt2-init" in summary:
+        print(
+            f"  new zero-ln / new gpt2-init: {summary['new/zero-ln'] / summary['new/gpt2-init']:.3f}"
+        )
+    if "base/gpt2-init" in summary:
+        print(
+            f"  new / base (gpt2-init):     {summary['new/gpt2-init'] / summary['base/gpt2-init']:.3f}"
+        )
+        print(
+            f"  base zero-ln / base gpt2-init: {summary['base/zero-ln'] / summary['base/gpt2-init']:.3f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
