@@ -1,5 +1,6 @@
 """A/B of the optimizer step on the GPU host: this tree against a baseline copy of the package,
-with GPT-2's init and with LayerNorm weights at zero (tiny grads: the subnormal cliff).
+with GPT-2's init, with LayerNorm weights at zero, and with tiny grads (the loss scaled by 1e-18:
+grads near 1e-20, grad**2 subnormal in fp32; the subnormal cliff of the CPU kernel).
 
 Usage (GPU host, repo root): python benchmarks/ab_step.py --baseline-dir .baseline --out $OUT
 ``--baseline-dir`` holds an older ``offloadopt`` renamed ``offloadopt_base`` (see gpu_run.sh);
@@ -30,7 +31,7 @@ def zero_layernorm_(model: torch.nn.Module) -> None:
             m.weight.data.zero_()
 
 
-def run_config(pkg, model, init, batches, fraction, warmup, steps, **kw):
+def run_config(pkg, model, init, batches, fraction, warmup, steps, loss_scale=1.0, **kw):
     model.load_state_dict(init)
     model.zero_grad(set_to_none=True)
     loss_fn = models.loss_fn("gpt2-xl")
@@ -42,7 +43,7 @@ def run_config(pkg, model, init, batches, fraction, warmup, steps, **kw):
     for i, (x, y) in enumerate(batches[: warmup + steps]):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss_fn(model, x, y).backward()
+        (loss_fn(model, x, y) * loss_scale).backward()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         opt.step()
@@ -75,6 +76,7 @@ def main() -> int:
     ap.add_argument("--fraction", type=float, default=1.0)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2, help="A/B rounds, order alternating")
     ap.add_argument("--baseline-dir", default=None)
     ap.add_argument("--out", default="ab-out")
     args = ap.parse_args()
@@ -92,15 +94,20 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     batches = [get_batch(data, "train", args.batch_size, args.seq_len, gen, device)
                for _ in range(args.warmup + args.steps)]  # fmt: skip
-    order = [(i, n) for n in ("gpt2-init", "zero-ln") for i in impls]
-    order += [(i, n) for n in ("gpt2-init", "zero-ln") for i in reversed(list(impls))]
+    inits["tiny-grads"] = inits["gpt2-init"]
+    scales = {"gpt2-init": 1.0, "zero-ln": 1.0, "tiny-grads": 1e-18}
+    order = []
+    for r in range(args.rounds):
+        names = list(impls) if r % 2 == 0 else list(reversed(list(impls)))
+        order += [(i, n) for n in inits for i in names]
     results: dict[str, list[dict]] = {}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for impl, init in order:
         r = run_config(
-            impls[impl], model, inits[init], batches, args.fraction, args.warmup, args.steps
-        )
+            impls[impl], model, inits[init], batches, args.fraction, args.warmup, args.steps,
+            loss_scale=scales[init],
+        )  # fmt: skip
         results.setdefault(f"{impl}/{init}", []).append(r)
         print(f"{impl:5} {init:10} step {r['step_ms']:7.1f} ms (min {r['step_ms_min']:.1f}, max "
               f"{r['step_ms_max']:.1f})  fwd+bwd {r['fwd_bwd_ms']:6.1f}  cpu update "

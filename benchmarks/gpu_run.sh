@@ -27,7 +27,7 @@ for part in "${@:-all}"; do
   fi
   if [[ $part == ab ]]; then
     base=""; [[ -d .baseline/offloadopt_base ]] && base="--baseline-dir .baseline"
-    timeout 420 python3 benchmarks/ab_step.py $base --out "$OUT" 2>&1 | tee "$OUT/ab.log" | tail -14
+    timeout 480 python3 benchmarks/ab_step.py $base --warmup 2 --steps 6 --out "$OUT" 2>&1 | tee "$OUT/ab.log" | tail -20
   fi
   if [[ $part == audit || $part == all ]]; then
     for opt in "hybrid" "hybrid --no-pin-memory" "megatron"; do

@@ -77,7 +77,8 @@ class HybridOptimizer(Optimizer):
         self.pin_memory = pin_memory
         self.bucket_nbytes = bucket_nbytes
         self.flush_denormal = flush_denormal
-        self.cpu_threads = cpu_threads or default_cpu_threads()
+        # Step mode: the training thread waits in step() while the worker runs.
+        self.cpu_threads = cpu_threads or default_cpu_threads(training_thread_busy=False)
         self.timeout_s = float(timeout_s)
         self._ready = False
         # torch's group flags, so a cross-load into torch's optimizer keeps its fused kernel.
@@ -652,7 +653,8 @@ class HybridAdamW(HybridOptimizer):
         bucket_nbytes: target bytes of fp32 state per bucket (pipelining unit).
         flush_denormal: run the CPU update with flush-to-zero (see above).
         cpu_threads: OpenMP threads of the CPU worker; default the cores this process may use
-            (its affinity) divided by the local ranks, minus one for the training thread.
+            (its affinity) divided by the local ranks (in step mode the training thread waits
+            while the worker runs).
         timeout_s: the longest any wait for the worker or a copy may last (seconds).
 
     Raises:

@@ -98,17 +98,23 @@ def test_training_thread_keeps_its_floating_point_mode_and_thread_count():
     opt.close()
 
 
-def test_default_threads_are_the_affinity_over_local_ranks_minus_one(monkeypatch):
-    monkeypatch.setattr(optim_mod, "default_cpu_threads", optim_mod.default_cpu_threads)
+def test_default_threads_are_the_affinity_over_local_ranks_minus_a_busy_training_thread(
+    monkeypatch,
+):
     from offloadopt import worker
 
     monkeypatch.setattr(worker, "usable_cores", lambda: 16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert worker.default_cpu_threads() == 3
+    assert worker.default_cpu_threads(training_thread_busy=True) == 3
+    assert worker.default_cpu_threads(training_thread_busy=False) == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
-    assert worker.default_cpu_threads() == 1
+    assert worker.default_cpu_threads(training_thread_busy=True) == 1
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert worker.default_cpu_threads() == 15
+    assert worker.default_cpu_threads(training_thread_busy=True) == 15
+    assert worker.default_cpu_threads(training_thread_busy=False) == 16
+    opt = HybridAdamW([torch.nn.Parameter(torch.randn(64))], min_offload_numel=1)
+    assert opt.cpu_threads == 16  # step mode: the training thread waits while the worker runs
+    opt.close()
 
 
 def test_omp_num_threads_1_is_said_once_and_few_threads_warn(monkeypatch, caplog):
