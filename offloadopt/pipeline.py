@@ -3,17 +3,18 @@
 The pipeline moves bytes; it does not know the update rule. The optimizer hands it, per step,
 the buckets to move (with the segments whose param has a grad), the events the copies must
 follow (captured on the training thread: no thread looks up ``current_stream()`` for another)
-and an ``update(work, grads)`` callable that runs the rule on the worker. Step mode: the
-training thread starts each bucket's D2H as soon as a staging slot is free and queues the
-bucket on the worker; the worker waits for that D2H, runs the update, gives the slot back and
-queues the H2D. So the D2H of bucket k+1 and the H2D of bucket k-1 overlap the CPU update of
-bucket k. ``step()`` waits for the worker before it returns. The invariants (I1)-(I5) cited
-below are in transfer.py's note.
+and an ``update(work, grads)`` callable that runs the rule on the worker. Step mode: the whole
+schedule runs on the worker: it starts the D2H of the first buckets, then per bucket waits for
+its D2H, runs the update, gives the slot back, starts the D2H of the bucket that takes the slot
+and queues this bucket's H2D. So the D2H of bucket k+2 and the H2D of bucket k run while the
+CPU updates bucket k+1. ``step()`` waits for the worker before it returns. The invariants
+(I1)-(I5) cited below are in transfer.py's note.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +22,14 @@ from typing import Any
 import torch
 
 from offloadopt.layout import Bucket
-from offloadopt.transfer import Slot, Transfer, wait_event
+from offloadopt.transfer import SLOTS, Slot, Transfer, wait_event
 from offloadopt.worker import Job, Worker
 
-__all__ = ["BucketWork", "Pipeline"]
+__all__ = ["BucketWork", "BucketError", "Pipeline"]
+
+
+class BucketError(RuntimeError):
+    """The update of one bucket failed; the message names the bucket and the cause."""
 
 
 @dataclass
@@ -60,48 +65,67 @@ class Pipeline:
         update: Callable[[BucketWork, list[torch.Tensor]], None],
         stats: dict[str, float],
     ) -> list[Job]:
-        """Start every bucket of ``works`` (in order) and queue its update on the worker.
+        """Queue the step-mode schedule of ``works`` (in order) on the worker; :meth:`finish`
+        waits for it.
 
-        ``ready[device]`` is the event (None without CUDA) after which the grads are final and
-        no queued kernel reads the old weights. Returns the jobs; :meth:`finish` waits for them.
-        Blocks only for free staging slots (I5).
+        ``ready[device]`` is the event (None without CUDA), captured by the caller on the
+        training thread's stream, after which the grads are final and no queued kernel reads
+        the old weights. The whole schedule, D2H launches included, runs on the worker: a
+        training thread launching copies while the worker's OpenMP pool runs the kernel would
+        preempt one of its threads and stall the whole parallel region.
         """
-        jobs: list[Job] = []
-        try:
-            for work in works:
-                jobs.append(self._start(work, ready[work.bucket.arena.device], update, stats))
-        except BaseException:
-            # Nothing of this step may still run when the caller sees the error.
-            try:
-                self.finish(jobs)
-            except BaseException:  # noqa: BLE001 - the first error is the one raised
-                pass
-            raise
-        return jobs
+        if not works:
+            return []
 
-    def _start(self, work: BucketWork, ready: Any, update, stats: dict[str, float]) -> Job:
-        """Take a slot, start the bucket's D2H, queue its host part on the worker."""
+        def schedule() -> None:
+            self._schedule(works, ready, update, stats)
+
+        return [self.worker.submit(schedule, f"the offloaded update of {len(works)} buckets")]
+
+    def _schedule(self, works, ready, update, stats) -> None:
+        """On the worker: the D2H of bucket n+SLOTS and the H2D of bucket n overlap the CPU
+        update of bucket n+1; at most :data:`SLOTS` buckets hold a slot at once."""
+        pending: deque[tuple[BucketWork, Transfer, Slot, Any]] = deque()
+
+        def start(n: int) -> None:
+            work = works[n]
+            pending.append((work, *self._start_d2h(work, ready[work.bucket.arena.device], stats)))
+
+        try:
+            for n in range(min(SLOTS, len(works))):
+                start(n)
+            for n in range(len(works)):
+                work, tr, slot, d2h_done = pending.popleft()
+                self._update(work, tr, slot, d2h_done, update, stats)
+                if n + SLOTS < len(works):
+                    start(n + SLOTS)  # into the slot just given back
+                tr.start_h2d(work.bucket, work.idx, slot, ready[work.bucket.arena.device])
+                stats["h2d_nbytes"] += work.bucket.nbytes
+        finally:
+            for _, tr, slot, _ in pending:  # started, never updated: wait, then free (I5)
+                if tr.cuda:
+                    tr.d2h.synchronize()
+                tr.ring.release(slot)
+
+    def _start_d2h(self, work: BucketWork, ready: Any, stats) -> tuple[Transfer, Slot, Any]:
+        """Take a staging slot (I5) and start the bucket's D2H into it."""
         b = work.bucket
         tr = self.transfers[b.arena.device]
-        slot = tr.ring.acquire(self.timeout_s, b.label)  # (I5) backpressure from the worker
+        slot = tr.ring.acquire(self.timeout_s, b.label)
         try:
             d2h_done = tr.start_d2h(b, work.idx, slot, ready)
-            stats["d2h_nbytes"] += b.nbytes
-
-            def host_part() -> None:
-                self._host_part(tr, work, slot, d2h_done, ready, update, stats)
-
-            return self.worker.submit(host_part, b.label)
         except BaseException:
-            if tr.cuda:
-                tr.d2h.synchronize()  # (I5) the D2H into this slot is done before it is reused
             tr.ring.release(slot)
             raise
+        stats["d2h_nbytes"] += b.nbytes
+        return tr, slot, d2h_done
 
-    def _host_part(
-        self, tr: Transfer, work: BucketWork, slot: Slot, d2h_done, weights_free, update, stats
-    ) -> None:
-        """On the worker: wait for the D2H, update, free the slot, queue the H2D."""
+    def _update(self, work: BucketWork, tr: Transfer, slot: Slot, d2h_done, update, stats) -> None:
+        """Wait for the bucket's D2H, run the update, give the slot back (also on failure).
+
+        Raises:
+            BucketError: the update failed; the message names the bucket.
+        """
         b = work.bucket
         try:
             t = time.perf_counter()
@@ -115,10 +139,12 @@ class Pipeline:
             with torch.profiler.record_function("offloadopt.cpu_update"):
                 update(work, [views[i] for i in work.idx])
             stats["cpu_update_ms"] += (time.perf_counter() - t) * 1e3
+        except TimeoutError:
+            raise
+        except Exception as e:
+            raise BucketError(f"{b.label}: {type(e).__name__}: {e}") from e
         finally:
             tr.ring.release(slot)  # (I5) the host has read the grads (or given up on them)
-        tr.start_h2d(b, work.idx, slot, weights_free)
-        stats["h2d_nbytes"] += b.nbytes
 
     def finish(self, jobs: list[Job]) -> None:
         """Wait for ``jobs`` in order; the first failure is raised once all have ended, so no

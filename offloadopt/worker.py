@@ -86,8 +86,8 @@ class Job:
             raise TimeoutError(f"offloadopt: waited {timeout_s:g} s for the worker to finish {self.label}")  # fmt: skip
         if self.error is not None:
             raise WorkerError(
-                f"the offloaded update of {self.label} failed on the worker: "
-                f"{type(self.error).__name__}: {self.error}\n{self.error_text}"
+                f"{self.label} failed on the worker: {type(self.error).__name__}: "
+                f"{self.error}\n{self.error_text}"
             ) from self.error
 
 
