@@ -196,8 +196,10 @@ def _summarize_args(trace_events: Any, depth: Any, internal: Any) -> tuple[list,
     """summarize()'s arguments, checked: the events as a list, the compiled regexes."""
     events = trace_events.get("traceEvents", []) if isinstance(trace_events, dict) else trace_events
     if isinstance(events, (str, bytes, os.PathLike)) or not isinstance(events, Iterable):
-        raise TypeError(f"trace_events: got {_what(events)}, not a list of events "
-                        "(for a file: load_trace_events(path))")  # fmt: skip
+        raise TypeError(
+            f"trace_events: got {_what(events)}, not a list of events "
+            "(for a file: load_trace_events(path))"
+        )
     if isinstance(depth, bool) or not isinstance(depth, int):
         raise TypeError(f"depth: got {_what(depth)}, not an int")
     if depth < 1:
@@ -392,10 +394,11 @@ def audit(trace_path: str | os.PathLike | None = None, **summarize_kwargs: Any) 
             this process cannot write in.
         TypeError, ValueError: ``summarize_kwargs`` that :func:`summarize` refuses.
     """
-    if trace_path is not None:
-        _check_trace_path(os.fspath(trace_path))
+    dest = None if trace_path is None else os.fspath(trace_path)
+    if dest is not None:
+        _check_trace_path(dest)
     summarize([], **summarize_kwargs)  # checks the arguments now, not after the region ran
-    result = Audit(trace_path=os.fspath(trace_path) if trace_path is not None else None)
+    result = Audit(trace_path=dest)
     cuda = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
@@ -407,7 +410,6 @@ def audit(trace_path: str | os.PathLike | None = None, **summarize_kwargs: Any) 
         finally:
             if cuda:
                 torch.cuda.synchronize()  # every copy of the block has ended: the trace holds it
-    dest = result.trace_path
     if dest is None:
         fd, path = tempfile.mkstemp(prefix="offloadopt-audit-", suffix=".json")
         os.close(fd)
@@ -458,10 +460,13 @@ def check_pinned(optimizer: Any) -> list[str]:
     """
     if callable(getattr(optimizer, "crossing_host_tensors", None)):
         items = list(optimizer.crossing_host_tensors())
-        for item in items:  # tensor-like: a test's stand-in for a pinned tensor counts
-            if not (isinstance(item, tuple) and len(item) == 2 and hasattr(item[1], "is_pinned")):
-                raise TypeError(f"check_pinned: crossing_host_tensors() gave {_what(item)}, "
-                                "not a (label, tensor) pair")  # fmt: skip
+        for item in items:
+            pair = isinstance(item, (tuple, list)) and len(item) == 2
+            if not (pair and hasattr(item[1], "is_pinned")):  # tensor-like: tests fake pinning
+                raise TypeError(
+                    f"check_pinned: crossing_host_tensors() gave {_what(item)}, "
+                    "not a (label, tensor) pair"
+                )
     elif hasattr(optimizer, "param_groups") and hasattr(optimizer, "state"):
         items = []
         for g, group in enumerate(optimizer.param_groups):
@@ -469,16 +474,20 @@ def check_pinned(optimizer: Any) -> list[str]:
             if not isinstance(params, (list, tuple)) or not all(
                 isinstance(p, torch.Tensor) for p in params
             ):
-                raise TypeError(f"check_pinned: param_groups[{g}] is {_what(group)}, not a dict "
-                                'with a list of tensors under "params"')  # fmt: skip
+                raise TypeError(
+                    f"check_pinned: param_groups[{g}] is {_what(group)}, not a dict "
+                    'with a list of tensors under "params"'
+                )
             for i, p in enumerate(params):
                 state = optimizer.state.get(p) if p.device.type != "cpu" else None
                 for name, v in state.items() if isinstance(state, dict) else ():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
                         items.append((f"param_groups[{g}].params[{i}] state[{name!r}]", v))
     else:
-        raise TypeError(f"check_pinned: got {_what(optimizer)}, not an optimizer (an object with "
-                        "crossing_host_tensors(), or param_groups and state as torch.optim's)")  # fmt: skip
+        raise TypeError(
+            f"check_pinned: got {_what(optimizer)}, not an optimizer (an object with "
+            "crossing_host_tensors(), or param_groups and state as torch.optim's)"
+        )
     return [
         f"{label}: shape {tuple(t.shape)} {t.dtype}, {t.numel() * t.element_size()} bytes, "
         "not pinned"

@@ -41,7 +41,7 @@ class UsageError(argparse.ArgumentTypeError, ValueError):
 
 def _shown(value: Any) -> str:
     text = repr(value)
-    return text if len(text) <= 40 else text[:36] + "...'"
+    return text if len(text) <= 40 else text[:36] + "..."
 
 
 def check(flag: str, value: Any, validate: Callable[[Any], T]) -> T:
@@ -139,7 +139,8 @@ def device(value: Any) -> str:
 
 
 def _path(value: Any) -> Path:
-    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text or "\x00" in text:  # the OS takes no NUL byte
         raise UsageError(f"{_shown(value)} is not a path")
     return Path(value)
 

@@ -76,16 +76,13 @@ class TrainConfig:
         """
         for name, choices in (("preset", PRESETS), ("optimizer", OPTIMIZERS), ("dtype", DTYPES)):
             value = getattr(self, name)
-            if value not in choices and (value is not None or name != "dtype"):
+            known = isinstance(value, str) and value in choices
+            if not known and not (name == "dtype" and value is None):
                 raise UsageError(f"--{name}: {value!r} is not one of {', '.join(choices)}")
-        for name in ("mock_data", "progress"):
-            if not isinstance(getattr(self, name), bool):
-                raise UsageError(f"{name}: {getattr(self, name)!r} is not True or False")
-        fields = {name: getattr(self, name) for name in FIELD_CHECKS}
         checked = {
-            name: checks.check(f"--{name.replace('_', '-')}", value, FIELD_CHECKS[name])
-            for name, value in fields.items()
-            if value is not None
+            name: checks.check(f"--{name.replace('_', '-')}", getattr(self, name), check)
+            for name, check in FIELD_CHECKS.items()
+            if getattr(self, name) is not None
         }
         cfg = replace(self, **checked)
         batch, lr = RUN_DEFAULTS[cfg.preset]
