@@ -27,15 +27,16 @@ import json
 import os
 import re
 import tempfile
+import zlib
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from offloadopt import callsite
-from offloadopt.callsite import FRAME, Stacks, callee_name, num
+from offloadopt.callsite import FRAME, CallSite, Stacks, callee_name, key, num
 
 __all__ = ["PageableCopyError", "CallSite", "CopyRow", "AuditReport", "summarize"]
 __all__ += ["load_trace_events", "Audit", "audit", "check_pinned"]
@@ -53,47 +54,6 @@ INTERNAL_FRAMES = (
 
 class PageableCopyError(RuntimeError):
     """Raised by :meth:`AuditReport.check` when copies touched pageable host memory."""
-
-
-@dataclass
-class CallSite:
-    """Where pageable (or any) copies came from: the innermost user frames above the copy.
-
-    Attributes:
-        frames: user frames, innermost first, as the trace names them ``"file(line): func"``.
-        callee: what the innermost user frame called (``"Tensor.item"``, ``"Tensor.to"``);
-            when that went through torch's Python first, the first and the last frame below the
-            user's (``"torch/optim/optimizer.py(480): wrapper > Tensor.copy_"``); the CPU op
-            (``"aten::copy_"``) when the trace has no Python stack.
-        lines: source lines in the innermost frame's block that call the callee (may be empty).
-        count: copies issued from here. nbytes: their bytes.
-    """
-
-    frames: tuple[str, ...]
-    callee: str
-    lines: tuple[int, ...] = ()
-    count: int = 0
-    nbytes: int = 0
-
-    @property
-    def file(self) -> str:
-        """File of the innermost user frame, as the trace names it (relative to sys.path)."""
-        m = FRAME.match(self.frames[0] if self.frames else "")
-        return m["file"] if m else ""
-
-    @property
-    def function(self) -> str:
-        m = FRAME.match(self.frames[0] if self.frames else "")
-        return m["func"] if m else ""
-
-    def __str__(self) -> str:
-        if not self.frames:
-            where = "<no Python stack>"
-        elif self.lines:
-            where = f"{self.file}:{','.join(map(str, self.lines))} in {self.function}"
-        else:
-            where = self.frames[0]
-        return f"{where} via {self.callee}" if self.callee else where
 
 
 @dataclass
@@ -232,6 +192,34 @@ def _covered(merged: list[tuple[float, float]], starts: list[float], s: float, e
     return total
 
 
+def _summarize_args(trace_events: Any, depth: Any, internal: Any) -> tuple[list, list]:
+    """summarize()'s arguments, checked: the events as a list, the compiled regexes."""
+    events = trace_events.get("traceEvents", []) if isinstance(trace_events, dict) else trace_events
+    if isinstance(events, (str, bytes, os.PathLike)) or not isinstance(events, Iterable):
+        raise TypeError(
+            f"trace_events: got {_what(events)}, not a list of events "
+            "(for a file: load_trace_events(path))"
+        )
+    if isinstance(depth, bool) or not isinstance(depth, int):
+        raise TypeError(f"depth: got {_what(depth)}, not an int")
+    if depth < 1:
+        raise ValueError(f"depth: {depth} is not >= 1")
+    bad = isinstance(internal, str) or not isinstance(internal, Iterable)
+    patterns = () if bad else tuple(internal)
+    if bad or not all(isinstance(p, str) for p in patterns):
+        raise TypeError(f"internal: got {_what(internal)}, not a tuple of regex strings")
+    try:
+        return list(events), [re.compile(p) for p in patterns]
+    except re.error as e:
+        raise ValueError(f"internal: {e.pattern!r} is not a regex ({e})") from None
+
+
+def _what(x: Any) -> str:
+    """``x`` for an error message: its type and a short repr."""
+    text = repr(x)
+    return f"{type(x).__name__} {text if len(text) <= 60 else text[:56] + ' ...'}"
+
+
 def summarize(
     trace_events: list[dict] | dict,
     *,
@@ -243,8 +231,11 @@ def summarize(
 
     Args:
         trace_events: ``json.load(f)["traceEvents"]`` (or the whole dict). Malformed events and
-            unknown names never raise: unparsed memcpy names go to one ``"other"`` row.
-        depth: user frames kept per call site (innermost first).
+            unknown names never raise: unparsed memcpy names go to one ``"other"`` row, fields
+            that are not finite numbers (``"soon"``, NaN, ``Infinity``) count as 0, events that
+            are not dicts are skipped, and unhashable ids (a list-valued ``pid``) are compared by
+            their repr.
+        depth: user frames kept per call site (innermost first), an int >= 1.
         resolve_lines: read the source files (found through ``sys.path``) to give the exact
             lines that call the callee; ``False`` keeps this function free of file reads.
         internal: regexes on a frame's file name (or ``<built-in ...>`` name) marking frames that
@@ -254,34 +245,38 @@ def summarize(
         :class:`AuditReport`, one :class:`CopyRow` per ``(direction, src, dst)``, with call sites
         attributed through the host runtime call (``args["correlation"]``), the ``ac2g`` flow, or
         the CPU op (``args["External id"]``), and the Python frames enclosing it on its thread.
+
+    Raises:
+        TypeError, ValueError: a bad argument (not events: a str, a number; ``depth`` not an
+            int >= 1; ``internal`` not a tuple of regexes), before any event is read.
     """
-    if isinstance(trace_events, dict):
-        trace_events = trace_events.get("traceEvents", [])
-    internal_re = [re.compile(p) for p in internal]
+    trace_events, internal_re = _summarize_args(trace_events, depth, internal)
     copies, kernels = [], defaultdict(list)
     runtime, cpu_ops, flow_src, flow_dst = {}, {}, {}, {}
     py: dict[tuple, list[dict]] = defaultdict(list)
+    # Every id below goes through key(): a dict key must be hashable, and a trace may hold a
+    # list where an int belongs.
     for e in trace_events:
         if not isinstance(e, dict):
             continue
-        ph, cat = e.get("ph"), str(e.get("cat", "")).lower()
+        ph, cat = key(e.get("ph")), str(e.get("cat", "")).lower()
         args = e.get("args") if isinstance(e.get("args"), dict) else {}
-        where = (e.get("pid"), e.get("tid"))
+        where = (key(e.get("pid")), key(e.get("tid")))
         if ph == "X" and cat in ("gpu_memcpy", "memcpy"):
             copies.append(e)
         elif ph == "X" and cat == "kernel":
             s = num(e.get("ts"))
-            kernels[e.get("pid")].append((s, s + num(e.get("dur"))))
+            kernels[where[0]].append((s, s + max(num(e.get("dur")), 0.0)))
         elif ph == "X" and cat in ("cuda_runtime", "cuda_driver") and "correlation" in args:
-            runtime[args["correlation"]] = e
+            runtime[key(args["correlation"])] = e
         elif ph == "X" and cat == "cpu_op" and "External id" in args:
-            cpu_ops.setdefault(args["External id"], e)
+            cpu_ops.setdefault(key(args["External id"]), e)
         elif ph == "X" and cat == "python_function":
             py[where].append(e)
         elif ph == "s" and cat == "ac2g":
-            flow_src[e.get("id")] = e
+            flow_src[key(e.get("id"))] = e
         elif ph == "f" and cat == "ac2g":
-            flow_dst[(*where, e.get("ts"))] = e.get("id")
+            flow_dst[(*where, key(e.get("ts")))] = key(e.get("id"))
 
     merged = {dev: _merge(iv) for dev, iv in kernels.items()}
     starts = {dev: [s for s, _ in iv] for dev, iv in merged.items()}
@@ -295,10 +290,10 @@ def summarize(
         return m is not None and not any(r.search(m["file"]) for r in internal_re)
 
     def call_site(e: dict, args: dict) -> tuple[tuple[str, ...], str, list[str]]:
-        op = cpu_ops.get(args.get("External id"))
-        flow = flow_src.get(flow_dst.get((e.get("pid"), e.get("tid"), e.get("ts"))))
-        for a in (runtime.get(args.get("correlation")), flow, op):  # the host side, best first
-            st = stacks.get((a.get("pid"), a.get("tid"))) if a else None
+        op = cpu_ops.get(key(args.get("External id")))
+        flow = flow_src.get(flow_dst.get((key(e.get("pid")), key(e.get("tid")), key(e.get("ts")))))
+        for a in (runtime.get(key(args.get("correlation"))), flow, op):  # the host side first
+            st = stacks.get((key(a.get("pid")), key(a.get("tid")))) if a else None
             chain = st.at(num(a.get("ts")) + num(a.get("dur")) / 2) if st else []
             if chain:
                 k = next((i for i, f in enumerate(chain) if is_user(f)), None)
@@ -314,25 +309,25 @@ def summarize(
         args = e.get("args") if isinstance(e.get("args"), dict) else {}
         name = str(e.get("name", ""))
         m = MEMCPY_NAME.match(name)
-        key = (m[1], m[2], m[3]) if m else ("other", "", "")
-        row = rows.setdefault(key, CopyRow(*key))
+        row_key = (m[1], m[2], m[3]) if m else ("other", "", "")
+        row = rows.setdefault(row_key, CopyRow(*row_key))
         if not m and name not in row.names:
             row.names.append(name)
         s, dur = num(e.get("ts")), max(num(e.get("dur")), 0.0)
-        nbytes = int(num(args.get("bytes")))
+        nbytes = int(max(num(args.get("bytes")), 0.0))
         row.count, row.nbytes, row.time_us = row.count + 1, row.nbytes + nbytes, row.time_us + dur
-        dev = e.get("pid")
+        dev = key(e.get("pid"))
         if dev in merged:
             row.overlap_us += _covered(merged[dev], starts[dev], s, s + dur)
         frames, callee, tokens = call_site(e, args)
-        site = sites.get((key, frames, callee))
+        site = sites.get((row_key, frames, callee))
         if site is None:
             lines = (
                 callsite.resolve_lines(frames[0], tokens, src_cache)
                 if resolve_lines and frames
                 else ()
             )
-            site = sites[(key, frames, callee)] = CallSite(frames, callee, lines)
+            site = sites[(row_key, frames, callee)] = CallSite(frames, callee, lines)
             row.call_sites.append(site)
         site.count, site.nbytes = site.count + 1, site.nbytes + nbytes
     for row in rows.values():
@@ -341,12 +336,35 @@ def summarize(
     return AuditReport(list(rows.values()), sum(map(len, kernels.values())), busy)
 
 
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number",
+               float: "a number", bool: "a boolean", type(None): "null"}  # fmt: skip
+
+
 def load_trace_events(path: str | os.PathLike) -> list[dict]:
-    """``traceEvents`` of a Chrome trace file written by ``export_chrome_trace`` (``.gz`` too)."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        data = json.load(f)
-    return data.get("traceEvents", []) if isinstance(data, dict) else list(data)
+    """``traceEvents`` of a Chrome trace file written by ``export_chrome_trace``, gzipped or
+    not (told by the first bytes, not the name). A file holding a bare list of events gives it.
+
+    Raises:
+        OSError: the file cannot be read (missing, a folder, no permission).
+        ValueError: naming the file, when it is not a Chrome trace: not JSON (binary, cut
+            short, a corrupt gzip), or JSON of another shape (``42``, an object without a
+            ``traceEvents`` list).
+    """
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        if raw[:2] == b"\x1f\x8b":  # gzip's magic number
+            raw = gzip.decompress(raw)
+        data = json.loads(raw)  # UTF-8 (or -16/-32) decoded here: a binary file is a ValueError
+    except (ValueError, EOFError, OSError, zlib.error, RecursionError) as e:
+        raise ValueError(f"{os.fspath(path)}: not a Chrome trace (JSON): {e}") from None
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        what = "an object without a traceEvents list" if isinstance(data, dict) else (
+            f"{_JSON_TYPES.get(type(data), type(data).__name__)}, not an object with a "
+            "traceEvents list or a list of events")  # fmt: skip
+        raise ValueError(f"{os.fspath(path)}: not a Chrome trace: {what}")
+    return events
 
 
 @dataclass
@@ -366,11 +384,21 @@ def audit(trace_path: str | os.PathLike | None = None, **summarize_kwargs: Any) 
     raises, the profiler is stopped and nothing is exported.
 
     Args:
-        trace_path: keep the Chrome trace there (``.json`` or ``.json.gz``); default: a
-            temporary file, deleted after loading.
+        trace_path: keep the Chrome trace there (``.json`` or ``.json.gz``), written whole at
+            the end (a temporary name beside it, then a rename); default: a temporary file,
+            deleted after loading.
         **summarize_kwargs: passed to :func:`summarize` (``depth``, ``resolve_lines``...).
+
+    Raises (on entering, before the block runs):
+        ValueError: ``trace_path`` is empty, a folder, in a folder that does not exist or that
+            this process cannot write in.
+        TypeError, ValueError: ``summarize_kwargs`` that :func:`summarize` refuses.
     """
-    result = Audit(trace_path=os.fspath(trace_path) if trace_path is not None else None)
+    dest = None if trace_path is None else os.fspath(trace_path)
+    if dest is not None:
+        _check_trace_path(dest)
+    summarize([], **summarize_kwargs)  # checks the arguments now, not after the region ran
+    result = Audit(trace_path=dest)
     cuda = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
@@ -382,17 +410,33 @@ def audit(trace_path: str | os.PathLike | None = None, **summarize_kwargs: Any) 
         finally:
             if cuda:
                 torch.cuda.synchronize()  # every copy of the block has ended: the trace holds it
-    path = result.trace_path
-    if path is None:
+    if dest is None:
         fd, path = tempfile.mkstemp(prefix="offloadopt-audit-", suffix=".json")
         os.close(fd)
+    else:  # beside dest, ending as dest does (.gz: torch compresses by the name)
+        folder, name = os.path.split(dest)
+        path = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
     try:
         prof.export_chrome_trace(path)
         events = load_trace_events(path)
+        if dest is not None:
+            os.replace(path, dest)
     finally:
-        if result.trace_path is None:
+        if os.path.exists(path):
             os.remove(path)
     result.report = summarize(events, **summarize_kwargs)
+
+
+def _check_trace_path(path: Any) -> None:
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"trace_path: {path!r} is not a file name")
+    folder = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise ValueError(f"trace_path: {path!r} is a folder, not a file name")
+    if not os.path.isdir(folder):
+        raise ValueError(f"trace_path: {path!r}: no folder {folder!r}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"trace_path: {path!r}: cannot write in {folder!r} (permission denied)")
 
 
 def check_pinned(optimizer: Any) -> list[str]:
@@ -407,18 +451,43 @@ def check_pinned(optimizer: Any) -> list[str]:
     params that live on an accelerator for CPU tensors, and report each unpinned one as a host
     tensor that would cross. 0-dim tensors (torch keeps ``step`` on the host on purpose) are
     skipped. Labels read ``"param_groups[g].params[i] state['key']"``.
+
+    Raises:
+        TypeError: ``optimizer`` is neither kind (None, a tensor, a string: an empty answer
+            would read as "all pinned"), or what it holds is not shaped so (a
+            ``crossing_host_tensors()`` item that is not a ``(label, tensor)`` pair, a param
+            group without a list of tensors); the message names what it got.
     """
-    if hasattr(optimizer, "crossing_host_tensors"):
+    if callable(getattr(optimizer, "crossing_host_tensors", None)):
         items = list(optimizer.crossing_host_tensors())
-    else:
+        for item in items:
+            pair = isinstance(item, (tuple, list)) and len(item) == 2
+            if not (pair and hasattr(item[1], "is_pinned")):  # tensor-like: tests fake pinning
+                raise TypeError(
+                    f"check_pinned: crossing_host_tensors() gave {_what(item)}, "
+                    "not a (label, tensor) pair"
+                )
+    elif hasattr(optimizer, "param_groups") and hasattr(optimizer, "state"):
         items = []
-        for g, group in enumerate(getattr(optimizer, "param_groups", [])):
-            for i, p in enumerate(group.get("params", [])):
-                if p.device.type == "cpu":
-                    continue
-                for key, v in getattr(optimizer, "state", {}).get(p, {}).items():
+        for g, group in enumerate(optimizer.param_groups):
+            params = group.get("params") if isinstance(group, dict) else None
+            if not isinstance(params, (list, tuple)) or not all(
+                isinstance(p, torch.Tensor) for p in params
+            ):
+                raise TypeError(
+                    f"check_pinned: param_groups[{g}] is {_what(group)}, not a dict "
+                    'with a list of tensors under "params"'
+                )
+            for i, p in enumerate(params):
+                state = optimizer.state.get(p) if p.device.type != "cpu" else None
+                for name, v in state.items() if isinstance(state, dict) else ():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        items.append((f"param_groups[{g}].params[{i}] state[{key!r}]", v))
+                        items.append((f"param_groups[{g}].params[{i}] state[{name!r}]", v))
+    else:
+        raise TypeError(
+            f"check_pinned: got {_what(optimizer)}, not an optimizer (an object with "
+            "crossing_host_tensors(), or param_groups and state as torch.optim's)"
+        )
     return [
         f"{label}: shape {tuple(t.shape)} {t.dtype}, {t.numel() * t.element_size()} bytes, "
         "not pinned"

@@ -1,5 +1,6 @@
-"""Python call sites of profiled copies: frame stacks from ``python_function`` trace events,
-and the exact source lines recovered from the files.
+"""Python call sites of profiled copies (``CallSite``): frame stacks from ``python_function``
+trace events, and the exact source lines recovered from the files; ``num`` and ``key`` read
+the untrusted fields of any trace event.
 
 torch records a frame when it is entered, so a ``python_function`` event's line is the ``def``
 line (or the current line of a frame already running when recording began); the line that
@@ -10,24 +11,78 @@ from __future__ import annotations
 
 import bisect
 import linecache
+import math
 import os
 import re
 import sys
 import tokenize
+from dataclasses import dataclass
 
-__all__ = ["FRAME", "BUILTIN", "Stacks", "callee_name", "num", "resolve_lines"]
+__all__ = ["FRAME", "BUILTIN", "CallSite", "Stacks", "callee_name", "num", "key", "resolve_lines"]
 
 # "file(line): function"
 FRAME = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<func>.+)$")
 BUILTIN = re.compile(r"^<built-in (?:method|function) ([\w.]+)(?: of (\w+) object)?")
 
 
+@dataclass
+class CallSite:
+    """Where pageable (or any) copies came from: the innermost user frames above the copy.
+
+    Attributes:
+        frames: user frames, innermost first, as the trace names them ``"file(line): func"``.
+        callee: what the innermost user frame called (``"Tensor.item"``, ``"Tensor.to"``);
+            when that went through torch's Python first, the first and the last frame below the
+            user's (``"torch/optim/optimizer.py(480): wrapper > Tensor.copy_"``); the CPU op
+            (``"aten::copy_"``) when the trace has no Python stack.
+        lines: source lines in the innermost frame's block that call the callee (may be empty).
+        count: copies issued from here. nbytes: their bytes.
+    """
+
+    frames: tuple[str, ...]
+    callee: str
+    lines: tuple[int, ...] = ()
+    count: int = 0
+    nbytes: int = 0
+
+    @property
+    def file(self) -> str:
+        """File of the innermost user frame, as the trace names it (relative to sys.path)."""
+        m = FRAME.match(self.frames[0] if self.frames else "")
+        return m["file"] if m else ""
+
+    @property
+    def function(self) -> str:
+        m = FRAME.match(self.frames[0] if self.frames else "")
+        return m["func"] if m else ""
+
+    def __str__(self) -> str:
+        if not self.frames:
+            where = "<no Python stack>"
+        elif self.lines:
+            where = f"{self.file}:{','.join(map(str, self.lines))} in {self.function}"
+        else:
+            where = self.frames[0]
+        return f"{where} via {self.callee}" if self.callee else where
+
+
 def num(x) -> float:
-    """A trace field as a float (0.0 when missing or malformed: traces are not trusted)."""
+    """A trace field as a finite float (0.0 when missing or malformed, NaN and infinities
+    included: traces are not trusted)."""
     try:
-        return float(x)
-    except (TypeError, ValueError):
+        x = float(x)
+    except (TypeError, ValueError, OverflowError):  # None, "soon", [], 10**400
         return 0.0
+    return x if math.isfinite(x) else 0.0
+
+
+def key(x):
+    """A trace field as a dict key: itself when hashable, else its repr (a list-valued pid)."""
+    try:
+        hash(x)
+    except TypeError:
+        return repr(x)
+    return x
 
 
 class Stacks:
@@ -101,6 +156,8 @@ def resolve_lines(frame: str, tokens: list[str], cache: dict) -> tuple[int, ...]
     m = FRAME.match(frame)
     path = _find_source(m["file"], cache) if m else None
     if path is None:
+        return ()
+    if len(m["line"]) > 9:  # no file is that long (and int() refuses 4300 digits)
         return ()
     lines, first = linecache.getlines(path), int(m["line"])
     if not 0 < first <= len(lines):

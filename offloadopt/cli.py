@@ -3,15 +3,22 @@
 Each command is one entry of ``COMMANDS``: a name, a one-line help, a function that adds its
 options to a parser and a function that runs it on the parsed arguments and returns the exit
 status. Adding a command is one import and one entry.
+
+Exit status: 0 done; 2 bad input (one ``offloadopt: error: ...`` line, printed before anything
+is built or written); 1 a failure while running (one line; ``OFFLOADOPT_TRACEBACK=1`` re-raises
+it, for the traceback); 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
 from offloadopt.harness import audit_job, bench, train
+from offloadopt.harness.anchors import Unavailable
+from offloadopt.harness.checks import UsageError
 
 # name -> (help, add_arguments(parser), run(args) -> exit status)
 COMMANDS: dict[
@@ -35,38 +42,81 @@ COMMANDS: dict[
 }
 
 
+EPILOG = (
+    "exit status: 0 done, 2 bad input, 1 a failure while running "
+    "(OFFLOADOPT_TRACEBACK=1 shows its traceback), 130 interrupted"
+)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``offloadopt: error: --steps: 0 is not an integer >= 1``
+    and status 2, without the usage block (``--help`` shows it)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # argparse writes "argument --steps: ..."; the flag alone reads as the other errors do
+        self.exit(2, f"offloadopt: error: {message.removeprefix('argument ')}\n")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: ...)" to an option's help unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="offloadopt", description="HybridAdamW: a CPU/GPU hybrid AdamW for PyTorch"
+    parser = Parser(
+        prog="offloadopt",
+        description="HybridAdamW: a CPU/GPU hybrid AdamW for PyTorch",
+        epilog=EPILOG,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_arguments, run) in COMMANDS.items():
         p = sub.add_parser(
-            name, help=help_text, description=help_text,
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            name, help=help_text, description=help_text, epilog=EPILOG,
+            formatter_class=_Help,
         )  # fmt: skip
         add_arguments(p)
         p.set_defaults(run=run)
     return parser
 
 
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines() or [""]
+    return lines[0] + (" [...]" if len(lines) > 1 else "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit status.
 
-    Bad input (an invalid value, a missing file, an anchor that is not installed, a CUDA device
-    on a machine without one) ends with one ``offloadopt: error: ...`` line and status 2.
+    Bad input (a value out of range, a device torch does not have here, a missing or too short
+    data file, an output path that cannot be written, an anchor that is not installed) ends
+    with one ``offloadopt: error: ...`` line on stderr and status 2, before a model is built
+    or a file written. A failure while running prints one line naming the exception and
+    returns 1; with ``OFFLOADOPT_TRACEBACK=1`` in the environment it is re-raised instead.
+    ``--help`` returns 0, Ctrl-C 130.
     """
-    import torch
-
-    from offloadopt.harness.anchors import Unavailable
-
     parser = build_parser()
-    args = parser.parse_args(argv)
-    device = str(getattr(args, "device", "") or "")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {device}, but torch sees no CUDA device here (try --device cpu)")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse's exit: --help (0) or a usage error (2)
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, IsADirectoryError, Unavailable) as e:
-        print(f"offloadopt: error: {e}", file=sys.stderr)
+    except (UsageError, Unavailable) as e:
+        print(f"offloadopt: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("offloadopt: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get("OFFLOADOPT_TRACEBACK", "") not in ("", "0"):
+            raise
+        print(
+            f"offloadopt: error: {type(e).__name__}: {_one_line(e)} "
+            "(OFFLOADOPT_TRACEBACK=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1

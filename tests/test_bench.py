@@ -60,7 +60,7 @@ def test_a_drifting_configuration_is_flagged_not_hidden(tmp_path):
 
 
 def test_unknown_anchor_is_a_clear_error_before_anything_runs(tmp_path):
-    with pytest.raises(ValueError, match="Invalid anchor: 'nope'"):
+    with pytest.raises(ValueError, match="--anchors: 'nope' is not one of"):
         run_bench(tiny(tmp_path, anchors=["nope"]))
     assert not (tmp_path / "bench.json").exists()
 

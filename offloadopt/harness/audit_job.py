@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 import torch
 
-from offloadopt.harness import anchors
-from offloadopt.harness.data import get_batch, load_text, mock_data
+from offloadopt.harness import anchors, checks
+from offloadopt.harness.checks import UsageError
+from offloadopt.harness.data import get_batch, mock_data
 from offloadopt.harness.gpt import GPT, PRESETS
 
 OPTIMIZERS = ("hybrid", "adamw", "megatron", "megatron-pinfix-fused", "torchao")
@@ -44,20 +46,40 @@ def make_optimizer(
     raise ValueError(f"Invalid optimizer: {name!r} (choose from {', '.join(OPTIMIZERS)})")
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """What the option types cannot check alone; raises ``UsageError`` naming the flag."""
+    block_size = PRESETS[args.preset].block_size
+    if args.seq_len > block_size:
+        raise UsageError(
+            f"--seq-len: {args.seq_len} is more than the {args.preset} preset's block_size "
+            f"{block_size}"
+        )
+    if args.trace is not None and args.json is not None:
+        if os.path.abspath(args.trace) == os.path.abspath(args.json):
+            raise UsageError(f"--trace and --json: both {args.json!r}; give two files")
+
+
 def run_audit(args: argparse.Namespace) -> dict[str, Any]:
-    """Warm up, audit ``args.steps`` iterations, print the table; return the JSON summary."""
+    """Warm up, audit ``args.steps`` iterations, print the table; return the JSON summary.
+
+    Checks its input first (``UsageError``), the data file included, before a model is built;
+    ``--trace`` and ``--json`` are each written whole at the end.
+    """
     from offloadopt.audit import audit
 
+    check_args(args)
+    cfg = PRESETS[args.preset]
+    data = (
+        mock_data(cfg.vocab_size) if args.mock_data else checks.text_data(args.data, args.seq_len)
+    )
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    cfg = PRESETS[args.preset]
     with device:
         model = GPT(cfg).to(DTYPES[args.dtype])
     built = make_optimizer(
         args.optimizer, model, args.lr, args.offload_fraction, not args.no_pin_memory
     )
     opt = built["opt"]
-    data = mock_data(cfg.vocab_size) if args.mock_data else load_text(args.data)
     gen = torch.Generator().manual_seed(args.seed)
 
     def iteration() -> torch.Tensor:
@@ -90,37 +112,39 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
         "trace": args.trace, "report": report.to_dict(),
     }  # fmt: skip
     print(json.dumps({k: v for k, v in summary.items() if k != "report"}))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1, default=str)
+    if args.json is not None:
+        checks.write_atomic(args.json, json.dumps(summary, indent=1, default=str))
     return summary
 
 
 def add_audit_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu"
-    )
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--optimizer", default="hybrid", choices=OPTIMIZERS)
-    p.add_argument("--offload-fraction", type=float, default=1.0, help="for hybrid and megatron")
-    p.add_argument(
-        "--no-pin-memory",
-        action="store_true",
-        help="HybridAdamW(pin_memory=False): the pageable path",
-    )
-    p.add_argument("--steps", type=int, default=1, help="audited training iterations")
-    p.add_argument(
-        "--warmup", type=int, default=2, help="iterations before the audit (steady state)"
-    )
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per iteration")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mock-data", action="store_true", help="uniform random tokens")
-    p.add_argument("--data", default=None, help="text file (default: CPython's pydoc topics)")
-    p.add_argument("--trace", default=None, help="also write the Chrome trace to this file")
-    p.add_argument("--json", default=None, help="write the full report as JSON to this file")
+    """Add the ``audit`` options to ``p``; values are checked as they are parsed."""
+    a = p.add_argument
+    # fmt: off
+    a("--device", type=checks.device, default="cuda" if torch.cuda.is_available() else "cpu",
+      help="cuda, cuda:N or cpu")
+    a("--preset", default="tiny", choices=sorted(PRESETS))
+    a("--dtype", default="bf16", choices=sorted(DTYPES))
+    a("--optimizer", default="hybrid", choices=OPTIMIZERS)
+    a("--offload-fraction", type=checks.fraction, default=1.0, help="for hybrid and megatron")
+    a("--no-pin-memory", action="store_true",
+      help="HybridAdamW(pin_memory=False): the pageable path")
+    a("--steps", type=checks.positive_int, default=1, help="audited training iterations")
+    a("--warmup", type=checks.nonneg_int, default=2,
+      help="iterations before the audit (steady state)")
+    a("--batch-size", type=checks.positive_int, default=4, help="sequences per iteration")
+    a("--seq-len", type=checks.positive_int, default=128,
+      help="tokens per sequence, at most the preset's block_size")
+    a("--lr", type=checks.nonneg_float, default=6e-4)
+    a("--seed", type=checks.seed, default=0, help="0 .. 2**63 - 1")
+    a("--mock-data", action="store_true", help="uniform random tokens")
+    a("--data", type=checks.input_file, default=None,
+      help="text file (default: CPython's pydoc topics)")
+    a("--trace", type=checks.output_file, default=None,
+      help="also write the Chrome trace to this file (.json or .json.gz)")
+    a("--json", type=checks.output_file, default=None,
+      help="write the full report as JSON to this file")
+    # fmt: on
 
 
 def run(args: argparse.Namespace) -> int:

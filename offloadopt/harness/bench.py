@@ -3,7 +3,9 @@
 Every configuration trains the same model from the same initial weights on the same batches:
 warm-up steps, then timed steps bracketed by ``torch.cuda.synchronize()``; medians reported.
 Baseline: HybridAdamW at fraction 0 (fp32 masters and moments on the GPU, torch's fused CUDA
-AdamW). JSON is written after each configuration, so a cut-short run keeps what it measured.
+AdamW). JSON is written after each configuration, so a cut-short run keeps what it measured;
+every file is written whole (a temporary name, then a rename), and the ``--out`` folder is made
+only when the first one is.
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ import inspect
 import json
 import math
 import statistics
+import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from offloadopt.harness import anchors, models
-from offloadopt.harness.data import get_batch, load_text, mock_data
+from offloadopt.harness import anchors, checks, models
+from offloadopt.harness.checks import UsageError
+from offloadopt.harness.data import get_batch, mock_data
 from offloadopt.harness.probes import time_kernel, time_link
 from offloadopt.harness.report import format_table, plot
 from offloadopt.harness.train import host_rss_nbytes
@@ -43,7 +47,7 @@ class BenchConfig:
     device: str = "cuda"  # cuda, or cpu for a smoke test of the harness
     dtype: str = "bf16"  # model weights: bf16 or fp32
     batch_size: int = 4  # sequences per step
-    seq_len: int = 1024  # tokens per sequence
+    seq_len: int | None = None  # tokens per sequence; None: the preset's longest, at most 1024
     warmup: int = 3  # untimed steps per configuration
     steps: int = 10  # timed steps per configuration (medians over these)
     slow_steps: int = 3  # timed steps for anchors known to take seconds per step
@@ -57,6 +61,41 @@ class BenchConfig:
     out: str = "bench-out"  # folder for bench.json and bench.png
     audit: bool = True  # audit one training iteration per configuration (pageable copies)
     progress: bool = True
+
+
+# The check of each BenchConfig field that has one: its --flag's argparse type, and
+# resolved()'s check of a config built in Python.
+FIELD_CHECKS = {
+    "device": checks.device, "batch_size": checks.positive_int, "seq_len": checks.positive_int,
+    "warmup": checks.nonneg_int, "steps": checks.positive_int, "slow_steps": checks.positive_int,
+    "lr": checks.nonneg_float, "data": checks.input_file, "seed": checks.seed, "out": checks.out_dir,
+}  # fmt: skip
+
+
+def resolved(cfg: BenchConfig) -> BenchConfig:
+    """A checked copy of ``cfg`` with ``seq_len`` filled in; nothing is built or written.
+
+    Raises ``UsageError`` (a ValueError) naming the ``--flag``: a value out of range
+    (``FIELD_CHECKS``), an unknown preset, dtype or anchor, ``seq_len`` beyond the preset's
+    positions, an ``hf-*`` preset without transformers.
+    """
+    for flag, value, known in (("--preset", cfg.preset, models.MODEL_PRESETS),
+                               ("--dtype", cfg.dtype, DTYPES),
+                               *(("--anchors", a, anchors.ANCHORS) for a in cfg.anchors)):  # fmt: skip
+        if value not in known:
+            raise UsageError(f"{flag}: {value!r} is not one of {', '.join(known)}")
+    if missing := models.missing_package(cfg.preset):
+        raise UsageError(f"--preset: {cfg.preset!r} needs {missing} (pip install {missing})")
+    if not cfg.fractions:
+        raise UsageError("--fractions: none given")
+    checked = {k: checks.check(f"--{k.replace('_', '-')}", getattr(cfg, k), f)
+               for k, f in FIELD_CHECKS.items() if getattr(cfg, k) is not None}  # fmt: skip
+    fractions = [checks.check("--fractions", f, checks.fraction) for f in cfg.fractions]
+    longest = models.max_seq_len(cfg.preset)
+    seq_len = checked.setdefault("seq_len", min(longest, 1024))
+    if seq_len > longest:
+        raise UsageError(f"--seq-len: {seq_len} is more than the {cfg.preset} preset's {longest}")
+    return replace(cfg, **checked, fractions=fractions, anchors=list(cfg.anchors))
 
 
 def _sync(device: torch.device) -> None:
@@ -93,14 +132,16 @@ class Bench:
     """Holds the model, its initial weights and the batches shared by every configuration."""
 
     def __init__(self, cfg: BenchConfig):
-        self.cfg = cfg
+        """Raises ``UsageError`` for a bad ``cfg`` (see :func:`resolved`) or data file."""
+        self.cfg = cfg = resolved(cfg)
         self.device = torch.device(cfg.device)
+        # the text before the model: a missing or short file fails at once, not after a build
+        text = None if cfg.mock_data else checks.text_data(cfg.data, cfg.seq_len)
         torch.manual_seed(cfg.seed)
         self.model = models.build_model(cfg.preset, self.device, DTYPES[cfg.dtype])
         self.loss = models.loss_fn(cfg.preset)  # loss(model, x, y), the model or a wrapper of it
         self.init = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        vocab_size = models.vocab_size(self.model)
-        data = mock_data(vocab_size) if cfg.mock_data else load_text(cfg.data)
+        data = text if text is not None else mock_data(models.vocab_size(self.model))
         self.data = data
         gen = torch.Generator().manual_seed(cfg.seed)
         n = cfg.warmup + max(cfg.steps, cfg.slow_steps)
@@ -277,16 +318,14 @@ def _tagged(build, **tags):
 
 
 def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
-    """Run every configuration of ``cfg``; returns (and writes) the list of results."""
+    """Run every configuration of ``cfg``; returns (and writes) the list of results.
+
+    Raises ``UsageError`` for a bad ``cfg`` before anything is built or written.
+    """
     from tqdm import tqdm
 
-    for name in cfg.anchors:
-        if name not in anchors.ANCHORS:
-            raise ValueError(f"Invalid anchor: {name!r} (choose from {sorted(anchors.ANCHORS)})")
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     bench = Bench(cfg)
-    device = bench.device
+    cfg, device, out = bench.cfg, bench.device, Path(bench.cfg.out)
     header = {"config": asdict(cfg), "torch": torch.__version__, "params": models.num_params(bench.model),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
               "cpu_threads": torch.get_num_threads()}  # fmt: skip
@@ -306,9 +345,9 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
             )
 
     def write() -> None:
-        (out / "bench.json").write_text(
-            json.dumps({**header, "results": results}, indent=1, default=str)
-        )
+        out.mkdir(parents=True, exist_ok=True)  # here, so a run that fails first leaves none
+        checks.write_atomic(out / "bench.json", json.dumps({**header, "results": results},
+                                                           indent=1, default=str))  # fmt: skip
 
     if cfg.kernel:
         shapes = [p.shape for p in bench.model.parameters()]
@@ -334,56 +373,47 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    d = BenchConfig()
-    gpu = torch.cuda.is_available()
-    p.add_argument("--preset", default=d.preset if gpu else "tiny", choices=models.MODEL_PRESETS,
-                   help="model; hf-* build a transformers model from its config (default: gpt2-xl with a GPU)")  # fmt: skip
-    p.add_argument(
-        "--device",
-        default="cuda" if gpu else "cpu",
-        help="cuda or cpu (default: cuda if available)",
-    )
-    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per configuration")
-    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per configuration")
-    p.add_argument(
-        "--slow-steps", type=int, default=d.slow_steps, help="timed steps for slow anchors"
-    )
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument(
-        "--fractions",
-        type=float,
-        nargs="+",
-        default=d.fractions,
-        help="HybridAdamW offload fractions",
-    )
-    p.add_argument(
-        "--anchors",
-        nargs="*",
-        default=d.anchors,
-        help=f"any of {sorted(anchors.ANCHORS)}; none: --anchors",
-    )
-    p.add_argument("--no-kernel", action="store_true", help="skip timing the fused kernel alone")
-    p.add_argument(
-        "--no-audit", action="store_true", help="skip the memcpy audit of each configuration"
-    )
-    p.add_argument("--mock-data", action="store_true", help="uniform random tokens")
-    p.add_argument("--data", default=None, help="text file (default: CPython's pydoc topics)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--out", default=d.out, help="folder for bench.json and bench.png")
-    p.add_argument("--no-progress", action="store_true")
+    """Add the ``bench`` options to ``p``; values are checked as they are parsed."""
+    d, gpu, t = BenchConfig(), torch.cuda.is_available(), FIELD_CHECKS
+    a = p.add_argument
+    # fmt: off
+    a("--preset", default=d.preset if gpu else "tiny", choices=models.MODEL_PRESETS,
+      help="model; hf-* build a transformers model from its config (default: gpt2-xl with a GPU)")
+    a("--device", type=t["device"], default="cuda" if gpu else "cpu",
+      help="cuda, cuda:N or cpu (default: cuda if available)")
+    a("--dtype", default=d.dtype, choices=sorted(DTYPES))
+    a("--batch-size", type=t["batch_size"], default=d.batch_size, help="sequences per step")
+    a("--seq-len", type=t["seq_len"], default=None,
+      help="tokens per sequence (default: the preset's longest, at most 1024)")
+    a("--warmup", type=t["warmup"], default=d.warmup, help="untimed steps per configuration")
+    a("--steps", type=t["steps"], default=d.steps, help="timed steps per configuration")
+    a("--slow-steps", type=t["slow_steps"], default=d.slow_steps, help="timed steps, slow anchors")
+    a("--lr", type=t["lr"], default=d.lr, help="AdamW learning rate, >= 0")
+    a("--fractions", type=checks.fraction, nargs="+", default=d.fractions,
+      help="HybridAdamW offload fractions, each in [0, 1]")
+    a("--anchors", nargs="*", default=d.anchors, choices=list(anchors.ANCHORS), metavar="ANCHOR",
+      help=f"any of {sorted(anchors.ANCHORS)}; none: --anchors")
+    a("--no-kernel", action="store_true", help="skip timing the fused kernel alone")
+    a("--no-audit", action="store_true", help="skip the memcpy audit of each configuration")
+    a("--mock-data", action="store_true", help="uniform random tokens")
+    a("--data", type=t["data"], default=None, help="text file (default: CPython's pydoc topics)")
+    a("--seed", type=t["seed"], default=d.seed, help="0 .. 2**63 - 1")
+    a("--out", type=t["out"], default=d.out, help="folder for bench.json and bench.png")
+    a("--no-progress", action="store_true")
+    # fmt: on
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = BenchConfig(
-        preset=args.preset, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
-        seq_len=args.seq_len, warmup=args.warmup, steps=args.steps, slow_steps=args.slow_steps,
-        lr=args.lr, fractions=args.fractions, anchors=args.anchors, kernel=not args.no_kernel,
-        mock_data=args.mock_data, data=args.data, seed=args.seed, out=args.out,
-        audit=not args.no_audit, progress=not args.no_progress,
-    )  # fmt: skip
+    """``offloadopt bench``: 0 when every configuration ran (or was skipped as unavailable),
+    1 when one failed; its error is in the table and in bench.json."""
+    given = {k: v for k, v in vars(args).items() if k in BenchConfig.__dataclass_fields__}
+    cfg = BenchConfig(**given, kernel=not args.no_kernel, audit=not args.no_audit,
+                      progress=not args.no_progress)  # fmt: skip
     results = run_bench(cfg)
     print(json.dumps({"out": str(Path(cfg.out) / "bench.json"), "configurations": len(results)}))
+    failed = [r["name"] for r in results if str(r.get("status", "")).startswith("error")]
+    if failed:
+        print(f"offloadopt: error: {len(failed)} of {len(results)} configurations failed: "
+              f"{', '.join(failed)} (their errors: the table, bench.json)", file=sys.stderr)  # fmt: skip
+        return 1
     return 0

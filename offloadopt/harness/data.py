@@ -61,23 +61,44 @@ class TokenData:
     heldout: torch.Tensor | None  # (n_heldout,) uint8 CPU, or None for mock
 
 
+def split_sizes(n: int) -> tuple[int, int]:
+    """(training, held-out) tokens of an ``n``-byte text: the held-out part is its last
+    ``HELDOUT_FRACTION``, rounded down."""
+    n_heldout = int(n * HELDOUT_FRACTION)
+    return n - n_heldout, n_heldout
+
+
+def min_text_bytes(window: int) -> int:
+    """The fewest bytes of text whose two splits both hold ``window`` tokens."""
+    n = max(int(window / HELDOUT_FRACTION) - 16, window)  # just below: int() rounds down
+    while min(split_sizes(n)) < window:
+        n += 1
+    return n
+
+
 def load_text(path: str | None = None) -> TokenData:
     """Byte tokens of a text file (read as raw bytes), or of the pydoc topics when ``path`` is None.
 
-    Raises ``ValueError`` when the text is too short to split.
+    Raises ``OSError`` when the file cannot be read (missing, a folder) and ``ValueError``,
+    naming the file, when it is empty or too short to split.
     """
     raw = default_text() if path is None else Path(path).read_bytes()
     name = "pydoc_data.topics" if path is None else path
+    if not raw:  # torch.frombuffer would say "buffer length (0) and count (-1) must not be 0"
+        raise ValueError(f"{name!r}: empty file (0 bytes)")
     tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # (n,) uint8 CPU
-    n_heldout = int(len(tokens) * HELDOUT_FRACTION)
-    if n_heldout < 2 or len(tokens) - n_heldout < 2:
-        raise ValueError(f"{name}: {len(tokens)} bytes is too little text to split")
+    n_train, n_heldout = split_sizes(len(tokens))
+    if min(n_train, n_heldout) < 2:
+        raise ValueError(
+            f"{name!r}: {len(tokens)} bytes is too little text to split "
+            f"(at least {min_text_bytes(2)} bytes)"
+        )
     return TokenData(
         description=f"{name}: {len(tokens):,} bytes, byte tokens, last {HELDOUT_FRACTION:.0%} held out",
         entropy_nats=byte_entropy_nats(tokens),
         vocab_size=256,
-        train=tokens[: len(tokens) - n_heldout],
-        heldout=tokens[len(tokens) - n_heldout :],
+        train=tokens[:n_train],
+        heldout=tokens[n_train:],
     )
 
 

@@ -9,6 +9,7 @@ GPT does, so a step costs what training would.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +73,26 @@ def build_model(preset: str, device: torch.device | str, dtype: torch.dtype) -> 
             return transformers.AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(default)
+
+
+def max_seq_len(preset: str) -> int:
+    """Longest sequence, in tokens, that the preset's model takes (its position table)."""
+    if preset in PRESETS:
+        return PRESETS[preset].block_size
+    kwargs = HF_PRESETS[preset][1]
+    return kwargs.get("n_positions") or kwargs["max_position_embeddings"]
+
+
+def missing_package(preset: str) -> str | None:
+    """The package an ``hf-*`` preset needs that is not importable here, else None (without
+    importing it: transformers takes seconds)."""
+    if preset not in HF_PRESETS:
+        return None
+    try:
+        found = importlib.util.find_spec("transformers") is not None
+    except (ImportError, ValueError):  # a broken install, or a module without a spec
+        found = False
+    return None if found else "transformers"
 
 
 def gpt_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -22,11 +22,14 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm import tqdm
 
-from offloadopt.harness.data import TokenData, get_batch, load_text, mock_data
+from offloadopt.harness import checks
+from offloadopt.harness.checks import UsageError
+from offloadopt.harness.data import TokenData, get_batch, mock_data
 from offloadopt.harness.gpt import GPT, PRESETS
 from offloadopt.optim import HybridAdamW
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+OPTIMIZERS = ("hybrid", "adamw")
 
 # Per-preset (batch_size, peak lr) used when --batch-size / --lr are not given. The GPT-2
 # learning rates are GPT-3's for those sizes (Brown et al. 2020, table 2.1); the GPT-2 batch
@@ -65,34 +68,60 @@ class TrainConfig:
     progress: bool = True  # tqdm progress bar on stderr
 
     def resolved(self) -> TrainConfig:
-        """A copy with every None default filled in; raises ValueError on a bad setting."""
-        if self.preset not in PRESETS:
-            raise ValueError(f"Invalid preset: {self.preset!r} (one of {', '.join(PRESETS)})")
-        if self.optimizer not in ("hybrid", "adamw"):
-            raise ValueError(f"Invalid optimizer: {self.optimizer!r} (hybrid or adamw)")
-        dev = torch.device(self.device)
-        dtype = self.dtype or ("bf16" if dev.type == "cuda" else "fp32")
-        if dtype not in DTYPES:
-            raise ValueError(f"Invalid dtype: {dtype!r} (one of {', '.join(DTYPES)})")
-        batch, lr = RUN_DEFAULTS[self.preset]
+        """A checked copy with every None default filled in.
+
+        Raises:
+            UsageError (a ValueError): a bad setting, named by its ``--flag``; see
+                ``FIELD_CHECKS`` and, across fields, ``seq_len`` <= the preset's block_size.
+        """
+        for name, choices in (("preset", PRESETS), ("optimizer", OPTIMIZERS), ("dtype", DTYPES)):
+            value = getattr(self, name)
+            known = isinstance(value, str) and value in choices
+            if not known and not (name == "dtype" and value is None):
+                raise UsageError(f"--{name}: {value!r} is not one of {', '.join(choices)}")
+        checked = {
+            name: checks.check(f"--{name.replace('_', '-')}", getattr(self, name), check)
+            for name, check in FIELD_CHECKS.items()
+            if getattr(self, name) is not None
+        }
+        cfg = replace(self, **checked)
+        batch, lr = RUN_DEFAULTS[cfg.preset]
+        block_size = PRESETS[cfg.preset].block_size
         cfg = replace(
-            self,
-            dtype=dtype,
-            batch_size=batch if self.batch_size is None else self.batch_size,
-            seq_len=PRESETS[self.preset].block_size if self.seq_len is None else self.seq_len,
-            lr=self.lr if self.lr is not None else lr,
-            warmup_steps=self.warmup_steps if self.warmup_steps is not None else self.steps // 20,
+            cfg,
+            dtype=cfg.dtype or ("bf16" if torch.device(cfg.device).type == "cuda" else "fp32"),
+            batch_size=batch if cfg.batch_size is None else cfg.batch_size,
+            seq_len=block_size if cfg.seq_len is None else cfg.seq_len,
+            lr=lr if cfg.lr is None else cfg.lr,
+            warmup_steps=cfg.steps // 20 if cfg.warmup_steps is None else cfg.warmup_steps,
         )
-        if cfg.warmup_steps < 0:
-            raise ValueError(f"Invalid warmup_steps: {cfg.warmup_steps} (must be >= 0)")
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every"):
-            if getattr(cfg, name) < 1:
-                raise ValueError(f"Invalid {name}: {getattr(cfg, name)} (must be >= 1)")
-        if cfg.seq_len > PRESETS[self.preset].block_size:
-            raise ValueError(
-                f"seq_len {cfg.seq_len} > block_size {PRESETS[self.preset].block_size}"
+        if cfg.seq_len > block_size:
+            raise UsageError(
+                f"--seq-len: {cfg.seq_len} is more than the {cfg.preset} preset's block_size "
+                f"{block_size}"
             )
         return cfg
+
+
+# The check of each TrainConfig field that has one: the --flag's argparse type, and
+# TrainConfig.resolved()'s check of the values a Python caller gives.
+FIELD_CHECKS = {
+    "device": checks.device,
+    "offload_fraction": checks.fraction,
+    "min_offload_numel": checks.nonneg_int,
+    "steps": checks.positive_int,
+    "batch_size": checks.positive_int,
+    "seq_len": checks.positive_int,
+    "lr": checks.nonneg_float,
+    "warmup_steps": checks.nonneg_int,
+    "weight_decay": checks.nonneg_float,
+    "grad_clip": checks.nonneg_float,
+    "seed": checks.seed,
+    "data": checks.input_file,
+    "eval_every": checks.positive_int,
+    "eval_batches": checks.positive_int,
+    "log_every": checks.positive_int,
+}
 
 
 def lr_at(step: int, lr: float, warmup_steps: int, steps: int) -> float:
@@ -189,7 +218,11 @@ def train(cfg: TrainConfig) -> dict:
     cfg = cfg.resolved()
     device = torch.device(cfg.device)
     cuda = device.type == "cuda"
-    data = mock_data(PRESETS[cfg.preset].vocab_size) if cfg.mock_data else load_text(cfg.data)
+    # the data before the model: a missing or short file fails in a second, not after a build
+    if cfg.mock_data:
+        data = mock_data(PRESETS[cfg.preset].vocab_size)
+    else:
+        data = checks.text_data(cfg.data, cfg.seq_len)
     print(f"data: {data.description}")
     print(
         f"data: byte unigram entropy {data.entropy_nats:.4f} nats (held-out loss should end below)"
@@ -288,104 +321,42 @@ def train(cfg: TrainConfig) -> dict:
     return summary
 
 
+# --flag help, one per TrainConfig field; a field's type check is FIELD_CHECKS'
+HELP = {
+    "device": "cpu, cuda or cuda:N (default: %(default)s)",
+    "preset": "model size (default: %(default)s)",
+    "optimizer": "hybrid: HybridAdamW; adamw: torch.optim.AdamW(fused=True) (default: %(default)s)",
+    "offload_fraction": "HybridAdamW: share of optimizer-state bytes on the host, 0..1 (default: %(default)s)",
+    "min_offload_numel": "HybridAdamW: params with fewer elements stay on the device (default: %(default)s)",
+    "steps": "optimizer steps (default: %(default)s)",
+    "batch_size": "sequences per step (default: per preset, 16 for tiny)",
+    "seq_len": "tokens per sequence (default: the preset's block_size)",
+    "lr": "peak learning rate (default: per preset, 3e-3 for tiny)",
+    "warmup_steps": "linear warm-up steps before cosine decay to lr/10 (default: steps/20)",
+    "weight_decay": "AdamW weight decay (default: %(default)s)",
+    "grad_clip": "max global grad norm, 0 = off (default: %(default)s)",
+    "seed": "seed of model init and batches, 0 .. 2**63 - 1 (default: %(default)s)",
+    "dtype": "model param dtype (default: fp32 on cpu, bf16 on cuda)",
+    "data": "text file, read as bytes (default: CPython's pydoc_data.topics)",
+    "eval_every": "held-out evaluation every N steps, and at the last (default: %(default)s)",
+    "eval_batches": "batches per held-out evaluation (default: %(default)s)",
+    "log_every": "one log line every N steps (default: %(default)s)",
+}  # fmt: skip
+
+
 def add_train_args(parser: argparse.ArgumentParser) -> None:
-    """Add the ``train`` options (``--kebab-case``, one per TrainConfig field) to ``parser``."""
+    """Add the ``train`` options (``--kebab-case``, one per TrainConfig field) to ``parser``;
+    each value is checked as it is parsed (``FIELD_CHECKS``), so a bad one is argparse's
+    one-line error."""
     d = TrainConfig()
+    choices = {"preset": list(PRESETS), "optimizer": list(OPTIMIZERS), "dtype": list(DTYPES)}
+    for name, help_text in HELP.items():
+        kwargs = {"choices": choices[name]} if name in choices else {"type": FIELD_CHECKS[name]}
+        metavar = {"metavar": "FILE"} if name == "data" else {}
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, default=getattr(d, name), help=help_text, **kwargs, **metavar)
     a = parser.add_argument
-    a("--device", default=d.device, help="cpu or cuda[:N] (default: %(default)s)")
-    a("--preset", default=d.preset, choices=list(PRESETS), help="model size (default: %(default)s)")
-    a(
-        "--optimizer",
-        default=d.optimizer,
-        choices=["hybrid", "adamw"],
-        help="hybrid: HybridAdamW; adamw: torch.optim.AdamW(fused=True) (default: %(default)s)",
-    )
-    a(
-        "--offload-fraction",
-        type=float,
-        default=d.offload_fraction,
-        help="HybridAdamW: share of optimizer-state bytes on the host, 0..1 (default: %(default)s)",
-    )
-    a(
-        "--min-offload-numel",
-        type=int,
-        default=d.min_offload_numel,
-        help="HybridAdamW: params with fewer elements stay on the device (default: %(default)s)",
-    )
-    a("--steps", type=int, default=d.steps, help="optimizer steps (default: %(default)s)")
-    a(
-        "--batch-size",
-        type=int,
-        default=None,
-        help="sequences per step (default: per preset, 16 for tiny)",
-    )
-    a(
-        "--seq-len",
-        type=int,
-        default=None,
-        help="tokens per sequence (default: the preset's block_size)",
-    )
-    a(
-        "--lr",
-        type=float,
-        default=None,
-        help="peak learning rate (default: per preset, 3e-3 for tiny)",
-    )
-    a(
-        "--warmup-steps",
-        type=int,
-        default=None,
-        help="linear warm-up steps before cosine decay to lr/10 (default: steps/20)",
-    )
-    a(
-        "--weight-decay",
-        type=float,
-        default=d.weight_decay,
-        help="AdamW weight decay (default: %(default)s)",
-    )
-    a(
-        "--grad-clip",
-        type=float,
-        default=d.grad_clip,
-        help="max global grad norm, 0 = off (default: %(default)s)",
-    )
-    a(
-        "--seed",
-        type=int,
-        default=d.seed,
-        help="seed of model init and batches (default: %(default)s)",
-    )
-    a(
-        "--dtype",
-        default=None,
-        choices=list(DTYPES),
-        help="model param dtype (default: fp32 on cpu, bf16 on cuda)",
-    )
-    a(
-        "--data",
-        default=None,
-        metavar="FILE",
-        help="text file, read as bytes (default: CPython's pydoc_data.topics)",
-    )
     a("--mock-data", action="store_true", help="uniform random tokens: loss stays at ln(vocab)")
-    a(
-        "--eval-every",
-        type=int,
-        default=d.eval_every,
-        help="held-out evaluation every N steps, and at the last (default: %(default)s)",
-    )
-    a(
-        "--eval-batches",
-        type=int,
-        default=d.eval_batches,
-        help="batches per held-out evaluation (default: %(default)s)",
-    )
-    a(
-        "--log-every",
-        type=int,
-        default=d.log_every,
-        help="one log line every N steps (default: %(default)s)",
-    )
     a("--no-progress", action="store_true", help="no tqdm progress bar on stderr")
 
 

@@ -1,0 +1,229 @@
+"""Checks of the commands' input, all run before a model is built or a file written.
+
+Each value check (``positive_int``, ``fraction``, ``device``, ``out_dir``...) takes the text of
+a command-line value or a config's value, returns it converted, and raises :class:`UsageError`
+with a message that shows the value and what is allowed. They serve as argparse ``type=``
+functions (argparse then prints ``offloadopt: error: --steps: 0 is not an integer >= 1``) and,
+through :func:`check`, as the checks of the configs Python callers build. Checks that need
+several values or the file system (the data file against ``--seq-len``) raise it too; the CLI
+prints it as one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from offloadopt.harness.data import TokenData, load_text, min_text_bytes
+
+__all__ = ["UsageError", "check", "positive_int", "nonneg_int", "seed", "fraction"]
+__all__ += ["nonneg_float", "device", "input_file", "out_dir", "output_file", "text_data"]
+__all__ += ["write_atomic"]
+
+INT_MAX = 2**63 - 1  # torch's int64: a larger count or seed fits neither tensors nor generators
+T = TypeVar("T")
+
+
+class UsageError(argparse.ArgumentTypeError, ValueError):
+    """Bad input: a value out of range, a data file too short, a path that cannot be written.
+
+    An ``ArgumentTypeError`` so that argparse prints its message as it is (it prints a generic
+    one for a plain ``ValueError``), and a ``ValueError`` for Python callers.
+    """
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:36] + "..."
+
+
+def check(flag: str, value: Any, validate: Callable[[Any], T]) -> T:
+    """``validate(value)``, its ``UsageError`` prefixed by ``flag`` (``"--steps: ..."``)."""
+    try:
+        return validate(value)
+    except UsageError as e:
+        raise UsageError(f"{flag}: {e}") from None
+
+
+def _int(value: Any, lo: int) -> int:
+    allowed = f"an integer >= {lo}"
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:  # "1.5", "nan", "" and also more than 4300 digits
+            raise UsageError(f"{_shown(value)} is not {allowed}") from None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise UsageError(f"{_shown(value)} is not {allowed}")
+    if value < lo:
+        raise UsageError(f"{_shown(value)} is not {allowed}")
+    if value > INT_MAX:
+        raise UsageError(f"{_shown(value)} is too large (at most 2**63 - 1)")
+    return value
+
+
+def _float(value: Any, allowed: str, ok: Callable[[float], bool]) -> float:
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            raise UsageError(f"{_shown(value)} is not a number") from None
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond a float's range
+            number = math.copysign(math.inf, value)
+    else:
+        raise UsageError(f"{_shown(value)} is not a number")
+    if not ok(number):
+        raise UsageError(f"{number!r} is not {allowed}")
+    return number
+
+
+def positive_int(value: Any) -> int:
+    """An integer in [1, 2**63 - 1]: steps, batch size, sequence length."""
+    return _int(value, 1)
+
+
+def nonneg_int(value: Any) -> int:
+    """An integer in [0, 2**63 - 1]: warm-up steps, ``min_offload_numel``."""
+    return _int(value, 0)
+
+
+def seed(value: Any) -> int:
+    """A seed in [0, 2**63 - 1]; the harness adds small offsets and torch takes < 2**64."""
+    return _int(value, 0)
+
+
+def fraction(value: Any) -> float:
+    """A number in [0, 1]: an offload fraction."""
+    return _float(value, "in [0, 1]", lambda x: 0.0 <= x <= 1.0)
+
+
+def nonneg_float(value: Any) -> float:
+    """A finite number >= 0: learning rate, weight decay, grad-clip norm (0 turns it off)."""
+    return _float(value, "a finite number >= 0", lambda x: 0.0 <= x < math.inf)
+
+
+def device(value: Any) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N`` with a device N that torch sees here, as a string.
+
+    ``torch.device`` parses the text; any other type (``meta``, ``mps``...), a text it does
+    not parse (``CUDA``) or a CUDA device this machine lacks is a ``UsageError``.
+    """
+    allowed = "cpu, cuda or cuda:N"
+    text = str(value) if isinstance(value, torch.device) else value
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, TypeError, ValueError):
+        hint = ""
+        if isinstance(text, str) and text.strip().lower() != text:
+            with contextlib.suppress(RuntimeError, TypeError, ValueError):
+                hint = f"; did you mean {str(torch.device(text.strip().lower()))!r}?"
+        raise UsageError(f"{_shown(value)} is not a device ({allowed}){hint}") from None
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
+        raise UsageError(f"{_shown(value)} is not a device ({allowed})")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count()
+        if n == 0:
+            raise UsageError(f"{str(dev)!r}: torch sees no CUDA device here (try --device cpu)")
+        if dev.index is not None and dev.index >= n:
+            raise UsageError(f"{str(dev)!r}: torch sees {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
+    return str(dev)
+
+
+def _path(value: Any) -> Path:
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text or "\x00" in text:  # the OS takes no NUL byte
+        raise UsageError(f"{_shown(value)} is not a path")
+    return Path(value)
+
+
+def _writable_folder(folder: Path, what: str) -> None:
+    """``folder`` must be an existing folder this process may create files in."""
+    if not folder.is_dir():
+        raise UsageError(f"{what}: {str(folder)!r} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{what}: cannot write in {str(folder)!r} (permission denied)")
+
+
+def out_dir(value: Any) -> str:
+    """A folder to write results in: an existing writable folder, or a path that can be made
+    one (its nearest existing ancestor is a writable folder). Nothing is created here."""
+    path = _path(value)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{str(path)!r} exists and is not a folder")
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    _writable_folder(ancestor, repr(str(path)))
+    return str(path)
+
+
+def input_file(value: Any) -> str:
+    """A file to read: it exists and is not a folder (its content is checked by its reader)."""
+    path = _path(value)
+    if not path.exists():
+        raise UsageError(f"{str(path)!r}: no such file")
+    if path.is_dir():
+        raise UsageError(f"{str(path)!r} is a folder, not a file")
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"{str(path)!r}: cannot read it (permission denied)")
+    return str(path)
+
+
+def output_file(value: Any) -> str:
+    """A file to write at the end: not a folder, in an existing folder that is writable."""
+    path = _path(value)
+    if path.is_dir():
+        raise UsageError(f"{str(path)!r} is a folder, not a file name")
+    if not path.parent.exists():
+        raise UsageError(f"{str(path)!r}: no folder {str(path.parent)!r}")
+    _writable_folder(path.parent, repr(str(path)))
+    return str(path)
+
+
+def text_data(path: str | None, seq_len: int) -> TokenData:
+    """``load_text(path)``, checked to hold a training and a held-out window of ``seq_len + 1``
+    tokens, so that a short file fails here and not at the first evaluation.
+
+    Raises ``UsageError`` naming ``--data``: a missing, unreadable or empty file, or one too
+    short for ``seq_len`` (the message gives the size needed).
+    """
+    name = "--data: " + ("pydoc_data.topics" if path is None else repr(str(path)))
+    try:
+        data = load_text(path)
+    except OSError as e:
+        raise UsageError(f"{name}: {e.strerror or e}") from None
+    except ValueError as e:  # empty, or too short to split; the message names the file
+        raise UsageError(f"--data: {e}") from None
+    need = seq_len + 1
+    for split, part in (("train", "training"), ("heldout", "held-out")):
+        have = len(getattr(data, split))
+        if have < need:
+            raise UsageError(
+                f"{name}: {len(data.train) + len(data.heldout):,} bytes give a {part} split of "
+                f"{have} tokens, fewer than --seq-len + 1 = {need} (use at least "
+                f"{min_text_bytes(need):,} bytes of text, or a smaller --seq-len)"
+            )
+    return data
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it and one rename, so that
+    no reader (nor a run cut short) ever finds half a file there."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise

@@ -1,0 +1,336 @@
+"""Bad input to the commands: one ``offloadopt: error:`` line, a non-zero status, nothing built
+and nothing half written. Each case a new user found, then a property test over every flag."""
+
+import contextlib
+import io
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offloadopt.cli import main
+from offloadopt.harness import anchors, audit_job, bench, checks, models, train
+from offloadopt.harness.bench import BenchConfig
+from offloadopt.harness.checks import UsageError
+from offloadopt.harness.train import TrainConfig
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """An empty file, a 200-byte text, a plain file, an empty and a non-empty folder."""
+    d = tmp_path_factory.mktemp("bad_input")
+    (d / "empty.txt").write_bytes(b"")
+    (d / "small.txt").write_bytes(b"some text " * 20)
+    (d / "afile").write_text("x")
+    (d / "emptydir").mkdir()
+    (d / "fulldir").mkdir()
+    (d / "fulldir" / "kept").write_text("x")
+    return d
+
+
+@contextlib.contextmanager
+def nothing_built():
+    """Building a model is a test failure: every check must come before it."""
+    boom = AssertionError("got past the checks: a model was built")
+    with (
+        mock.patch.object(train, "make_model_and_optimizer", side_effect=boom),
+        mock.patch.object(models, "build_model", side_effect=boom),
+        mock.patch.object(audit_job, "GPT", side_effect=boom),
+    ):
+        yield
+
+
+def run_cli(argv):
+    """main(argv) in this process: (status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), nothing_built():
+        status = main(argv)
+    return status, out.getvalue(), err.getvalue()
+
+
+def one_error_line(argv, status=2):
+    code, out, err = run_cli(argv)
+    assert code == status, (argv, err)
+    assert out == "" and err.count("\n") == 1 and err.startswith("offloadopt: error: "), err
+    return err.removeprefix("offloadopt: error: ").rstrip("\n")
+
+
+# --- the cases of the issue, each with the exact line it now prints -----------------------------
+
+NO_CUDA = "torch sees no CUDA device here (try --device cpu)"
+CASES = [
+    (["train", "--device", "foo"], "--device: 'foo' is not a device (cpu, cuda or cuda:N)"),
+    (["bench", "--device", "foo"], "--device: 'foo' is not a device (cpu, cuda or cuda:N)"),
+    (["audit", "--device", "foo"], "--device: 'foo' is not a device (cpu, cuda or cuda:N)"),
+    (["train", "--device", "CUDA"],
+     "--device: 'CUDA' is not a device (cpu, cuda or cuda:N); did you mean 'cuda'?"),
+    (["audit", "--device", "cpu:1"], "--device: 'cpu:1' is not a device (cpu, cuda or cuda:N)"),
+    (["audit", "--batch-size", "0"], "--batch-size: 0 is not an integer >= 1"),
+    (["audit", "--seq-len", "0"], "--seq-len: 0 is not an integer >= 1"),
+    (["audit", "--seq-len", "129"], "--seq-len: 129 is more than the tiny preset's block_size 128"),
+    (["bench", "--fractions", "0", "2"], "--fractions: 2.0 is not in [0, 1]"),
+    (["bench", "--fractions", "-1"], "--fractions: -1.0 is not in [0, 1]"),
+    (["bench", "--steps", "0"], "--steps: 0 is not an integer >= 1"),
+    (["bench", "--warmup", "-1"], "--warmup: -1 is not an integer >= 0"),
+    (["bench", "--batch-size", "0"], "--batch-size: 0 is not an integer >= 1"),
+    (["bench", "--lr", "-1"], "--lr: -1.0 is not a finite number >= 0"),
+    (["bench", "--preset", "tiny", "--seq-len", "129"],
+     "--seq-len: 129 is more than the tiny preset's 128"),
+    (["audit", "--steps", "0"], "--steps: 0 is not an integer >= 1"),
+    (["audit", "--steps", "-1"], "--steps: -1 is not an integer >= 1"),
+    (["train", "--grad-clip", "-1"], "--grad-clip: -1.0 is not a finite number >= 0"),
+    (["train", "--grad-clip", "nan"], "--grad-clip: nan is not a finite number >= 0"),
+    (["train", "--steps", "-1"], "--steps: -1 is not an integer >= 1"),
+    (["train", "--seed", str(2**70)], f"--seed: {2**70} is too large (at most 2**63 - 1)"),
+    (["train", "--data", "empty.txt"], "--data: 'empty.txt': empty file (0 bytes)"),
+    (["bench", "--data", "/dev/null"], "--data: '/dev/null': empty file (0 bytes)"),
+    (["train", "--data", "small.txt"],
+     "--data: 'small.txt': 200 bytes give a held-out split of 20 tokens, fewer than --seq-len + 1 "
+     "= 129 (use at least 1,290 bytes of text, or a smaller --seq-len)"),
+    (["train", "--data", "missing.txt"], "--data: 'missing.txt': no such file"),
+    (["audit", "--json", "nodir/x.json"], "--json: 'nodir/x.json': no folder 'nodir'"),
+    (["bench", "--out", "afile"], "--out: 'afile' exists and is not a folder"),
+    (["bench", "--out", "afile/sub"], "--out: 'afile/sub': 'afile' is not a folder"),
+    (["audit", "--trace", "emptydir"], "--trace: 'emptydir' is a folder, not a file name"),
+    (["audit", "--trace", "fulldir"], "--trace: 'fulldir' is a folder, not a file name"),
+    (["train", "--device", "cuda:99"],
+     NO_CUDA if not torch.cuda.is_available() else f"torch sees {torch.cuda.device_count()}"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, line", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_each_found_case_is_one_line_and_status_2(files, monkeypatch, argv, line):
+    monkeypatch.chdir(files)
+    before = sorted(p.name for p in files.rglob("*"))
+    got = one_error_line(argv)
+    assert got == line or (argv[-1] == "cuda:99" and line in got)
+    assert sorted(p.name for p in files.rglob("*")) == before  # nothing written, nothing moved
+    assert (files / "emptydir").is_dir() and (files / "fulldir" / "kept").is_file()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_cuda_without_a_gpu_says_so(monkeypatch, files):
+    monkeypatch.chdir(files)
+    for command in ("train", "bench", "audit"):
+        assert one_error_line([command, "--device", "cuda"]) == f"--device: 'cuda': {NO_CUDA}"
+
+
+def test_an_hf_preset_without_transformers_is_a_usage_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    out = tmp_path / "out"
+    line = one_error_line(["bench", "--preset", "hf-gpt2-xl", "--out", str(out)])
+    assert line == "--preset: 'hf-gpt2-xl' needs transformers (pip install transformers)"
+    assert not out.exists()
+
+
+def test_a_bench_that_fails_while_running_is_status_1_and_leaves_no_folder(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    with mock.patch.object(models, "build_model", side_effect=RuntimeError("CUDA out of memory")):
+        code = main(["bench", "--out", str(out), "--no-progress", "--steps", "1"])
+    assert code == 1 and not out.exists()
+
+
+def test_bench_is_status_1_when_a_configuration_failed(monkeypatch, tmp_path, capsys):
+    rows = [{"name": "hybrid:0", "status": "baseline"},
+            {"name": "hybrid:0.5", "status": "error: RuntimeError: boom"},
+            {"name": "torchao", "status": "skipped: torchao is not installed"}]  # fmt: skip
+    monkeypatch.setattr(bench, "run_bench", lambda cfg: rows)
+    assert main(["bench", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        "offloadopt: error: 1 of 3 configurations failed: hybrid:0.5 "
+        "(their errors: the table, bench.json)\n"
+    )
+    monkeypatch.setattr(bench, "run_bench", lambda cfg: rows[::2])  # skipped is not failed
+    assert main(["bench", "--out", str(tmp_path)]) == 0
+
+
+def test_a_failure_while_running_is_one_line_status_1_and_the_env_var_shows_it(monkeypatch, capsys):
+    def boom(cfg):
+        raise RuntimeError("the kernel failed\nmore detail")
+
+    monkeypatch.setattr(train, "train", boom)
+    monkeypatch.delenv("OFFLOADOPT_TRACEBACK", raising=False)
+    assert main(["train"]) == 1
+    assert capsys.readouterr().err == (
+        "offloadopt: error: RuntimeError: the kernel failed [...] "
+        "(OFFLOADOPT_TRACEBACK=1 shows the traceback)\n"
+    )
+    monkeypatch.setenv("OFFLOADOPT_TRACEBACK", "1")
+    with pytest.raises(RuntimeError, match="the kernel failed"):
+        main(["train"])
+
+
+def test_interrupt_and_help(monkeypatch, capsys):
+    monkeypatch.setattr(train, "train", mock.Mock(side_effect=KeyboardInterrupt))
+    assert main(["train"]) == 130
+    assert capsys.readouterr().err == "offloadopt: interrupted\n"
+    assert main(["audit", "--help"]) == 0
+    assert "OFFLOADOPT_TRACEBACK=1" in capsys.readouterr().out
+    assert one_error_line([]) == "the following arguments are required: COMMAND"
+    assert one_error_line(["train", "--stepz", "3"]) == "unrecognized arguments: --stepz 3"
+
+
+def test_the_real_exit_status_and_stderr_of_the_console_command(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    p = subprocess.run(
+        [sys.executable, "-m", "offloadopt", "bench", "--fractions", "2", "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert (p.returncode, p.stdout, p.stderr) == (
+        2, "", "offloadopt: error: --fractions: 2.0 is not in [0, 1]\n"
+    )  # fmt: skip
+    assert not (tmp_path / "o").exists()
+
+
+# --- the same checks for Python callers ----------------------------------------------------------
+
+
+def test_configs_built_in_python_are_checked_like_the_flags(tmp_path):
+    with pytest.raises(UsageError, match=r"^--grad-clip: -1.0 is not a finite number >= 0$"):
+        TrainConfig(grad_clip=-1).resolved()
+    with pytest.raises(UsageError, match=r"^--steps: 0 is not an integer >= 1$"):
+        TrainConfig(steps=0).resolved()  # not "Invalid warmup_steps" (0 // 20 was fine anyway)
+    with pytest.raises(UsageError, match=r"^--device: 'meta' is not a device"):
+        TrainConfig(device="meta").resolved()
+    with pytest.raises(UsageError, match=r"^--lr: 'fast' is not a number$"):
+        TrainConfig(lr="fast").resolved()
+    cfg = BenchConfig(preset="tiny", device="cpu", out=str(tmp_path / "o"))
+    assert bench.resolved(cfg).seq_len == 128  # was 1024: every configuration failed on a CPU
+    with pytest.raises(UsageError, match=r"^--fractions: nan is not in \[0, 1\]$"):
+        bench.run_bench(BenchConfig(preset="tiny", device="cpu", fractions=[math.nan],
+                                    out=str(tmp_path / "o")))  # fmt: skip
+    with pytest.raises(UsageError, match="--fractions: none given"):
+        bench.resolved(BenchConfig(preset="tiny", device="cpu", fractions=[], out=str(tmp_path)))
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_json_is_written_whole(tmp_path):
+    path = tmp_path / "bench.json"
+    checks.write_atomic(path, json.dumps({"a": 1}))
+    with mock.patch.object(os, "replace", side_effect=OSError("disk full")):
+        with pytest.raises(OSError):
+            checks.write_atomic(path, json.dumps({"a": 2}))
+    assert json.loads(path.read_text()) == {"a": 1} and os.listdir(tmp_path) == ["bench.json"]
+
+
+# --- property: any malformed value of any flag --------------------------------------------------
+
+INT_MAX = 2**63 - 1
+JUNK = ["", "abc", "1.5", "nan", "inf", "-inf", "1e3", "[1]", "None", "0x10", "3 steps", "\n"]
+
+
+def ints_outside(lo, hi=INT_MAX):
+    def valid(text):
+        try:
+            return lo <= int(text) <= hi
+        except ValueError:
+            return False
+
+    numbers = st.integers(max_value=lo - 1) | st.integers(min_value=hi + 1, max_value=2**200)
+    texts = (st.sampled_from(JUNK) | st.text(max_size=6)).filter(lambda t: not valid(t))
+    return numbers.map(str) | texts
+
+
+def floats_outside(ok):
+    def valid(text):
+        try:
+            return ok(float(text))
+        except ValueError:
+            return False
+
+    numbers = st.floats().filter(lambda x: not ok(x)).map(repr)
+    return numbers | (st.sampled_from(JUNK + ["1e400"]) | st.text(max_size=6)).filter(
+        lambda t: not valid(t)
+    )
+
+
+def choice_outside(choices):
+    return (st.sampled_from(["", "x", "TINY", "Hybrid"]) | st.text(max_size=8)).filter(
+        lambda t: t not in choices
+    )
+
+
+def device_outside():
+    def valid(text):
+        m = re.fullmatch(r"cuda(?::(\d+))?", text)
+        n = torch.cuda.device_count()
+        return text in ("cpu", "cpu:0") or (m is not None and n > 0 and int(m[1] or 0) < n)
+
+    named = [
+        "foo",
+        "CUDA",
+        "Cpu",
+        "",
+        "meta",
+        "mps",
+        "cpu:1",
+        "cuda:99",
+        "cuda:-1",
+        "cuda:x",
+        "xla",
+    ]
+    return (st.sampled_from([*named, "cuda"]) | st.text(max_size=8)).filter(lambda t: not valid(t))
+
+
+POS, NONNEG = ints_outside(1), ints_outside(0)
+FRACTION = floats_outside(lambda x: 0 <= x <= 1)
+NONNEG_FLOAT = floats_outside(lambda x: 0 <= x < math.inf)
+DATA = st.sampled_from(["", "missing.txt", "emptydir", "empty.txt", "/dev/null", "small.txt"])
+OUT_FILE = st.sampled_from(["", "emptydir", "fulldir", "nodir/x.json", "afile/x.json"])
+FLAGS = {
+    "train": {
+        "--device": device_outside(), "--preset": choice_outside(train.PRESETS),
+        "--optimizer": choice_outside(train.OPTIMIZERS), "--offload-fraction": FRACTION,
+        "--min-offload-numel": NONNEG, "--steps": POS, "--batch-size": POS,
+        "--seq-len": POS | st.integers(129, 10**6).map(str), "--lr": NONNEG_FLOAT,
+        "--warmup-steps": NONNEG, "--weight-decay": NONNEG_FLOAT, "--grad-clip": NONNEG_FLOAT,
+        "--seed": NONNEG, "--dtype": choice_outside(train.DTYPES), "--data": DATA,
+        "--eval-every": POS, "--eval-batches": POS, "--log-every": POS,
+        "--mock-data": st.just("1"), "--no-progress": st.just("yes"),
+    },
+    "bench": {
+        "--preset": choice_outside(models.MODEL_PRESETS), "--device": device_outside(),
+        "--dtype": choice_outside(bench.DTYPES), "--batch-size": POS,
+        "--seq-len": POS | st.integers(1025, 10**6).map(str), "--warmup": NONNEG, "--steps": POS,
+        "--slow-steps": POS, "--lr": NONNEG_FLOAT, "--fractions": FRACTION,
+        "--anchors": choice_outside(anchors.ANCHORS), "--data": DATA, "--seed": NONNEG,
+        "--out": st.sampled_from(["", "afile", "afile/sub"]), "--no-kernel": st.just("0"),
+    },
+    "audit": {
+        "--device": device_outside(), "--preset": choice_outside(audit_job.PRESETS),
+        "--dtype": choice_outside(audit_job.DTYPES),
+        "--optimizer": choice_outside(audit_job.OPTIMIZERS), "--offload-fraction": FRACTION,
+        "--steps": POS, "--warmup": NONNEG, "--batch-size": POS,
+        "--seq-len": POS | st.integers(129, 10**6).map(str), "--lr": NONNEG_FLOAT,
+        "--seed": NONNEG, "--data": DATA, "--trace": OUT_FILE, "--json": OUT_FILE,
+        "--no-pin-memory": st.just("1"),
+    },
+}  # fmt: skip
+TAKES_NOTHING = {"--mock-data", "--no-progress", "--no-kernel", "--no-pin-memory", "--anchors"}
+
+
+@pytest.mark.parametrize("command", list(FLAGS))
+@settings(max_examples=40, deadline=None, database=None)
+@given(data=st.data())
+def test_any_malformed_value_of_any_flag_is_one_line_and_status_2(files, command, data):
+    flag = data.draw(st.sampled_from(sorted(FLAGS[command])), label="flag")
+    missing = flag not in TAKES_NOTHING and data.draw(st.booleans(), label="value left out")
+    value = data.draw(FLAGS[command][flag], label="value")
+    argv = [command, flag] if missing else [command, f"{flag}={value}"]
+    cwd = os.getcwd()
+    os.chdir(files)  # the paths above are relative to it
+    try:
+        line = one_error_line(argv)
+    finally:
+        os.chdir(cwd)
+    assert line.startswith(flag) and "Traceback" not in line, line
