@@ -1,7 +1,7 @@
 """Memcpy audit: every copy of a region, by direction and memory kind, with its Python call site.
 
 A quietly pageable host buffer costs ~11x on H2D (4.9 against 54.5 GB/s on an H200) and makes a
-``non_blocking=True`` copy synchronous (DESIGN.md, section 1); this makes such copies visible.
+``non_blocking=True`` copy synchronous (README, "The transfer audit"); this makes such copies visible.
 ``audit()`` records a region with ``torch.profiler`` (``with_stack=True``); ``summarize()`` is a
 pure function over the exported Chrome-trace events, read as kineto writes them
 (``libkineto/src/output_json.cpp``, ``CuptiActivity.cpp``). ``ts`` and ``dur`` are microseconds.

@@ -6,7 +6,7 @@ master 12. Only *eligible* params count (``requires_grad``, ``numel >= min_offlo
 group whose ``"offload"`` key is ``None``); a group with ``"offload": True`` goes to the host
 whole and one with ``"offload": False`` stays on the device, and neither counts toward the
 fraction. Eligible params are taken last-registered first: their grads appear first in
-backward and the next forward needs them last (DESIGN.md, "Which params go to the host").
+backward and the next forward needs them last (README, "How it works").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Scenarios from real bug reports (../shared/CASES.md), on the CPU."""
+"""Scenarios from real bug reports (cases C01-C15, one test each), on the CPU."""
 
 import pytest
 import torch

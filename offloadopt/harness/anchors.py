@@ -67,7 +67,7 @@ def adamw_kwargs(lr: float) -> dict[str, Any]:
 def megatron(fraction: float, fix_pinning: bool, fused_cpu: bool):
     """Megatron's recommended configuration: fp32 masters, D2H/H2D overlap, torch AdamW on the
     CPU (its default for-loop kernel, or the fused one); ``fix_pinning`` re-pins the fp32
-    masters that its ``clone().float()`` left pageable (the defect of DESIGN.md section 1)."""
+    masters that its ``clone().float()`` left pageable (the defect this project started from: README, "The transfer audit")."""
 
     def build(model: torch.nn.Module, lr: float) -> dict[str, Any]:
         cls = megatron_hybrid_optimizer_class()

@@ -33,7 +33,7 @@ OPTIMIZERS = ("hybrid", "adamw")
 
 # Per-preset (batch_size, peak lr) used when --batch-size / --lr are not given. The GPT-2
 # learning rates are GPT-3's for those sizes (Brown et al. 2020, table 2.1); the GPT-2 batch
-# sizes fit one 141 GB H200 in bf16 at 1024 tokens (DESIGN.md section 2 uses 4 x 1024 for xl).
+# sizes fit one 141 GB H200 in bf16 at 1024 tokens (benchmarks/RESULTS.md uses 4 x 1024 for xl).
 RUN_DEFAULTS: dict[str, tuple[int, float]] = {
     "tiny": (16, 3e-3),
     "small": (32, 1e-3),
