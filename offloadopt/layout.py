@@ -124,6 +124,12 @@ class Bucket:
         return self.numel * self.arena.dtype.itemsize
 
     @property
+    def params(self) -> list[torch.Tensor]:
+        """The distinct params with a segment in this bucket."""
+        ks = dict.fromkeys(s.k for s in self.segments)
+        return [self.arena.params[k] for k in ks]
+
+    @property
     def label(self) -> str:
         names = {self.arena.names[s.k] for s in self.segments}
         first = self.arena.names[self.segments[0].k]

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
-import time
+import threading
 import warnings
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -16,11 +15,13 @@ import torch
 from torch.optim import Optimizer
 
 from offloadopt import checkpoint
+from offloadopt.hooks import GradHooks
 from offloadopt.layout import Arena, Bucket, build_arenas
-from offloadopt.pipeline import BucketWork, Pipeline
+from offloadopt.pipeline import Pipeline
 from offloadopt.placement import ParamInfo, Placement, format_placement, place, update_dtype
 from offloadopt.records import ParamRecord
-from offloadopt.rules import ADAMW, Hyper, Rule
+from offloadopt.rules import ADAMW, Rule
+from offloadopt.steps import Stepping
 from offloadopt.transfer import Transfer
 from offloadopt.validation import validate_group, validate_options, validate_params_arg
 from offloadopt.worker import Worker, default_cpu_threads, local_ranks, usable_cores
@@ -30,16 +31,11 @@ __all__ = ["HybridOptimizer", "HybridAdamW"]
 log = logging.getLogger("offloadopt")
 
 
-def _matching(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``grad`` in ``like``'s dtype and strides. torch's fused kernels walk param, grad and
-    state as flat memory, so a grad with other strides (a transposed grad set by hand) would
-    be paired with the wrong elements; autograd's grads already match and pass through."""
-    if grad.dtype == like.dtype and grad.stride() == like.stride():
-        return grad
-    return torch.empty_like(like).copy_(grad)
+OVERLAPS = ("step", "backward")
+WAITS = ("step", "module")
 
 
-class HybridOptimizer(Optimizer):
+class HybridOptimizer(Stepping, Optimizer):
     """The machinery shared by the hybrid optimizers (see :class:`HybridAdamW` for the
     timeline, memory and caveats). A subclass sets :attr:`rule` and maps its torch signature
     onto ``hyper`` (the rule's hyperparameters)."""
@@ -62,13 +58,19 @@ class HybridOptimizer(Optimizer):
         flush_denormal: bool = True,
         cpu_threads: int | None = None,
         timeout_s: float = 600.0,
+        overlap: str = "step",
+        wait: str = "step",
+        max_grad_norm: float | None = None,
+        grads_final: bool = False,
+        release_grads: bool = False,
     ):
         validate_options(
             self.rule, hyper, amsgrad=amsgrad, capturable=capturable,
             differentiable=differentiable, offload_fraction=offload_fraction,
             min_offload_numel=min_offload_numel, master_weights=master_weights,
             pin_memory=pin_memory, bucket_nbytes=bucket_nbytes, flush_denormal=flush_denormal,
-            cpu_threads=cpu_threads, timeout_s=timeout_s,
+            cpu_threads=cpu_threads, timeout_s=timeout_s, overlap=overlap, wait=wait,
+            max_grad_norm=max_grad_norm, grads_final=grads_final, release_grads=release_grads,
         )  # fmt: skip
         params = validate_params_arg(params)
         self.offload_fraction = float(offload_fraction)
@@ -77,10 +79,25 @@ class HybridOptimizer(Optimizer):
         self.pin_memory = pin_memory
         self.bucket_nbytes = bucket_nbytes
         self.flush_denormal = flush_denormal
-        # Step mode: the training thread waits in step() while the worker runs.
-        self.cpu_threads = cpu_threads or default_cpu_threads(training_thread_busy=False)
+        self.overlap, self.wait = overlap, wait
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.grads_final, self.release_grads = grads_final, release_grads
+        # Step mode: the training thread waits in step() while the worker runs; when updates
+        # overlap backward or the next forward, it needs a core of its own.
+        busy = overlap != "step" or wait != "step"
+        self.cpu_threads = cpu_threads or default_cpu_threads(training_thread_busy=busy)
         self.timeout_s = float(timeout_s)
         self._ready = False
+        self._lock = threading.RLock()  # the step state, from the training and autograd threads
+        self._step = None  # the step in flight (steps.StepState), from its first bucket
+        self._inflight = None  # a step whose copies back are not all waited for (wait="module")
+        self._inflight_streams: dict = {}
+        self._broken: str | None = None  # why the optimizer refuses to step (a failed step)
+        self._pending_clip = None  # (norm, coefficient) from clip_grad_norm_, for the next step
+        self._accumulating = 0  # depth of opt.accumulating()
+        self.last_grad_norm: torch.Tensor | None = None  # max_grad_norm: the last step's norm
+        self._grad_hooks: list[GradHooks] = []
+        self._module_waits: list = []
         # torch's group flags, so a cross-load into torch's optimizer keeps its fused kernel.
         defaults = {**hyper, **self.rule.torch_flags, "offload": None}
         if "betas" in defaults:
@@ -105,6 +122,8 @@ class HybridOptimizer(Optimizer):
             TypeError, ValueError, NotImplementedError: a bad group (named); nothing is added.
         """
         param_group = validate_group(param_group, self.defaults, self.rule)
+        if self._ready:
+            self.synchronize()  # staging may be replaced: no copy of the last step still runs
         super().add_param_group(param_group)
         if self._ready:
             try:
@@ -183,6 +202,13 @@ class HybridOptimizer(Optimizer):
                 rec.arena, rec.k = arena, k
         for n, b in enumerate(buckets, start=len(self.buckets)):
             b.index = n
+            for seg in b.segments:
+                rec = self._records[b.arena.params[seg.k]]
+                if not rec.buckets or rec.buckets[-1] is not b:
+                    rec.buckets.append(b)
+        if self.overlap == "backward" and (self.grads_final or self.max_grad_norm is not None):
+            offloaded = [p for a in arenas for p in a.params]
+            self._grad_hooks.append(GradHooks(self, offloaded))
         odd = [pl.name for pl in placements if pl.reason == "non-contiguous"]
         if odd and self.offload_fraction > 0:
             self._warn_once(
@@ -278,55 +304,7 @@ class HybridOptimizer(Optimizer):
                 self._stats[key] = self._stats.get(key, 0.0) + ms
         return dict(self._stats)
 
-    # ------------------------------------------------------------------ step
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None):
-        """One update of every param with a grad; params whose grad is None are skipped.
-
-        Raises:
-            RuntimeError: a sparse grad, a grad whose shape differs from its param, a param
-                listed in two groups (named); nothing was changed.
-            ValueError, TypeError: a group's hyperparameter is invalid (named); nothing changed.
-            WorkerError: an offloaded update failed on the worker (names the bucket).
-            TimeoutError: a wait outlasted ``timeout_s`` (names what it waited for).
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        t0 = time.perf_counter()
-        # Phase 0: freeze every group's hyperparameters and collect this step's work. Every
-        # check runs here, before any state is touched.
-        device_work, works, host_params = self._collect()
-        stats = dict.fromkeys(("d2h_wait_ms", "cpu_update_ms", "h2d_ms", "d2h_ms"), 0.0)
-        stats.update(d2h_nbytes=0, h2d_nbytes=0, collect_ms=(time.perf_counter() - t0) * 1e3)
-        stats["cpu_threads"] = self.cpu_threads if self._pipeline is not None else 0
-        # The training thread's stream on each device, captured here and handed to the copies:
-        # its event marks all work queued before this step (backward, clipping, the last
-        # forward's reads of the weights), and it is the stream that reads the new weights.
-        streams, ready = {}, {}
-        for d, tr in self._transfers().items():
-            streams[d] = torch.cuda.current_stream(d) if tr.cuda else None
-            ready[d] = tr.mark(streams[d])
-        # Phase 1: device-resident params, torch's fused kernel on the compute stream.
-        t = time.perf_counter()
-        for hyper, params in device_work:
-            self._device_update(hyper, params)
-        stats["device_update_ms"] = (time.perf_counter() - t) * 1e3
-        if works:
-            # Phase 2: offloaded buckets: D2H, the rule on the worker, H2D. Each param's step
-            # advances once, even when buckets cut it in several segments.
-            torch._foreach_add_([self.state[p]["step"] for p in host_params], 1)
-            jobs = self._pipeline.run(works, ready, self._update_bucket, stats)
-            self._pipeline.finish(jobs)
-            # Phase 3: publish: each device's compute stream waits for the copies back.
-            self._pipeline.publish(streams, works)
-        for p in host_params:
-            self._records[p].mark_written(p)
-        stats["step_ms"] = (time.perf_counter() - t0) * 1e3
-        self._stats = stats
-        return loss
-
+    # ------------------------------------------------------------------ records
     def _record(self, p: torch.Tensor, group: dict[str, Any], gi: int, i: int) -> ParamRecord:
         """``p``'s record; a param put into a group's list by hand gets one now (on the device)."""
         rec = self._records.get(p)
@@ -338,151 +316,6 @@ class HybridOptimizer(Optimizer):
             self.placement.append(rec.placement)
         return rec
 
-    def _collect(self) -> tuple[list, list[BucketWork], list[torch.Tensor]]:
-        """Validate and freeze every group, check every grad, then create state lazily and
-        refresh stale masters; returns the device work ``[(hyper, params)]``, the bucket work
-        and the offloaded params with a grad."""
-        hyper_of: dict[torch.Tensor, Hyper] = {}
-        device_work = []
-        seen: dict[torch.Tensor, int] = {}
-        for gi, group in enumerate(self.param_groups):
-            try:
-                hyper = self.rule.freeze(group)
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"param group {gi}: {e}") from e
-            on_device = []
-            for i, p in enumerate(group["params"]):
-                if p in seen:
-                    raise RuntimeError(
-                        f"{self._name(group, gi, i)} is in param groups {seen[p]} and {gi}: "
-                        "a param may be in one group only"
-                    )
-                seen[p] = gi
-                if p.grad is None:
-                    continue
-                if p.grad.layout != torch.strided:
-                    raise RuntimeError(
-                        f"{type(self).__name__} does not support sparse gradients: "
-                        f"{self._name(group, gi, i)} has a {p.grad.layout} grad"
-                    )
-                if p.grad.shape != p.shape:
-                    raise RuntimeError(
-                        f"grad of {self._name(group, gi, i)} has shape "
-                        f"{tuple(p.grad.shape)}, param {tuple(p.shape)}"
-                    )
-                hyper_of[p] = hyper
-                if not self._record(p, group, gi, i).offloaded:
-                    on_device.append(p)
-            if on_device:
-                device_work.append((hyper, on_device))
-        if self._pipeline is not None and not self._pipeline.worker.alive:
-            if any(self._records[p].offloaded for p in hyper_of):
-                raise RuntimeError(
-                    f"{type(self).__name__}: the CPU worker is closed (opt.close() was called); "
-                    "build a new optimizer and load this one's state_dict() to go on"
-                )
-        # Every check passed: state may change from here on.
-        for p in hyper_of:
-            rec = self._records[p]
-            if not self.state.get(p):
-                self._init_state(p, rec)
-            elif rec.is_stale(p):
-                self._refresh_if_stale(p, rec)
-        host_params = [p for p in hyper_of if self._records[p].offloaded]
-        works = []
-        for b in self.buckets:
-            params = b.arena.params
-            idx = [n for n, s in enumerate(b.segments) if params[s.k] in hyper_of]
-            if not idx:
-                continue
-            calls: dict[int, tuple[Hyper, list[int], list[torch.Tensor]]] = {}
-            for pos, n in enumerate(idx):
-                p = params[b.segments[n].k]
-                hyper = hyper_of[p]
-                call = calls.setdefault(id(hyper), (hyper, [], []))
-                call[1].append(pos)
-                call[2].append(self.state[p]["step"])
-            works.append(BucketWork(b, idx, list(calls.values())))
-        return device_work, works, host_params
-
-    def _update_bucket(self, work: BucketWork, grads: list[torch.Tensor]) -> None:
-        """On the worker: the rule over the bucket's segments ``work.idx``, whose grads (in
-        the update dtype, on the host) are ``grads``; one kernel call per group."""
-        b = work.bucket
-        masters = b.state_views(b.arena.master)
-        states = [b.state_views(b.arena.states[k]) for k in self.rule.state_keys]
-        for hyper, positions, steps in work.payload:
-            segs = [work.idx[j] for j in positions]
-            self.rule.update(hyper, [masters[i] for i in segs], [grads[j] for j in positions],
-                             [[s[i] for i in segs] for s in states], steps, host=True)  # fmt: skip
-
-    def _init_state(self, p: torch.Tensor, rec: ParamRecord) -> None:
-        """Lazily create ``p``'s state at its first grad, as torch does."""
-        step = {"step": torch.zeros((), dtype=torch.float32)} if self.rule.has_step else {}
-        if rec.offloaded:
-            master = rec.home("master")
-            master.copy_(p.detach())  # blocking D2H (once per param): master = weights
-            state = {**step, **{k: rec.home(k).zero_() for k in self.rule.state_keys}}
-            if rec.arena.dtype != p.dtype:
-                state["master"] = master
-        else:
-            udt = update_dtype(p.dtype, self.master_weights)
-            if step:
-                step["step"] = step["step"].to(p.device)
-            state = {**step, **{k: torch.zeros_like(p, dtype=udt, memory_format=torch.preserve_format)
-                                for k in self.rule.state_keys}}  # fmt: skip
-            if udt != p.dtype:
-                state["master"] = p.detach().to(udt, memory_format=torch.preserve_format, copy=True)
-        self.state[p] = state
-        rec.mark_written(p)
-
-    def _refresh_if_stale(self, p: torch.Tensor, rec: ParamRecord) -> None:
-        """No stale masters: weights changed outside the optimizer win over its copy."""
-        master = rec.master(self.state[p])
-        if master is None:
-            rec.mark_written(p)
-            return
-        current = p.detach().to(master.device)
-        changed = master.to(p.dtype) != current  # (shape of p) bool, where the master is stale
-        if changed.any():
-            warnings.warn(
-                f"the weights of {rec.name} changed outside the optimizer since its last step "
-                f"({int(changed.sum())} of {p.numel()} elements); its master copy was refreshed there",
-                stacklevel=4,
-            )
-            # Only the changed elements: the others keep their fp32 master's precision.
-            master.copy_(torch.where(changed, current.to(master.dtype), master))
-        rec.mark_written(p)
-
-    def _device_update(self, hyper: Hyper, params: list[torch.Tensor]) -> None:
-        """The rule on the device, on the compute stream; fp32 masters where they exist, fed
-        grads upcast chunk by chunk so the fp32 temporaries stay under ``bucket_nbytes``."""
-        plain = [p for p in params if "master" not in self.state[p]]
-        self._device_rule(hyper, plain, plain, [_matching(p.grad, p) for p in plain])
-        mastered = [p for p in params if "master" in self.state[p]]
-        chunk: list[torch.Tensor] = []
-        nbytes = 0
-        for n, p in enumerate(mastered):
-            chunk.append(p)
-            nbytes += p.numel() * 4
-            if nbytes >= self.bucket_nbytes or n == len(mastered) - 1:
-                masters = [self.state[q]["master"] for q in chunk]
-                grads = [_matching(q.grad, m) for q, m in zip(chunk, masters, strict=True)]
-                self._device_rule(hyper, chunk, masters, grads)
-                torch._foreach_copy_(chunk, masters)  # weights = round(master)
-                for q in chunk:
-                    self._records[q].mark_written(q)
-                chunk, nbytes = [], 0
-
-    def _device_rule(self, hyper: Hyper, params, weights, grads) -> None:
-        if not params:
-            return
-        states = [[self.state[p][k] for p in params] for k in self.rule.state_keys]
-        steps = [self.state[p]["step"] for p in params] if self.rule.has_step else []
-        if steps:
-            torch._foreach_add_(steps, 1)
-        self.rule.update(hyper, weights, grads, states, steps, host=False)
-
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The rule's torch layout (``torch.optim.AdamW(fused=True)``'s) plus ``"master"``
@@ -491,6 +324,8 @@ class HybridOptimizer(Optimizer):
         Offloaded entries are standalone copies taken now (a view of an arena would save the
         whole arena); device entries are the live tensors, as torch returns them.
         """
+        self.synchronize()
+        self._raise_if_broken()
         sd = super().state_dict()
         snapshot = [self.is_offloaded(p) for g in self.param_groups for p in g["params"]]
         return checkpoint.pack(sd, snapshot)
@@ -510,6 +345,10 @@ class HybridOptimizer(Optimizer):
         Raises:
             ValueError: the dict does not fit this optimizer; nothing was changed.
         """
+        try:
+            self.synchronize()
+        except Exception:  # noqa: BLE001 - a failed step is what a load repairs
+            pass
         sd = dict(state_dict) if isinstance(state_dict, dict) else state_dict
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, sd)
@@ -519,6 +358,9 @@ class HybridOptimizer(Optimizer):
         specs = [[(self._record(p, g, gi, i).name, tuple(p.shape)) for i, p in enumerate(g["params"])]
                  for gi, g in enumerate(groups)]  # fmt: skip
         saved_groups, saved_state = checkpoint.validate(sd, self.rule, specs)
+        if self._step is not None and self._step.run is not None:
+            self._step.run.abort()
+        self._step, self._broken, self._pending_clip = None, None, None
         for g, s in zip(groups, saved_groups, strict=True):
             g.update(checkpoint.merge_group(g, s, self.rule))
         ignored_masters = False
@@ -571,8 +413,16 @@ class HybridOptimizer(Optimizer):
         """Stop the CPU worker and unpin the staging (idempotent). The optimizer cannot step
         afterwards; its state and ``state_dict()`` stay readable. Also runs when it is
         garbage-collected and at interpreter exit."""
-        if self._pipeline is not None:
-            self._pipeline.close()
+        try:
+            self.synchronize()
+        finally:
+            for hooks in (*self._grad_hooks, *self._module_waits):
+                hooks.remove()
+            self._grad_hooks, self._module_waits = [], []
+            if self._step is not None and self._step.run is not None:
+                self._step.run.abort()
+            if self._pipeline is not None:
+                self._pipeline.close()
 
     def __enter__(self):
         return self
@@ -602,7 +452,8 @@ class HybridAdamW(HybridOptimizer):
     r"""AdamW with exactly the math of ``torch.optim.AdamW(fused=True)``, whose optimizer state
     and fp32 master weights live on the host for a chosen fraction of the parameters.
 
-    Timeline of one training step:
+    Timeline of one training step (``overlap="step"``, the default; offloadopt/steps.py's note
+    says what ``overlap="backward"`` and ``wait="module"`` move earlier):
 
     1. *Backward* (unchanged): grads appear on the device as usual.
     2. *step()*: phase 0 freezes every group's hyperparameters and checks every grad; phase 1
@@ -656,6 +507,21 @@ class HybridAdamW(HybridOptimizer):
             (its affinity) divided by the local ranks (in step mode the training thread waits
             while the worker runs).
         timeout_s: the longest any wait for the worker or a copy may last (seconds).
+        overlap: ``"step"`` (everything inside ``step()``) or ``"backward"`` (grad hooks start
+            buckets during backward, as far as ``grads_final`` and ``max_grad_norm`` allow).
+        wait: ``"step"`` (``step()`` returns with every copy back queued and waited for on the
+            compute stream) or ``"module"`` (``step()`` returns at once; modules registered with
+            :meth:`watch` wait for their own params; :meth:`synchronize` for the rest).
+        max_grad_norm: clip the global grad norm inside the update (the coefficient of
+            ``torch.nn.utils.clip_grad_norm_`` multiplies the fp32 grads on the device);
+            ``opt.last_grad_norm`` holds the norm. With ``overlap="backward"`` the updates
+            start at the end of backward.
+        grads_final: declare that nothing edits grads between backward and ``step()`` (no
+            torch clipping, no GradScaler unscale, no hand edit): with ``overlap="backward"``
+            a bucket's update starts as soon as its grads are complete.
+        release_grads: free the device grads of offloaded params as soon as their copy has
+            landed on the host (``p.grad`` is then None after ``step()``); needs
+            ``overlap="backward"`` with ``grads_final`` or ``max_grad_norm``.
 
     Raises:
         ValueError, TypeError: a bad argument, named in the message, before anything is built.
@@ -693,6 +559,11 @@ class HybridAdamW(HybridOptimizer):
         flush_denormal: bool = True,
         cpu_threads: int | None = None,
         timeout_s: float = 600.0,
+        overlap: str = "step",
+        wait: str = "step",
+        max_grad_norm: float | None = None,
+        grads_final: bool = False,
+        release_grads: bool = False,
     ):
         super().__init__(
             params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize),
@@ -700,4 +571,6 @@ class HybridAdamW(HybridOptimizer):
             offload_fraction=offload_fraction, min_offload_numel=min_offload_numel,
             master_weights=master_weights, pin_memory=pin_memory, bucket_nbytes=bucket_nbytes,
             flush_denormal=flush_denormal, cpu_threads=cpu_threads, timeout_s=timeout_s,
+            overlap=overlap, wait=wait, max_grad_norm=max_grad_norm, grads_final=grads_final,
+            release_grads=release_grads,
         )  # fmt: skip

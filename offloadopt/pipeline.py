@@ -1,52 +1,209 @@
 """The schedule of the offloaded part of a step: D2H -> CPU update (worker) -> H2D, per bucket.
 
-The pipeline moves bytes; it does not know the update rule. The optimizer hands it, per step,
-the buckets to move (with the segments whose param has a grad), the events the copies must
-follow (captured on the training thread: no thread looks up ``current_stream()`` for another)
-and an ``update(work, grads)`` callable that runs the rule on the worker. Step mode: the whole
-schedule runs on the worker: it starts the D2H of the first buckets, then per bucket waits for
-its D2H, runs the update, gives the slot back, starts the D2H of the bucket that takes the slot
-and queues this bucket's H2D. So the D2H of bucket k+2 and the H2D of bucket k run while the
-CPU updates bucket k+1. ``step()`` waits for the worker before it returns. The invariants
+The pipeline moves bytes; it does not know the update rule. Each step's offloaded work is one
+:class:`StepRun`: the optimizer *feeds* it buckets as they become ready (all at once inside
+``step()``, or one by one from grad hooks during backward), each with its grads, the event
+those grads are final after (captured on the thread that knew it: no thread looks up
+``current_stream()`` for another), an optional clip coefficient and what the update needs; the
+run hands each bucket to an ``update(work, grads)`` callable on the worker. The whole schedule
+runs on the worker, D2H launches included (a training thread launching copies while the
+worker's OpenMP pool runs the kernel preempts one of its threads and stalls the whole parallel
+region): per bucket, in feed order, it starts the D2H while a staging slot is free, waits for
+the oldest bucket's D2H, runs the update, gives the slot back and queues the H2D. So the D2H
+of bucket k+2 and the H2D of bucket k run while the CPU updates bucket k+1. The invariants
 (I1)-(I5) cited below are in transfer.py's note.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from offloadopt.layout import Bucket
 from offloadopt.transfer import SLOTS, Slot, Transfer, wait_event
-from offloadopt.worker import Job, Worker
+from offloadopt.worker import Worker
 
-__all__ = ["BucketWork", "BucketError", "Pipeline"]
+__all__ = ["BucketWork", "BucketError", "StepRun", "Pipeline"]
 
 
 class BucketError(RuntimeError):
     """The update of one bucket failed; the message names the bucket and the cause."""
 
 
-@dataclass
+@dataclass(eq=False)
 class BucketWork:
-    """One bucket's share of a step: the segments ``idx`` whose param has a grad, and what the
-    update needs, prepared on the training thread (the worker never reads ``opt.state``)."""
+    """One bucket's share of a step, prepared by the feeding thread (the worker never reads
+    ``opt.state`` or ``p.grad``).
+
+    ``idx``: the segments whose param has a grad; ``grads``: their flat grad ranges on the
+    device, in ``idx`` order, captured when the bucket was fed; ``ready``: the event after which
+    those grads are final and no queued kernel reads the bucket's old weights (None without
+    CUDA); ``scale``: a clip coefficient (0-dim fp32 on the device) the upcast grads are
+    multiplied by before D2H, or None; ``release``: params whose grad the worker drops once this
+    D2H has landed; ``payload``: the optimizer's (frozen hyperparameters, steps).
+    """
 
     bucket: Bucket
     idx: list[int]
-    payload: Any = None  # the optimizer's (frozen hyperparameters, steps, ...)
+    grads: list[torch.Tensor]
+    ready: Any = None
+    scale: torch.Tensor | None = None
+    release: list[torch.Tensor] = field(default_factory=list)
+    payload: Any = None
+
+
+class StepRun:
+    """One step's offloaded buckets in flight: fed from any thread, run in feed order by one
+    job on the worker until :meth:`close` and the queue is drained.
+
+    Args:
+        pipeline: the transfers and the worker.
+        update: ``update(work, grads)``, the rule over one bucket on the worker.
+        stats: the step's figures (the worker adds times and bytes).
+    """
+
+    def __init__(self, pipeline: Pipeline, update, stats: dict[str, float]):
+        self.pipeline, self._update_fn, self.stats = pipeline, update, stats
+        self._cond = threading.Condition()
+        self._queue: deque[BucketWork] = deque()
+        self._closed = False
+        self.fed: list[BucketWork] = []  # in feed order
+        self.launched = 0  # buckets whose D2H the worker has started
+        self.h2d_queued: set[Bucket] = set()  # buckets whose H2D the worker has queued
+        self.job = pipeline.worker.submit(self._serve, "the offloaded update of this step")
+
+    # ---------------------------------------------------------------- feeding side
+    def feed(self, work: BucketWork) -> None:
+        """Queue one bucket (any thread).
+
+        Raises:
+            WorkerError: the run already failed (its error, naming the bucket).
+            RuntimeError: the run was closed.
+        """
+        self._raise_if_failed()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("offloadopt: a bucket was fed to a step that has ended")
+            self._queue.append(work)
+            self.fed.append(work)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """No more buckets: the worker drains the queue and ends the job (idempotent)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        """Drop the buckets not yet started and close (a step abandoned part-way)."""
+        with self._cond:
+            self._queue.clear()
+            self._closed = True
+            self._cond.notify_all()
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until the worker is done with this run; re-raise its failure.
+
+        Raises:
+            WorkerError: an update failed (names the bucket). TimeoutError: not done in time.
+        """
+        self.job.wait(timeout_s)
+
+    def wait_launched(self, most_pending: int, timeout_s: float) -> None:
+        """Backpressure: block until at most ``most_pending`` fed buckets wait for their D2H.
+
+        Raises:
+            TimeoutError: the worker fell behind for ``timeout_s``. WorkerError: it failed.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while len(self.fed) - self.launched > most_pending and not self.job.done.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"offloadopt: waited {timeout_s:g} s for the worker to start the D2H of "
+                        f"{len(self.fed) - self.launched - most_pending} more buckets"
+                    )
+                self._cond.wait(min(left, 1.0))
+        self._raise_if_failed()
+
+    def wait_h2d_queued(self, bucket: Bucket, timeout_s: float) -> None:
+        """Block until the worker has queued ``bucket``'s H2D (its event then exists: a
+        stream waiting on an event not yet recorded would not wait at all).
+
+        Raises:
+            TimeoutError: not queued in time (names the bucket). WorkerError: the run failed.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while bucket not in self.h2d_queued and not self.job.done.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"offloadopt: waited {timeout_s:g} s for the H2D of {bucket.label}"
+                    )
+                self._cond.wait(min(left, 1.0))
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self.job.done.is_set() and self.job.error is not None:
+            self.job.wait(0)  # raises the worker's error
+
+    # ---------------------------------------------------------------- the worker's side
+    def _next(self, block: bool) -> BucketWork | None:
+        with self._cond:
+            while block and not self._queue and not self._closed:
+                self._cond.wait()
+            return self._queue.popleft() if self._queue else None
+
+    def _serve(self) -> None:
+        """On the worker: at most :data:`SLOTS` buckets hold a slot at once; their D2H runs
+        while the oldest is updated."""
+        p, stats = self.pipeline, self.stats
+        pending: deque[tuple[BucketWork, Transfer, Slot, Any]] = deque()
+        try:
+            while True:
+                while len(pending) < SLOTS:
+                    work = self._next(block=not pending)
+                    if work is None:
+                        break
+                    pending.append((work, *p._start_d2h(work, stats)))
+                    with self._cond:
+                        self.launched += 1
+                        self._cond.notify_all()
+                if not pending:
+                    return  # closed and drained
+                work, tr, slot, d2h_done = pending.popleft()
+                p._update(work, tr, slot, d2h_done, self._update_fn, stats)
+                for param in work.release:
+                    param.grad = None  # its D2H has landed (waited for in _update)
+                tr.start_h2d(work.bucket, work.idx, slot, work.ready)
+                stats["h2d_nbytes"] += work.bucket.nbytes
+                with self._cond:
+                    self.h2d_queued.add(work.bucket)
+                    self._cond.notify_all()
+        finally:
+            for _, tr, slot, _ in pending:  # started, never updated: wait, then free (I5)
+                if tr.cuda:
+                    tr.d2h.synchronize()
+                tr.ring.release(slot)
+            with self._cond:
+                self._queue.clear()
+                self._closed = True
+                self._cond.notify_all()
 
 
 class Pipeline:
-    """Transfers per device, the worker, and the step-mode schedule over them.
+    """Transfers per device and the worker; each step's work is a :class:`StepRun`.
 
     Args:
-        worker: runs the updates and the H2D launches.
+        worker: runs the schedule: D2H launches, updates, H2D launches.
         timeout_s: the longest any single wait may last before it raises ``TimeoutError``.
     """
 
@@ -58,62 +215,18 @@ class Pipeline:
         # reliance on the worker being fast).
         self.worker_hook: Callable[[Bucket], None] | None = None
 
-    def run(
-        self,
-        works: list[BucketWork],
-        ready: dict[torch.device, Any],
-        update: Callable[[BucketWork, list[torch.Tensor]], None],
-        stats: dict[str, float],
-    ) -> list[Job]:
-        """Queue the step-mode schedule of ``works`` (in order) on the worker; :meth:`finish`
-        waits for it.
+    def begin(self, update, stats: dict[str, float]) -> StepRun:
+        """A new run for one step (the previous one must have ended: the worker runs jobs in
+        order, so an open run would hold the next one back)."""
+        return StepRun(self, update, stats)
 
-        ``ready[device]`` is the event (None without CUDA), captured by the caller on the
-        training thread's stream, after which the grads are final and no queued kernel reads
-        the old weights. The whole schedule, D2H launches included, runs on the worker: a
-        training thread launching copies while the worker's OpenMP pool runs the kernel would
-        preempt one of its threads and stall the whole parallel region.
-        """
-        if not works:
-            return []
-
-        def schedule() -> None:
-            self._schedule(works, ready, update, stats)
-
-        return [self.worker.submit(schedule, f"the offloaded update of {len(works)} buckets")]
-
-    def _schedule(self, works, ready, update, stats) -> None:
-        """On the worker: the D2H of bucket n+SLOTS and the H2D of bucket n overlap the CPU
-        update of bucket n+1; at most :data:`SLOTS` buckets hold a slot at once."""
-        pending: deque[tuple[BucketWork, Transfer, Slot, Any]] = deque()
-
-        def start(n: int) -> None:
-            work = works[n]
-            pending.append((work, *self._start_d2h(work, ready[work.bucket.arena.device], stats)))
-
-        try:
-            for n in range(min(SLOTS, len(works))):
-                start(n)
-            for n in range(len(works)):
-                work, tr, slot, d2h_done = pending.popleft()
-                self._update(work, tr, slot, d2h_done, update, stats)
-                if n + SLOTS < len(works):
-                    start(n + SLOTS)  # into the slot just given back
-                tr.start_h2d(work.bucket, work.idx, slot, ready[work.bucket.arena.device])
-                stats["h2d_nbytes"] += work.bucket.nbytes
-        finally:
-            for _, tr, slot, _ in pending:  # started, never updated: wait, then free (I5)
-                if tr.cuda:
-                    tr.d2h.synchronize()
-                tr.ring.release(slot)
-
-    def _start_d2h(self, work: BucketWork, ready: Any, stats) -> tuple[Transfer, Slot, Any]:
-        """Take a staging slot (I5) and start the bucket's D2H into it."""
+    def _start_d2h(self, work: BucketWork, stats) -> tuple[Transfer, Slot, Any]:
+        """Take a staging slot (I5) and start the bucket's D2H into it (on the worker)."""
         b = work.bucket
         tr = self.transfers[b.arena.device]
         slot = tr.ring.acquire(self.timeout_s, b.label)
         try:
-            d2h_done = tr.start_d2h(b, work.idx, slot, ready)
+            d2h_done = tr.start_d2h(b, work.idx, work.grads, slot, work.ready, work.scale)
         except BaseException:
             tr.ring.release(slot)
             raise
@@ -146,28 +259,11 @@ class Pipeline:
         finally:
             tr.ring.release(slot)  # (I5) the host has read the grads (or given up on them)
 
-    def finish(self, jobs: list[Job]) -> None:
-        """Wait for ``jobs`` in order; the first failure is raised once all have ended, so no
-        job of this step still runs when the caller sees the error.
-
-        Raises:
-            WorkerError: a job failed (names its bucket). TimeoutError: a job never ended.
-        """
-        first: BaseException | None = None
-        for job in jobs:
-            try:
-                job.wait(self.timeout_s)
-            except TimeoutError:
-                raise
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after the others
-                first = first or e
-        if first is not None:
-            raise first
-
-    def publish(self, streams: dict[torch.device, Any], works: list[BucketWork]) -> None:
-        """(I4) Each device's consumer stream (handed in) waits for its buckets' H2D."""
+    def publish(self, streams: dict[torch.device, Any], run: StepRun) -> None:
+        """(I4) Each device's consumer stream (handed in) waits for the H2D of the run's
+        buckets (after :meth:`StepRun.wait`: every H2D is queued)."""
         by_device: dict[torch.device, list[Bucket]] = {}
-        for work in works:
+        for work in run.fed:
             by_device.setdefault(work.bucket.arena.device, []).append(work.bucket)
         for device, buckets in by_device.items():
             self.transfers[device].publish(streams[device], buckets)

@@ -8,11 +8,11 @@ group whose ``"params"`` list holds it at this step (found by identity, so reord
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from offloadopt.layout import Arena
+from offloadopt.layout import Arena, Bucket
 from offloadopt.placement import Placement
 
 __all__ = ["ParamRecord"]
@@ -32,6 +32,7 @@ class ParamRecord:
     arena: Arena | None = None
     k: int = -1
     written: tuple[int, int] | None = None
+    buckets: list[Bucket] = field(default_factory=list)  # the buckets that hold its segments
 
     @property
     def offloaded(self) -> bool:

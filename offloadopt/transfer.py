@@ -150,19 +150,35 @@ class Transfer:
             self.side_stream_hook("d2h" if stream is self.d2h else "h2d")
         return stream.record_event(torch.cuda.Event(enable_timing=True))
 
-    def start_d2h(self, b: Bucket, idx: list[int], slot: Slot, grads_ready: Any) -> Any:
-        """Copy bucket ``b``'s grads (segments ``idx``) into ``slot.host``; returns the D2H-done
-        event to wait on (None without CUDA: the copy is done on return)."""
+    def start_d2h(
+        self,
+        b: Bucket,
+        idx: list[int],
+        grads: list[torch.Tensor],
+        slot: Slot,
+        grads_ready: Any,
+        scale: torch.Tensor | None = None,
+    ) -> Any:
+        """Copy ``grads`` (the flat grad ranges of bucket ``b``'s segments ``idx``) into
+        ``slot.host``, multiplied by ``scale`` (a clip coefficient) in the update dtype when
+        given; returns the D2H-done event to wait on (None without CUDA: done on return)."""
         if not self.cuda:
-            views = b.slot_views(slot.host)
-            torch._foreach_copy_([views[i] for i in idx], b.grad_views(idx))
+            views = [b.slot_views(slot.host)[i] for i in idx]
+            torch._foreach_copy_(views, grads)
+            if scale is not None:
+                torch._foreach_mul_(views, scale)
             return None
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(grads_ready)  # (I1) grads final: backward and edits queued before
             start = self._timed_start(self.d2h)
-            # On the side stream: a non-contiguous grad's flat copy is made (and freed) there.
-            views = b.slot_views(slot.d2h)
-            torch._foreach_copy_([views[i] for i in idx], b.grad_views(idx))  # upcast on the GPU
+            for g in grads:
+                # The grads were made on another stream: their memory is not reused (after a
+                # zero_grad) before this stream's reads of it are done.
+                g.record_stream(self.d2h)
+            views = [b.slot_views(slot.d2h)[i] for i in idx]
+            torch._foreach_copy_(views, grads)  # upcast on the GPU
+            if scale is not None:
+                torch._foreach_mul_(views, scale)  # the clip coefficient, in the update dtype
             # non_blocking: same dtype, both contiguous, host side pinned -> a true async DMA;
             # the host reads the slot only after the event below (I2).
             slot.host[: b.nbytes].copy_(slot.d2h[: b.nbytes], non_blocking=True)

@@ -57,6 +57,11 @@ def validate_options(
     flush_denormal,
     cpu_threads,
     timeout_s,
+    overlap="step",
+    wait="step",
+    max_grad_norm=None,
+    grads_final=False,
+    release_grads=False,
 ) -> None:
     """The constructor's arguments: the rule's hyperparameters ``hyper`` and ours.
 
@@ -82,12 +87,24 @@ def validate_options(
            f"Invalid cpu_threads: {cpu_threads!r} (expected None or an int > 0)")  # fmt: skip
     _check(number(timeout_s) and 0 < timeout_s < 1e7,
            f"Invalid timeout_s: {timeout_s!r} (expected seconds, finite and > 0)")  # fmt: skip
+    _check(overlap in ("step", "backward"),
+           f"Invalid overlap: {overlap!r} (expected 'step' or 'backward')")  # fmt: skip
+    _check(wait in ("step", "module"), f"Invalid wait: {wait!r} (expected 'step' or 'module')")
+    _check(max_grad_norm is None or (number(max_grad_norm) and 0 < max_grad_norm < float("inf")),
+           f"Invalid max_grad_norm: {max_grad_norm!r} (expected None or a finite number > 0)")  # fmt: skip
     for flag, value in [
         ("master_weights", master_weights),
         ("pin_memory", pin_memory),
         ("flush_denormal", flush_denormal),
+        ("grads_final", grads_final),
+        ("release_grads", release_grads),
     ]:
         _check(isinstance(value, bool), f"Invalid {flag}: {value!r} (expected a bool)", TypeError)
+    _check(
+        not release_grads or (overlap == "backward" and (grads_final or max_grad_norm is not None)),
+        "release_grads=True frees grads once their copy lands during backward: it needs "
+        "overlap='backward' and grads_final=True or max_grad_norm= (clipping through the optimizer)",
+    )
     name = f"Hybrid{rule.name}"
     _check(not amsgrad, f"{name} does not support amsgrad=True yet", NotImplementedError)
     _check(

@@ -1,0 +1,84 @@
+"""Where the optimizer hears from autograd and the model: grad-ready hooks during backward and
+forward pre-hooks before each module reads its params. Each owns its handles; ``remove()``
+takes them off (``opt.close()`` calls it).
+
+Neither holds a strong reference to the optimizer: the model's params outlive it, and a hook
+that kept it alive would keep its pinned memory and worker alive too.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["GradHooks", "ModuleWaits"]
+
+
+class GradHooks:
+    """Post-accumulate-grad hooks on the given params, and an end-of-backward callback.
+
+    ``owner._on_grad(p)`` runs when ``p``'s grad is final for this backward (on autograd's
+    thread for the device, whose current stream is the one the grad was made on);
+    ``owner._on_backward_end()`` runs once when a backward that fired any of the hooks ends
+    (autograd's final callback: on the thread that called backward, its stream synced with the
+    streams that made the grads). A backward that raises never calls it: the owner sees that at
+    its next call.
+    """
+
+    def __init__(self, owner: Any, params: Iterable[torch.Tensor]):
+        ref = weakref.ref(owner)
+        self._queued = False
+
+        def on_backward_end() -> None:
+            self._queued = False
+            opt = ref()
+            if opt is not None:
+                opt._on_backward_end()
+
+        def on_grad(p: torch.Tensor) -> None:
+            opt = ref()
+            if opt is None:
+                return
+            if not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(on_backward_end)
+            opt._on_grad(p)
+
+        self.handles = [
+            p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad
+        ]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class ModuleWaits:
+    """Forward pre-hooks (run before any other pre-hook of the module) that make the module's
+    stream wait for the copies back of its own params only: ``owner._wait_for(params)``."""
+
+    def __init__(self, owner: Any, model: torch.nn.Module, offloaded: set[torch.Tensor]):
+        ref = weakref.ref(owner)
+        self.handles = []
+        self.modules = 0
+        for module in model.modules():
+            mine = [p for p in module.parameters(recurse=False) if p in offloaded]
+            if not mine:
+                continue
+
+            def pre_hook(mod, args, mine=mine) -> None:
+                opt = ref()
+                if opt is not None:
+                    opt._wait_for(mine)
+
+            self.handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
+            self.modules += 1
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []

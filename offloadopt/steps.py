@@ -1,0 +1,573 @@
+"""How a step runs: ``step()`` as its phases, and the same phases started from backward.
+
+[Note: when an update may start]
+- ``overlap="step"`` (default): everything happens inside ``step()``.
+- ``overlap="backward"``: post-accumulate-grad hooks announce each offloaded grad. A bucket is
+  *complete* when every param in it has been announced, or when backward ends (autograd's final
+  callback: a param that gets no grad cannot hang a bucket). Its update may start early only
+  when nothing can change the grads after backward:
+  - ``grads_final=True`` (the caller declares it) and no clipping: at completion, during
+    backward;
+  - ``max_grad_norm=`` (clipping through the optimizer): at the end of backward, once the
+    global norm is known (the coefficient multiplies the fp32 grads on the device before D2H);
+  - otherwise (torch's ``clip_grad_norm_``, a GradScaler, a hand edit may follow): inside
+    ``step()``, as in step mode.
+  Non-final micro-steps of gradient accumulation run under ``with opt.accumulating():`` and
+  announce nothing; the last micro-step is never inferred from counts. An update that started
+  from a grad changed afterwards (``grad._version`` moved) is an error naming the param.
+- ``wait="step"`` (default): ``step()`` returns once every copy back is queued and the compute
+  stream waits for them. ``wait="module"``: ``step()`` returns at once; each module watched with
+  ``opt.watch(model)`` waits, before its forward, for its own params' copies only;
+  ``opt.synchronize()`` waits for everything (``state_dict()``, ``load_state_dict()``,
+  ``add_param_group()``, ``zero_grad(set_to_none=False)`` and ``close()`` call it).
+- A step is consistent or refused: if a backward that started updates fails part-way, or a
+  second backward comes before ``step()``, the optimizer refuses ``step()`` and
+  ``state_dict()`` until ``load_state_dict()`` or ``opt.discard_failed_step()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from offloadopt.layout import Bucket
+from offloadopt.pipeline import BucketWork, StepRun
+from offloadopt.placement import update_dtype
+from offloadopt.records import ParamRecord
+from offloadopt.rules import Hyper
+from offloadopt.transfer import SLOTS
+
+__all__ = ["Stepping", "StepState"]
+
+
+def _matching(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``grad`` in ``like``'s dtype and strides. torch's fused kernels walk param, grad and
+    state as flat memory, so a grad with other strides (a transposed grad set by hand) would
+    be paired with the wrong elements; autograd's grads already match and pass through."""
+    if grad.dtype == like.dtype and grad.stride() == like.stride():
+        return grad
+    return torch.empty_like(like).copy_(grad)
+
+
+@dataclass(eq=False)
+class StepState:
+    """One step from its first bucket to the end of ``step()`` (or, with ``wait="module"``,
+    until its copies back are all waited for)."""
+
+    hypers: dict[int, Hyper]  # id(group) -> its values, frozen at the step's start
+    group_of: dict[torch.Tensor, dict]  # param -> the group that holds it this step
+    stats: dict[str, float]
+    run: StepRun | None = None
+    prepared: set[torch.Tensor] = field(default_factory=set)  # state ready, step advanced
+    announced: set[torch.Tensor] = field(default_factory=set)  # grad hooks that fired
+    fed: dict[Bucket, BucketWork] = field(default_factory=dict)
+    versions: dict[torch.Tensor, int] = field(default_factory=dict)  # grad._version when fed
+    landing: dict[torch.Tensor, int] = field(default_factory=dict)  # buckets left to feed
+    backward_done: bool = False
+    task_id: int = -1  # autograd graph task that announced grads
+    norm: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    waited: set[Bucket] = field(default_factory=set)  # wait="module": buckets waited for
+    t0: float = 0.0
+
+
+class Stepping:
+    """The step machinery of :class:`offloadopt.optim.HybridOptimizer` (a mixin)."""
+
+    # ------------------------------------------------------------------ public
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """One update of every param with a grad; params whose grad is None are skipped.
+
+        Raises:
+            RuntimeError: a sparse grad, a grad whose shape differs from its param, a param
+                listed in two groups, a grad changed after its update started (named), or an
+                optimizer left inconsistent by a failed step (see ``discard_failed_step``).
+            ValueError, TypeError: a group's hyperparameter is invalid (named); nothing changed.
+            WorkerError: an offloaded update failed on the worker (names the bucket).
+            TimeoutError: a wait outlasted ``timeout_s`` (names what it waited for).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t0 = time.perf_counter()
+        with self._lock:
+            self._raise_if_broken()
+            st = self._step
+            if st is not None and not st.backward_done:
+                self._abandon(st, "a backward that announced grads never finished")
+            self._step = None
+            # Phase 0: freeze every group's hyperparameters (at the first hook, in backward
+            # mode) and check every grad, before any state changes.
+            if st is None:
+                st = self._begin()
+            st.t0 = t0
+            with_grad = [p for p in st.group_of if p.grad is not None]
+            for p in with_grad:
+                self._check_grad(p)
+            for p, version in st.versions.items():
+                if p.grad is None or p.grad._version != version:
+                    self._broken = f"the grad of {self._records[p].name} changed after its update"
+                    raise RuntimeError(
+                        f"the grad of {self._records[p].name} changed after its bucket's update "
+                        "started during backward (clip or scale through the optimizer: "
+                        "max_grad_norm=, or leave grads_final=False; mark non-final "
+                        "micro-steps with opt.accumulating())"
+                    )
+            self._check_worker(with_grad)
+            if st.scale is None and self.max_grad_norm is not None:
+                self._clip(st, with_grad, self.max_grad_norm)
+            elif st.scale is None and self._pending_clip is not None:
+                st.norm, st.scale = self._pending_clip
+            self._pending_clip = None
+            device_work = self._prepare_device(st, with_grad)
+            # Phase 2 starts first (the worker copies and updates the offloaded buckets while
+            # phase 1 is launched): every bucket with a grad not fed during backward.
+            streams = self._streams()
+            self._feed(st, self._open_buckets(st, with_grad), st.scale)
+            # Phase 1: device-resident params, torch's fused kernel on the compute stream.
+            t = time.perf_counter()
+            for hyper, params in device_work:
+                self._device_update(hyper, params, st.scale)
+            st.stats["device_update_ms"] = (time.perf_counter() - t) * 1e3
+            st.stats["collect_ms"] = (t - t0) * 1e3
+            if st.run is None:
+                self._finish(st, streams)
+                return loss
+            st.run.close()
+            # Phase 3: publish. wait="step": the compute stream waits for every copy back;
+            # wait="module": each watched module waits for its own (opt.watch, _wait_for).
+            self._inflight, self._inflight_streams = st, streams
+            if self.wait == "step":
+                self.synchronize()
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip this step's grads by their global L2 norm, inside the update: the next
+        ``step()`` multiplies every fp32 grad by ``min(1, max_norm / (norm + 1e-6))`` (torch's
+        ``clip_grad_norm_`` coefficient) on the device, before the update; ``p.grad`` is left
+        as it is. Returns the norm, a 0-dim fp32 tensor on the params' device.
+
+        The norm is the L2 norm of the per-param norms in group order (each computed in fp32),
+        the same at every fraction and in every mode.
+
+        Raises:
+            ValueError: ``max_norm`` is not a finite number > 0.
+            RuntimeError: the optimizer was built with ``max_grad_norm`` (it clips every step).
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < float("inf"):  # fmt: skip
+            raise ValueError(f"Invalid max_norm: {max_norm!r} (expected a finite number > 0)")
+        if self.max_grad_norm is not None:
+            raise RuntimeError(
+                f"built with max_grad_norm={self.max_grad_norm}: it clips every step already"
+            )
+        with self._lock:
+            if self._step is not None and self._step.fed:
+                raise RuntimeError(
+                    "updates of this step already started from the unclipped grads "
+                    "(grads_final=True): clip with max_grad_norm= instead"
+                )
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            norm, scale = self._norm_and_scale(params, float(max_norm))
+            self._pending_clip = (norm, scale)
+            return norm
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Mark the backward passes inside as non-final micro-steps of gradient accumulation:
+        their grads stay on the device and nothing starts before the final backward (outside
+        this context) or ``step()``. Without the marker, ``overlap="backward"`` treats every
+        backward as final (a second backward before ``step()`` is an error)."""
+        self._accumulating += 1
+        try:
+            yield
+        finally:
+            self._accumulating -= 1
+
+    def synchronize(self) -> None:
+        """Wait for this optimizer's work in flight (host side), and make the current stream
+        wait for every copy back (GPU side). A no-op when nothing is in flight.
+
+        Raises:
+            WorkerError, TimeoutError: as ``step()``.
+        """
+        st = self._inflight
+        if st is None:
+            return
+        self._inflight = None
+        streams = self._inflight_streams
+        try:
+            st.run.wait(self.timeout_s)
+        except BaseException:
+            self._broken = "an offloaded update failed"
+            raise
+        finally:
+            self._pipeline.publish(streams, st.run)  # (I4) whatever landed is waited for
+        self._finish(st, streams)
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Register forward pre-hooks on the modules of ``model`` that own offloaded params;
+        with ``wait="module"`` each waits only for its own params' copies back. Modules inside
+        a ``torch.compile``d region are not waited for one by one: call ``opt.synchronize()``
+        before such a forward. Removed by ``close()``."""
+        from offloadopt.hooks import ModuleWaits
+
+        offloaded = {p for p, rec in self._records.items() if rec.offloaded}
+        self._module_waits.append(ModuleWaits(self, model, offloaded))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; with ``set_to_none=False`` the grads are zeroed in place, so this first
+        waits for copies that may still read them (``set_to_none=True`` does not wait: the
+        copies hold their grads and ``record_stream`` protects the memory)."""
+        if not set_to_none:
+            self.synchronize()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def discard_failed_step(self) -> None:
+        """Accept the state a failed step left (some params updated, others not) and go on."""
+        with self._lock:
+            if self._step is not None and self._step.run is not None:
+                self._step.run.abort()
+            self._step, self._broken = None, None
+
+    # ------------------------------------------------------------------ grads from backward
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """A grad hook (autograd's thread): ``p``'s grad is final for this backward."""
+        if self._accumulating:
+            return
+        task = torch._C._current_graph_task_id()
+        with self._lock:
+            st = self._step
+            if st is not None and st.task_id != task:
+                if st.fed:  # its updates used grads that this backward now adds to
+                    what = "did not finish" if not st.backward_done else "came before step()"
+                    self._abandon(st, f"a backward {what}, and another one started")
+                self._step = st = None
+            if st is None:
+                self._check_single_process()
+                st = self._step = self._begin()
+                st.task_id = task
+            if p not in st.group_of:
+                return  # no longer in any group
+            st.announced.add(p)
+            if self.max_grad_norm is None and self.grads_final:
+                rec = self._records[p]
+                done = [b for b in rec.buckets if b not in st.fed
+                        and all(q in st.announced for q in b.params)]  # fmt: skip
+                self._feed(st, [(b, self._announced_idx(st, b)) for b in done], None)
+        if self.release_grads and st.run is not None:
+            st.run.wait_launched(SLOTS, self.timeout_s)  # backpressure: grads do not pile up
+
+    def _on_backward_end(self) -> None:
+        """Autograd's final callback (the thread that called backward): complete the buckets
+        whose params got no grad, and start the clipped updates."""
+        with self._lock:
+            st = self._step
+            if st is None or st.backward_done:
+                return
+            st.backward_done = True
+            if self.max_grad_norm is not None:
+                params = [p for p in st.group_of if p.grad is not None]
+                self._clip(st, params, self.max_grad_norm)
+            elif not self.grads_final:
+                return
+            items = [(b, self._announced_idx(st, b)) for b in self._forward_order()
+                     if b not in st.fed]  # fmt: skip
+            self._feed(st, [(b, idx) for b, idx in items if idx], st.scale)
+
+    def _announced_idx(self, st: StepState, b: Bucket) -> list[int]:
+        return [n for n, s in enumerate(b.segments) if b.arena.params[s.k] in st.announced]
+
+    def _forward_order(self) -> list[Bucket]:
+        """Buckets in the order the next forward reads them (first-registered params first)."""
+        return self.buckets[::-1]
+
+    def _wait_for(self, params: list[torch.Tensor]) -> None:
+        """A module's forward pre-hook: its stream waits for the copies back of ``params``."""
+        st = self._inflight
+        if st is None:
+            return
+        streams = self._inflight_streams
+        for p in params:
+            for b in self._records[p].buckets:
+                if b in st.fed and b not in st.waited:
+                    st.run.wait_h2d_queued(b, self.timeout_s)
+                    tr = self._pipeline.transfers[b.arena.device]
+                    if tr.cuda:
+                        # (I4) the forward reads these params only after their H2D.
+                        torch.cuda.current_stream(b.arena.device).wait_event(tr.h2d_done[b])
+                    st.waited.add(b)
+        if len(st.waited) == len(st.fed):
+            self.synchronize()  # every copy back is waited for: the step is over
+        del streams
+
+    # ------------------------------------------------------------------ phases
+    def _begin(self) -> StepState:
+        """Freeze and validate every group, find each param's group by identity."""
+        self.synchronize()  # the previous step's copies back (wait="module") are done
+        hypers: dict[int, Hyper] = {}
+        group_of: dict[torch.Tensor, dict] = {}
+        index_of: dict[torch.Tensor, int] = {}
+        for gi, group in enumerate(self.param_groups):
+            try:
+                hypers[id(group)] = self.rule.freeze(group)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"param group {gi}: {e}") from e
+            for i, p in enumerate(group["params"]):
+                if p in group_of:
+                    raise RuntimeError(
+                        f"{self._name(group, gi, i)} is in param groups {index_of[p]} and {gi}: "
+                        "a param may be in one group only"
+                    )
+                group_of[p], index_of[p] = group, gi
+                self._record(p, group, gi, i)
+        stats = dict.fromkeys(("d2h_wait_ms", "cpu_update_ms", "h2d_ms", "d2h_ms"), 0.0)
+        stats.update(d2h_nbytes=0, h2d_nbytes=0)
+        return StepState(hypers, group_of, stats)
+
+    def _check_single_process(self) -> None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                f"overlap='backward' with a world size of {dist.get_world_size()}: a grad hook "
+                "sees the un-reduced grad under DDP/FSDP (no distributed grad source is "
+                "attached yet); use overlap='step'"
+            )
+
+    def _check_grad(self, p: torch.Tensor) -> None:
+        if p.grad.layout != torch.strided:
+            raise RuntimeError(
+                f"{type(self).__name__} does not support sparse gradients: "
+                f"{self._records[p].name} has a {p.grad.layout} grad"
+            )
+        if p.grad.shape != p.shape:
+            raise RuntimeError(
+                f"grad of {self._records[p].name} has shape {tuple(p.grad.shape)}, "
+                f"param {tuple(p.shape)}"
+            )
+
+    def _check_worker(self, params: list[torch.Tensor]) -> None:
+        if self._pipeline is not None and not self._pipeline.worker.alive:
+            if any(self._records[p].offloaded for p in params):
+                raise RuntimeError(
+                    f"{type(self).__name__}: the CPU worker is closed (opt.close() was called); "
+                    "build a new optimizer and load this one's state_dict() to go on"
+                )
+
+    def _prepare(self, st: StepState, params: list[torch.Tensor]) -> None:
+        """Create state lazily, refresh stale masters, advance the offloaded params' ``step``
+        (once per step, even when buckets cut a param in several segments)."""
+        steps = []
+        for p in params:
+            if p in st.prepared:
+                continue
+            st.prepared.add(p)
+            rec = self._records[p]
+            if not self.state.get(p):
+                self._init_state(p, rec)
+            elif rec.is_stale(p):
+                self._refresh_if_stale(p, rec)
+            if rec.offloaded and self.rule.has_step:
+                steps.append(self.state[p]["step"])
+        if steps:
+            torch._foreach_add_(steps, 1)
+
+    def _prepare_device(self, st: StepState, with_grad: list[torch.Tensor]) -> list:
+        """Prepare the device-resident params; their work grouped by frozen hyperparameters."""
+        on_device = [p for p in with_grad if not self._records[p].offloaded]
+        self._prepare(st, on_device)
+        by_group: dict[int, tuple[Hyper, list]] = {}
+        for p in on_device:
+            hyper = st.hypers[id(st.group_of[p])]
+            by_group.setdefault(id(hyper), (hyper, []))[1].append(p)
+        return list(by_group.values())
+
+    def _open_buckets(self, st: StepState, with_grad: list[torch.Tensor]) -> list:
+        """The buckets with a grad that were not fed during backward, with their segments."""
+        have = {p for p in with_grad if self._records[p].offloaded}
+        order = self._forward_order() if self.wait == "module" else self.buckets
+        items = []
+        for b in order:
+            if b in st.fed:
+                continue
+            idx = [n for n, s in enumerate(b.segments) if b.arena.params[s.k] in have]
+            if idx:
+                items.append((b, idx))
+        return items
+
+    def _feed(self, st: StepState, items: list[tuple[Bucket, list[int]]], scale) -> None:
+        """Prepare the params of these buckets and queue each on the step's run, with its
+        grads captured now and an event on this thread's stream (I1)."""
+        if not items:
+            return
+        self._prepare(st, [b.arena.params[b.segments[n].k] for b, idx in items for n in idx])
+        if st.run is None:
+            st.run = self._pipeline.begin(self._update_bucket, st.stats)
+        for b, idx in items:
+            params = b.arena.params
+            calls: dict[int, tuple[Hyper, list[int], list[torch.Tensor]]] = {}
+            release = []
+            for pos, n in enumerate(idx):
+                p = params[b.segments[n].k]
+                hyper = st.hypers[id(st.group_of[p])]
+                call = calls.setdefault(id(hyper), (hyper, [], []))
+                call[1].append(pos)
+                if self.rule.has_step:
+                    call[2].append(self.state[p]["step"])
+                st.versions[p] = p.grad._version
+                left = st.landing.setdefault(p, len(self._records[p].buckets)) - 1
+                st.landing[p] = left
+                if left == 0 and self.release_grads:
+                    release.append(p)
+            grads = b.grad_views(idx)
+            tr = self._pipeline.transfers[b.arena.device]
+            ready = tr.mark(torch.cuda.current_stream(b.arena.device) if tr.cuda else None)
+            work = BucketWork(b, idx, grads, ready, scale, release, list(calls.values()))
+            st.fed[b] = work
+            st.run.feed(work)
+
+    def _finish(self, st: StepState, streams) -> None:
+        """The step is over: its params are marked written, its figures become ``stats``."""
+        for p in st.prepared:
+            if self._records[p].offloaded:
+                self._records[p].mark_written(p)
+        st.stats["cpu_threads"] = self.cpu_threads if self._pipeline is not None else 0
+        st.stats["step_ms"] = (time.perf_counter() - st.t0) * 1e3
+        self._stats = st.stats
+
+    def _streams(self) -> dict[torch.device, Any]:
+        """The training thread's stream per device, captured here: the stream that reads the
+        new weights."""
+        return {d: torch.cuda.current_stream(d) if tr.cuda else None
+                for d, tr in self._transfers().items()}  # fmt: skip
+
+    def _abandon(self, st: StepState, why: str) -> None:
+        """A step whose updates started cannot complete: refuse until load or discard."""
+        if st.run is not None:
+            st.run.abort()
+        self._broken = why
+        self._raise_if_broken()
+
+    def _raise_if_broken(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(
+                f"{type(self).__name__} is inconsistent: {self._broken}, so some params were "
+                "updated and others not; call opt.load_state_dict(...) to restore a checkpoint, "
+                "or opt.discard_failed_step() to go on from here"
+            )
+
+    # ------------------------------------------------------------------ clipping
+    def _norm_and_scale(self, params: list[torch.Tensor], max_norm: float):
+        """Global L2 norm of ``params``' grads and torch's clip coefficient, on the device."""
+        if not params:
+            zero = torch.zeros((), dtype=torch.float32)
+            return zero, torch.ones((), dtype=torch.float32)
+        device = params[0].grad.device
+        norms = torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32)
+        norm = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grad_norm_
+        return norm, scale
+
+    def _clip(self, st: StepState, params: list[torch.Tensor], max_norm: float) -> None:
+        have = set(params)
+        order = [p for p in st.group_of if p in have]  # group order: fixed
+        st.norm, st.scale = self._norm_and_scale(order, max_norm)
+        self.last_grad_norm = st.norm
+
+    # ------------------------------------------------------------------ updates
+    def _update_bucket(self, work: BucketWork, grads: list[torch.Tensor]) -> None:
+        """On the worker: the rule over the bucket's segments ``work.idx``, whose grads (in
+        the update dtype, on the host) are ``grads``; one kernel call per group."""
+        b = work.bucket
+        masters = b.state_views(b.arena.master)
+        states = [b.state_views(b.arena.states[k]) for k in self.rule.state_keys]
+        for hyper, positions, steps in work.payload:
+            segs = [work.idx[j] for j in positions]
+            self.rule.update(hyper, [masters[i] for i in segs], [grads[j] for j in positions],
+                             [[s[i] for i in segs] for s in states], steps, host=True)  # fmt: skip
+
+    def _init_state(self, p: torch.Tensor, rec: ParamRecord) -> None:
+        """Lazily create ``p``'s state at its first grad, as torch does."""
+        step = {"step": torch.zeros((), dtype=torch.float32)} if self.rule.has_step else {}
+        if rec.offloaded:
+            master = rec.home("master")
+            master.copy_(p.detach())  # blocking D2H (once per param): master = weights
+            state = {**step, **{k: rec.home(k).zero_() for k in self.rule.state_keys}}
+            if rec.arena.dtype != p.dtype:
+                state["master"] = master
+        else:
+            udt = update_dtype(p.dtype, self.master_weights)
+            if step:
+                step["step"] = step["step"].to(p.device)
+            state = {**step, **{k: torch.zeros_like(p, dtype=udt, memory_format=torch.preserve_format)
+                                for k in self.rule.state_keys}}  # fmt: skip
+            if udt != p.dtype:
+                state["master"] = p.detach().to(udt, memory_format=torch.preserve_format, copy=True)
+        self.state[p] = state
+        rec.mark_written(p)
+
+    def _refresh_if_stale(self, p: torch.Tensor, rec: ParamRecord) -> None:
+        """No stale masters: weights changed outside the optimizer win over its copy."""
+        import warnings
+
+        master = rec.master(self.state[p])
+        if master is None:
+            rec.mark_written(p)
+            return
+        current = p.detach().to(master.device)
+        changed = master.to(p.dtype) != current  # (shape of p) bool, where the master is stale
+        if changed.any():
+            warnings.warn(
+                f"the weights of {rec.name} changed outside the optimizer since its last step "
+                f"({int(changed.sum())} of {p.numel()} elements); its master copy was refreshed there",
+                stacklevel=5,
+            )
+            # Only the changed elements: the others keep their fp32 master's precision.
+            master.copy_(torch.where(changed, current.to(master.dtype), master))
+        rec.mark_written(p)
+
+    def _device_update(self, hyper: Hyper, params: list[torch.Tensor], scale) -> None:
+        """The rule on the device, on the compute stream; fp32 masters where they exist, fed
+        grads upcast (and multiplied by the clip coefficient) chunk by chunk so the fp32
+        temporaries stay under ``bucket_nbytes``."""
+        plain = [p for p in params if "master" not in self.state[p]]
+        mastered = [p for p in params if "master" in self.state[p]]
+        if scale is None:
+            self._device_rule(hyper, plain, plain, [_matching(p.grad, p) for p in plain])
+            plain = []
+        for kind in (plain, mastered):
+            chunk: list[torch.Tensor] = []
+            nbytes = 0
+            for n, p in enumerate(kind):
+                chunk.append(p)
+                nbytes += p.numel() * 4
+                if nbytes < self.bucket_nbytes and n < len(kind) - 1:
+                    continue
+                targets = [self.state[q]["master"] if kind is mastered else q for q in chunk]
+                grads = [_matching(q.grad, t) for q, t in zip(chunk, targets, strict=True)]
+                if scale is not None:
+                    # The clip coefficient on fp32 grads, as the offloaded path applies it; the
+                    # user's grads are left as they are.
+                    grads = [g * scale if g is q.grad else g.mul_(scale)
+                             for g, q in zip(grads, chunk, strict=True)]  # fmt: skip
+                self._device_rule(hyper, chunk, targets, grads)
+                if kind is mastered:
+                    torch._foreach_copy_(chunk, targets)  # weights = round(master)
+                for q in chunk:
+                    self._records[q].mark_written(q)
+                chunk, nbytes = [], 0
+
+    def _device_rule(self, hyper: Hyper, params, weights, grads) -> None:
+        if not params:
+            return
+        states = [[self.state[p][k] for p in params] for k in self.rule.state_keys]
+        steps = [self.state[p]["step"] for p in params] if self.rule.has_step else []
+        if steps:
+            torch._foreach_add_(steps, 1)
+        self.rule.update(hyper, weights, grads, states, steps, host=False)
