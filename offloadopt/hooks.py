@@ -30,10 +30,9 @@ class GradHooks:
 
     def __init__(self, owner: Any, params: Iterable[torch.Tensor]):
         ref = weakref.ref(owner)
-        self._queued = False
+        self._task = None  # the graph task (one backward call) whose callback is queued
 
         def on_backward_end() -> None:
-            self._queued = False
             opt = ref()
             if opt is not None:
                 opt._on_backward_end()
@@ -42,8 +41,9 @@ class GradHooks:
             opt = ref()
             if opt is None:
                 return
-            if not self._queued:
-                self._queued = True
+            task = torch._C._current_graph_task_id()
+            if task != self._task:  # the first hook of this backward (even after a failed one)
+                self._task = task
                 torch.autograd.Variable._execution_engine.queue_callback(on_backward_end)
             opt._on_grad(p)
 
@@ -59,7 +59,8 @@ class GradHooks:
 
 class ModuleWaits:
     """Forward pre-hooks (run before any other pre-hook of the module) that make the module's
-    stream wait for the copies back of its own params only: ``owner._wait_for(params)``."""
+    stream wait for the copies back of its own params only: ``owner._wait_for(params)``; and a
+    state-dict pre-hook on the model that waits for everything (``owner.synchronize()``)."""
 
     def __init__(self, owner: Any, model: torch.nn.Module, offloaded: set[torch.Tensor]):
         ref = weakref.ref(owner)
@@ -77,6 +78,13 @@ class ModuleWaits:
 
             self.handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
             self.modules += 1
+
+        def state_dict_pre_hook(module, prefix, keep_vars) -> None:
+            opt = ref()
+            if opt is not None:
+                opt.synchronize()  # model.state_dict() through any framework sees new weights
+
+        self.handles.append(model.register_state_dict_pre_hook(state_dict_pre_hook))
 
     def remove(self) -> None:
         for h in self.handles:

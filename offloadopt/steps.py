@@ -66,7 +66,7 @@ class StepState:
     prepared: set[torch.Tensor] = field(default_factory=set)  # state ready, step advanced
     announced: set[torch.Tensor] = field(default_factory=set)  # grad hooks that fired
     fed: dict[Bucket, BucketWork] = field(default_factory=dict)
-    versions: dict[torch.Tensor, int] = field(default_factory=dict)  # grad._version when fed
+    versions: dict[torch.Tensor, tuple] = field(default_factory=dict)  # (grad, _version) fed
     landing: dict[torch.Tensor, int] = field(default_factory=dict)  # buckets left to feed
     backward_done: bool = False
     task_id: int = -1  # autograd graph task that announced grads
@@ -108,11 +108,13 @@ class Stepping:
             if st is None:
                 st = self._begin()
             st.t0 = t0
-            with_grad = [p for p in st.group_of if p.grad is not None]
+            # Params fed during backward were checked then (their grads may be released now).
+            with_grad = [p for p in st.group_of if p not in st.versions and p.grad is not None]
             for p in with_grad:
                 self._check_grad(p)
-            for p, version in st.versions.items():
-                if p.grad is None or p.grad._version != version:
+            for p, (grad, version) in st.versions.items():
+                now = p.grad
+                if now is not None and (now is not grad or now._version != version):
                     self._broken = f"the grad of {self._records[p].name} changed after its update"
                     raise RuntimeError(
                         f"the grad of {self._records[p].name} changed after its bucket's update "
@@ -406,7 +408,13 @@ class Stepping:
         grads captured now and an event on this thread's stream (I1)."""
         if not items:
             return
-        self._prepare(st, [b.arena.params[b.segments[n].k] for b, idx in items for n in idx])
+        params = list(
+            dict.fromkeys(b.arena.params[b.segments[n].k] for b, idx in items for n in idx)
+        )
+        for p in params:
+            if p not in st.prepared:
+                self._check_grad(p)
+        self._prepare(st, params)
         if st.run is None:
             st.run = self._pipeline.begin(self._update_bucket, st.stats)
         for b, idx in items:
@@ -420,7 +428,7 @@ class Stepping:
                 call[1].append(pos)
                 if self.rule.has_step:
                     call[2].append(self.state[p]["step"])
-                st.versions[p] = p.grad._version
+                st.versions[p] = (p.grad, p.grad._version)
                 left = st.landing.setdefault(p, len(self._records[p].buckets)) - 1
                 st.landing[p] = left
                 if left == 0 and self.release_grads:

@@ -1,0 +1,285 @@
+"""overlap="backward" and wait="module" against step mode, bitwise (CPU stands in for the GPU):
+grads announced by hooks, clipping through the optimizer, accumulation, waits, failures."""
+
+import time
+
+import pytest
+import torch
+from oracle import FRACTIONS, assert_bitwise
+
+from offloadopt import HybridAdamW
+
+MODES = {
+    "step": dict(overlap="step"),
+    "backward": dict(overlap="backward", grads_final=True),
+    "backward-release": dict(overlap="backward", grads_final=True, release_grads=True),
+    "backward-module": dict(overlap="backward", grads_final=True, wait="module"),
+}
+
+
+def mlp(seed=0, dtype=torch.float32, unused=False):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(48, 48) for _ in range(4)]
+    model = torch.nn.Sequential(*layers[:3], torch.nn.Tanh(), layers[3]).to(dtype)
+    if unused:
+        model.register_parameter("unused", torch.nn.Parameter(torch.randn(300, dtype=dtype)))
+    return model
+
+
+def make_opt(model, fraction, **kw):
+    opt = HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=fraction,
+                      min_offload_numel=1, bucket_nbytes=4 * 1000, **kw)  # fmt: skip
+    if kw.get("wait") == "module":
+        opt.watch(model)
+    return opt
+
+
+def batch(step, micro=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 * step + micro)
+    return torch.randn(8, 48, generator=g).to(dtype)
+
+
+def train(model, opt, steps=4, micro_steps=1, clip=None, dtype=torch.float32, outputs=None):
+    for step in range(steps):
+        for micro in range(micro_steps):
+            x = batch(step, micro, dtype)
+            out = model(x)
+            if outputs is not None:
+                outputs.append(out.detach().clone())
+            loss = out.float().pow(2).mean() * (1 + micro)  # uneven micro-steps
+            if micro < micro_steps - 1:
+                with opt.accumulating():
+                    loss.backward()
+            else:
+                loss.backward()
+        if clip == "torch":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        elif clip == "method":
+            opt.clip_grad_norm_(0.01)
+        opt.step()
+        opt.zero_grad()
+    getattr(opt, "synchronize", lambda: None)()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "step"])
+def test_backward_modes_equal_step_mode_bitwise(mode, fraction):
+    ref_model, model = mlp(), mlp()
+    ref_outs, outs = [], []
+    ref = train(ref_model, make_opt(ref_model, fraction), outputs=ref_outs)
+    opt = make_opt(model, fraction, **MODES[mode])
+    assert len(opt.buckets) > 2 or fraction < 1
+    got = train(model, opt, outputs=outs)
+    assert_bitwise(got, ref, mode)
+    assert_bitwise(outs, ref_outs, f"{mode}: every forward saw the new weights")
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_release_grads_frees_offloaded_grads_during_backward(fraction):
+    model = mlp()
+    opt = make_opt(model, fraction, **MODES["backward-release"])
+    model(batch(0)).pow(2).mean().backward()
+    opt.step()  # the grads of offloaded params went as soon as their copy landed
+    for p in model.parameters():
+        assert (p.grad is None) == opt.is_offloaded(p)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("overlap", ["step", "backward"])
+def test_clipping_through_the_optimizer_equals_torchs_clip_for_fp32(overlap, fraction):
+    """fp32: the same norm (per-param fp32 norms, then their norm) and the same coefficient
+    multiplied into the fp32 grads: bitwise torch's clip_grad_norm_ + fused AdamW."""
+    ref_model = mlp()
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    ref = train(ref_model, ref_opt, clip="torch")
+    model = mlp()
+    opt = make_opt(model, fraction, overlap=overlap, max_grad_norm=0.01)
+    got = train(model, opt)
+    assert_bitwise(got, ref, "max_grad_norm")
+    assert opt.last_grad_norm is not None and opt.last_grad_norm > 0.01  # it really clipped
+    model = mlp()
+    got = train(model, make_opt(model, fraction), clip="method")
+    assert_bitwise(got, ref, "clip_grad_norm_")
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_bf16_clipping_is_the_same_in_both_modes_and_near_torchs(fraction):
+    kw = dict(dtype=torch.bfloat16)
+    step_mode = train(m := mlp(**kw), make_opt(m, fraction, max_grad_norm=0.01), **kw)
+    backward = train(m := mlp(**kw), make_opt(m, fraction, overlap="backward", max_grad_norm=0.01), **kw)  # fmt: skip
+    assert_bitwise(backward, step_mode, "bf16, optimizer clipping in both modes")
+    ref_model = mlp(**kw)
+    masters = [torch.nn.Parameter(p.detach().float()) for p in ref_model.parameters()]
+    torch_opt = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    for step in range(4):
+        ref_model(batch(step, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.01)  # bf16 grads, as torch does
+        for m, p in zip(masters, ref_model.parameters(), strict=True):
+            m.grad = p.grad.float()
+        torch_opt.step()
+        ref_model.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(masters, ref_model.parameters(), strict=True):
+                p.copy_(m)
+    # torch multiplies the bf16 grads by the coefficient (rounding each to bf16); we multiply
+    # the fp32 upcast: after 4 steps at lr 1e-2 the weights differ by at most one bf16 ulp
+    # of the update, measured here as <= 2 ** -7 (bf16's relative precision).
+    for a, b in zip(step_mode, ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a.float(), b.detach().float(), rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize("micro_steps", [1, 2, 4])
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_accumulation_with_the_marker_equals_step_mode(micro_steps, fraction):
+    ref = train(m := mlp(unused=True), make_opt(m, fraction), micro_steps=micro_steps)
+    for mode in ("backward", "backward-module"):
+        model = mlp(unused=True)
+        got = train(model, make_opt(model, fraction, **MODES[mode]), micro_steps=micro_steps)
+        assert_bitwise(got, ref, f"{mode}, {micro_steps} micro-steps")
+
+
+def test_clip_at_the_end_of_backward_with_accumulation():
+    ref = train(m := mlp(), make_opt(m, 1.0, max_grad_norm=0.01), micro_steps=3)
+    got = train(m := mlp(), make_opt(m, 1.0, overlap="backward", max_grad_norm=0.01), micro_steps=3)
+    assert_bitwise(got, ref, "clipped, accumulated")
+
+
+def test_a_second_backward_without_the_marker_is_an_error_and_the_optimizer_refuses():
+    model = mlp()
+    opt = make_opt(model, 1.0, **MODES["backward"])
+    model(batch(0)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="a backward came before step"):
+        model(batch(1)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="inconsistent.*discard_failed_step"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="inconsistent"):
+        opt.state_dict()
+    opt.discard_failed_step()
+    opt.zero_grad()
+    model(batch(2)).pow(2).mean().backward()
+    opt.step()
+
+
+class FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("backward failed here")
+
+
+def test_a_backward_that_fails_after_updates_started_leaves_the_optimizer_refusing():
+    model = mlp()
+    opt = make_opt(model, 1.0, **MODES["backward"])
+    ref_model = mlp()
+    x = FailInBackward.apply(model[0](batch(0)))  # fails after the later layers' buckets ran
+    with pytest.raises(RuntimeError, match="backward failed here"):
+        model[1:](x).pow(2).mean().backward()
+    first = next(iter(opt._step.fed))
+    opt._step.run.wait_h2d_queued(first, 10)  # that bucket's update ran
+    pairs = zip(model.parameters(), ref_model.parameters(), strict=True)
+    assert any(not torch.equal(p, q) for p, q in pairs)
+    with pytest.raises(
+        RuntimeError, match="inconsistent: a backward that announced grads never finished"
+    ):
+        opt.step()
+    opt.discard_failed_step()
+
+
+def test_a_grad_edited_after_its_update_started_is_named():
+    model = mlp()
+    opt = make_opt(model, 1.0, **MODES["backward"])
+    model(batch(0)).pow(2).mean().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # edits grads already used
+    with pytest.raises(
+        RuntimeError, match=r"the grad of group0.param\d changed after its bucket's update"
+    ):
+        opt.step()
+
+
+def test_without_declarations_backward_mode_waits_for_step_and_sees_torchs_clip():
+    ref_model = mlp()
+    ref = train(
+        ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True), clip="torch"
+    )
+    model = mlp()
+    opt = make_opt(model, 1.0, overlap="backward")  # may be edited: nothing starts early
+    assert not opt._grad_hooks
+    assert_bitwise(train(model, opt, clip="torch"), ref, "torch's clip, updates at step()")
+
+
+@pytest.mark.parametrize("mode", ["step", "backward", "backward-module"])
+def test_ema_and_state_dict_right_after_step_see_the_new_weights_with_a_slow_worker(mode):
+    model = mlp()
+    opt = make_opt(model, 1.0, **MODES[mode])
+    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.02)
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    ref_model = mlp()
+    ref = make_opt(ref_model, 1.0)
+    for step in range(2):
+        for m, o in ((model, opt), (ref_model, ref)):
+            m(batch(step)).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+        sd = model.state_dict()  # wait="module": watch() made this wait for the copies back
+        assert_bitwise(list(sd.values()), list(ref_model.state_dict().values()), "state_dict")
+        if mode != "backward-module":  # wait="module": anything else calls opt.synchronize()
+            ema.update_parameters(model)
+            assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "params")
+
+
+def test_resume_from_a_backward_mode_checkpoint_is_bitwise():
+    ref = train(m := mlp(), make_opt(m, 0.5, **MODES["backward-module"]), steps=6)
+    model = mlp()
+    opt = make_opt(model, 0.5, **MODES["backward-module"])
+    train(model, opt, steps=3)
+    sd, weights = opt.state_dict(), model.state_dict()
+    fresh = mlp(seed=7)
+    fresh.load_state_dict(weights)
+    opt2 = make_opt(fresh, 0.5, **MODES["backward-module"])
+    opt2.load_state_dict(sd)
+    for step in range(3, 6):
+        fresh(batch(step)).pow(2).mean().backward()
+        opt2.step()
+        opt2.zero_grad()
+    opt2.synchronize()
+    assert_bitwise(list(fresh.parameters()), ref, "resumed")
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [(dict(overlap="forward"), "Invalid overlap: 'forward'"),
+     (dict(wait="layer"), "Invalid wait: 'layer'"),
+     (dict(max_grad_norm=0.0), "Invalid max_grad_norm: 0.0"),
+     (dict(release_grads=True), "release_grads=True .* needs overlap='backward'"),
+     (dict(overlap="backward", release_grads=True), "needs overlap='backward' and grads_final")],
+)  # fmt: skip
+def test_bad_mode_options_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        HybridAdamW(mlp().parameters(), **kw)
+
+
+def test_close_removes_the_hooks():
+    model = mlp()
+    opt = make_opt(model, 1.0, **MODES["backward-module"])
+    assert opt._grad_hooks and opt._module_waits
+    opt.close()
+    assert not opt._grad_hooks and not opt._module_waits
+    model(batch(0)).pow(2).mean().backward()  # no hook of a closed optimizer runs
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(grads_final=True), dict(max_grad_norm=0.01)], ids=["grads_final", "clipped"]
+)
+def test_in_backward_mode_every_bucket_is_fed_by_the_end_of_backward(kw):
+    model = mlp()
+    opt = make_opt(model, 1.0, overlap="backward", **kw)
+    model(batch(0)).pow(2).mean().backward()
+    assert opt._step is not None and opt._step.backward_done
+    assert set(opt._step.fed) == set(opt.buckets)  # all started before step()
+    opt.step()
+    assert opt._step is None and opt.stats["h2d_nbytes"] == sum(b.nbytes for b in opt.buckets)
