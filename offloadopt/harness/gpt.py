@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -126,6 +127,8 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied: one Parameter
+        # Activation checkpointing per block: its activations are recomputed in backward.
+        self.checkpointing = False
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), two residual adds per block
         for name, p in self.named_parameters():
@@ -157,7 +160,10 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=idx.device)  # (t,) int64
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (b, t, d)
         for block in self.transformer.h:
-            x = block(x)
+            if self.checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.lm_head(self.transformer.ln_f(x))  # (b, t, vocab)
         loss = None
         if targets is not None:

@@ -66,3 +66,60 @@ def time_link(device: torch.device, nbytes: int = 2**30, reps: int = 5) -> dict[
             )
         del host, dev  # the caller empties the caching allocators
     return out
+
+
+def time_kernel_under_link(
+    device: torch.device, n_params: int, link_nbytes: int, reps: int = 3
+) -> dict[str, float]:
+    """torch's fused AdamW over ``n_params`` fp32 host elements, run on the training thread
+    and on an offloadopt worker (flush-to-zero), alone and while ``link_nbytes`` cross the
+    link each way (pinned, 64 MiB copies on two side streams): the CPU pass as the offloaded
+    step sees it. Medians in ms, and ns per param."""
+    from offloadopt.worker import Worker, usable_cores
+
+    tensors = [torch.randn(n_params), torch.randn(n_params), torch.zeros(n_params), torch.zeros(n_params)]  # fmt: skip
+    step = torch.zeros(())
+    chunk = 64 * 2**20
+    count = max(1, link_nbytes // chunk)
+    host = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    dev = [torch.empty(chunk, dtype=torch.uint8, device=device) for _ in range(2)]
+    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+
+    def kernel() -> None:
+        step.add_(1)
+        w, g, m, v = tensors
+        torch._fused_adamw_([w], [g], [m], [v], [], [step], amsgrad=False, lr=1e-4, beta1=0.9,
+                            beta2=0.95, weight_decay=0.1, eps=1e-8, maximize=False)  # fmt: skip
+
+    def traffic() -> None:
+        for _ in range(count):
+            with torch.cuda.stream(streams[0]):
+                host[0].copy_(dev[0], non_blocking=True)  # D2H, pinned: async
+            with torch.cuda.stream(streams[1]):
+                dev[1].copy_(host[1], non_blocking=True)  # H2D, pinned: async
+
+    def timed(run_kernel, with_link: bool) -> float:
+        times = []
+        for i in range(reps + 1):
+            torch.cuda.synchronize(device)
+            if with_link:
+                traffic()
+            t = time.perf_counter()
+            run_kernel()
+            times.append((time.perf_counter() - t) * 1e3)
+            torch.cuda.synchronize(device)
+        return statistics.median(times[1:])
+
+    worker = Worker(usable_cores(), flush_denormal=True)
+
+    def on_worker() -> None:
+        worker.submit(kernel, "probe").wait(600)
+
+    out = {"params": n_params, "link_nbytes_each_way": count * chunk}
+    for name, fn in (("main", kernel), ("worker", on_worker)):
+        for link in (False, True):
+            ms = timed(fn, link)
+            key = f"{name}_{'link' if link else 'alone'}"
+            out[f"{key}_ms"], out[f"{key}_ns_per_param"] = ms, ms * 1e6 / n_params
+    worker.close()
+    return out

@@ -257,3 +257,74 @@ def test_stats_report_bytes_and_times():
     assert s["d2h_nbytes"] == s["h2d_nbytes"] == 4 * n
     assert s["cpu_update_ms"] > 0 and s["h2d_ms"] > 0 and s["d2h_ms"] > 0
     assert opt.pinned_nbytes >= 4 * n
+
+
+OVERLAP_MODES = {
+    "backward": dict(overlap="backward", grads_final=True),
+    "backward-module": dict(overlap="backward", grads_final=True, wait="module"),
+    "backward-release": dict(overlap="backward", grads_final=True, release_grads=True),
+}
+
+
+@pytest.mark.parametrize("mode", list(OVERLAP_MODES))
+@pytest.mark.parametrize(
+    "hook", [None, ("d2h", "h2d"), ("worker",)], ids=["plain", "slow-copies", "slow-worker"]
+)
+def test_overlap_modes_never_read_weights_before_their_h2d(mode, hook):
+    """Backward mode starts D2H, updates and H2D during backward; the next forward (issued at
+    once) must still see exactly the lockstep oracle's weights."""
+    ref_model = big_cheap_model()
+    ref_outs = train(ref_model, Lockstep(ref_model.parameters()))
+    model = big_cheap_model()
+    opt = HybridAdamW(model.parameters(), offload_fraction=1.0, bucket_nbytes=16 * 2**20,
+                      flush_denormal=False, **OVERLAP_MODES[mode])  # fmt: skip
+    if opt.wait == "module":
+        opt.watch(model)
+    for transfer in opt._pipeline.transfers.values():
+        transfer.side_stream_hook = sleep_on(hook) if hook and "worker" not in hook else None
+    if hook and "worker" in hook:
+        opt._pipeline.worker_hook = lambda bucket: time.sleep(0.01)
+    assert_same_outputs(train(model, opt), ref_outs)
+    opt.synchronize()
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_clipping_in_backward_mode_equals_step_mode_bitwise_on_the_gpu(fraction):
+    outs = {}
+    for mode in ("step", "backward"):
+        model = big_cheap_model()
+        opt = HybridAdamW(model.parameters(), offload_fraction=fraction, max_grad_norm=0.5,
+                          overlap=mode, wait="module" if mode == "backward" else "step")  # fmt: skip
+        if opt.wait == "module":
+            opt.watch(model)
+        outs[mode] = train(model, opt, steps=6)
+        opt.synchronize()
+        assert opt.last_grad_norm is not None
+    assert_same_outputs(outs["backward"], outs["step"])
+
+
+@pytest.mark.parametrize("mode", list(OVERLAP_MODES))
+def test_no_pageable_copy_in_the_overlap_modes(mode):
+    model = big_cheap_model()
+    opt = HybridAdamW(model.parameters(), offload_fraction=1.0, **OVERLAP_MODES[mode])
+    if opt.wait == "module":
+        opt.watch(model)
+    train(model, opt, steps=2)
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        train(model, opt, steps=1)
+        opt.synchronize()
+    names = [e.name for e in prof.events() if e.name.startswith("Memcpy")]
+    assert not [n for n in names if "Pageable" in n], names
+    assert any("Device -> Pinned" in n for n in names)
+
+
+def test_release_grads_frees_the_offloaded_grads_on_the_gpu():
+    model = big_cheap_model()
+    opt = HybridAdamW(model.parameters(), offload_fraction=1.0, **OVERLAP_MODES["backward-release"])
+    train(model, opt, steps=2)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    assert all(p.grad is None for p in model.parameters())
