@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|bench|audit|ab|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|bench|audit|ab|overlap|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -28,6 +28,9 @@ for part in "${@:-all}"; do
   if [[ $part == ab ]]; then
     base=""; [[ -d .baseline/offloadopt_base ]] && base="--baseline-dir .baseline"
     timeout 480 python3 benchmarks/ab_step.py $base --warmup 2 --steps 6 --out "$OUT" 2>&1 | tee "$OUT/ab.log" | tail -20
+  fi
+  if [[ $part == overlap || $part == all ]]; then
+    timeout 480 python3 benchmarks/overlap_bench.py --out "$OUT" 2>&1 | tee "$OUT/overlap.log" | tail -42
   fi
   if [[ $part == audit || $part == all ]]; then
     for opt in "hybrid" "hybrid --no-pin-memory" "megatron"; do

@@ -72,6 +72,8 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
         t0 = time.perf_counter()
         loss = loss_fn(model, x, y)
         loss.backward()
+        if name == "f0":
+            sync(model)  # the baseline's forward+backward time, GPU work included
         t1 = time.perf_counter()
         if torch_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -181,8 +181,9 @@ class StepRun:
                     return  # closed and drained
                 work, tr, slot, d2h_done = pending.popleft()
                 p._update(work, tr, slot, d2h_done, self._update_fn, stats)
+                work.grads = []  # landed (waited for in _update): the device grads may go
                 for param in work.release:
-                    param.grad = None  # its D2H has landed (waited for in _update)
+                    param.grad = None  # every D2H of its grad has landed
                 tr.start_h2d(work.bucket, work.idx, slot, work.ready)
                 stats["h2d_nbytes"] += work.bucket.nbytes
                 with self._cond:

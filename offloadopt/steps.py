@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,7 +115,7 @@ class Stepping:
                 self._check_grad(p)
             for p, (grad, version) in st.versions.items():
                 now = p.grad
-                if now is not None and (now is not grad or now._version != version):
+                if now is not None and (now is not grad() or now._version != version):
                     self._broken = f"the grad of {self._records[p].name} changed after its update"
                     raise RuntimeError(
                         f"the grad of {self._records[p].name} changed after its bucket's update "
@@ -428,7 +429,8 @@ class Stepping:
                 call[1].append(pos)
                 if self.rule.has_step:
                     call[2].append(self.state[p]["step"])
-                st.versions[p] = (p.grad, p.grad._version)
+                # A weak reference: a released grad must not be kept alive by this check.
+                st.versions[p] = (weakref.ref(p.grad), p.grad._version)
                 left = st.landing.setdefault(p, len(self._records[p].buckets)) - 1
                 st.landing[p] = left
                 if left == 0 and self.release_grads:
