@@ -28,6 +28,15 @@ BEST = dict(overlap="backward", wait="module", grads_final=True)  # nothing edit
 CLIPPED = dict(overlap="backward", wait="module", max_grad_norm=1.0)  # clipping in the optimizer
 
 
+# Variants run only when named in --only: what the thread count and bucket size change.
+EXTRA = [
+    ("backward f1 threads16", dict(fraction=1.0, cpu_threads=16, **BEST)),
+    ("backward f1 bucket256", dict(fraction=1.0, bucket_nbytes=256 * 2**20, **BEST)),
+    ("backward f0.2 threads16", dict(fraction=0.2, cpu_threads=16, **BEST)),
+    ("backward f0.2 bucket16", dict(fraction=0.2, bucket_nbytes=16 * 2**20, **BEST)),
+]
+
+
 def configs(quick: bool) -> list[tuple[str, dict]]:
     sweep = SWEEP[1::2] if quick else SWEEP
     out = [("f0", dict(fraction=0.0))]
@@ -106,7 +115,7 @@ def memory_runs(preset, device, data, warmup, steps):
     torch.manual_seed(0)
     model = models.build_model(preset, device, torch.bfloat16)
     model.checkpointing = True
-    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     gen = torch.Generator().manual_seed(1)
     seq = min(1024, model.cfg.block_size)
     batches = [get_batch(data, "train", 1, seq, gen, device) for _ in range(warmup + steps)]
@@ -130,6 +139,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--quick", action="store_true", help="half the sweep")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these configurations")
+    ap.add_argument("--no-probe", action="store_true", help="skip the kernel probe")
     ap.add_argument("--out", default="overlap-out")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script")
     args = ap.parse_args()
@@ -146,13 +157,17 @@ def main() -> int:
     torch.manual_seed(0)
     model = models.build_model(args.preset, device, torch.bfloat16)
     n = models.num_params(model)
-    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # On the host: a copy on the GPU would count in every configuration's peak memory.
+    init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     gen = torch.Generator().manual_seed(0)
     batches = [get_batch(data, "train", args.batch_size, args.seq_len, gen, device)
                for _ in range(args.warmup + args.steps)]  # fmt: skip
     results["params"] = n
     rows = results["configs"] = []
-    for name, cfg in configs(args.quick):
+    chosen = configs(args.quick) + EXTRA
+    if args.only is not None:
+        chosen = [(n, c) for n, c in chosen if n in args.only]
+    for name, cfg in chosen:
         try:
             rows.append(run(model, init, batches, name, cfg, args.warmup, args.steps))
         except anchors.Unavailable as e:
@@ -167,11 +182,12 @@ def main() -> int:
     # The CPU pass as the offloaded step sees it: a quarter of the params, scaled up.
     del model
     gc.collect()
-    if device.type == "cuda":
+    if device.type == "cuda" and not args.no_probe:
         torch.cuda.empty_cache()
         probe = time_kernel_under_link(device, n // 4, (4 * n) // 4)
         results["kernel_probe"] = probe
         write()
+    if device.type == "cuda":
         results["memory"] = memory_runs(args.preset, device, data, 2, 3)
         write()
     summarize(results, n)
