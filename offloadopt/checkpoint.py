@@ -103,7 +103,9 @@ def validate(
             raise ValueError(
                 f"state of {name} has keys {sorted(unknown)} that Hybrid{rule.name} does not use"
             )
-        for k in ("step", *rule.state_keys) if rule.has_step else rule.state_keys:
+        required = ("step",) if rule.has_step else ()
+        required += () if rule.lazy_state else rule.state_keys
+        for k in required:
             if k not in entry:
                 raise ValueError(f"state of {name} lacks {k!r}")
         if not rule.has_step:
@@ -133,8 +135,8 @@ def _checked_tensors(entry: dict, name: str, shape: tuple, rule: Rule) -> dict:
     """``entry`` after checking its state tensors (and optional master) against the shape."""
     for k in (*rule.state_keys, "master"):
         t = entry.get(k)
-        if t is None and k == "master":
-            continue
+        if t is None and (k == "master" or rule.lazy_state):
+            continue  # no master; or a lazy key not made yet (SGD's buffer before a step)
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.is_complex():
             what = f"a {t.dtype} Tensor" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"state of {name}: {k!r} must be a floating-point Tensor, got {what}")

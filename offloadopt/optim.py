@@ -63,7 +63,13 @@ class HybridOptimizer(Stepping, Optimizer):
         max_grad_norm: float | None = None,
         grads_final: bool = False,
         release_grads: bool = False,
+        placement_policy: str = "state-bytes",
     ):
+        if placement_policy not in ("state-bytes", "megatron"):
+            raise ValueError(
+                f"Invalid placement_policy: {placement_policy!r} (expected 'state-bytes' or 'megatron')"
+            )
+        self.placement_policy = placement_policy
         validate_options(
             self.rule, hyper, amsgrad=amsgrad, capturable=capturable,
             differentiable=differentiable, offload_fraction=offload_fraction,
@@ -143,17 +149,19 @@ class HybridOptimizer(Stepping, Optimizer):
     def _place(self, group_indices: list[int]) -> None:
         """Place the params of these groups and allocate their host buffers (all or nothing)."""
         start = sum(len(g["params"]) for g in self.param_groups[: group_indices[0]])
-        infos, tensors = [], []
+        infos, tensors, keys = [], [], {}
         for gi in group_indices:
             g = self.param_groups[gi]
+            keys[gi] = self.rule.state_keys_for(g)
             for i, p in enumerate(g["params"]):
                 infos.append(
                     ParamInfo(start + len(infos), self._name(g, gi, i), gi, tuple(p.shape),
-                              p.dtype, p.requires_grad, g["offload"], p.is_contiguous())
+                              p.dtype, p.requires_grad, g["offload"], p.is_contiguous(),
+                              len(keys[gi]))
                 )  # fmt: skip
                 tensors.append(p)
         placements = place(infos, self.offload_fraction, self.min_offload_numel,
-                           self.master_weights, len(self.rule.state_keys))  # fmt: skip
+                           self.master_weights, self.placement_policy)  # fmt: skip
         order = [(tensors[k], pl.name, pl.group, update_dtype(pl.dtype, self.master_weights))
                  for k, pl in reversed(list(enumerate(placements))) if pl.offloaded]  # fmt: skip
         arenas, buckets = build_arenas(order, self.bucket_nbytes)
@@ -169,7 +177,7 @@ class HybridOptimizer(Stepping, Optimizer):
         new_transfers: dict[torch.device, Transfer] = {}
         try:
             for arena in arenas:
-                arena.allocate(self.rule.state_keys, pin[arena.device])
+                arena.allocate(keys[arena.group_label], pin[arena.device])
             # Staging as large as the largest bucket (at most bucket_nbytes); a later
             # add_param_group that needs more replaces it, between steps.
             for d in devices:
@@ -195,7 +203,8 @@ class HybridOptimizer(Stepping, Optimizer):
             for b in self.buckets:
                 b.forget_slot_views()
         for pl in placements:
-            self._records[tensors[pl.index - start]] = ParamRecord(pl.name, pl)
+            rec = ParamRecord(pl.name, pl, state_keys=keys[pl.group])
+            self._records[tensors[pl.index - start]] = rec
         for arena in arenas:
             for k, p in enumerate(arena.params):
                 rec = self._records[p]
@@ -309,10 +318,12 @@ class HybridOptimizer(Stepping, Optimizer):
         """``p``'s record; a param put into a group's list by hand gets one now (on the device)."""
         rec = self._records.get(p)
         if rec is None:
+            keys = self.rule.state_keys_for(group)
             info = ParamInfo(-1, self._name(group, gi, i), gi, tuple(p.shape), p.dtype,
-                             p.requires_grad, group.get("offload"))  # fmt: skip
-            pl = place([info], 0.0, 0, self.master_weights, len(self.rule.state_keys))[0]
-            rec = self._records[p] = ParamRecord(pl.name, replace(pl, reason="added by hand"))
+                             p.requires_grad, group.get("offload"), n_states=len(keys))  # fmt: skip
+            pl = place([info], 0.0, 0, self.master_weights)[0]
+            rec = ParamRecord(pl.name, replace(pl, reason="added by hand"), state_keys=keys)
+            self._records[p] = rec
             self.placement.append(rec.placement)
         return rec
 
@@ -390,7 +401,12 @@ class HybridOptimizer(Stepping, Optimizer):
         mine = self.state[p]
         if self.rule.has_step:
             mine["step"].fill_(entry["step"])
-        for k in self.rule.state_keys:
+        for k in rec.state_keys:
+            if entry.get(k) is None:  # a lazy key not made yet (SGD before its first step)
+                mine.pop(k, None)
+                continue
+            if k not in mine:
+                mine[k] = self._new_state_tensor(p, rec, k)
             mine[k].copy_(entry[k])
         if "master" in mine:
             if entry.get("master") is not None:

@@ -30,6 +30,7 @@ class ParamInfo:
     requires_grad: bool
     group_offload: bool | None  # the group's "offload" key
     contiguous: bool = True  # offloaded params are copied as flat ranges, so must be contiguous
+    n_states: int = 2  # state tensors the rule keeps for its group (AdamW 2; SGD 1, or 0)
 
     @property
     def numel(self) -> int:
@@ -79,7 +80,7 @@ def place(
     offload_fraction: float,
     min_offload_numel: int,
     master_weights: bool,
-    n_states: int = 2,
+    policy: str = "state-bytes",
 ) -> list[Placement]:
     """Decide, deterministically, which params keep their state on the host.
 
@@ -88,6 +89,10 @@ def place(
         offload_fraction: share in [0, 1] of the eligible params' state bytes to offload.
         min_offload_numel: eligible params need at least this many elements.
         master_weights: whether low-precision params carry an fp32 master (affects bytes).
+        policy: ``"state-bytes"`` (below), or ``"megatron"``: Megatron-Core's
+            ``HybridDeviceOptimizer`` rule, params in registration order offloaded while the
+            offloaded numel is below ``offload_fraction`` x the numel of all params (it may
+            overshoot by one param), every size eligible.
         n_states: state tensors the update rule keeps per param (AdamW: 2).
 
     Returns:
@@ -98,7 +103,7 @@ def place(
     is taken while ``taken + nbytes / 2 <= target``), so fraction 0 offloads nothing, fraction 1
     everything eligible, and a fraction in between misses its target by at most half a param.
     """
-    nbytes = [state_nbytes(i.numel, i.dtype, master_weights, n_states) for i in infos]
+    nbytes = [state_nbytes(i.numel, i.dtype, master_weights, i.n_states) for i in infos]
     where = ["device"] * len(infos)
     reason = [""] * len(infos)
     eligible = []
@@ -109,6 +114,8 @@ def place(
             reason[k] = "empty"
         elif not info.contiguous:
             reason[k] = "non-contiguous"
+        elif nbytes[k] == 0:
+            reason[k] = "no state"  # e.g. an fp32 param under SGD without momentum
         elif info.group_offload is True:
             where[k], reason[k] = "host", "forced"
         elif info.group_offload is False:
@@ -118,13 +125,22 @@ def place(
         else:
             eligible.append(k)
             reason[k] = "fraction"
-    target = offload_fraction * sum(nbytes[k] for k in eligible)
-    taken = 0
-    for k in reversed(eligible):
-        if taken + nbytes[k] / 2 > target:
-            break
-        where[k] = "host"
-        taken += nbytes[k]
+    if policy == "megatron":
+        threshold = offload_fraction * sum(i.numel for i in infos)
+        taken = 0
+        for k in eligible:
+            if taken >= threshold:
+                break
+            where[k] = "host"
+            taken += infos[k].numel
+    else:
+        target = offload_fraction * sum(nbytes[k] for k in eligible)
+        taken = 0
+        for k in reversed(eligible):
+            if taken + nbytes[k] / 2 > target:
+                break
+            where[k] = "host"
+            taken += nbytes[k]
     return [
         Placement(i.index, i.name, i.group, i.shape, i.dtype, where[k], nbytes[k], reason[k])
         for k, i in enumerate(infos)

@@ -33,6 +33,7 @@ class ParamRecord:
     k: int = -1
     written: tuple[int, int] | None = None
     buckets: list[Bucket] = field(default_factory=list)  # the buckets that hold its segments
+    state_keys: tuple[str, ...] = ()  # the rule's state keys for its group (at placement)
 
     @property
     def offloaded(self) -> bool:

@@ -20,7 +20,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["Hyper", "Rule", "AdamWRule", "ADAMW", "check_number"]
+__all__ = [
+    "Hyper",
+    "Rule",
+    "AdamWRule",
+    "AdamRule",
+    "SGDRule",
+    "ADAMW",
+    "ADAM",
+    "SGD",
+    "check_number",
+]
 
 
 def check_number(name: str, value: Any, lo: float, hi: float | None = None, hi_open=False) -> None:
@@ -61,10 +71,13 @@ class Rule:
     hyper_defaults: dict[str, Any] = field(default_factory=dict)  # the rule's hyperparameters
     torch_flags: dict[str, Any] = field(default_factory=dict)  # restored on every group
     refused_flags: tuple[str, ...] = ()  # torch options that change the state schema: refused
+    # State keys that appear in ``opt.state`` only after a param's first update, as torch's SGD
+    # adds ``momentum_buffer`` (the kernel's ``is_first_step`` initialises them).
+    lazy_state: bool = False
 
-    def state_copies(self, has_master: bool) -> int:
-        """Tensors of the param's size the optimizer keeps: the state keys, plus a master."""
-        return len(self.state_keys) + (1 if has_master else 0)
+    def state_keys_for(self, values: dict[str, Any]) -> tuple[str, ...]:
+        """The state keys a group with these values keeps (SGD without momentum: none)."""
+        return self.state_keys
 
     def validate(self, values: dict[str, Any]) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -85,9 +98,10 @@ class Rule:
             lr_host = lr if lr.device.type == "cpu" else lr.to("cpu")  # synchronous copy
         return Hyper(MappingProxyType(values), lr_host)
 
-    def update(self, hyper: Hyper, weights, grads, states, steps, host: bool) -> None:
-        """One update over lists of same-device tensors (``states`` in :attr:`state_keys`
-        order, ``steps`` already advanced); ``host`` selects :attr:`Hyper.lr_host`."""
+    def update(self, hyper: Hyper, weights, grads, states, steps, host: bool, first=False) -> None:
+        """One update over lists of same-device tensors (``states`` in :meth:`state_keys_for`
+        order, ``steps`` already advanced); ``host`` selects :attr:`Hyper.lr_host`; ``first``:
+        these params' first update (for :attr:`lazy_state` rules)."""
         raise NotImplementedError  # pragma: no cover - abstract
 
 
@@ -128,12 +142,14 @@ class AdamWRule(Rule):
         """Raise ``ValueError``/``TypeError`` naming the bad value, as ``torch.optim.AdamW``."""
         _validate_adam_values(values)
 
-    def update(self, hyper: Hyper, weights, grads, states, steps, host: bool) -> None:
+    kernel = staticmethod(torch._fused_adamw_)
+
+    def update(self, hyper: Hyper, weights, grads, states, steps, host: bool, first=False) -> None:
         if not weights:
             return
         exp_avgs, exp_avg_sqs = states
         beta1, beta2 = hyper["betas"]
-        torch._fused_adamw_(
+        self.kernel(
             weights,
             grads,
             exp_avgs,
@@ -147,6 +163,61 @@ class AdamWRule(Rule):
             weight_decay=hyper["weight_decay"],
             eps=hyper["eps"],
             maximize=hyper["maximize"],
+        )
+
+
+@dataclass(frozen=True)
+class AdamRule(AdamWRule):
+    """Adam with L2 weight decay added to the grad (never decoupled): ``torch._fused_adam_``,
+    as ``torch.optim.Adam(fused=True)`` calls it (Kingma & Ba, arXiv 1412.6980)."""
+
+    kernel = staticmethod(torch._fused_adam_)
+
+
+def _validate_sgd_values(values: dict[str, Any]) -> None:
+    lr = values["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
+        lr = float(lr.detach().cpu())
+    check_number("learning rate", lr, 0.0)
+    check_number("momentum value", values["momentum"], 0.0)
+    check_number("dampening value", values["dampening"], float("-inf"))
+    check_number("weight_decay value", values["weight_decay"], 0.0)
+    for flag in ("nesterov", "maximize"):
+        if not isinstance(values[flag], bool):
+            raise ValueError(f"Invalid {flag}: {values[flag]!r} (expected a bool)")
+    if values["nesterov"] and (values["momentum"] <= 0 or values["dampening"] != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+
+@dataclass(frozen=True)
+class SGDRule(Rule):
+    """SGD with momentum, dampening, Nesterov, weight decay and maximize: ``torch._fused_sgd_``,
+    as ``torch.optim.SGD(fused=True)`` calls it (torch/optim/sgd.py, ``_fused_sgd``). No
+    ``step``; ``momentum_buffer`` only with momentum, created by a param's first update."""
+
+    def state_keys_for(self, values: dict[str, Any]) -> tuple[str, ...]:
+        return self.state_keys if values.get("momentum", 0) != 0 else ()
+
+    def validate(self, values: dict[str, Any]) -> None:
+        """Raise ``ValueError`` naming the bad value, as ``torch.optim.SGD``."""
+        _validate_sgd_values(values)
+
+    def update(self, hyper: Hyper, weights, grads, states, steps, host: bool, first=False) -> None:
+        if not weights:
+            return
+        torch._fused_sgd_(
+            weights,
+            grads,
+            states[0] if states else [],  # momentum_buffer_list; none without momentum
+            weight_decay=hyper["weight_decay"],
+            momentum=hyper["momentum"],
+            lr=hyper.lr_host if host else hyper["lr"],
+            dampening=hyper["dampening"],
+            nesterov=hyper["nesterov"],
+            maximize=hyper["maximize"],
+            is_first_step=bool(first and states),
         )
 
 
@@ -164,4 +235,31 @@ ADAMW = AdamWRule(
         decoupled_weight_decay=True,
     ),
     refused_flags=("amsgrad",),
+)
+
+ADAM = AdamRule(
+    name="Adam",
+    state_keys=("exp_avg", "exp_avg_sq"),
+    has_step=True,
+    hyper_defaults=dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, maximize=False),
+    torch_flags=dict(
+        amsgrad=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=True,
+        decoupled_weight_decay=False,
+    ),
+    refused_flags=("amsgrad", "decoupled_weight_decay"),
+)
+
+SGD = SGDRule(
+    name="SGD",
+    state_keys=("momentum_buffer",),
+    has_step=False,
+    hyper_defaults=dict(
+        lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False
+    ),  # fmt: skip
+    torch_flags=dict(foreach=None, differentiable=False, fused=True),
+    lazy_state=True,
 )

@@ -74,6 +74,7 @@ class StepState:
     norm: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     waited: set[Bucket] = field(default_factory=set)  # wait="module": buckets waited for
+    first: set[torch.Tensor] = field(default_factory=set)  # lazy-state params' first update
     t0: float = 0.0
 
 
@@ -136,8 +137,8 @@ class Stepping:
             self._feed(st, self._open_buckets(st, with_grad), st.scale)
             # Phase 1: device-resident params, torch's fused kernel on the compute stream.
             t = time.perf_counter()
-            for hyper, params in device_work:
-                self._device_update(hyper, params, st.scale)
+            for hyper, params, first in device_work:
+                self._device_update(hyper, params, st.scale, first)
             st.stats["device_update_ms"] = (time.perf_counter() - t) * 1e3
             st.stats["collect_ms"] = (t - t0) * 1e3
             if st.run is None:
@@ -322,7 +323,15 @@ class Stepping:
                 hypers[id(group)] = self.rule.freeze(group)
             except (TypeError, ValueError) as e:
                 raise type(e)(f"param group {gi}: {e}") from e
+            keys = self.rule.state_keys_for(group)
             for i, p in enumerate(group["params"]):
+                rec = self._records.get(p)
+                if rec is not None and rec.state_keys != keys:
+                    raise ValueError(
+                        f"param group {gi}: {rec.name} keeps state {list(rec.state_keys)} since "
+                        f"it was placed, the group's values now need {list(keys)} (momentum "
+                        "turned on or off after the optimizer was built)"
+                    )
                 if p in group_of:
                     raise RuntimeError(
                         f"{self._name(group, gi, i)} is in param groups {index_of[p]} and {gi}: "
@@ -372,12 +381,17 @@ class Stepping:
                 continue
             st.prepared.add(p)
             rec = self._records[p]
-            if not self.state.get(p):
+            if not self.state.get(p):  # none yet (an empty entry: a defaultdict lookup)
                 self._init_state(p, rec)
             elif rec.is_stale(p):
                 self._refresh_if_stale(p, rec)
+            state = self.state[p]
+            if self.rule.lazy_state and any(k not in state for k in rec.state_keys):
+                st.first.add(p)  # the kernel's is_first_step initialises these
+                for k in rec.state_keys:
+                    state[k] = self._new_state_tensor(p, rec, k)
             if rec.offloaded and self.rule.has_step:
-                steps.append(self.state[p]["step"])
+                steps.append(state["step"])
         if steps:
             torch._foreach_add_(steps, 1)
 
@@ -385,10 +399,10 @@ class Stepping:
         """Prepare the device-resident params; their work grouped by frozen hyperparameters."""
         on_device = [p for p in with_grad if not self._records[p].offloaded]
         self._prepare(st, on_device)
-        by_group: dict[int, tuple[Hyper, list]] = {}
+        by_group: dict[tuple, tuple[Hyper, list, bool]] = {}
         for p in on_device:
-            hyper = st.hypers[id(st.group_of[p])]
-            by_group.setdefault(id(hyper), (hyper, []))[1].append(p)
+            hyper, first = st.hypers[id(st.group_of[p])], p in st.first
+            by_group.setdefault((id(hyper), first), (hyper, [], first))[1].append(p)
         return list(by_group.values())
 
     def _open_buckets(self, st: StepState, with_grad: list[torch.Tensor]) -> list:
@@ -420,12 +434,12 @@ class Stepping:
             st.run = self._pipeline.begin(self._update_bucket, st.stats)
         for b, idx in items:
             params = b.arena.params
-            calls: dict[int, tuple[Hyper, list[int], list[torch.Tensor]]] = {}
+            calls: dict[tuple, tuple[Hyper, list[int], list[torch.Tensor], bool]] = {}
             release = []
             for pos, n in enumerate(idx):
                 p = params[b.segments[n].k]
-                hyper = st.hypers[id(st.group_of[p])]
-                call = calls.setdefault(id(hyper), (hyper, [], []))
+                hyper, first = st.hypers[id(st.group_of[p])], p in st.first
+                call = calls.setdefault((id(hyper), first), (hyper, [], [], first))
                 call[1].append(pos)
                 if self.rule.has_step:
                     call[2].append(self.state[p]["step"])
@@ -496,31 +510,41 @@ class Stepping:
         the update dtype, on the host) are ``grads``; one kernel call per group."""
         b = work.bucket
         masters = b.state_views(b.arena.master)
-        states = [b.state_views(b.arena.states[k]) for k in self.rule.state_keys]
-        for hyper, positions, steps in work.payload:
+        states = [b.state_views(flat) for flat in b.arena.states.values()]  # the rule's order
+        for hyper, positions, steps, first in work.payload:
             segs = [work.idx[j] for j in positions]
             self.rule.update(hyper, [masters[i] for i in segs], [grads[j] for j in positions],
-                             [[s[i] for i in segs] for s in states], steps, host=True)  # fmt: skip
+                             [[s[i] for i in segs] for s in states], steps, host=True,
+                             first=first)  # fmt: skip
 
     def _init_state(self, p: torch.Tensor, rec: ParamRecord) -> None:
         """Lazily create ``p``'s state at its first grad, as torch does."""
         step = {"step": torch.zeros((), dtype=torch.float32)} if self.rule.has_step else {}
+        # A lazy rule's state keys come with the param's first update (see _prepare).
+        keys = () if self.rule.lazy_state else rec.state_keys
         if rec.offloaded:
             master = rec.home("master")
             master.copy_(p.detach())  # blocking D2H (once per param): master = weights
-            state = {**step, **{k: rec.home(k).zero_() for k in self.rule.state_keys}}
+            state = {**step, **{k: self._new_state_tensor(p, rec, k) for k in keys}}
             if rec.arena.dtype != p.dtype:
                 state["master"] = master
         else:
             udt = update_dtype(p.dtype, self.master_weights)
             if step:
                 step["step"] = step["step"].to(p.device)
-            state = {**step, **{k: torch.zeros_like(p, dtype=udt, memory_format=torch.preserve_format)
-                                for k in self.rule.state_keys}}  # fmt: skip
+            state = {**step, **{k: self._new_state_tensor(p, rec, k) for k in keys}}
             if udt != p.dtype:
                 state["master"] = p.detach().to(udt, memory_format=torch.preserve_format, copy=True)
         self.state[p] = state
         rec.mark_written(p)
+
+    def _new_state_tensor(self, p: torch.Tensor, rec: ParamRecord, key: str) -> torch.Tensor:
+        """State ``key`` of ``p`` at zero: its arena view when offloaded, else a device tensor
+        in the update dtype shaped like ``p``."""
+        if rec.offloaded:
+            return rec.home(key).zero_()
+        udt = update_dtype(p.dtype, self.master_weights)
+        return torch.zeros_like(p, dtype=udt, memory_format=torch.preserve_format)
 
     def _refresh_if_stale(self, p: torch.Tensor, rec: ParamRecord) -> None:
         """No stale masters: weights changed outside the optimizer win over its copy."""
@@ -542,14 +566,14 @@ class Stepping:
             master.copy_(torch.where(changed, current.to(master.dtype), master))
         rec.mark_written(p)
 
-    def _device_update(self, hyper: Hyper, params: list[torch.Tensor], scale) -> None:
+    def _device_update(self, hyper: Hyper, params: list[torch.Tensor], scale, first=False) -> None:
         """The rule on the device, on the compute stream; fp32 masters where they exist, fed
         grads upcast (and multiplied by the clip coefficient) chunk by chunk so the fp32
         temporaries stay under ``bucket_nbytes``."""
         plain = [p for p in params if "master" not in self.state[p]]
         mastered = [p for p in params if "master" in self.state[p]]
         if scale is None:
-            self._device_rule(hyper, plain, plain, [_matching(p.grad, p) for p in plain])
+            self._device_rule(hyper, plain, plain, [_matching(p.grad, p) for p in plain], first)
             plain = []
         for kind in (plain, mastered):
             chunk: list[torch.Tensor] = []
@@ -566,18 +590,19 @@ class Stepping:
                     # user's grads are left as they are.
                     grads = [g * scale if g is q.grad else g.mul_(scale)
                              for g, q in zip(grads, chunk, strict=True)]  # fmt: skip
-                self._device_rule(hyper, chunk, targets, grads)
+                self._device_rule(hyper, chunk, targets, grads, first)
                 if kind is mastered:
                     torch._foreach_copy_(chunk, targets)  # weights = round(master)
                 for q in chunk:
                     self._records[q].mark_written(q)
                 chunk, nbytes = [], 0
 
-    def _device_rule(self, hyper: Hyper, params, weights, grads) -> None:
+    def _device_rule(self, hyper: Hyper, params, weights, grads, first=False) -> None:
         if not params:
             return
-        states = [[self.state[p][k] for p in params] for k in self.rule.state_keys]
+        keys = self._records[params[0]].state_keys  # one group: the same keys
+        states = [[self.state[p][k] for p in params] for k in keys]
         steps = [self.state[p]["step"] for p in params] if self.rule.has_step else []
         if steps:
             torch._foreach_add_(steps, 1)
-        self.rule.update(hyper, weights, grads, states, steps, host=False)
+        self.rule.update(hyper, weights, grads, states, steps, host=False, first=first)

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 

@@ -100,7 +100,7 @@ def time_kernel_under_link(
 
     def timed(run_kernel, with_link: bool) -> float:
         times = []
-        for i in range(reps + 1):
+        for _ in range(reps + 1):
             torch.cuda.synchronize(device)
             if with_link:
                 traffic()

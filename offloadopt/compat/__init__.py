@@ -1,0 +1,1 @@
+"""Constructors that mirror other libraries' offloading optimizers on offloadopt's machinery."""

@@ -1,0 +1,144 @@
+"""HybridAdam and HybridSGD against torch.optim.Adam(fused=True) and torch.optim.SGD(fused=True):
+bitwise on CPU fp32 at every fraction, fp32 masters for bf16, checkpoints both ways."""
+
+import copy
+
+import pytest
+import torch
+from oracle import FRACTIONS, assert_bitwise, groups_of, make_params, seeded_grads
+
+from offloadopt import HybridAdam, HybridSGD
+
+SGD_CASES = {
+    "plain": dict(lr=0.1),
+    "momentum": dict(lr=0.1, momentum=0.9),
+    "dampening": dict(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.01),
+    "nesterov": dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.05),
+    "maximize": dict(lr=0.05, momentum=0.5, maximize=True),
+}
+ADAM_CASES = {
+    "plain": dict(lr=1e-2),
+    "l2": dict(lr=1e-2, weight_decay=0.1),
+    "maximize": dict(lr=1e-2, weight_decay=0.01, maximize=True, betas=(0.8, 0.9)),
+}
+
+
+def pair(kind, case, fraction, dtype=torch.float32):
+    ref_params, params = make_params(dtype), make_params(dtype)
+    kw = (SGD_CASES if kind == "sgd" else ADAM_CASES)[case]
+    torch_cls, ours = (torch.optim.SGD, HybridSGD) if kind == "sgd" else (torch.optim.Adam, HybridAdam)  # fmt: skip
+    masters = ref_params if dtype == torch.float32 else [torch.nn.Parameter(p.detach().float()) for p in ref_params]  # fmt: skip
+    ref = torch_cls(groups_of(masters), fused=True, **kw)
+    opt = ours(groups_of(params), offload_fraction=fraction, min_offload_numel=64, **kw)
+    return ref, masters, opt, params
+
+
+def run(ref, masters, opt, params, steps, start=0):
+    for step in range(start, start + steps):
+        for m, p, g in zip(masters, params, seeded_grads(params, step), strict=True):
+            m.grad, p.grad = g.float(), g.clone()
+        ref.step()
+        opt.step()
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize(
+    "kind,case", [("sgd", c) for c in SGD_CASES] + [("adam", c) for c in ADAM_CASES]
+)
+def test_bitwise_equal_to_torchs_fused_kernel_on_cpu_fp32(kind, case, fraction):
+    ref, masters, opt, params = pair(kind, case, fraction)
+    run(ref, masters, opt, params, 8)
+    assert_bitwise(params, masters, f"{kind} {case}")
+    if fraction == 1.0 and (kind == "adam" or "momentum" in SGD_CASES[case]):
+        assert opt.is_offloaded(params[0])
+    for p, m in zip(params, masters, strict=True):
+        mine, theirs = opt.state[p], ref.state[m]
+        assert set(mine) == set(theirs), (mine.keys(), theirs.keys())  # no "step" for SGD
+        for k in theirs:
+            torch.testing.assert_close(mine[k], theirs[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("kind,case", [("sgd", "nesterov"), ("adam", "l2")])
+def test_bf16_params_update_fp32_masters_like_torch_on_fp32_copies(kind, case, fraction):
+    ref, masters, opt, params = pair(kind, case, fraction, torch.bfloat16)
+    for step in range(6):
+        run(ref, masters, opt, params, 1, start=step)
+        assert_bitwise([opt.state[p]["master"] for p in params], masters, f"step {step}")
+        assert_bitwise(params, [m.detach().bfloat16() for m in masters], "weights = round(master)")
+
+
+def test_sgd_without_momentum_has_nothing_to_offload_and_says_so():
+    params = make_params()
+    opt = HybridSGD(params, lr=0.1, offload_fraction=1.0, min_offload_numel=1)
+    assert {pl.reason for pl in opt.placement} == {"no state"}
+    assert not any(opt.is_offloaded(p) for p in params)
+    assert "no state" in opt.placement_table()
+    bf16 = make_params(torch.bfloat16)
+    opt = HybridSGD(bf16, lr=0.1, offload_fraction=1.0, min_offload_numel=1)
+    assert all(opt.is_offloaded(p) for p in bf16)  # the fp32 master is state
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+@pytest.mark.parametrize("kind,case", [("sgd", "dampening"), ("adam", "l2")])
+def test_checkpoints_cross_load_with_torch_both_ways(kind, case, fraction):
+    # 10 uninterrupted steps (torch and ours in lockstep) against: 5 steps of each, then
+    # torch's state loaded into a fresh ours and ours into a fresh torch, 5 more steps each.
+    ref, masters, opt, params = pair(kind, case, fraction)
+    run(ref, masters, opt, params, 10)
+    t_ref, t_masters, t_opt, t_own = pair(kind, case, fraction)
+    run(t_ref, t_masters, t_opt, t_own, 5)
+    kw = (SGD_CASES if kind == "sgd" else ADAM_CASES)[case]
+    fresh = [torch.nn.Parameter(m.detach().clone()) for m in t_masters]
+    ours = (HybridSGD if kind == "sgd" else HybridAdam)(
+        groups_of(fresh), offload_fraction=fraction, min_offload_numel=64, **kw
+    )
+    ours.load_state_dict(copy.deepcopy(t_ref.state_dict()))  # torch -> ours
+    back = [torch.nn.Parameter(p.detach().clone()) for p in t_own]
+    torch_again = type(t_ref)(groups_of(back), fused=True, **kw)
+    torch_again.load_state_dict(copy.deepcopy(t_opt.state_dict()))  # ours -> torch
+    assert torch_again.param_groups[0]["fused"] is True
+    for step in range(5, 10):
+        grads = seeded_grads(fresh, step)
+        for a, b, g in zip(fresh, back, grads, strict=True):
+            a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        torch_again.step()
+    assert_bitwise(fresh, masters, "torch -> ours")
+    assert_bitwise(back, params, "ours -> torch")
+
+
+def test_adam_refuses_decoupled_weight_decay_and_an_adamw_checkpoint():
+    with pytest.raises(ValueError, match="is AdamW: use offloadopt.HybridAdamW"):
+        HybridAdam(make_params(), decoupled_weight_decay=True)
+    params = make_params()
+    torch_adamw = torch.optim.AdamW(params, fused=True)
+    opt = HybridAdam(make_params(), min_offload_numel=64)
+    with pytest.raises(
+        ValueError, match="decoupled_weight_decay=True, which HybridAdam does not support"
+    ):
+        opt.load_state_dict(torch_adamw.state_dict())
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [(dict(momentum=-0.1), "Invalid momentum value: -0.1"),
+     (dict(lr=-1.0), "Invalid learning rate: -1.0"),
+     (dict(nesterov=True), "Nesterov momentum requires a momentum and zero dampening"),
+     (dict(weight_decay=-1.0), "Invalid weight_decay value: -1.0")],
+)  # fmt: skip
+def test_sgd_arguments_are_checked_like_torchs(kw, match):
+    with pytest.raises(ValueError, match=match):
+        HybridSGD(make_params(), **kw)
+
+
+def test_turning_momentum_on_after_construction_is_refused_before_any_change():
+    params = make_params()
+    opt = HybridSGD(params, lr=0.1, min_offload_numel=1)
+    for p, g in zip(params, seeded_grads(params, 0), strict=True):
+        p.grad = g
+    opt.param_groups[0]["momentum"] = 0.9
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match="momentum turned on or off after the optimizer was built"):
+        opt.step()
+    assert_bitwise(params, before)
