@@ -27,7 +27,8 @@ from offloadopt.rules import ADAM, ADAMW, SGD, Rule
 
 __all__ = ["HybridDeviceOptimizer", "rule_of"]
 
-# Keyword arguments of torch's (and TE's/Apex's) classes that only pick a kernel: accepted.
+# Keyword arguments of torch's (and TE's/Apex's) classes that pick a kernel or, already
+# read by _family, the rule: accepted.
 _KERNEL_KWARGS = {
     "fused",
     "foreach",
@@ -35,6 +36,7 @@ _KERNEL_KWARGS = {
     "differentiable",
     "adam_w_mode",
     "set_grad_none",
+    "decoupled_weight_decay",
 }
 
 
