@@ -21,6 +21,7 @@ from offloadopt.pipeline import Pipeline
 from offloadopt.placement import ParamInfo, Placement, format_placement, place, update_dtype
 from offloadopt.records import ParamRecord
 from offloadopt.rules import ADAMW, Rule
+from offloadopt.state import OptimizerState
 from offloadopt.steps import Stepping
 from offloadopt.transfer import Transfer
 from offloadopt.validation import validate_group, validate_options, validate_params_arg
@@ -116,6 +117,7 @@ class HybridOptimizer(Stepping, Optimizer):
         self._stats: dict[str, float] = {}
         self._warned: set[str] = set()
         super().__init__(params, defaults)
+        self.state = OptimizerState(self)  # assignments copy into the buffers (state.py)
         self._place(list(range(len(self.param_groups))))
         self._ready = True
 

@@ -535,8 +535,13 @@ class Stepping:
             state = {**step, **{k: self._new_state_tensor(p, rec, k) for k in keys}}
             if udt != p.dtype:
                 state["master"] = p.detach().to(udt, memory_format=torch.preserve_format, copy=True)
-        self.state[p] = state
+        self.state.install(p, state)
         rec.mark_written(p)
+
+    def _make_state(self, p: torch.Tensor) -> dict:
+        """``p``'s state made now (an assignment into ``opt.state`` before its first step)."""
+        self._init_state(p, self._records[p])
+        return self.state[p]
 
     def _new_state_tensor(self, p: torch.Tensor, rec: ParamRecord, key: str) -> torch.Tensor:
         """State ``key`` of ``p`` at zero: its arena view when offloaded, else a device tensor

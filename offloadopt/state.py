@@ -1,0 +1,106 @@
+"""``opt.state``: torch's ``defaultdict(dict)``, whose assignments copy into the buffers.
+
+Frameworks assign whole state entries: PyTorch Lightning moves optimizer state to the device
+after a resume with ``state[p][key] = value.to(device)``, ``ZeroRedundancyOptimizer`` and users
+assign new tensors. A plain dict would then hold the assigned copy while the update keeps
+writing the optimizer's own buffer (an offloaded moment lives in a host arena the kernel reads
+through views), so ``state_dict()`` would report stale values and the copy would take GPU
+memory. Here an assignment of a tensor to a key that holds one waits for work in flight and
+copies the value into the existing buffer, which stays where it lives (host state on the host,
+pinned where it was); a whole-entry assignment does that key by key; deleting an entry resets
+that param's state (made again at its next grad, as torch does). Copies of an entry
+(``copy.deepcopy``, ``dict(...)``) are plain dicts.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+__all__ = ["OptimizerState", "StateEntry"]
+
+
+class StateEntry(dict):
+    """One param's state (``opt.state[p]``); see the module docstring."""
+
+    def __init__(self, owner: Any, *args: Any):
+        super().__init__(*args)
+        self._owner = weakref.ref(owner)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        old = self.get(key)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if isinstance(old, torch.Tensor) and old.numel() == 1 and number:
+            old.fill_(value)  # e.g. "step" assigned a number: the counter tensor keeps it
+            return
+        if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and value is not old:
+            owner = self._owner()
+            if owner is not None:
+                owner.synchronize()  # no update in flight reads or writes this buffer
+            if value.numel() != old.numel() or (old.dim() and value.shape != old.shape):
+                raise ValueError(
+                    f"opt.state[...][{key!r}] = a tensor of shape {tuple(value.shape)}: the "
+                    f"optimizer's buffer has shape {tuple(old.shape)}"
+                )
+            with torch.no_grad():
+                old.copy_(value.reshape(old.shape))  # the buffer keeps its device, dtype, pinning
+            return
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner.synchronize()
+        super().__delitem__(key)
+
+    def __reduce__(self):
+        return dict, (dict(self),)  # copies are plain dicts
+
+
+class OptimizerState(defaultdict):
+    """``opt.state``: param -> :class:`StateEntry`, created on first lookup as torch's is."""
+
+    def __init__(self, owner: Any):
+        super().__init__()
+        self._owner = weakref.ref(owner)
+
+    def __missing__(self, key: Any) -> StateEntry:
+        entry = StateEntry(self._owner())
+        dict.__setitem__(self, key, entry)
+        return entry
+
+    def install(self, p: torch.Tensor, state: dict) -> StateEntry:
+        """Set ``p``'s state as the optimizer made it (no copying)."""
+        entry = StateEntry(self._owner(), state)
+        dict.__setitem__(self, p, entry)
+        return entry
+
+    def __setitem__(self, p: Any, value: Any) -> None:
+        owner = self._owner()
+        if owner is None or not isinstance(value, dict) or p not in owner._records:
+            dict.__setitem__(self, p, value)
+            return
+        owner.synchronize()
+        entry = self.get(p)
+        if not entry:
+            entry = owner._make_state(p)  # the buffers the assigned values are copied into
+        for key, v in value.items():
+            if key not in entry and isinstance(v, torch.Tensor):
+                rec = owner._records[p]
+                if key in rec.state_keys:  # a lazy key (SGD's buffer): its home first
+                    dict.__setitem__(entry, key, owner._new_state_tensor(p, rec, key))
+            entry[key] = v
+        for key in [k for k in entry if k not in value and k != "master"]:
+            dict.__delitem__(entry, key)
+
+    def __delitem__(self, p: Any) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner.synchronize()
+        dict.__delitem__(self, p)
+
+    def __reduce__(self):
+        return dict, (dict(self),)
