@@ -152,11 +152,13 @@ def _checked_tensors(entry: dict, name: str, shape: tuple, rule: Rule) -> dict:
 def merge_group(mine: dict[str, Any], saved: dict[str, Any], rule: Rule) -> dict[str, Any]:
     """The values a loading group takes: every saved key (hyperparameters and extras such as a
     scheduler's ``initial_lr``, deep-copied) except the loading optimizer's own keys
-    (``params``, ``param_names``, ``offload``), then the rule's torch flags restored."""
+    (``params``, ``param_names`` when it has them, ``offload``), then the rule's torch flags."""
     out = {k: v for k, v in mine.items()}
     for k, v in saved.items():
         if k not in _OWN_KEYS:
             out[k] = copy.deepcopy(v)
+    if "param_names" in saved and "param_names" not in mine:
+        out["param_names"] = list(saved["param_names"])  # as torch keeps a named checkpoint's
     if "betas" in out:
         out["betas"] = tuple(out["betas"])
     out.update(rule.torch_flags)

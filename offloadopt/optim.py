@@ -343,6 +343,7 @@ class HybridOptimizer(Stepping, Optimizer):
         snapshot = [self.is_offloaded(p) for g in self.param_groups for p in g["params"]]
         return checkpoint.pack(sd, snapshot)
 
+    @torch.no_grad()  # copies from tensors that require grad record nothing
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Validate the whole dict, then copy it into the existing buffers.
 

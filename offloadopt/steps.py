@@ -28,6 +28,8 @@
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -53,6 +55,46 @@ def _matching(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if grad.dtype == like.dtype and grad.stride() == like.stride():
         return grad
     return torch.empty_like(like).copy_(grad)
+
+
+def _dense(p: torch.Tensor) -> bool:
+    """Whether ``p``'s elements fill its memory without gaps or overlap (flat kernels are safe)."""
+    if p.is_contiguous():
+        return True
+    expected = 1  # sorted by stride, a dense tensor's strides are running products of its sizes
+    for stride, size in sorted(
+        (st, n) for st, n in zip(p.stride(), p.shape, strict=True) if n != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Signals with a Python handler (Ctrl-C's SIGINT, a preemption handler's SIGTERM or
+    SIGUSR1) that arrive inside the block reach their handler when it ends, so an interrupt
+    cannot leave a step half done (tests/test_state_contract.py). Main thread only: Python runs
+    signal handlers there alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[tuple[int, Any]] = []
+    previous = {}
+    for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2"):
+        sig = getattr(signal, name, None)
+        handler = signal.getsignal(sig) if sig is not None else None
+        if callable(handler):
+            previous[sig] = handler
+            signal.signal(sig, lambda signum, frame: pending.append((signum, frame)))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum, frame in pending:
+            previous[signum](signum, frame)  # KeyboardInterrupt for SIGINT: raised from here
 
 
 @dataclass(eq=False)
@@ -82,6 +124,7 @@ class Stepping:
     """The step machinery of :class:`offloadopt.optim.HybridOptimizer` (a mixin)."""
 
     # ------------------------------------------------------------------ public
+    @torch.compiler.disable  # under torch.compile the step runs eagerly (a graph break)
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One update of every param with a grad; params whose grad is None are skipped.
@@ -99,7 +142,7 @@ class Stepping:
             with torch.enable_grad():
                 loss = closure()
         t0 = time.perf_counter()
-        with self._lock:
+        with signals_deferred(), self._lock:
             self._raise_if_broken()
             st = self._step
             if st is not None and not st.backward_done:
@@ -575,12 +618,15 @@ class Stepping:
         """The rule on the device, on the compute stream; fp32 masters where they exist, fed
         grads upcast (and multiplied by the clip coefficient) chunk by chunk so the fp32
         temporaries stay under ``bucket_nbytes``."""
-        plain = [p for p in params if "master" not in self.state[p]]
+        plain = [p for p in params if "master" not in self.state[p] and _dense(p)]
+        # torch's fused kernels walk a tensor's memory flat: a strided view (Parameter(base[..., 0]))
+        # is updated through a contiguous copy (tests/test_state_contract.py).
+        strided = [p for p in params if "master" not in self.state[p] and not _dense(p)]
         mastered = [p for p in params if "master" in self.state[p]]
         if scale is None:
             self._device_rule(hyper, plain, plain, [_matching(p.grad, p) for p in plain], first)
             plain = []
-        for kind in (plain, mastered):
+        for kind in (plain, strided, mastered):
             chunk: list[torch.Tensor] = []
             nbytes = 0
             for n, p in enumerate(kind):
@@ -588,7 +634,14 @@ class Stepping:
                 nbytes += p.numel() * 4
                 if nbytes < self.bucket_nbytes and n < len(kind) - 1:
                     continue
-                targets = [self.state[q]["master"] if kind is mastered else q for q in chunk]
+                if kind is mastered:
+                    targets = [self.state[q]["master"] for q in chunk]
+                elif kind is strided:
+                    targets = [
+                        q.detach().clone(memory_format=torch.contiguous_format) for q in chunk
+                    ]
+                else:
+                    targets = chunk
                 grads = [_matching(q.grad, t) for q, t in zip(chunk, targets, strict=True)]
                 if scale is not None:
                     # The clip coefficient on fp32 grads, as the offloaded path applies it; the
@@ -596,8 +649,8 @@ class Stepping:
                     grads = [g * scale if g is q.grad else g.mul_(scale)
                              for g, q in zip(grads, chunk, strict=True)]  # fmt: skip
                 self._device_rule(hyper, chunk, targets, grads, first)
-                if kind is mastered:
-                    torch._foreach_copy_(chunk, targets)  # weights = round(master)
+                if kind is not plain:
+                    torch._foreach_copy_(chunk, targets)  # weights = round(master), or strided
                 for q in chunk:
                     self._records[q].mark_written(q)
                 chunk, nbytes = [], 0

@@ -78,3 +78,106 @@ def test_copies_of_entries_are_plain_dicts():
         type(entry) is dict
         and entry["exp_avg"].data_ptr() != opt.state[params[0]]["exp_avg"].data_ptr()
     )
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_an_interrupt_inside_step_arrives_after_the_step_is_whole(fraction):
+    import os
+    import signal
+
+    ref, ref_params, opt, params = pair(fraction)
+    step_both(ref, ref_params, opt, params, 0)
+    if opt._pipeline is not None:  # Ctrl-C while the worker updates the first bucket
+        opt._pipeline.worker_hook = lambda b: os.kill(os.getpid(), signal.SIGINT)
+    else:
+        ref_step = opt._device_rule
+
+        def interrupted(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGINT)
+            return ref_step(*args, **kwargs)
+
+        opt._device_rule = interrupted
+    for p, q, g in zip(ref_params, params, seeded_grads(params, 1), strict=True):
+        p.grad, q.grad = g.clone(), g.clone()
+    ref.step()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert_bitwise(params, ref_params, "every param stepped before the interrupt arrived")
+    assert {float(s["step"]) for s in opt.state.values()} == {2.0}
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_load_state_dict_with_tensors_that_require_grad_loads():
+    ref, ref_params, opt, params = pair(1.0)
+    step_both(ref, ref_params, opt, params, 0)
+    sd = copy.deepcopy(ref.state_dict())
+    for entry in sd["state"].values():
+        entry["exp_avg"].requires_grad_(True)
+    opt.load_state_dict(sd)
+    assert not opt.state[params[0]]["exp_avg"].requires_grad
+    step_both(ref, ref_params, opt, params, 1)
+    assert_bitwise(params, ref_params)
+
+
+def test_param_names_of_a_named_checkpoint_survive_a_load_into_an_unnamed_optimizer():
+    from offloadopt import HybridAdamW
+
+    model = torch.nn.Linear(8, 8)
+    named = HybridAdamW(model.named_parameters(), min_offload_numel=1)
+    plain = HybridAdamW(model.parameters(), min_offload_numel=1)
+    plain.load_state_dict(named.state_dict())
+    assert plain.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
+
+
+def test_non_param_keys_and_hook_added_keys_survive_state_dict():
+    ref, ref_params, opt, params = pair(1.0)
+    step_both(ref, ref_params, opt, params, 0)
+    opt.state["global_counter"] = 3  # a non-param key, as some schedulers and wrappers keep
+
+    def post_hook(optimizer, sd):
+        sd["extra"] = {"epoch": 5}
+        return sd
+
+    opt.register_state_dict_post_hook(post_hook)
+    sd = opt.state_dict()
+    assert sd["state"]["global_counter"] == 3 and sd["extra"] == {"epoch": 5}
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_a_strided_view_param_is_updated_correctly_and_nothing_outside_it_is_written(fraction):
+    from offloadopt import HybridAdamW
+
+    base = torch.randn(64, 2)
+    ref_base = base.clone()
+    p, ref_p = torch.nn.Parameter(base[:, 0]), torch.nn.Parameter(ref_base[:, 0].contiguous())
+    assert not p.is_contiguous()
+    opt = HybridAdamW([p], offload_fraction=fraction, min_offload_numel=1)
+    ref = torch.optim.AdamW([ref_p], fused=True)
+    for step in range(3):
+        g = torch.randn(64, generator=torch.Generator().manual_seed(step))
+        p.grad, ref_p.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(p.detach(), ref_p.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(base[:, 1], ref_base[:, 1], rtol=0, atol=0)  # untouched
+
+
+def test_code_that_calls_step_runs_under_torch_compile():
+    from offloadopt import HybridAdamW
+
+    model, ref_model = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    ref_model.load_state_dict(model.state_dict())
+    opt = HybridAdamW(model.parameters(), min_offload_numel=1)
+    ref = torch.optim.AdamW(ref_model.parameters(), fused=True)
+
+    def train_step(m, o, x):
+        m(x).pow(2).mean().backward()
+        o.step()
+        o.zero_grad()
+
+    compiled = torch.compile(train_step, backend="aot_eager")
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        compiled(model, opt, x)
+        train_step(ref_model, ref, x)
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "compiled")
