@@ -60,7 +60,8 @@ class GradHooks:
 class ModuleWaits:
     """Forward pre-hooks (run before any other pre-hook of the module) that make the module's
     stream wait for the copies back of its own params only: ``owner._wait_for(params)``; and a
-    state-dict pre-hook on the model that waits for everything (``owner.synchronize()``)."""
+    state-dict pre-hook on every module of the model that waits for everything
+    (``owner.synchronize()``)."""
 
     def __init__(self, owner: Any, model: torch.nn.Module, offloaded: set[torch.Tensor]):
         ref = weakref.ref(owner)
@@ -84,7 +85,9 @@ class ModuleWaits:
             if opt is not None:
                 opt.synchronize()  # model.state_dict() through any framework sees new weights
 
-        self.handles.append(model.register_state_dict_pre_hook(state_dict_pre_hook))
+        # On every submodule: a framework may save a part (model.module, model.backbone).
+        for module in model.modules():
+            self.handles.append(module.register_state_dict_pre_hook(state_dict_pre_hook))
 
     def remove(self) -> None:
         for h in self.handles:

@@ -104,6 +104,7 @@ class HybridOptimizer(Stepping, Optimizer):
         self._accumulating = 0  # depth of opt.accumulating()
         self.last_grad_norm: torch.Tensor | None = None  # max_grad_norm: the last step's norm
         self._grad_hooks: list[GradHooks] = []
+        self._closed = False
         self._module_waits: list = []
         # torch's group flags, so a cross-load into torch's optimizer keeps its fused kernel.
         defaults = {**hyper, **self.rule.torch_flags, "offload": None}
@@ -241,6 +242,12 @@ class HybridOptimizer(Stepping, Optimizer):
                 "processes); the CPU update runs on its own %d threads (cores %d // local ranks "
                 "%d - 1); pass cpu_threads= to choose", self.cpu_threads, cores, ranks,
             )  # fmt: skip
+        if self.cpu_threads > cores:
+            self._warn_once(
+                "threads-over",
+                f"cpu_threads={self.cpu_threads} is more than the {cores} cores this process "
+                "may use: the worker's threads will contend for them",
+            )
         if self.cpu_threads * ranks < cores // 2:
             self._warn_once(
                 "threads",
@@ -432,6 +439,7 @@ class HybridOptimizer(Stepping, Optimizer):
         """Stop the CPU worker and unpin the staging (idempotent). The optimizer cannot step
         afterwards; its state and ``state_dict()`` stay readable. Also runs when it is
         garbage-collected and at interpreter exit."""
+        self._closed = True
         try:
             self.synchronize()
         finally:

@@ -27,7 +27,7 @@ import torch
 
 from offloadopt.layout import Bucket
 from offloadopt.transfer import SLOTS, Slot, Transfer, wait_event
-from offloadopt.worker import Worker
+from offloadopt.worker import WaitTimeout, Worker
 
 __all__ = ["BucketWork", "BucketError", "StepRun", "Pipeline"]
 
@@ -126,7 +126,7 @@ class StepRun:
             while len(self.fed) - self.launched > most_pending and not self.job.done.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(
+                    raise WaitTimeout(
                         f"offloadopt: waited {timeout_s:g} s for the worker to start the D2H of "
                         f"{len(self.fed) - self.launched - most_pending} more buckets"
                     )
@@ -145,7 +145,7 @@ class StepRun:
             while bucket not in self.h2d_queued and not self.job.done.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(
+                    raise WaitTimeout(
                         f"offloadopt: waited {timeout_s:g} s for the H2D of {bucket.label}"
                     )
                 self._cond.wait(min(left, 1.0))
@@ -253,7 +253,7 @@ class Pipeline:
             with torch.profiler.record_function("offloadopt.cpu_update"):
                 update(work, [views[i] for i in work.idx])
             stats["cpu_update_ms"] += (time.perf_counter() - t) * 1e3
-        except TimeoutError:
+        except WaitTimeout:
             raise
         except Exception as e:
             raise BucketError(f"{b.label}: {type(e).__name__}: {e}") from e

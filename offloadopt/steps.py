@@ -44,6 +44,7 @@ from offloadopt.placement import update_dtype
 from offloadopt.records import ParamRecord
 from offloadopt.rules import Hyper
 from offloadopt.transfer import SLOTS
+from offloadopt.worker import WaitTimeout
 
 __all__ = ["Stepping", "StepState"]
 
@@ -55,6 +56,13 @@ def _matching(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if grad.dtype == like.dtype and grad.stride() == like.stride():
         return grad
     return torch.empty_like(like).copy_(grad)
+
+
+def _fingerprint(grad: torch.Tensor) -> torch.Tensor:
+    """(L2 norm, sum) of a grad, fp32, on its device: no temporary copy of the grad."""
+    return torch.stack(
+        [torch.linalg.vector_norm(grad, dtype=torch.float32), grad.sum(dtype=torch.float32)]
+    )
 
 
 def _dense(p: torch.Tensor) -> bool:
@@ -110,6 +118,10 @@ class StepState:
     announced: set[torch.Tensor] = field(default_factory=set)  # grad hooks that fired
     fed: dict[Bucket, BucketWork] = field(default_factory=dict)
     versions: dict[torch.Tensor, tuple] = field(default_factory=dict)  # (grad, _version) fed
+    # (L2 norm, sum) of each grad fed before step(), fp32 on its device: a grad whose version
+    # moved with unchanged values (torch's clip_grad_norm_ at an infinite max_norm, which
+    # transformers' Trainer calls to log the norm, multiplies by 1.0) is not an edit.
+    fingerprints: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
     landing: dict[torch.Tensor, int] = field(default_factory=dict)  # buckets left to feed
     backward_done: bool = False
     task_id: int = -1  # autograd graph task that announced grads
@@ -157,9 +169,11 @@ class Stepping:
             with_grad = [p for p in st.group_of if p not in st.versions and p.grad is not None]
             for p in with_grad:
                 self._check_grad(p)
-            for p, (grad, version) in st.versions.items():
-                now = p.grad
-                if now is not None and (now is not grad() or now._version != version):
+            moved = [p for p, (grad, version) in st.versions.items()
+                     if p.grad is not None and (p.grad is not grad() or p.grad._version != version)]  # fmt: skip
+            same = self._same_values(st, moved)
+            for p in moved:
+                if p not in same:
                     self._broken = f"the grad of {self._records[p].name} changed after its update"
                     raise RuntimeError(
                         f"the grad of {self._records[p].name} changed after its bucket's update "
@@ -167,7 +181,7 @@ class Stepping:
                         "max_grad_norm=, or leave grads_final=False; mark non-final "
                         "micro-steps with opt.accumulating())"
                     )
-            self._check_worker(with_grad)
+            self._check_worker(with_grad)  # a closed optimizer changes nothing
             if st.scale is None and self.max_grad_norm is not None:
                 self._clip(st, with_grad, self.max_grad_norm)
             elif st.scale is None and self._pending_clip is not None:
@@ -251,8 +265,16 @@ class Stepping:
         streams = self._inflight_streams
         try:
             st.run.wait(self.timeout_s)
-        except BaseException:
-            self._broken = "an offloaded update failed"
+        except BaseException as e:
+            # Nothing of this step may still write params or state once the caller sees the
+            # error (a load_state_dict right after it must stay loaded): drop the buckets not
+            # started, wait for the one in hand; a wait that timed out cannot be trusted.
+            st.run.abort()
+            timed_out = isinstance(e, WaitTimeout)  # ours; not one a signal handler raised
+            if not timed_out:
+                st.run.job.done.wait(self.timeout_s)
+            if timed_out or not st.run.job.done.is_set() or st.run.job.error is not None:
+                self._broken = "an offloaded update failed or was interrupted"
             raise
         finally:
             self._pipeline.publish(streams, st.run)  # (I4) whatever landed is waited for
@@ -307,7 +329,7 @@ class Stepping:
                 rec = self._records[p]
                 done = [b for b in rec.buckets if b not in st.fed
                         and all(q in st.announced for q in b.params)]  # fmt: skip
-                self._feed(st, [(b, self._announced_idx(st, b)) for b in done], None)
+                self._feed(st, [(b, self._announced_idx(st, b)) for b in done], None, early=True)
         if self.release_grads and st.run is not None:
             st.run.wait_launched(SLOTS, self.timeout_s)  # backpressure: grads do not pile up
 
@@ -326,7 +348,7 @@ class Stepping:
                 return
             items = [(b, self._announced_idx(st, b)) for b in self._forward_order()
                      if b not in st.fed]  # fmt: skip
-            self._feed(st, [(b, idx) for b, idx in items if idx], st.scale)
+            self._feed(st, [(b, idx) for b, idx in items if idx], st.scale, early=True)
 
     def _announced_idx(self, st: StepState, b: Bucket) -> list[int]:
         return [n for n, s in enumerate(b.segments) if b.arena.params[s.k] in st.announced]
@@ -386,6 +408,16 @@ class Stepping:
         stats.update(d2h_nbytes=0, h2d_nbytes=0)
         return StepState(hypers, group_of, stats)
 
+    def _same_values(self, st: StepState, params: list[torch.Tensor]) -> set[torch.Tensor]:
+        """Of ``params`` (grads whose version moved after their update started), those whose
+        values are unchanged by their fingerprint (one host sync, only on this rare path)."""
+        have = [p for p in params if p in st.fingerprints]
+        if not have:
+            return set()
+        now = [_fingerprint(p.grad) for p in have]
+        same = [torch.equal(a.cpu(), st.fingerprints[p].cpu()) for a, p in zip(now, have, strict=True)]  # fmt: skip
+        return {p for p, ok in zip(have, same, strict=True) if ok}
+
     def _check_single_process(self) -> None:
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -408,12 +440,11 @@ class Stepping:
             )
 
     def _check_worker(self, params: list[torch.Tensor]) -> None:
-        if self._pipeline is not None and not self._pipeline.worker.alive:
-            if any(self._records[p].offloaded for p in params):
-                raise RuntimeError(
-                    f"{type(self).__name__}: the CPU worker is closed (opt.close() was called); "
-                    "build a new optimizer and load this one's state_dict() to go on"
-                )
+        if self._closed or (self._pipeline is not None and not self._pipeline.worker.alive):
+            raise RuntimeError(
+                f"{type(self).__name__} is closed (opt.close() was called; its CPU worker is "
+                "stopped): build a new optimizer and load this one's state_dict() to go on"
+            )
 
     def _prepare(self, st: StepState, params: list[torch.Tensor]) -> None:
         """Create state lazily, refresh stale masters, advance the offloaded params' ``step``
@@ -461,7 +492,9 @@ class Stepping:
                 items.append((b, idx))
         return items
 
-    def _feed(self, st: StepState, items: list[tuple[Bucket, list[int]]], scale) -> None:
+    def _feed(
+        self, st: StepState, items: list[tuple[Bucket, list[int]]], scale, early=False
+    ) -> None:
         """Prepare the params of these buckets and queue each on the step's run, with its
         grads captured now and an event on this thread's stream (I1)."""
         if not items:
@@ -488,6 +521,8 @@ class Stepping:
                     call[2].append(self.state[p]["step"])
                 # A weak reference: a released grad must not be kept alive by this check.
                 st.versions[p] = (weakref.ref(p.grad), p.grad._version)
+                if early and p not in st.fingerprints:
+                    st.fingerprints[p] = _fingerprint(p.grad)  # on this stream, before `ready`
                 left = st.landing.setdefault(p, len(self._records[p].buckets)) - 1
                 st.landing[p] = left
                 if left == 0 and self.release_grads:

@@ -32,6 +32,7 @@ import torch
 
 from offloadopt.host import HostBuffers
 from offloadopt.layout import Bucket
+from offloadopt.worker import WaitTimeout
 
 __all__ = ["SLOTS", "Slot", "SlotRing", "Transfer", "wait_event"]
 
@@ -52,7 +53,7 @@ def wait_event(event: Any, what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not event.query():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"offloadopt: waited {timeout_s:g} s for {what}; it never finished")
+            raise WaitTimeout(f"offloadopt: waited {timeout_s:g} s for {what}; it never finished")
         time.sleep(20e-6)
 
 
@@ -94,7 +95,7 @@ class SlotRing:
         try:
             return self._free.get(timeout=timeout_s)
         except queue.Empty:
-            raise TimeoutError(
+            raise WaitTimeout(
                 f"offloadopt: waited {timeout_s:g} s for a free staging slot for {what}"
             ) from None
 

@@ -25,9 +25,14 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["Worker", "Job", "WorkerError", "default_cpu_threads", "local_ranks"]
+__all__ = ["Worker", "Job", "WorkerError", "WaitTimeout", "default_cpu_threads", "local_ranks"]
 
 log = logging.getLogger("offloadopt")
+
+
+class WaitTimeout(TimeoutError):
+    """One of offloadopt's own waits outlasted ``timeout_s``; the message says what it awaited
+    (a ``TimeoutError`` a signal handler raises is not one)."""
 
 
 class WorkerError(RuntimeError):
@@ -83,7 +88,7 @@ class Job:
             TimeoutError: not done within ``timeout_s``; names the job.
         """
         if not self.done.wait(timeout_s):
-            raise TimeoutError(f"offloadopt: waited {timeout_s:g} s for the worker to finish {self.label}")  # fmt: skip
+            raise WaitTimeout(f"offloadopt: waited {timeout_s:g} s for the worker to finish {self.label}")  # fmt: skip
         if self.error is not None:
             raise WorkerError(
                 f"{self.label} failed on the worker: {type(self.error).__name__}: "
@@ -149,9 +154,7 @@ class Worker:
         # started later) torch's count back.
         torch.set_num_threads(before)
         if not started:
-            raise TimeoutError(
-                f"offloadopt: the CPU worker thread did not start in {timeout_s:g} s"
-            )
+            raise WaitTimeout(f"offloadopt: the CPU worker thread did not start in {timeout_s:g} s")
         # Stops the thread when the worker is collected, closed, or at interpreter exit.
         self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread)
 

@@ -98,11 +98,14 @@ def test_megatron_placement_is_registration_order_by_numel_and_may_overshoot():
         (functools.partial(torch.optim.Adam, decoupled_weight_decay=True), None, {}, "AdamW"),
         (None, torch.optim.SGD, dict(momentum=0.9), "SGD"),
         (torch.optim.Adam, types.new_class("FusedAdam"), {}, "Adam"),  # weight_decay 0: one rule
+        (torch.optim.Adam, None, dict(decoupled_weight_decay=True, weight_decay=0.1), "AdamW"),
+        (types.new_class("FusedAdam"), None, dict(adam_w_mode=False), "Adam"),
     ],
 )
 def test_classes_map_onto_one_rule(cpu, gpu, kw, expected):
-    if gpu is not None and gpu.__name__ == "FusedAdam":
-        gpu.__module__ = "transformer_engine.pytorch.optimizers"
+    for cls in (cpu, gpu):
+        if isinstance(cls, type) and cls.__name__ == "FusedAdam":
+            cls.__module__ = "transformer_engine.pytorch.optimizers"
     hdo = HybridDeviceOptimizer(
         Net().parameters(), cpu_optimizer_cls=cpu, gpu_optimizer_cls=gpu, **kw
     )

@@ -283,3 +283,43 @@ def test_in_backward_mode_every_bucket_is_fed_by_the_end_of_backward(kw):
     assert set(opt._step.fed) == set(opt.buckets)  # all started before step()
     opt.step()
     assert opt._step is None and opt.stats["h2d_nbytes"] == sum(b.nbytes for b in opt.buckets)
+
+
+def test_a_no_op_torch_clip_after_backward_is_not_an_edit():
+    """transformers' Trainer calls clip_grad_norm_(params, inf) to log the norm: it multiplies
+    every grad by 1.0 in place. The values are unchanged, so the step goes on (and equals step
+    mode); a clip that changes them is still an error."""
+    ref = train(m := mlp(), make_opt(m, 1.0, max_grad_norm=0.01))
+    model = mlp()
+    opt = make_opt(model, 1.0, overlap="backward", max_grad_norm=0.01)
+    for step in range(4):
+        model(batch(step)).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))  # only logs the norm
+        opt.step()
+        opt.zero_grad()
+    assert_bitwise([p.detach() for p in model.parameters()], ref, "after no-op clips")
+    model(batch(9)).pow(2).mean().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-4)
+    with pytest.raises(RuntimeError, match="changed after its bucket's update"):
+        opt.step()
+
+
+def test_a_submodules_state_dict_waits_for_the_copies_back():
+    ref_model, model = mlp(), mlp()
+    ref_opt = make_opt(ref_model, 1.0)
+    opt = make_opt(model, 1.0, **MODES["backward-module"])
+    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.02)
+    for m, o in ((ref_model, ref_opt), (model, opt)):
+        m(batch(0)).pow(2).mean().backward()
+        o.step()
+    sub = model[0].state_dict()  # a part of the watched model (model.module, model.backbone)
+    assert_bitwise(list(sub.values()), list(ref_model[0].state_dict().values()), "submodule")
+
+
+def test_closed_optimizer_refuses_to_step_at_any_fraction():
+    model = mlp()
+    opt = make_opt(model, 0.0)
+    opt.close()
+    model(batch(0)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="is closed"):
+        opt.step()

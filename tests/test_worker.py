@@ -179,7 +179,7 @@ def test_close_and_context_manager_stop_the_worker():
         assert thread.is_alive()
     thread.join(5)
     assert not thread.is_alive()
-    with pytest.raises(RuntimeError, match="worker is closed"):
+    with pytest.raises(RuntimeError, match="is closed .opt.close.. was called"):
         opt.step()
     assert opt.state_dict()["state"][0]["step"] == 1  # the state stays readable
 
@@ -221,4 +221,39 @@ def test_a_dataloader_that_forks_workers_still_works():
                 o.step()
                 o.zero_grad()
     assert_bitwise(list(model.parameters()), list(ref.parameters()), "after forked loaders")
+    opt.close()
+
+
+def test_an_exception_from_any_signal_handler_leaves_nothing_writing_after_it():
+    """A handler that raises (a SIGALRM watchdog) while step() waits for the worker: once the
+    caller has the exception the worker writes nothing more, so a checkpoint loaded at once
+    stays loaded."""
+    import copy
+    import signal
+
+    params = [torch.nn.Parameter(torch.randn(4096)) for _ in range(8)]
+    opt = HybridAdamW(params, min_offload_numel=1, bucket_nbytes=4 * 4096)
+    for p in params:
+        p.grad = torch.randn(4096)
+    opt.step()
+    ckpt = copy.deepcopy(opt.state_dict())
+    opt._pipeline.worker_hook = lambda b: time.sleep(0.05)
+
+    def watchdog(signum, frame):
+        raise TimeoutError("watchdog")
+
+    previous = signal.signal(signal.SIGALRM, watchdog)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.12)
+        with pytest.raises(TimeoutError, match="watchdog"):
+            opt.step()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    opt.load_state_dict(ckpt)
+    time.sleep(0.3)  # a worker still running would write in this window
+    sd = opt.state_dict()
+    for i, entry in ckpt["state"].items():
+        for k, v in entry.items():
+            torch.testing.assert_close(sd["state"][i][k], v, rtol=0, atol=0)
     opt.close()

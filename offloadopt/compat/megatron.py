@@ -40,8 +40,9 @@ _KERNEL_KWARGS = {
 }
 
 
-def _family(cls: Any) -> tuple[Rule, dict[str, Any]]:
-    """The rule a Megatron optimizer class stands for, and a partial's keywords."""
+def _family(cls: Any, call_kwargs: dict[str, Any]) -> tuple[Rule, dict[str, Any]]:
+    """The rule a Megatron optimizer class stands for (given the keywords it will be called
+    with: a partial's, then ``call_kwargs``, which win), and the partial's keywords."""
     keywords: dict[str, Any] = {}
     while isinstance(cls, functools.partial):
         if cls.args:
@@ -50,16 +51,17 @@ def _family(cls: Any) -> tuple[Rule, dict[str, Any]]:
             )
         keywords = {**cls.keywords, **keywords}
         cls = cls.func
+    chosen = {**keywords, **call_kwargs}  # what the class would see
     name, module = getattr(cls, "__name__", ""), getattr(cls, "__module__", "") or ""
     if isinstance(cls, type) and issubclass(cls, torch.optim.AdamW):
         return ADAMW, keywords
     if isinstance(cls, type) and issubclass(cls, torch.optim.Adam):
-        return (ADAMW if keywords.get("decoupled_weight_decay") else ADAM), keywords
+        return (ADAMW if chosen.get("decoupled_weight_decay") else ADAM), keywords
     if isinstance(cls, type) and issubclass(cls, torch.optim.SGD):
         return SGD, keywords
     if module.split(".")[0] in ("transformer_engine", "apex"):
         if name == "FusedAdam":  # both default to adam_w_mode=True: decoupled weight decay
-            return (ADAMW if keywords.get("adam_w_mode", True) else ADAM), keywords
+            return (ADAMW if chosen.get("adam_w_mode", True) else ADAM), keywords
         if name == "FusedSGD":
             return SGD, keywords
     raise TypeError(
@@ -79,7 +81,7 @@ def rule_of(
     """
     if cpu_optimizer_cls is None and gpu_optimizer_cls is None:
         raise TypeError("HybridDeviceOptimizer needs cpu_optimizer_cls or gpu_optimizer_cls")
-    found = [_family(c) for c in (cpu_optimizer_cls, gpu_optimizer_cls) if c is not None]
+    found = [_family(c, kwargs) for c in (cpu_optimizer_cls, gpu_optimizer_cls) if c is not None]
     rules = {rule.name for rule, _ in found}
     merged = {**found[-1][1], **found[0][1], **kwargs}
     if len(rules) > 1:
