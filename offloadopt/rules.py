@@ -221,19 +221,15 @@ class SGDRule(Rule):
         )
 
 
+# torch's Adam and AdamW group flags but decoupled_weight_decay (restored on every group).
+_ADAM_FLAGS = dict(amsgrad=False, foreach=None, capturable=False, differentiable=False, fused=True)
+
 ADAMW = AdamWRule(
     name="AdamW",
     state_keys=("exp_avg", "exp_avg_sq"),
     has_step=True,
     hyper_defaults=dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, maximize=False),
-    torch_flags=dict(
-        amsgrad=False,
-        foreach=None,
-        capturable=False,
-        differentiable=False,
-        fused=True,
-        decoupled_weight_decay=True,
-    ),
+    torch_flags=dict(_ADAM_FLAGS, decoupled_weight_decay=True),
     refused_flags=("amsgrad",),
 )
 
@@ -242,14 +238,7 @@ ADAM = AdamRule(
     state_keys=("exp_avg", "exp_avg_sq"),
     has_step=True,
     hyper_defaults=dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, maximize=False),
-    torch_flags=dict(
-        amsgrad=False,
-        foreach=None,
-        capturable=False,
-        differentiable=False,
-        fused=True,
-        decoupled_weight_decay=False,
-    ),
+    torch_flags=dict(_ADAM_FLAGS, decoupled_weight_decay=False),
     refused_flags=("amsgrad", "decoupled_weight_decay"),
 )
 

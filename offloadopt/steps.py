@@ -58,11 +58,9 @@ def _matching(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(like).copy_(grad)
 
 
-def _fingerprint(grad: torch.Tensor) -> torch.Tensor:
-    """(L2 norm, sum) of a grad, fp32, on its device: no temporary copy of the grad."""
-    return torch.stack(
-        [torch.linalg.vector_norm(grad, dtype=torch.float32), grad.sum(dtype=torch.float32)]
-    )
+def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 L2 norms of ``grads`` (one foreach launch per device and dtype, no copies)."""
+    return list(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else []
 
 
 def _dense(p: torch.Tensor) -> bool:
@@ -118,9 +116,10 @@ class StepState:
     announced: set[torch.Tensor] = field(default_factory=set)  # grad hooks that fired
     fed: dict[Bucket, BucketWork] = field(default_factory=dict)
     versions: dict[torch.Tensor, tuple] = field(default_factory=dict)  # (grad, _version) fed
-    # (L2 norm, sum) of each grad fed before step(), fp32 on its device: a grad whose version
-    # moved with unchanged values (torch's clip_grad_norm_ at an infinite max_norm, which
-    # transformers' Trainer calls to log the norm, multiplies by 1.0) is not an edit.
+    # The fp32 L2 norm of each grad fed before step(), on its device: a grad whose version moved
+    # with an unchanged norm (torch's clip_grad_norm_ at an infinite max_norm, which
+    # transformers' Trainer calls to log the norm, multiplies by 1.0) is not an edit; any
+    # scaling, clipping or zeroing changes the norm.
     fingerprints: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
     landing: dict[torch.Tensor, int] = field(default_factory=dict)  # buckets left to feed
     backward_done: bool = False
@@ -410,12 +409,13 @@ class Stepping:
 
     def _same_values(self, st: StepState, params: list[torch.Tensor]) -> set[torch.Tensor]:
         """Of ``params`` (grads whose version moved after their update started), those whose
-        values are unchanged by their fingerprint (one host sync, only on this rare path)."""
+        norm is unchanged (one host sync, only on this rare path)."""
         have = [p for p in params if p in st.fingerprints]
         if not have:
             return set()
-        now = [_fingerprint(p.grad) for p in have]
-        same = [torch.equal(a.cpu(), st.fingerprints[p].cpu()) for a, p in zip(now, have, strict=True)]  # fmt: skip
+        now = torch.stack(_norms([p.grad for p in have])).cpu()
+        then = torch.stack([st.fingerprints[p] for p in have]).cpu()
+        same = (now == then).tolist()
         return {p for p, ok in zip(have, same, strict=True) if ok}
 
     def _check_single_process(self) -> None:
@@ -508,6 +508,7 @@ class Stepping:
         self._prepare(st, params)
         if st.run is None:
             st.run = self._pipeline.begin(self._update_bucket, st.stats)
+        new_prints: list[torch.Tensor] = []  # grads fed before step(): their norms, below
         for b, idx in items:
             params = b.arena.params
             calls: dict[tuple, tuple[Hyper, list[int], list[torch.Tensor], bool]] = {}
@@ -522,12 +523,17 @@ class Stepping:
                 # A weak reference: a released grad must not be kept alive by this check.
                 st.versions[p] = (weakref.ref(p.grad), p.grad._version)
                 if early and p not in st.fingerprints:
-                    st.fingerprints[p] = _fingerprint(p.grad)  # on this stream, before `ready`
+                    new_prints.append(p)
                 left = st.landing.setdefault(p, len(self._records[p].buckets)) - 1
                 st.landing[p] = left
                 if left == 0 and self.release_grads:
                     release.append(p)
             grads = b.grad_views(idx)
+            if new_prints:  # on this stream, before `ready`: the values the D2H reads
+                st.fingerprints.update(
+                    zip(new_prints, _norms([q.grad for q in new_prints]), strict=True)
+                )
+                new_prints = []
             tr = self._pipeline.transfers[b.arena.device]
             ready = tr.mark(torch.cuda.current_stream(b.arena.device) if tr.cuda else None)
             work = BucketWork(b, idx, grads, ready, scale, release, list(calls.values()))
