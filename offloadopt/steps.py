@@ -168,8 +168,13 @@ class Stepping:
             with_grad = [p for p in st.group_of if p not in st.versions and p.grad is not None]
             for p in with_grad:
                 self._check_grad(p)
-            moved = [p for p, (grad, version) in st.versions.items()
-                     if p.grad is not None and (p.grad is not grad() or p.grad._version != version)]  # fmt: skip
+            # Each grad is read once: with release_grads the worker sets p.grad to None at any
+            # moment (tests/test_overlap.py ran into a None between two reads).
+            moved = {}
+            for p, (grad, version) in st.versions.items():
+                now = p.grad
+                if now is not None and (now is not grad() or now._version != version):
+                    moved[p] = now
             same = self._same_values(st, moved)
             for p in moved:
                 if p not in same:
@@ -407,13 +412,13 @@ class Stepping:
         stats.update(d2h_nbytes=0, h2d_nbytes=0)
         return StepState(hypers, group_of, stats)
 
-    def _same_values(self, st: StepState, params: list[torch.Tensor]) -> set[torch.Tensor]:
-        """Of ``params`` (grads whose version moved after their update started), those whose
-        norm is unchanged (one host sync, only on this rare path)."""
-        have = [p for p in params if p in st.fingerprints]
+    def _same_values(self, st: StepState, moved: dict[torch.Tensor, torch.Tensor]) -> set:
+        """Of the params in ``moved`` (param -> its grad now, whose version moved after its
+        update started), those whose norm is unchanged (one host sync, on this rare path)."""
+        have = [p for p in moved if p in st.fingerprints]
         if not have:
             return set()
-        now = torch.stack(_norms([p.grad for p in have])).cpu()
+        now = torch.stack(_norms([moved[p] for p in have])).cpu()
         then = torch.stack([st.fingerprints[p] for p in have]).cpu()
         same = (now == then).tolist()
         return {p for p, ok in zip(have, same, strict=True) if ok}
