@@ -45,8 +45,9 @@ class BucketWork:
     device, in ``idx`` order, captured when the bucket was fed; ``ready``: the event after which
     those grads are final and no queued kernel reads the bucket's old weights (None without
     CUDA); ``scale``: a clip coefficient (0-dim fp32 on the device) the upcast grads are
-    multiplied by before D2H, or None; ``release``: params whose grad the worker drops once this
-    D2H has landed; ``payload``: the optimizer's (frozen hyperparameters, steps).
+    multiplied by before D2H, or None; ``release``: ``(param, weakref to the grad fed)`` pairs
+    whose grad the grads' owner drops once this D2H has landed (see StepRun.take_landed);
+    ``payload``: the optimizer's (frozen hyperparameters, steps).
     """
 
     bucket: Bucket
@@ -54,7 +55,7 @@ class BucketWork:
     grads: list[torch.Tensor]
     ready: Any = None
     scale: torch.Tensor | None = None
-    release: list[torch.Tensor] = field(default_factory=list)
+    release: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
     payload: Any = None
 
 
@@ -76,6 +77,7 @@ class StepRun:
         self.fed: list[BucketWork] = []  # in feed order
         self.launched = 0  # buckets whose D2H the worker has started
         self.h2d_queued: set[Bucket] = set()  # buckets whose H2D the worker has queued
+        self._landed: list[BucketWork] = []  # buckets whose D2H has landed, not yet taken
         self.job = pipeline.worker.submit(self._serve, "the offloaded update of this step")
 
     # ---------------------------------------------------------------- feeding side
@@ -151,15 +153,25 @@ class StepRun:
                 self._cond.wait(min(left, 1.0))
         self._raise_if_failed()
 
+    def take_landed(self) -> list[BucketWork]:
+        """The buckets whose D2H has landed since the last call (any thread): their device
+        grads are no longer read by this step's copies."""
+        with self._cond:
+            landed, self._landed = self._landed, []
+        return landed
+
     def _raise_if_failed(self) -> None:
         if self.job.done.is_set() and self.job.error is not None:
             self.job.wait(0)  # raises the worker's error
 
     # ---------------------------------------------------------------- the worker's side
     def _next(self, block: bool) -> BucketWork | None:
+        stopping = self.pipeline.worker.stopping
         with self._cond:
             while block and not self._queue and not self._closed:
-                self._cond.wait()
+                if stopping.is_set():  # the optimizer closed or went with this step open
+                    return None
+                self._cond.wait(0.5)  # a feed, close or abort wakes it at once
             return self._queue.popleft() if self._queue else None
 
     def _serve(self) -> None:
@@ -181,9 +193,11 @@ class StepRun:
                     return  # closed and drained
                 work, tr, slot, d2h_done = pending.popleft()
                 p._update(work, tr, slot, d2h_done, self._update_fn, stats)
-                work.grads = []  # landed (waited for in _update): the device grads may go
-                for param in work.release:
-                    param.grad = None  # every D2H of its grad has landed
+                # Landed (waited for in _update). The worker never touches p.grad: setting it
+                # here while the training thread reads it crashed torch's tensor wrapper; the
+                # thread that owns the grads drops them (take_landed).
+                with self._cond:
+                    self._landed.append(work)
                 tr.start_h2d(work.bucket, work.idx, slot, work.ready)
                 stats["h2d_nbytes"] += work.bucket.nbytes
                 with self._cond:

@@ -336,6 +336,16 @@ class Stepping:
                 self._feed(st, [(b, self._announced_idx(st, b)) for b in done], None, early=True)
         if self.release_grads and st.run is not None:
             st.run.wait_launched(SLOTS, self.timeout_s)  # backpressure: grads do not pile up
+            self._release(st)
+
+    def _release(self, st: StepState) -> None:
+        """Drop the device grads whose every D2H has landed (release_grads), on the thread that
+        owns the grads (autograd's during backward, the training thread in step())."""
+        for work in st.run.take_landed():
+            work.grads = []
+            for p, fed in work.release:
+                if p.grad is not None and p.grad is fed():  # not a later backward's new grad
+                    p.grad = None
 
     def _on_backward_end(self) -> None:
         """Autograd's final callback (the thread that called backward): complete the buckets
@@ -532,7 +542,7 @@ class Stepping:
                 left = st.landing.setdefault(p, len(self._records[p].buckets)) - 1
                 st.landing[p] = left
                 if left == 0 and self.release_grads:
-                    release.append(p)
+                    release.append((p, weakref.ref(p.grad)))
             grads = b.grad_views(idx)
             if new_prints:  # on this stream, before `ready`: the values the D2H reads
                 st.fingerprints.update(
@@ -547,6 +557,11 @@ class Stepping:
 
     def _finish(self, st: StepState, streams) -> None:
         """The step is over: its params are marked written, its figures become ``stats``."""
+        if st.run is not None:
+            if self.release_grads:
+                self._release(st)
+            else:
+                st.run.take_landed()
         for p in st.prepared:
             if self._records[p].offloaded:
                 self._records[p].mark_written(p)

@@ -119,7 +119,8 @@ def _serve(jobs: queue.SimpleQueue, ready: threading.Event, threads: int, flush:
             job.done.set()
 
 
-def _stop(jobs: queue.SimpleQueue, thread: threading.Thread) -> None:
+def _stop(jobs: queue.SimpleQueue, thread: threading.Thread, stopping: threading.Event) -> None:
+    stopping.set()  # a job waiting for more work (an open step) ends too
     jobs.put(None)
     if thread is not threading.current_thread():
         thread.join(timeout=60)
@@ -140,6 +141,7 @@ class Worker:
     def __init__(self, threads: int, flush_denormal: bool, timeout_s: float = 60.0):
         self.threads, self.flush_denormal = threads, flush_denormal
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.stopping = threading.Event()  # set when the worker is closed or collected
         ready = threading.Event()
         before = torch.get_num_threads()
         self._thread = threading.Thread(
@@ -156,7 +158,7 @@ class Worker:
         if not started:
             raise WaitTimeout(f"offloadopt: the CPU worker thread did not start in {timeout_s:g} s")
         # Stops the thread when the worker is collected, closed, or at interpreter exit.
-        self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread)
+        self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread, self.stopping)
 
     @property
     def alive(self) -> bool:
