@@ -27,20 +27,27 @@ _OWN_KEYS = ("params", "param_names", "offload")
 ParamSpec = tuple[str, tuple[int, ...]]  # (name, shape) of one param of the loading optimizer
 
 
-def pack(sd: dict[str, Any], snapshot: list[bool]) -> dict[str, Any]:
-    """Replace the entries at the param indices where ``snapshot`` is True (offloaded params:
-    views of a host arena, which would save the whole arena) by standalone copies; the other
-    entries are kept by reference, as torch does. Top-level keys other than ``state`` are kept.
+def pack(sd: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot of ``sd``: every state tensor replaced by a standalone copy in host memory
+    (CPU, pageable), taken now. Offloaded entries are views of a host arena (saving one would
+    save the whole arena), device entries the live GPU tensors; a kept dict of live tensors
+    would change at the next step for some entries and not for others. Host memory, not the
+    device's: a snapshot must not take GPU memory from a model that barely fits. Top-level
+    keys other than ``state``, and non-tensor values, are kept as they are.
     """
     state = {}
     for index, entry in sd["state"].items():
-        if isinstance(index, int) and index < len(snapshot) and snapshot[index]:
-            state[index] = {
-                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()
-            }
+        if isinstance(entry, dict):
+            state[index] = {k: _host_copy(v) for k, v in entry.items()}
         else:
-            state[index] = dict(entry) if isinstance(entry, dict) else entry
+            state[index] = _host_copy(entry)
     return {**sd, "state": state}
+
+
+def _host_copy(v: Any) -> Any:
+    if not isinstance(v, torch.Tensor):
+        return v
+    return v.detach().to("cpu", copy=True)
 
 
 def validate(

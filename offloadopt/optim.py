@@ -117,9 +117,10 @@ class HybridOptimizer(Stepping, Optimizer):
         self._pipeline: Pipeline | None = None  # made with the first offloaded param
         self._stats: dict[str, float] = {}
         self._warned: set[str] = set()
+        self._unplaced: list[int] = []  # groups waiting for their meta params (ensure_placed)
         super().__init__(params, defaults)
         self.state = OptimizerState(self)  # assignments copy into the buffers (state.py)
-        self._place(list(range(len(self.param_groups))))
+        self._place_or_defer(list(range(len(self.param_groups))))
         self._ready = True
 
     # ------------------------------------------------------------------ construction
@@ -136,10 +137,52 @@ class HybridOptimizer(Stepping, Optimizer):
         super().add_param_group(param_group)
         if self._ready:
             try:
-                self._place([len(self.param_groups) - 1])
+                self._place_or_defer([len(self.param_groups) - 1])
             except BaseException:
                 self.param_groups.pop()  # nothing half built: the group goes with its failure
                 raise
+
+    def _place_or_defer(self, group_indices: list[int]) -> None:
+        """Place these groups now, or, while any param of them (or of a group still waiting) is
+        on the meta device, when :meth:`ensure_placed` finds them materialized."""
+        params = (p for gi in group_indices for p in self.param_groups[gi]["params"])
+        if self._unplaced or any(p.is_meta for p in params):
+            self._unplaced.extend(group_indices)
+        else:
+            self._place(group_indices)
+
+    def ensure_placed(self) -> None:
+        """Place the groups built from meta-device params, now that they are materialized, and
+        allocate their host buffers. Runs by itself at the first ``step()``, ``state_dict()``,
+        ``load_state_dict()`` and ``watch()``; call it to see the placement
+        (:meth:`placement_table`, :meth:`is_offloaded`) before that.
+
+        Materialize in place, so that the optimizer's params are the model's: build the model
+        under ``torch.device("meta")``, call ``torch.__future__.set_swap_module_params_on_conversion(True)``
+        before ``model.to_empty(device=...)`` (without it ``to_empty`` makes new params and this
+        optimizer's stay on meta), or build the optimizer after ``to_empty``.
+
+        Raises:
+            RuntimeError: a param is still on the meta device (named); nothing is placed.
+        """
+        if not self._unplaced:
+            return
+        for gi in self._unplaced:
+            group = self.param_groups[gi]
+            for i, p in enumerate(group["params"]):
+                if p.is_meta:
+                    raise RuntimeError(
+                        f"{self._name(group, gi, i)} is still on the meta device: materialize "
+                        "the model in place first (torch.__future__."
+                        "set_swap_module_params_on_conversion(True) before model.to_empty(); "
+                        "without it to_empty() makes new params this optimizer does not hold)"
+                    )
+        pending, self._unplaced = self._unplaced, []
+        try:
+            self._place(pending)
+        except BaseException:
+            self._unplaced = pending
+            raise
 
     def _name(self, group: dict[str, Any], gi: int, i: int) -> str:
         """The name of param ``i`` of group ``gi``: its record's, else from ``param_names``."""
@@ -341,14 +384,17 @@ class HybridOptimizer(Stepping, Optimizer):
         """The rule's torch layout (``torch.optim.AdamW(fused=True)``'s) plus ``"master"``
         (fp32) where one exists. Loadable with ``torch.load(weights_only=True)``.
 
-        Offloaded entries are standalone copies taken now (a view of an arena would save the
-        whole arena); device entries are the live tensors, as torch returns them.
+        A snapshot: every state tensor is a standalone copy in host memory (CPU), taken now,
+        so a kept dict never changes with later steps (torch's holds live references; ours
+        cannot for offloaded entries, which are views of host arenas, and one rule for every
+        entry beats two). Device-resident state is copied to the host with a blocking D2H,
+        never duplicated on the GPU. ``load_state_dict`` copies values into the optimizer's
+        buffers wherever they come from; ``torch.optim`` optimizers move them to their params.
         """
+        self.ensure_placed()
         self.synchronize()
         self._raise_if_broken()
-        sd = super().state_dict()
-        snapshot = [self.is_offloaded(p) for g in self.param_groups for p in g["params"]]
-        return checkpoint.pack(sd, snapshot)
+        return checkpoint.pack(super().state_dict())
 
     @torch.no_grad()  # copies from tensors that require grad record nothing
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -366,6 +412,7 @@ class HybridOptimizer(Stepping, Optimizer):
         Raises:
             ValueError: the dict does not fit this optimizer; nothing was changed.
         """
+        self.ensure_placed()
         try:
             self.synchronize()
         except Exception:  # noqa: BLE001 - a failed step is what a load repairs

@@ -153,6 +153,7 @@ class Stepping:
             with torch.enable_grad():
                 loss = closure()
         t0 = time.perf_counter()
+        self.ensure_placed()  # params built on the meta device, materialized since
         with signals_deferred(), self._lock:
             self._raise_if_broken()
             st = self._step
@@ -291,6 +292,7 @@ class Stepping:
         before such a forward. Removed by ``close()``."""
         from offloadopt.hooks import ModuleWaits
 
+        self.ensure_placed()
         offloaded = {p for p, rec in self._records.items() if rec.offloaded}
         self._module_waits.append(ModuleWaits(self, model, offloaded))
 

@@ -168,8 +168,9 @@ def validate_group(param_group: Any, defaults: dict[str, Any], rule: Rule) -> di
             f"sparse parameters are not supported: {label} has layout {p.layout}",
         )
         _check(
-            p.device.type in ("cpu", "cuda"),
-            f"{label} is on {p.device}: HybridAdamW supports cpu and cuda params",
+            p.device.type in ("cpu", "cuda", "meta"),
+            f"{label} is on {p.device}: HybridAdamW supports cpu and cuda params (and meta "
+            "params materialized in place before the first step)",
         )
     rule.validate({k: group.get(k, defaults[k]) for k in rule.hyper_defaults})
     offload = group.get("offload")

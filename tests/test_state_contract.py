@@ -7,6 +7,8 @@ import pytest
 import torch
 from oracle import FRACTIONS, assert_bitwise, groups_of, hybrid, make_params, seeded_grads
 
+from offloadopt import HybridAdamW
+
 
 def step_both(ref, ref_params, opt, params, step):
     for p, q, g in zip(ref_params, params, seeded_grads(params, step), strict=True):
@@ -181,3 +183,79 @@ def test_code_that_calls_step_runs_under_torch_compile():
         compiled(model, opt, x)
         train_step(ref_model, ref, x)
     assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "compiled")
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_a_kept_state_dict_is_a_snapshot_for_every_entry(fraction):
+    ref, ref_params, opt, params = pair(fraction)
+    for step in range(2):
+        step_both(ref, ref_params, opt, params, step)
+    kept = opt.state_dict()
+    frozen = copy.deepcopy(kept)
+    live = {t.untyped_storage().data_ptr() for s in opt.state.values() for t in s.values()}
+    for entry in kept["state"].values():
+        for value in entry.values():
+            assert value.device.type == "cpu"
+            assert value.untyped_storage().data_ptr() not in live
+    for step in range(2, 4):
+        step_both(ref, ref_params, opt, params, step)
+    for index, entry in frozen["state"].items():  # the later steps changed nothing kept
+        for key, value in entry.items():
+            assert torch.equal(kept["state"][index][key], value), (index, key)
+    fresh = torch.optim.AdamW(groups_of(ref_params), fused=True)
+    fresh.load_state_dict(kept)  # a snapshot loads like any state dict
+    assert set(fresh.state_dict()["state"]) == set(kept["state"])
+
+
+def meta_model():
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+
+
+@pytest.fixture
+def swap_on_conversion():
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_built_on_meta_then_to_empty_trains_as_torch_does(fraction, swap_on_conversion):
+    torch.manual_seed(0)
+    ref = meta_model()
+    with torch.device("meta"):
+        model = meta_model()
+    opt = HybridAdamW(model.parameters(), offload_fraction=fraction, min_offload_numel=16)
+    assert opt.host_nbytes == 0  # nothing allocated for meta params
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    torch_opt = torch.optim.AdamW(ref.parameters(), fused=True)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        for m, o in ((ref, torch_opt), (model, opt)):
+            m(x).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    assert_bitwise(list(model.parameters()), list(ref.parameters()), "meta")
+    expected = sum(p.numel() > 16 for p in model.parameters()) if fraction == 1.0 else None
+    if expected is not None:
+        assert sum(opt.is_offloaded(p) for p in model.parameters()) == expected
+
+
+def test_a_param_still_on_meta_is_named_at_the_first_step():
+    with torch.device("meta"):
+        model = meta_model()
+    opt = HybridAdamW(model.named_parameters(), min_offload_numel=16)
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(False)
+    try:
+        model.to_empty(device="cpu")  # new param objects: the optimizer's stay on meta
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=r"0\.weight is still on the meta device"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="meta device"):
+        opt.state_dict()
+    assert opt.host_nbytes == 0
