@@ -32,7 +32,7 @@ __all__ = ["HybridOptimizer", "HybridAdamW"]
 log = logging.getLogger("offloadopt")
 
 
-OVERLAPS = ("step", "backward")
+OVERLAPS = ("step", "backward", "delayed")
 WAITS = ("step", "module")
 
 
@@ -224,6 +224,11 @@ class HybridOptimizer(Stepping, Optimizer):
         try:
             for arena in arenas:
                 arena.allocate(keys[arena.group_label], pin[arena.device])
+            landing = {}
+            if self.overlap == "delayed":  # the next weights, published at the next step()
+                for arena in arenas:
+                    for p in arena.params:
+                        landing[p] = torch.empty_like(p, memory_format=torch.contiguous_format)
             # Staging as large as the largest bucket (at most bucket_nbytes); a later
             # add_param_group that needs more replaces it, between steps.
             for d in devices:
@@ -255,6 +260,7 @@ class HybridOptimizer(Stepping, Optimizer):
             for k, p in enumerate(arena.params):
                 rec = self._records[p]
                 rec.arena, rec.k = arena, k
+                rec.landing = landing.get(p)
         for n, b in enumerate(buckets, start=len(self.buckets)):
             b.index = n
             for seg in b.segments:

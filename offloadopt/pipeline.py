@@ -47,7 +47,10 @@ class BucketWork:
     CUDA); ``scale``: a clip coefficient (0-dim fp32 on the device) the upcast grads are
     multiplied by before D2H, or None; ``release``: ``(param, weakref to the grad fed)`` pairs
     whose grad the grads' owner drops once this D2H has landed (see StepRun.take_landed);
-    ``payload``: the optimizer's (frozen hyperparameters, steps).
+    ``payload``: the optimizer's (frozen hyperparameters, steps); ``targets``: where the new
+    weights go, one flat view per segment of the bucket (None: the params themselves);
+    ``drop_grads``: the grads were taken from their params (overlap="delayed"), so the worker
+    drops ``grads`` once the D2H has landed and their device memory goes back at once.
     """
 
     bucket: Bucket
@@ -57,6 +60,8 @@ class BucketWork:
     scale: torch.Tensor | None = None
     release: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
     payload: Any = None
+    targets: list[torch.Tensor] | None = None
+    drop_grads: bool = False
 
 
 class StepRun:
@@ -196,9 +201,11 @@ class StepRun:
                 # Landed (waited for in _update). The worker never touches p.grad: setting it
                 # here while the training thread reads it crashed torch's tensor wrapper; the
                 # thread that owns the grads drops them (take_landed).
+                if work.drop_grads:
+                    work.grads = []  # held by nothing else: the device memory is free now
                 with self._cond:
                     self._landed.append(work)
-                tr.start_h2d(work.bucket, work.idx, slot, work.ready)
+                tr.start_h2d(work.bucket, work.idx, slot, work.ready, work.targets)
                 stats["h2d_nbytes"] += work.bucket.nbytes
                 with self._cond:
                     self.h2d_queued.add(work.bucket)

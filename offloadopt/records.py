@@ -34,6 +34,9 @@ class ParamRecord:
     written: tuple[int, int] | None = None
     buckets: list[Bucket] = field(default_factory=list)  # the buckets that hold its segments
     state_keys: tuple[str, ...] = ()  # the rule's state keys for its group (at placement)
+    # overlap="delayed": the next weights (the param's shape, dtype and device), written by the
+    # H2D during the next forward and backward, copied into the param at the next step().
+    landing: torch.Tensor | None = None
 
     @property
     def offloaded(self) -> bool:

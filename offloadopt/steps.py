@@ -196,7 +196,13 @@ class Stepping:
             # Phase 2 starts first (the worker copies and updates the offloaded buckets while
             # phase 1 is launched): every bucket with a grad not fed during backward.
             streams = self._streams()
-            self._feed(st, self._open_buckets(st, with_grad), st.scale)
+            try:
+                self._feed(st, self._open_buckets(st, with_grad), st.scale)
+            except BaseException:
+                if st.run is not None:  # a bucket failed while others were fed: some updated
+                    st.run.abort()
+                    self._broken = "an offloaded update failed"
+                raise
             # Phase 1: device-resident params, torch's fused kernel on the compute stream.
             t = time.perf_counter()
             for hyper, params, first in device_work:
@@ -208,9 +214,10 @@ class Stepping:
                 return loss
             st.run.close()
             # Phase 3: publish. wait="step": the compute stream waits for every copy back;
-            # wait="module": each watched module waits for its own (opt.watch, _wait_for).
+            # wait="module": each watched module waits for its own (opt.watch, _wait_for);
+            # overlap="delayed": the next step() (or synchronize()) copies the new weights in.
             self._inflight, self._inflight_streams = st, streams
-            if self.wait == "step":
+            if self.wait == "step" and self.overlap != "delayed":
                 self.synchronize()
         return loss
 
@@ -283,7 +290,30 @@ class Stepping:
             raise
         finally:
             self._pipeline.publish(streams, st.run)  # (I4) whatever landed is waited for
+        if self.overlap == "delayed":
+            self._publish_delayed(st, streams)
         self._finish(st, streams)
+
+    @torch.no_grad()
+    def _publish_delayed(self, st: StepState, streams) -> None:
+        """overlap="delayed": copy the landed new weights into the params, on the stream that
+        reads them (after its wait on their H2D, in synchronize). A param written outside the
+        optimizer since the update started keeps that write: the next step refreshes its
+        master from it (the outside write wins, as in every mode), with a warning."""
+        by_device: dict[torch.device, tuple[list, list]] = {}
+        for p in st.versions:
+            rec = self._records[p]
+            if rec.landing is None or rec.is_stale(p):
+                continue
+            params, landed = by_device.setdefault(p.device, ([], []))
+            params.append(p)
+            landed.append(rec.landing)
+        for device, (params, landed) in by_device.items():
+            stream = streams.get(device)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                torch._foreach_copy_(params, landed)
+            for p in params:
+                self._records[p].mark_written(p)
 
     def watch(self, model: torch.nn.Module) -> None:
         """Register forward pre-hooks on the modules of ``model`` that own offloaded params;
@@ -299,8 +329,9 @@ class Stepping:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; with ``set_to_none=False`` the grads are zeroed in place, so this first
         waits for copies that may still read them (``set_to_none=True`` does not wait: the
-        copies hold their grads and ``record_stream`` protects the memory)."""
-        if not set_to_none:
+        copies hold their grads and ``record_stream`` protects the memory; with
+        ``overlap="delayed"`` the update already took the offloaded params' grads)."""
+        if not set_to_none and self.overlap != "delayed":
             self.synchronize()
         super().zero_grad(set_to_none=set_to_none)
 
@@ -374,9 +405,10 @@ class Stepping:
         return self.buckets[::-1]
 
     def _wait_for(self, params: list[torch.Tensor]) -> None:
-        """A module's forward pre-hook: its stream waits for the copies back of ``params``."""
+        """A module's forward pre-hook: its stream waits for the copies back of ``params``
+        (overlap="delayed": none; the forward reads the weights of the step before)."""
         st = self._inflight
-        if st is None:
+        if st is None or self.overlap == "delayed":
             return
         streams = self._inflight_streams
         for p in params:
@@ -546,6 +578,10 @@ class Stepping:
                 if left == 0 and self.release_grads:
                     release.append((p, weakref.ref(p.grad)))
             grads = b.grad_views(idx)
+            targets = None
+            if self.overlap == "delayed":
+                targets = [self._records[params[s.k]].landing.view(-1)[s.lo : s.hi]
+                           for s in b.segments]  # fmt: skip
             if new_prints:  # on this stream, before `ready`: the values the D2H reads
                 st.fingerprints.update(
                     zip(new_prints, _norms([q.grad for q in new_prints]), strict=True)
@@ -553,9 +589,18 @@ class Stepping:
                 new_prints = []
             tr = self._pipeline.transfers[b.arena.device]
             ready = tr.mark(torch.cuda.current_stream(b.arena.device) if tr.cuda else None)
-            work = BucketWork(b, idx, grads, ready, scale, release, list(calls.values()))
+            delayed = self.overlap == "delayed"
+            work = BucketWork(b, idx, grads, ready, scale, release, list(calls.values()),
+                              targets, drop_grads=delayed)  # fmt: skip
             st.fed[b] = work
             st.run.feed(work)
+            if delayed:
+                # The update holds the grads until their D2H lands; the next backward makes
+                # new ones instead of accumulating into memory a copy may still read.
+                for n in idx:
+                    p = params[b.segments[n].k]
+                    if st.landing[p] == 0:
+                        p.grad = None
 
     def _finish(self, st: StepState, streams) -> None:
         """The step is over: its params are marked written, its figures become ``stats``."""
@@ -564,9 +609,10 @@ class Stepping:
                 self._release(st)
             else:
                 st.run.take_landed()
-        for p in st.prepared:
-            if self._records[p].offloaded:
-                self._records[p].mark_written(p)
+        if self.overlap != "delayed":  # delayed: marked when the weights are copied in
+            for p in st.prepared:
+                if self._records[p].offloaded:
+                    self._records[p].mark_written(p)
         st.stats["cpu_threads"] = self.cpu_threads if self._pipeline is not None else 0
         st.stats["step_ms"] = (time.perf_counter() - st.t0) * 1e3
         self._stats = st.stats

@@ -191,16 +191,26 @@ class Transfer:
         """(I3) Block until the last H2D from ``b``'s master is done: the host may write it."""
         wait_event(self.h2d_done.get(b), f"the last H2D of {b.label}", timeout_s)
 
-    def start_h2d(self, b: Bucket, idx: list[int], slot: Slot, weights_free: Any) -> None:
-        """Write bucket ``b``'s new weights (segments ``idx``) into its params; on CUDA the
-        copy is queued and :attr:`h2d_done` holds its event."""
-        targets = b.param_views()
+    def start_h2d(
+        self,
+        b: Bucket,
+        idx: list[int],
+        slot: Slot,
+        weights_free: Any,
+        targets: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Write bucket ``b``'s new weights (segments ``idx``) into its params, or into
+        ``targets`` (one flat view per segment: overlap="delayed"'s landing buffers); on CUDA
+        the copy is queued and :attr:`h2d_done` holds its event."""
+        targets = b.param_views() if targets is None else targets
         masters = b.state_views(b.arena.master)
         if not self.cuda:
             torch._foreach_copy_([targets[i] for i in idx], [masters[i] for i in idx])
             return
         with torch.cuda.stream(self.h2d):
-            self.h2d.wait_event(weights_free)  # (I4) no queued kernel still reads the old weights
+            # (I4) no queued kernel still reads the old weights (delayed: the landing buffer's
+            # last copy into the params is done)
+            self.h2d.wait_event(weights_free)
             start = self._timed_start(self.h2d)
             # non_blocking: pinned source, same dtype, contiguous; the host does not write this
             # master again before this bucket's event has completed (I3).

@@ -87,8 +87,8 @@ def validate_options(
            f"Invalid cpu_threads: {cpu_threads!r} (expected None or an int > 0)")  # fmt: skip
     _check(number(timeout_s) and 0 < timeout_s < 1e7,
            f"Invalid timeout_s: {timeout_s!r} (expected seconds, finite and > 0)")  # fmt: skip
-    _check(overlap in ("step", "backward"),
-           f"Invalid overlap: {overlap!r} (expected 'step' or 'backward')")  # fmt: skip
+    _check(overlap in ("step", "backward", "delayed"),
+           f"Invalid overlap: {overlap!r} (expected 'step', 'backward' or 'delayed')")  # fmt: skip
     _check(wait in ("step", "module"), f"Invalid wait: {wait!r} (expected 'step' or 'module')")
     _check(max_grad_norm is None or (number(max_grad_norm) and 0 < max_grad_norm < float("inf")),
            f"Invalid max_grad_norm: {max_grad_norm!r} (expected None or a finite number > 0)")  # fmt: skip
@@ -105,6 +105,16 @@ def validate_options(
         "release_grads=True frees grads once their copy lands during backward: it needs "
         "overlap='backward' and grads_final=True or max_grad_norm= (clipping through the optimizer)",
     )
+    if overlap == "delayed":
+        _check(
+            wait == "step",
+            f"overlap='delayed' publishes the new weights at the next step() (or "
+            f"opt.synchronize()): wait={wait!r} does not apply; leave wait='step'",
+        )
+        _check(
+            not grads_final,
+            "grads_final=True applies to overlap='backward'; overlap='delayed' reads grads in step()",
+        )
     name = f"Hybrid{rule.name}"
     _check(not amsgrad, f"{name} does not support amsgrad=True yet", NotImplementedError)
     _check(

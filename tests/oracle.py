@@ -41,3 +41,48 @@ def assert_bitwise(actual, expected, what=""):
         torch.testing.assert_close(
             a, e, rtol=0, atol=0, msg=lambda m, i=i: f"{what} param {i}: {m}"
         )
+
+
+class DelayedReference:
+    """The delayed parameter update in a few lines, on the CPU: torch.optim.AdamW(fused=True)
+    over fp32 masters, fed each step's grads at once; the new weights of the params in
+    ``delayed`` (indices) reach them only at the next ``step()`` or ``synchronize()``, the
+    others at once. With ``max_grad_norm`` the fp32 grads are multiplied by torch's clip
+    coefficient of their global norm (the norm of the per-param fp32 norms, in param order)."""
+
+    def __init__(self, params, groups, delayed, max_grad_norm=None):
+        self.params, self.delayed, self.max_grad_norm = list(params), set(delayed), max_grad_norm
+        self.masters = [p.detach().float().clone() for p in self.params]
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self.opt = torch.optim.AdamW(
+            [{**g, "params": [self.masters[index[id(p)]] for p in g["params"]]} for g in groups],
+            fused=True,
+        )
+        self.pending = []
+
+    @torch.no_grad()
+    def step(self):
+        have = [i for i, p in enumerate(self.params) if p.grad is not None]
+        grads = {i: self.params[i].grad.float() for i in have}
+        if self.max_grad_norm is not None and have:
+            norms = torch._foreach_norm([self.params[i].grad for i in have], 2, dtype=torch.float32)
+            norm = torch.linalg.vector_norm(torch.stack(list(norms)))
+            scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            grads = {i: g * scale for i, g in grads.items()}
+        self.synchronize()
+        for i, m in enumerate(self.masters):
+            m.grad = grads.get(i)
+        self.opt.step()
+        for i in have:
+            p, m = self.params[i], self.masters[i]
+            if i in self.delayed:
+                self.pending.append((p, m.to(p.dtype)))
+                p.grad = None  # the update took it
+            else:
+                p.copy_(m)
+
+    @torch.no_grad()
+    def synchronize(self):
+        for p, w in self.pending:
+            p.copy_(w)
+        self.pending = []

@@ -1,0 +1,214 @@
+"""overlap="delayed": the update of step t runs while step t+1's forward and backward read the
+weights of step t-1; step t+1 copies the new weights in. Checked bitwise against the few-line
+reference in tests/oracle.py (DelayedReference) on a model whose grads depend on the stale
+weights, with schedulers and both kinds of clipping, and through checkpoints and failures."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from oracle import FRACTIONS, DelayedReference, assert_bitwise
+
+from offloadopt import HybridAdamW
+from offloadopt.worker import WorkerError
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def model_of(dtype, seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+        torch.nn.Linear(32, 4),
+    )  # fmt: skip
+    return m.to(dtype)
+
+
+def groups(model, lr=1e-2):
+    ps = list(model.parameters())
+    return [
+        {"params": ps[0:2], "lr": lr, "weight_decay": 0.1},
+        {"params": ps[2:4], "lr": lr / 3, "weight_decay": 0.0, "betas": (0.8, 0.95)},
+        {"params": ps[4:], "lr": lr / 2, "eps": 1e-6},
+    ]
+
+
+def batch(step, dtype):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=g).to(dtype), torch.randn(8, 4, generator=g).to(dtype)
+
+
+def backward(model, step):
+    x, y = batch(step, next(model.parameters()).dtype)
+    loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+    loss.backward()
+    return loss.detach()
+
+
+def hybrid(model, fraction, **kw):
+    return HybridAdamW(groups(model), offload_fraction=fraction, min_offload_numel=64,
+                       overlap="delayed", **kw)  # fmt: skip
+
+
+def twins(fraction, dtype, **kw):
+    model, ref_model = model_of(dtype), model_of(dtype)
+    opt = hybrid(model, fraction, **kw)
+    delayed = [i for i, p in enumerate(model.parameters()) if opt.is_offloaded(p)]
+    ref = DelayedReference(ref_model.parameters(), groups(ref_model), delayed,
+                           max_grad_norm=kw.get("max_grad_norm"))  # fmt: skip
+    return model, opt, ref_model, ref
+
+
+@pytest.mark.parametrize("clip", ["none", "optimizer", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_delayed_update_equals_the_reference_bitwise(fraction, dtype, clip):
+    kw = {"max_grad_norm": 0.05} if clip == "optimizer" else {}
+    model, opt, ref_model, ref = twins(fraction, dtype, **kw)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)) for o in (opt, ref.opt)]
+    if fraction > 0:
+        assert any(opt.is_offloaded(p) for p in model.parameters())
+    for step in range(6):
+        for m in (model, ref_model):
+            backward(m, step)
+            if clip == "torch":
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+        # The grads of this step were made from the same stale weights on both sides.
+        opt.step()
+        ref.step()
+        for s in scheds:
+            s.step()
+        opt.zero_grad()
+        ref_model.zero_grad()
+        assert_bitwise(list(model.parameters()), list(ref_model.parameters()), f"step {step}")
+    opt.synchronize()
+    ref.synchronize()
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "synchronized")
+    opt.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_forward_after_step_reads_the_weights_of_the_step_before(dtype):
+    model = model_of(dtype)
+    opt = hybrid(model, 1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    backward(model, 0)
+    opt.step()  # returns at once; the first update is in flight
+    offloaded = [i for i, p in enumerate(model.parameters()) if opt.is_offloaded(p)]
+    assert offloaded
+    for i, (p, b) in enumerate(zip(model.parameters(), before, strict=True)):
+        if i in offloaded:
+            assert torch.equal(p, b)  # still the old weights
+            assert p.grad is None  # the update took the grad
+    opt.synchronize()  # the update in flight is copied in
+    assert not any(
+        torch.equal(p, before[i]) for i, p in enumerate(model.parameters()) if i in offloaded
+    )
+    opt.close()
+
+
+@pytest.mark.parametrize("fraction", (0.5, 1.0))
+def test_state_dict_and_a_watched_model_state_dict_finish_the_update_in_flight(fraction):
+    model = model_of(torch.bfloat16)
+    opt = hybrid(model, fraction)
+    opt.watch(model)
+    for step in range(3):
+        backward(model, step)
+        opt.step()
+        opt.zero_grad()
+    weights = model.state_dict()  # the pre-hook copies the new weights in first
+    sd = opt.state_dict()
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if opt.is_offloaded(p):
+            assert torch.equal(sd["state"][i]["master"].to(p.dtype), weights[name])
+    opt.close()
+
+
+def run(model, opt, steps, start=0, save_at=None):
+    saved = None
+    for step in range(start, steps):
+        backward(model, step)
+        opt.step()
+        opt.zero_grad()
+        if save_at == step + 1:  # a checkpoint after the step, as Trainer and Lightning save
+            saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    return saved
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_mid_run_checkpoint_resumes_bitwise(dtype):
+    model = model_of(dtype)
+    opt = hybrid(model, 1.0)
+    opt.watch(model)
+    weights, state = run(model, opt, 8, save_at=4)  # the run goes on after its checkpoint
+    opt.synchronize()
+    resumed = model_of(dtype, seed=1)
+    resumed.load_state_dict(weights)
+    opt2 = hybrid(resumed, 1.0)
+    opt2.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no master refreshed: the checkpoint is consistent
+        run(resumed, opt2, 8, start=4)
+    opt2.synchronize()
+    assert_bitwise(list(resumed.parameters()), list(model.parameters()), "resumed")
+    for o in (opt, opt2):
+        o.close()
+
+
+def test_a_weight_edited_while_its_update_is_pending_keeps_the_edit():
+    model = model_of(torch.float32)
+    opt = hybrid(model, 1.0)
+    backward(model, 0)
+    opt.step()
+    w = model[0].weight
+    with torch.no_grad():
+        w.fill_(0.5)  # outside the optimizer, while the update is in flight
+    opt.synchronize()
+    assert torch.equal(w, torch.full_like(w, 0.5))  # the outside write wins, as in every mode
+    backward(model, 1)
+    opt.step()
+    opt.synchronize()
+    assert torch.equal(opt.state[w]["exp_avg"].abs() > 0, torch.ones_like(w, dtype=torch.bool))
+    opt.close()
+
+
+def test_a_failed_delayed_update_raises_at_the_next_step_and_leaves_weights_alone():
+    model = model_of(torch.float32)
+    opt = hybrid(model, 1.0)
+    backward(model, 0)
+    opt.step()
+    opt.synchronize()
+    good = copy.deepcopy(opt.state_dict())
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def fail(bucket):
+        raise OSError("disk on fire")
+
+    opt._pipeline.worker_hook = fail
+    backward(model, 1)
+    with pytest.raises(WorkerError, match="bucket 0.*disk on fire"):
+        opt.step()  # raises if the first bucket failed while it fed the next, else returns
+        opt.step()  # the failure comes with the publication
+    offloaded = [i for i, p in enumerate(model.parameters()) if opt.is_offloaded(p)]
+    after = list(model.parameters())
+    assert_bitwise([after[i] for i in offloaded], [before[i] for i in offloaded], "unpublished")
+    with pytest.raises(RuntimeError, match="inconsistent"):
+        opt.state_dict()
+    opt._pipeline.worker_hook = None
+    opt.load_state_dict(good)  # repairs
+    backward(model, 2)
+    opt.step()
+    opt.synchronize()
+    opt.close()
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [({"wait": "module"}, "wait='module' does not apply"),
+     ({"release_grads": True, "max_grad_norm": 1.0}, "release_grads"),
+     ({"grads_final": True}, "grads_final")],
+)  # fmt: skip
+def test_options_that_do_not_combine_with_delayed_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        hybrid(model_of(torch.float32), 1.0, **kw)
