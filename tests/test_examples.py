@@ -14,7 +14,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 @pytest.mark.parametrize(
     "script,package",
     [("trainer_resume.py", "transformers"), ("accelerate_loop.py", "accelerate"),
-     ("lightning_resume.py", "lightning")],
+     ("lightning_resume.py", "lightning"), ("delayed_resume.py", "lightning")],
 )  # fmt: skip
 def test_example_runs_and_is_exact(script, package):
     pytest.importorskip(package)

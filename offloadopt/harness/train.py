@@ -30,6 +30,7 @@ from offloadopt.optim import HybridAdamW
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OPTIMIZERS = ("hybrid", "adamw")
+OVERLAPS = ("step", "delayed")  # the modes the main job offers (its clipping is torch's)
 
 # Per-preset (batch_size, peak lr) used when --batch-size / --lr are not given. The GPT-2
 # learning rates are GPT-3's for those sizes (Brown et al. 2020, table 2.1); the GPT-2 batch
@@ -51,6 +52,7 @@ class TrainConfig:
     optimizer: str = "hybrid"  # "hybrid" (HybridAdamW) or "adamw" (torch.optim.AdamW(fused=True))
     offload_fraction: float = 1.0  # HybridAdamW: share of optimizer-state bytes kept on the host
     min_offload_numel: int = 4096  # HybridAdamW: params with fewer elements stay on the device
+    overlap: str = "step"  # HybridAdamW: "step", or "delayed" (the delayed parameter update)
     steps: int = 300  # optimizer steps
     batch_size: int | None = None  # sequences per step; None: RUN_DEFAULTS[preset]
     seq_len: int | None = None  # tokens per sequence; None: the preset's block_size
@@ -74,7 +76,8 @@ class TrainConfig:
             UsageError (a ValueError): a bad setting, named by its ``--flag``; see
                 ``FIELD_CHECKS`` and, across fields, ``seq_len`` <= the preset's block_size.
         """
-        for name, choices in (("preset", PRESETS), ("optimizer", OPTIMIZERS), ("dtype", DTYPES)):
+        for name, choices in (("preset", PRESETS), ("optimizer", OPTIMIZERS), ("dtype", DTYPES),
+                              ("overlap", OVERLAPS)):  # fmt: skip
             value = getattr(self, name)
             known = isinstance(value, str) and value in choices
             if not known and not (name == "dtype" and value is None):
@@ -151,8 +154,11 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
             model.named_parameters(),
             offload_fraction=cfg.offload_fraction,
             min_offload_numel=cfg.min_offload_numel,
+            overlap=cfg.overlap,
             **kwargs,
         )
+        if cfg.overlap == "delayed":
+            opt.watch(model)  # model.state_dict() sees the weights that match the masters
     return model, opt
 
 
@@ -275,6 +281,8 @@ def train(cfg: TrainConfig) -> dict:
             first_loss = train_loss
         evaluated = step % cfg.eval_every == 0 or step == cfg.steps
         if evaluated:
+            if hasattr(opt, "synchronize"):
+                opt.synchronize()  # delayed: evaluate the newest weights (copied in now)
             val_loss = to_host(evaluate(model, data, cfg))
         if step % cfg.log_every == 0 or step in (1, cfg.steps) or evaluated:
             peak_gpu = torch.cuda.max_memory_allocated(device) / gb if cuda else 0.0
@@ -299,6 +307,7 @@ def train(cfg: TrainConfig) -> dict:
         "dtype": cfg.dtype,
         "optimizer": cfg.optimizer,
         "offload_fraction": cfg.offload_fraction if cfg.optimizer == "hybrid" else 0.0,
+        "overlap": cfg.overlap if cfg.optimizer == "hybrid" else "step",
         "steps": cfg.steps,
         "batch_size": cfg.batch_size,
         "seq_len": cfg.seq_len,
@@ -328,6 +337,7 @@ HELP = {
     "optimizer": "hybrid: HybridAdamW; adamw: torch.optim.AdamW(fused=True) (default: %(default)s)",
     "offload_fraction": "HybridAdamW: share of optimizer-state bytes on the host, 0..1 (default: %(default)s)",
     "min_offload_numel": "HybridAdamW: params with fewer elements stay on the device (default: %(default)s)",
+    "overlap": "HybridAdamW: step, or delayed: the update runs during the next forward and backward, which read weights one step old (default: %(default)s)",
     "steps": "optimizer steps (default: %(default)s)",
     "batch_size": "sequences per step (default: per preset, 16 for tiny)",
     "seq_len": "tokens per sequence (default: the preset's block_size)",
@@ -349,7 +359,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     each value is checked as it is parsed (``FIELD_CHECKS``), so a bad one is argparse's
     one-line error."""
     d = TrainConfig()
-    choices = {"preset": list(PRESETS), "optimizer": list(OPTIMIZERS), "dtype": list(DTYPES)}
+    choices = {"preset": list(PRESETS), "optimizer": list(OPTIMIZERS), "dtype": list(DTYPES),
+               "overlap": list(OVERLAPS)}  # fmt: skip
     for name, help_text in HELP.items():
         kwargs = {"choices": choices[name]} if name in choices else {"type": FIELD_CHECKS[name]}
         metavar = {"metavar": "FILE"} if name == "data" else {}

@@ -43,6 +43,25 @@ class Lockstep:
             p.grad = None
 
 
+class DelayedLockstep(Lockstep):
+    """The delayed update's oracle (tests/oracle.py's DelayedReference, on the GPU's params):
+    the same synchronous CPU kernel, the new weights copied in at the next step."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.pending = []
+
+    @torch.no_grad()
+    def step(self):
+        grads = [p.grad.float().cpu() for p in self.params]  # blocking D2H
+        for p, w in self.pending:
+            p.copy_(w)
+        torch._foreach_add_(self.steps, 1)
+        torch._fused_adamw_(self.masters, grads, self.exp_avgs, self.exp_avg_sqs, [], self.steps,
+                            amsgrad=False, maximize=False, **self.hp)  # fmt: skip
+        self.pending = [(p, m.to(p.device).to(p.dtype)) for p, m in zip(self.params, self.masters, strict=True)]  # fmt: skip
+
+
 def big_cheap_model(dtype=torch.bfloat16, seed=0):
     """C03: 4 layers of 4096 x 4096: a cheap forward (batch 1) and big copies."""
     torch.manual_seed(seed)
@@ -263,6 +282,7 @@ OVERLAP_MODES = {
     "backward": dict(overlap="backward", grads_final=True),
     "backward-module": dict(overlap="backward", grads_final=True, wait="module"),
     "backward-release": dict(overlap="backward", grads_final=True, release_grads=True),
+    "delayed": dict(overlap="delayed"),
 }
 
 
@@ -274,7 +294,8 @@ def test_overlap_modes_never_read_weights_before_their_h2d(mode, hook):
     """Backward mode starts D2H, updates and H2D during backward; the next forward (issued at
     once) must still see exactly the lockstep oracle's weights."""
     ref_model = big_cheap_model()
-    ref_outs = train(ref_model, Lockstep(ref_model.parameters()))
+    oracle = DelayedLockstep if mode == "delayed" else Lockstep
+    ref_outs = train(ref_model, oracle(ref_model.parameters()))
     model = big_cheap_model()
     opt = HybridAdamW(model.parameters(), offload_fraction=1.0, bucket_nbytes=16 * 2**20,
                       flush_denormal=False, **OVERLAP_MODES[mode])  # fmt: skip
@@ -328,3 +349,16 @@ def test_release_grads_frees_the_offloaded_grads_on_the_gpu():
     model(x).float().pow(2).mean().backward()
     opt.step()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_delayed_frees_the_taken_grads_and_a_watched_state_dict_sees_the_new_weights():
+    model = big_cheap_model()
+    opt = HybridAdamW(model.parameters(), offload_fraction=1.0, overlap="delayed")
+    opt.watch(model)
+    train(model, opt, steps=3)
+    assert all(p.grad is None for p in model.parameters())  # taken by the update
+    weights = model.state_dict()  # copies the update in flight in first
+    sd = opt.state_dict()
+    for i, p in enumerate(model.parameters()):
+        assert torch.equal(sd["state"][i]["master"].to(p.dtype), weights[list(weights)[i]].cpu())
+    opt.close()
