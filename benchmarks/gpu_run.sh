@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|bench|audit|ab|overlap|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|bench|audit|ab|overlap|delayed|conv|frameworks|endurance|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -31,6 +31,20 @@ for part in "${@:-all}"; do
   fi
   if [[ $part == overlap || $part == all ]]; then
     timeout 480 python3 benchmarks/overlap_bench.py --out "$OUT" 2>&1 | tee "$OUT/overlap.log" | tail -42
+  fi
+  if [[ $part == delayed || $part == all ]]; then
+    timeout 420 python3 benchmarks/overlap_bench.py --batch-size 16 --no-memory --out "$OUT/delayed" \
+      --only f0 "step f1" "delayed f1" "delayed f1 clip" "delayed f1 torch-clip" torchao 2>&1 | tee "$OUT/delayed.log" | tail -14
+  fi
+  if [[ $part == conv || $part == all ]]; then
+    timeout 300 python3 benchmarks/convergence.py --device cuda --out "$OUT/conv" 2>&1 | tail -6
+  fi
+  if [[ $part == frameworks || $part == all ]]; then
+    timeout 200 python3 examples/lightning_resume.py --device cuda 2>&1 | tail -1 | tee "$OUT/lightning_cuda.log"
+    timeout 200 python3 examples/delayed_resume.py --device cuda 2>&1 | tail -1 | tee "$OUT/delayed_resume_cuda.log"
+  fi
+  if [[ $part == endurance || $part == all ]]; then
+    timeout 300 python3 benchmarks/endurance.py --device cuda --no-progress --out "$OUT/endurance" 2>&1 | tail -24
   fi
   if [[ $part == audit || $part == all ]]; then
     for opt in "hybrid" "hybrid --no-pin-memory" "megatron"; do
