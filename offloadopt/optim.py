@@ -587,8 +587,14 @@ class HybridAdamW(HybridOptimizer):
             (its affinity) divided by the local ranks (in step mode the training thread waits
             while the worker runs).
         timeout_s: the longest any wait for the worker or a copy may last (seconds).
-        overlap: ``"step"`` (everything inside ``step()``) or ``"backward"`` (grad hooks start
-            buckets during backward, as far as ``grads_final`` and ``max_grad_norm`` allow).
+        overlap: ``"step"`` (everything inside ``step()``), ``"backward"`` (grad hooks start
+            buckets during backward, as far as ``grads_final`` and ``max_grad_norm`` allow) or
+            ``"delayed"`` (the delayed parameter update of ZeRO-Offload: ``step()`` returns at
+            once, the CPU update runs during the next forward and backward, which read the
+            weights one step old, and the next ``step()`` or :meth:`synchronize` copies the
+            new weights in; ``p.grad`` of offloaded params is None after ``step()``; memory:
+            one more copy of the offloaded weights on the device, in their dtype; see the
+            README's "The delayed parameter update").
         wait: ``"step"`` (``step()`` returns with every copy back queued and waited for on the
             compute stream) or ``"module"`` (``step()`` returns at once; modules registered with
             :meth:`watch` wait for their own params; :meth:`synchronize` for the rest).

@@ -3,6 +3,7 @@ on the host for a chosen fraction of the params, on the machinery of :class:`Hyb
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -11,6 +12,22 @@ from offloadopt.optim import HybridOptimizer
 from offloadopt.rules import SGD
 
 __all__ = ["HybridSGD"]
+
+
+@functools.cache
+def low_precision_fused_sgd_is_right() -> bool:
+    """Whether this torch's fused CPU SGD updates bf16 tensors correctly: torch 2.13's skips
+    every full SIMD block and fills momentum from memory it never wrote
+    (tests/test_conformance.py found it). Two steps whose every value is exact in bf16."""
+    p = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    opt = torch.optim.SGD([p], lr=0.25, momentum=0.5, fused=True)
+    for _ in range(2):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    buf = opt.state[p]["momentum_buffer"]
+    return torch.equal(p.detach(), torch.full_like(p, 0.375)) and torch.equal(
+        buf, torch.full_like(p, 1.5)
+    )
 
 
 class HybridSGD(HybridOptimizer):
@@ -30,7 +47,9 @@ class HybridSGD(HybridOptimizer):
         ValueError, TypeError: a bad argument, named (Nesterov needs momentum and zero
             dampening); a group whose momentum is turned on or off after construction, at
             its next step.
-        NotImplementedError: ``differentiable`` set.
+        NotImplementedError: ``differentiable`` set; ``master_weights=False`` with bf16/fp16
+            params on a torch whose fused CPU SGD gets them wrong (torch 2.13: the update
+            would be silently wrong; the default fp32 masters are right).
     """
 
     rule = SGD
@@ -52,4 +71,25 @@ class HybridSGD(HybridOptimizer):
     ):
         hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                      nesterov=nesterov, maximize=maximize)  # fmt: skip
+        if options.get("master_weights") is False:
+            params = list(params)  # looked at twice: a generator must not be used up here
+            low = [p for p in _tensors(params) if p.dtype in (torch.bfloat16, torch.float16)]
+            if low and not low_precision_fused_sgd_is_right():
+                raise NotImplementedError(
+                    f"HybridSGD(master_weights=False) with {low[0].dtype} params: torch "
+                    f"{torch.__version__}'s fused CPU SGD updates such tensors wrongly; keep the "
+                    "default master_weights=True (fp32 masters, exact)"
+                )
         super().__init__(params, hyper, differentiable=differentiable, **options)
+
+
+def _tensors(params: list) -> list[torch.Tensor]:
+    out = []
+    for item in params:
+        if isinstance(item, dict):
+            out += _tensors(list(item.get("params", [])))
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+            out.append(item[1])  # named_parameters()
+        elif isinstance(item, torch.Tensor):
+            out.append(item)
+    return out

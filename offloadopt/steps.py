@@ -20,6 +20,13 @@
   ``opt.watch(model)`` waits, before its forward, for its own params' copies only;
   ``opt.synchronize()`` waits for everything (``state_dict()``, ``load_state_dict()``,
   ``add_param_group()``, ``zero_grad(set_to_none=False)`` and ``close()`` call it).
+- ``overlap="delayed"`` (the delayed parameter update): ``step()`` reads the grads (after any
+  clipping or scaling), queues every offloaded bucket, takes the grads from their params and
+  returns. The worker's H2D writes each param's landing buffer (``ParamRecord.landing``), not
+  the param, so the next forward and backward read the weights of the step before; the next
+  ``step()``, or anything that calls ``synchronize()``, waits for the update and copies the
+  landed weights in on the stream that reads them (``_publish_delayed``), and only then are
+  the params marked written (the stale-master check must not see our own copy as an edit).
 - A step is consistent or refused: if a backward that started updates fails part-way, or a
   second backward comes before ``step()``, the optimizer refuses ``step()`` and
   ``state_dict()`` until ``load_state_dict()`` or ``opt.discard_failed_step()``.

@@ -142,3 +142,15 @@ def test_turning_momentum_on_after_construction_is_refused_before_any_change():
     with pytest.raises(ValueError, match="momentum turned on or off after the optimizer was built"):
         opt.step()
     assert_bitwise(params, before)
+
+
+def test_sgd_without_masters_on_bf16_is_refused_where_torchs_kernel_is_wrong():
+    from offloadopt.sgd import low_precision_fused_sgd_is_right
+
+    p = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    if low_precision_fused_sgd_is_right():
+        HybridSGD([p], lr=0.25, momentum=0.5, master_weights=False).close()
+    else:
+        with pytest.raises(NotImplementedError, match="master_weights=True"):
+            HybridSGD([p], lr=0.25, momentum=0.5, master_weights=False)
+    HybridSGD([p], lr=0.25, momentum=0.5).close()  # with fp32 masters: right everywhere
