@@ -13,6 +13,7 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +35,15 @@ EXTRA = [
     ("backward f1 bucket256", dict(fraction=1.0, bucket_nbytes=256 * 2**20, **BEST)),
     ("backward f0.2 threads16", dict(fraction=0.2, cpu_threads=16, **BEST)),
     ("backward f0.2 bucket16", dict(fraction=0.2, bucket_nbytes=16 * 2**20, **BEST)),
+    # The delayed update's worker takes the GIL back between buckets while the training thread
+    # launches the next forward and backward: fewer buckets, or a shorter switch interval.
+    ("delayed f1 bucket256", dict(fraction=1.0, overlap="delayed", bucket_nbytes=256 * 2**20)),
+    ("delayed f1 bucket1024", dict(fraction=1.0, overlap="delayed", bucket_nbytes=2**30)),
+    ("delayed f1 switch1ms", dict(fraction=1.0, overlap="delayed", switch_s=1e-3)),
+    (
+        "delayed f1 bucket256 switch1ms",
+        dict(fraction=1.0, overlap="delayed", bucket_nbytes=256 * 2**20, switch_s=1e-3),
+    ),
 ]
 
 
@@ -70,6 +80,9 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
     loss_fn = models.loss_fn("gpt2-xl")
     cfg = dict(cfg)
     torch_clip, torchao = cfg.pop("torch_clip", False), cfg.pop("torchao", False)
+    switch_s, before_switch = cfg.pop("switch_s", None), sys.getswitchinterval()
+    if switch_s is not None:
+        sys.setswitchinterval(switch_s)
     fraction = cfg.pop("fraction", 1.0)
     t = time.perf_counter()
     if torchao:
@@ -109,6 +122,7 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
     }  # fmt: skip
     if hasattr(opt, "close"):
         opt.close()
+    sys.setswitchinterval(before_switch)
     del opt
     gc.collect()
     return r
