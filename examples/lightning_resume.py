@@ -80,7 +80,10 @@ def main(device: str = "cpu") -> dict[str, float]:
         diff_resume = max((p - q).abs().max().item()
                           for p, q in zip(ref.parameters(), resumed.parameters(), strict=True))  # fmt: skip
         # A twin loaded from the resumed optimizer's state_dict() must step exactly like it.
-        twin_model = Module(seed=2)
+        # Lightning's teardown moved the module to the CPU; the optimizer's state stays where
+        # it lives, so the params go back to the device (in place: the same param objects).
+        resumed.to(device)
+        twin_model = Module(seed=2).to(device)
         twin_model.load_state_dict(resumed.state_dict())
         twin = hybrid(twin_model.parameters())
         twin.load_state_dict(opt.state_dict())

@@ -27,27 +27,28 @@ _OWN_KEYS = ("params", "param_names", "offload")
 ParamSpec = tuple[str, tuple[int, ...]]  # (name, shape) of one param of the loading optimizer
 
 
-def pack(sd: dict[str, Any]) -> dict[str, Any]:
-    """A snapshot of ``sd``: every state tensor replaced by a standalone copy in host memory
-    (CPU, pageable), taken now. Offloaded entries are views of a host arena (saving one would
-    save the whole arena), device entries the live GPU tensors; a kept dict of live tensors
-    would change at the next step for some entries and not for others. Host memory, not the
-    device's: a snapshot must not take GPU memory from a model that barely fits. Top-level
-    keys other than ``state``, and non-tensor values, are kept as they are.
+def pack(sd: dict[str, Any], on_device: bool = False) -> dict[str, Any]:
+    """A snapshot of ``sd``: every state tensor replaced by a standalone copy taken now, in
+    host memory (CPU, pageable), or with ``on_device`` where it lives. Offloaded entries are
+    views of a host arena (saving one would save the whole arena), device entries the live GPU
+    tensors; a kept dict of live tensors would change at the next step for some entries and
+    not for others. Host memory by default: a snapshot must not take GPU memory from a model
+    that barely fits. Top-level keys other than ``state``, and non-tensor values, are kept.
     """
+    device = None if on_device else "cpu"
     state = {}
     for index, entry in sd["state"].items():
         if isinstance(entry, dict):
-            state[index] = {k: _host_copy(v) for k, v in entry.items()}
+            state[index] = {k: _copy(v, device) for k, v in entry.items()}
         else:
-            state[index] = _host_copy(entry)
+            state[index] = _copy(entry, device)
     return {**sd, "state": state}
 
 
-def _host_copy(v: Any) -> Any:
+def _copy(v: Any, device: str | None) -> Any:
     if not isinstance(v, torch.Tensor):
         return v
-    return v.detach().to("cpu", copy=True)
+    return v.detach().to(device or v.device, copy=True)
 
 
 def validate(

@@ -42,6 +42,9 @@ class HybridOptimizer(Stepping, Optimizer):
     onto ``hyper`` (the rule's hyperparameters)."""
 
     rule: Rule = ADAMW
+    # state_dict()'s copies of device-resident state: on the host (False), or on their device
+    # (True: Megatron's HybridDeviceOptimizer layout, which its tests check).
+    _snapshot_on_device = False
 
     def __init__(
         self,
@@ -400,7 +403,7 @@ class HybridOptimizer(Stepping, Optimizer):
         self.ensure_placed()
         self.synchronize()
         self._raise_if_broken()
-        return checkpoint.pack(super().state_dict())
+        return checkpoint.pack(super().state_dict(), on_device=self._snapshot_on_device)
 
     @torch.no_grad()  # copies from tensors that require grad record nothing
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -118,6 +118,10 @@ class HybridDeviceOptimizer(HybridOptimizer):
         ValueError: a bad hyperparameter, named.
     """
 
+    _snapshot_on_device = (
+        True  # state_dict(): device-resident state stays on the GPU, as Megatron's
+    )
+
     def __init__(
         self,
         params,
