@@ -7,7 +7,8 @@ reports what the update uses).
 
     python examples/lightning_resume.py [--device cpu|cuda]
 
-Prints the largest weight difference of the resume and of the twin; exits 1 unless both are 0.
+Prints the largest weight difference of the resume and of the twin; exits 1 unless both are 0
+(on CUDA the resume against torch within 1e-5: the CPU and CUDA kernels round differently).
 """
 
 from __future__ import annotations
@@ -103,7 +104,11 @@ def main(device: str = "cpu") -> dict[str, float]:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
-    d = main(ap.parse_args().device)
-    exact = d["resume_vs_torch"] == d["twin"] == 0.0
+    device = ap.parse_args().device
+    d = main(device)
+    # On CUDA torch's AdamW runs its CUDA kernel and HybridAdamW the CPU one for offloaded
+    # params: they round differently (tests/cuda/test_optim_cuda.py, GPU_VS_CPU_KERNEL_ATOL).
+    tol = 1e-5 if device.startswith("cuda") else 0.0
+    exact = d["resume_vs_torch"] <= tol and d["twin"] == 0.0
     print(json.dumps({"max_abs_weight_diff": d, "exact": exact}))
     raise SystemExit(0 if exact else 1)

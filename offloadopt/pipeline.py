@@ -95,11 +95,17 @@ class StepRun:
         """
         self._raise_if_failed()
         with self._cond:
-            if self._closed:
-                raise RuntimeError("offloadopt: a bucket was fed to a step that has ended")
-            self._queue.append(work)
-            self.fed.append(work)
-            self._cond.notify_all()
+            ended = self._closed
+            if not ended:
+                self._queue.append(work)
+                self.fed.append(work)
+                self._cond.notify_all()
+        if ended:
+            # The worker closes a run that failed before its job reports the failure: wait for
+            # the report, so the caller sees the bucket's error (tests/test_delayed.py).
+            self.job.done.wait(self.pipeline.timeout_s)
+            self._raise_if_failed()
+            raise RuntimeError("offloadopt: a bucket was fed to a step that has ended")
 
     def close(self) -> None:
         """No more buckets: the worker drains the queue and ends the job (idempotent)."""

@@ -308,9 +308,13 @@ class Stepping:
         optimizer since the update started keeps that write: the next step refreshes its
         master from it (the outside write wins, as in every mode), with a warning."""
         by_device: dict[torch.device, tuple[list, list]] = {}
+        kept = []
         for p in st.versions:
             rec = self._records[p]
-            if rec.landing is None or rec.is_stale(p):
+            if rec.landing is None:
+                continue
+            if rec.is_stale(p):
+                kept.append(rec.name)
                 continue
             params, landed = by_device.setdefault(p.device, ([], []))
             params.append(p)
@@ -321,6 +325,16 @@ class Stepping:
                 torch._foreach_copy_(params, landed)
             for p in params:
                 self._records[p].mark_written(p)
+        if kept:
+            import warnings
+
+            warnings.warn(
+                f"{len(kept)} params were written or moved outside the optimizer while their "
+                f"delayed update was in flight (e.g. {', '.join(kept[:3])}): they keep that "
+                "write, not the update (a framework moving the model at the end of training: "
+                "call opt.synchronize() before it)",
+                stacklevel=4,
+            )
 
     def watch(self, model: torch.nn.Module) -> None:
         """Register forward pre-hooks on the modules of ``model`` that own offloaded params;
