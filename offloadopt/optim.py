@@ -138,12 +138,17 @@ class HybridOptimizer(Stepping, Optimizer):
         if self._ready:
             self.synchronize()  # staging may be replaced: no copy of the last step still runs
         super().add_param_group(param_group)
-        if self._ready:
-            try:
+        try:
+            self._check_group(self.param_groups[-1])
+            if self._ready:
                 self._place_or_defer([len(self.param_groups) - 1])
-            except BaseException:
-                self.param_groups.pop()  # nothing half built: the group goes with its failure
-                raise
+        except BaseException:
+            self.param_groups.pop()  # nothing half built: the group goes with its failure
+            raise
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """A subclass's own refusals for a group about to be placed (its params are tensors);
+        raising here adds nothing, at construction and in ``add_param_group`` alike."""
 
     def _place_or_defer(self, group_indices: list[int]) -> None:
         """Place these groups now, or, while any param of them (or of a group still waiting) is

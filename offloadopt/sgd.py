@@ -71,25 +71,15 @@ class HybridSGD(HybridOptimizer):
     ):
         hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                      nesterov=nesterov, maximize=maximize)  # fmt: skip
-        if options.get("master_weights") is False:
-            params = list(params)  # looked at twice: a generator must not be used up here
-            low = [p for p in _tensors(params) if p.dtype in (torch.bfloat16, torch.float16)]
-            if low and not low_precision_fused_sgd_is_right():
-                raise NotImplementedError(
-                    f"HybridSGD(master_weights=False) with {low[0].dtype} params: torch "
-                    f"{torch.__version__}'s fused CPU SGD updates such tensors wrongly; keep the "
-                    "default master_weights=True (fp32 masters, exact)"
-                )
         super().__init__(params, hyper, differentiable=differentiable, **options)
 
-
-def _tensors(params: list) -> list[torch.Tensor]:
-    out = []
-    for item in params:
-        if isinstance(item, dict):
-            out += _tensors(list(item.get("params", [])))
-        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
-            out.append(item[1])  # named_parameters()
-        elif isinstance(item, torch.Tensor):
-            out.append(item)
-    return out
+    def _check_group(self, group: dict[str, Any]) -> None:
+        if self.master_weights:
+            return
+        low = [p for p in group["params"] if p.dtype in (torch.bfloat16, torch.float16)]
+        if low and not low_precision_fused_sgd_is_right():
+            raise NotImplementedError(
+                f"HybridSGD(master_weights=False) with {low[0].dtype} params: torch "
+                f"{torch.__version__}'s fused CPU SGD updates such tensors wrongly; keep the "
+                "default master_weights=True (fp32 masters, exact)"
+            )

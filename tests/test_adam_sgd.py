@@ -153,4 +153,10 @@ def test_sgd_without_masters_on_bf16_is_refused_where_torchs_kernel_is_wrong():
     else:
         with pytest.raises(NotImplementedError, match="master_weights=True"):
             HybridSGD([p], lr=0.25, momentum=0.5, master_weights=False)
+        q = torch.nn.Parameter(torch.ones(64))
+        opt = HybridSGD([q], lr=0.25, momentum=0.5, master_weights=False)
+        with pytest.raises(NotImplementedError, match="master_weights=True"):
+            opt.add_param_group({"params": [p]})  # a group added later too, and nothing added
+        assert len(opt.param_groups) == 1 and not opt.is_offloaded(p)
+        opt.close()
     HybridSGD([p], lr=0.25, momentum=0.5).close()  # with fp32 masters: right everywhere
