@@ -8,8 +8,11 @@ through views), so ``state_dict()`` would report stale values and the copy would
 memory. Here an assignment of a tensor to a key that holds one waits for work in flight and
 copies the value into the existing buffer, which stays where it lives (host state on the host,
 pinned where it was); a whole-entry assignment does that key by key; deleting an entry resets
-that param's state (made again at its next grad, as torch does). Copies of an entry
-(``copy.deepcopy``, ``dict(...)``) are plain dicts.
+that param's state (made again at its next grad, as torch does). Reads through ``opt.state``
+(``opt.state[p]``, ``get``, ``values``, ``items``) first wait for an update in flight
+(``wait="module"`` and ``overlap="delayed"`` return from ``step()`` before it is done; delayed,
+the wait also copies its weights in), so a read never sees host state the worker is writing.
+Copies of an entry (``copy.deepcopy``, ``dict(...)``) are plain dicts.
 """
 
 from __future__ import annotations
@@ -66,6 +69,28 @@ class OptimizerState(defaultdict):
     def __init__(self, owner: Any):
         super().__init__()
         self._owner = weakref.ref(owner)
+
+    def _settle(self) -> None:
+        """Wait for the owner's update in flight, if any (a no-op check otherwise)."""
+        owner = self._owner()
+        if owner is not None and owner._inflight is not None:
+            owner.synchronize()
+
+    def __getitem__(self, key: Any) -> Any:
+        self._settle()
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._settle()
+        return super().get(key, default)
+
+    def values(self):
+        self._settle()
+        return super().values()
+
+    def items(self):
+        self._settle()
+        return super().items()
 
     def __missing__(self, key: Any) -> StateEntry:
         entry = StateEntry(self._owner())

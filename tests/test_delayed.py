@@ -164,7 +164,8 @@ def test_a_weight_edited_while_its_update_is_pending_keeps_the_edit():
     w = model[0].weight
     with torch.no_grad():
         w.fill_(0.5)  # outside the optimizer, while the update is in flight
-    opt.synchronize()
+    with pytest.warns(UserWarning, match="while their delayed update was in flight"):
+        opt.synchronize()
     assert torch.equal(w, torch.full_like(w, 0.5))  # the outside write wins, as in every mode
     backward(model, 1)
     opt.step()
@@ -212,3 +213,29 @@ def test_a_failed_delayed_update_raises_at_the_next_step_and_leaves_weights_alon
 def test_options_that_do_not_combine_with_delayed_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         hybrid(model_of(torch.float32), 1.0, **kw)
+
+
+@pytest.mark.parametrize("read", ["getitem", "get", "values", "items"])
+def test_reading_opt_state_waits_for_the_update_in_flight(read):
+    import time
+
+    model, opt, ref_model, ref = twins(1.0, torch.float32)
+    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.05)  # the update comes late
+    for m in (model, ref_model):
+        backward(m, 0)
+    opt.step()
+    ref.step()
+    w = model[0].weight
+    reads = {
+        "getitem": lambda: opt.state[w],
+        "get": lambda: opt.state.get(w),
+        "values": lambda: next(iter(opt.state.values())),
+        "items": lambda: next(iter(opt.state.items()))[1],
+    }
+    entry = reads[read]()
+    assert opt._inflight is None  # the read waited (and copied the new weights in)
+    if read in ("getitem", "get"):
+        assert torch.equal(entry["exp_avg"], ref.opt.state[ref.masters[0]]["exp_avg"])
+    ref.synchronize()
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "published")
+    opt.close()
