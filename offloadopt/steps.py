@@ -38,6 +38,7 @@ import contextlib
 import signal
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -326,8 +327,6 @@ class Stepping:
             for p in params:
                 self._records[p].mark_written(p)
         if kept:
-            import warnings
-
             warnings.warn(
                 f"{len(kept)} params were written or moved outside the optimizer while their "
                 f"delayed update was in flight (e.g. {', '.join(kept[:3])}): they keep that "
@@ -579,6 +578,7 @@ class Stepping:
         if st.run is None:
             st.run = self._pipeline.begin(self._update_bucket, st.stats)
         new_prints: list[torch.Tensor] = []  # grads fed before step(): their norms, below
+        delayed = self.overlap == "delayed"  # the H2D lands in ParamRecord.landing
         for b, idx in items:
             params = b.arena.params
             calls: dict[tuple, tuple[Hyper, list[int], list[torch.Tensor], bool]] = {}
@@ -600,7 +600,7 @@ class Stepping:
                     release.append((p, weakref.ref(p.grad)))
             grads = b.grad_views(idx)
             targets = None
-            if self.overlap == "delayed":
+            if delayed:
                 targets = [self._records[params[s.k]].landing.view(-1)[s.lo : s.hi]
                            for s in b.segments]  # fmt: skip
             if new_prints:  # on this stream, before `ready`: the values the D2H reads
@@ -610,7 +610,6 @@ class Stepping:
                 new_prints = []
             tr = self._pipeline.transfers[b.arena.device]
             ready = tr.mark(torch.cuda.current_stream(b.arena.device) if tr.cuda else None)
-            delayed = self.overlap == "delayed"
             work = BucketWork(b, idx, grads, ready, scale, release, list(calls.values()),
                               targets, drop_grads=delayed)  # fmt: skip
             st.fed[b] = work
@@ -726,8 +725,6 @@ class Stepping:
 
     def _refresh_if_stale(self, p: torch.Tensor, rec: ParamRecord) -> None:
         """No stale masters: weights changed outside the optimizer win over its copy."""
-        import warnings
-
         master = rec.master(self.state[p])
         if master is None:
             rec.mark_written(p)

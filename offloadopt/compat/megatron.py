@@ -118,9 +118,8 @@ class HybridDeviceOptimizer(HybridOptimizer):
         ValueError: a bad hyperparameter, named.
     """
 
-    _snapshot_on_device = (
-        True  # state_dict(): device-resident state stays on the GPU, as Megatron's
-    )
+    # state_dict(): copies of device-resident state stay on the GPU, as Megatron's.
+    _snapshot_on_device = True
 
     def __init__(
         self,
