@@ -34,6 +34,10 @@ log = logging.getLogger("offloadopt")
 
 OVERLAPS = ("step", "backward", "delayed")
 WAITS = ("step", "module")
+# bucket_nbytes=None: 64 MiB, or 256 MiB with overlap="delayed", where the worker's Python between
+# buckets waits for the GIL while the training thread launches the next forward and backward
+# (GPT-2 1.5B: 1.13x -> 1.05x of the step's bound, benchmarks/RESULTS.md).
+BUCKET_NBYTES = {"step": 64 * 2**20, "backward": 64 * 2**20, "delayed": 256 * 2**20}
 
 
 class HybridOptimizer(Stepping, Optimizer):
@@ -58,7 +62,7 @@ class HybridOptimizer(Stepping, Optimizer):
         min_offload_numel: int = 4096,
         master_weights: bool = True,
         pin_memory: bool = True,
-        bucket_nbytes: int = 64 * 2**20,
+        bucket_nbytes: int | None = None,
         flush_denormal: bool = True,
         cpu_threads: int | None = None,
         timeout_s: float = 600.0,
@@ -87,7 +91,7 @@ class HybridOptimizer(Stepping, Optimizer):
         self.min_offload_numel = min_offload_numel
         self.master_weights = master_weights
         self.pin_memory = pin_memory
-        self.bucket_nbytes = bucket_nbytes
+        self.bucket_nbytes = bucket_nbytes if bucket_nbytes is not None else BUCKET_NBYTES[overlap]
         self.flush_denormal = flush_denormal
         self.overlap, self.wait = overlap, wait
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -589,7 +593,9 @@ class HybridAdamW(HybridOptimizer):
             params, on the device otherwise); with False they update in their own dtype.
         pin_memory: pin crossing host buffers (checked); False reproduces the slow pageable path
             and warns once.
-        bucket_nbytes: target bytes of fp32 state per bucket (pipelining unit).
+        bucket_nbytes: target bytes of fp32 state per bucket (pipelining unit); default 64 MiB,
+            256 MiB with ``overlap="delayed"`` (fewer hand-offs of the GIL between the worker and
+            the training thread while it launches the next forward and backward).
         flush_denormal: run the CPU update with flush-to-zero (see above).
         cpu_threads: OpenMP threads of the CPU worker; default the cores this process may use
             (its affinity) divided by the local ranks (in step mode the training thread waits
@@ -649,7 +655,7 @@ class HybridAdamW(HybridOptimizer):
         min_offload_numel: int = 4096,
         master_weights: bool = True,
         pin_memory: bool = True,
-        bucket_nbytes: int = 64 * 2**20,
+        bucket_nbytes: int | None = None,
         flush_denormal: bool = True,
         cpu_threads: int | None = None,
         timeout_s: float = 600.0,

@@ -81,8 +81,8 @@ def validate_options(
            f"Invalid offload_fraction: {offload_fraction!r} (expected a number in [0, 1])")  # fmt: skip
     _check(count(min_offload_numel) and min_offload_numel >= 0,
            f"Invalid min_offload_numel: {min_offload_numel!r} (expected an int >= 0)")  # fmt: skip
-    _check(count(bucket_nbytes) and bucket_nbytes > 0,
-           f"Invalid bucket_nbytes: {bucket_nbytes!r} (expected an int > 0)")  # fmt: skip
+    _check(bucket_nbytes is None or (count(bucket_nbytes) and bucket_nbytes > 0),
+           f"Invalid bucket_nbytes: {bucket_nbytes!r} (expected None or an int > 0)")  # fmt: skip
     _check(cpu_threads is None or (count(cpu_threads) and cpu_threads > 0),
            f"Invalid cpu_threads: {cpu_threads!r} (expected None or an int > 0)")  # fmt: skip
     _check(number(timeout_s) and 0 < timeout_s < 1e7,

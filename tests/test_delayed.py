@@ -239,3 +239,12 @@ def test_reading_opt_state_waits_for_the_update_in_flight(read):
     ref.synchronize()
     assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "published")
     opt.close()
+
+
+def test_the_delayed_mode_defaults_to_larger_buckets_and_an_explicit_size_wins():
+    model = model_of(torch.float32)
+    assert hybrid(model, 1.0).bucket_nbytes == 256 * 2**20
+    assert HybridAdamW(model.parameters()).bucket_nbytes == 64 * 2**20
+    assert hybrid(model, 1.0, bucket_nbytes=4096).bucket_nbytes == 4096
+    with pytest.raises(ValueError, match="Invalid bucket_nbytes: 0"):
+        hybrid(model, 1.0, bucket_nbytes=0)
