@@ -10,8 +10,9 @@ copies the value into the existing buffer, which stays where it lives (host stat
 pinned where it was); a whole-entry assignment does that key by key; deleting an entry resets
 that param's state (made again at its next grad, as torch does). Reads through ``opt.state``
 (``opt.state[p]``, ``get``, ``values``, ``items``) first wait for an update in flight
-(``wait="module"`` and ``overlap="delayed"`` return from ``step()`` before it is done; delayed,
-the wait also copies its weights in), so a read never sees host state the worker is writing.
+(``wait="module"`` and ``overlap="delayed"`` return from ``step()`` before it is done), so a
+read never sees host state the worker is writing; delayed, a read does not copy the new weights
+in (that would end the staleness and change the run), writes and deletions do.
 Copies of an entry (``copy.deepcopy``, ``dict(...)``) are plain dicts.
 """
 
@@ -74,7 +75,7 @@ class OptimizerState(defaultdict):
         """Wait for the owner's update in flight, if any (a no-op check otherwise)."""
         owner = self._owner()
         if owner is not None and owner._inflight is not None:
-            owner.synchronize()
+            owner._wait_update()
 
     def __getitem__(self, key: Any) -> Any:
         self._settle()

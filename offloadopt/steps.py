@@ -302,6 +302,23 @@ class Stepping:
             self._publish_delayed(st, streams)
         self._finish(st, streams)
 
+    def _wait_update(self) -> None:
+        """Wait until the update in flight has written the host state (a read of
+        ``opt.state``). Delayed, its weights are not copied in: reading must not end the
+        staleness; otherwise (wait="module") this is :meth:`synchronize`.
+
+        Raises:
+            WorkerError, TimeoutError: as ``synchronize()`` (which then handles the failure).
+        """
+        st = self._inflight
+        if st is not None and self.overlap == "delayed":
+            try:
+                st.run.wait(self.timeout_s)
+                return
+            except BaseException:  # noqa: BLE001 - synchronize() raises it, marking the step
+                pass
+        self.synchronize()
+
     @torch.no_grad()
     def _publish_delayed(self, st: StepState, streams) -> None:
         """overlap="delayed": copy the landed new weights into the params, on the stream that
