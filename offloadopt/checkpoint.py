@@ -33,7 +33,8 @@ def pack(sd: dict[str, Any], on_device: bool = False) -> dict[str, Any]:
     views of a host arena (saving one would save the whole arena), device entries the live GPU
     tensors; a kept dict of live tensors would change at the next step for some entries and
     not for others. Host memory by default: a snapshot must not take GPU memory from a model
-    that barely fits. Top-level keys other than ``state``, and non-tensor values, are kept.
+    that barely fits. Tensor values of ``param_groups`` (a tensor lr) are copied where they
+    live; other top-level keys, and non-tensor values, are kept.
     """
     device = None if on_device else "cpu"
     state = {}
@@ -42,7 +43,9 @@ def pack(sd: dict[str, Any], on_device: bool = False) -> dict[str, Any]:
             state[index] = {k: _copy(v, device) for k, v in entry.items()}
         else:
             state[index] = _copy(entry, device)
-    return {**sd, "state": state}
+    # A tensor lr in a group would change with the scheduler: copied too, where it lives.
+    groups = [{k: _copy(v, None) for k, v in g.items()} for g in sd["param_groups"]]
+    return {**sd, "state": state, "param_groups": groups}
 
 
 def _copy(v: Any, device: str | None) -> Any:

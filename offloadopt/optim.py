@@ -347,7 +347,15 @@ class HybridOptimizer(Stepping, Optimizer):
             )
 
     def placement_table(self) -> str:
-        """The placement as a fixed-width table (see :func:`offloadopt.placement.format_placement`)."""
+        """The placement as a fixed-width table (see :func:`offloadopt.placement.format_placement`);
+        while params are still on the meta device, a line saying so."""
+        if self._unplaced:
+            n = sum(len(self.param_groups[gi]["params"]) for gi in self._unplaced)
+            pending = (f"placement pending: {n} params of {len(self._unplaced)} groups were "
+                       "built on the meta device (placed at the first step(), or ensure_placed())")  # fmt: skip
+            return (
+                pending if not self.placement else f"{format_placement(self.placement)}\n{pending}"
+            )
         return format_placement(self.placement)
 
     def is_offloaded(self, p: torch.Tensor) -> bool:
@@ -410,6 +418,13 @@ class HybridOptimizer(Stepping, Optimizer):
         buffers wherever they come from; ``torch.optim`` optimizers move them to their params.
         """
         self.ensure_placed()
+        if self.overlap == "delayed" and not self._module_waits and self._inflight is not None:
+            self._warn_once(
+                "delayed-unwatched",
+                "overlap='delayed' without opt.watch(model): a model.state_dict() taken before "
+                "this call holds weights one step older than these masters, and a resume from "
+                "the pair loses that step's update (fp32 params cannot even tell)",
+            )
         self.synchronize()
         self._raise_if_broken()
         return checkpoint.pack(super().state_dict(), on_device=self._snapshot_on_device)

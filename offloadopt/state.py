@@ -40,6 +40,12 @@ class StateEntry(dict):
         if isinstance(old, torch.Tensor) and old.numel() == 1 and number:
             old.fill_(value)  # e.g. "step" assigned a number: the counter tensor keeps it
             return
+        if isinstance(old, torch.Tensor) and not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"opt.state[...][{key!r}] = {value!r}: the optimizer's buffer is a tensor of "
+                f"shape {tuple(old.shape)} that the update keeps using; assign a tensor (or a "
+                "number to a one-element entry such as 'step')"
+            )
         if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and value is not old:
             owner = self._owner()
             if owner is not None:

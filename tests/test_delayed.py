@@ -251,3 +251,30 @@ def test_the_delayed_mode_defaults_to_larger_buckets_and_an_explicit_size_wins()
     assert hybrid(model, 1.0, bucket_nbytes=4096).bucket_nbytes == 4096
     with pytest.raises(ValueError, match="Invalid bucket_nbytes: 0"):
         hybrid(model, 1.0, bucket_nbytes=0)
+
+
+def test_state_dict_without_a_watched_model_warns_once():
+    model = model_of(torch.float32)
+    opt = hybrid(model, 1.0)
+    backward(model, 0)
+    opt.step()
+    with pytest.warns(UserWarning, match="without opt.watch"):
+        opt.state_dict()
+    watched = model_of(torch.float32)
+    opt2 = hybrid(watched, 1.0)
+    opt2.watch(watched)
+    backward(watched, 0)
+    opt2.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt2.state_dict()
+    for o in (opt, opt2):
+        o.close()
+
+
+def test_the_main_job_refuses_delayed_for_torchs_adamw():
+    from offloadopt.harness.checks import UsageError
+    from offloadopt.harness.train import TrainConfig
+
+    with pytest.raises(UsageError, match="--overlap: 'delayed'"):
+        TrainConfig(optimizer="adamw", overlap="delayed").resolved()

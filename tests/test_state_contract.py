@@ -270,3 +270,35 @@ def test_a_param_still_on_meta_is_named_at_the_first_step():
     with pytest.raises(RuntimeError, match="meta device"):
         opt.state_dict()
     assert opt.host_nbytes == 0
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_a_number_assigned_over_a_state_tensor_is_refused_and_changes_nothing(fraction):
+    ref, ref_params, opt, params = pair(fraction)
+    step_both(ref, ref_params, opt, params, 0)
+    before = opt.state[params[0]]["exp_avg"].clone()
+    with pytest.raises(TypeError, match=r"\['exp_avg'\] = 3.0: the optimizer's buffer is a tensor"):
+        opt.state[params[0]]["exp_avg"] = 3.0
+    assert torch.equal(opt.state[params[0]]["exp_avg"], before)
+    opt.state[params[0]]["step"] = 5  # a number into a one-element entry fills it
+    assert float(opt.state[params[0]]["step"]) == 5.0
+
+
+def test_a_kept_state_dict_keeps_a_tensor_lr():
+    params = make_params()
+    opt = HybridAdamW(params, lr=torch.tensor(1e-2), offload_fraction=0.5, min_offload_numel=64)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for p, g in zip(params, seeded_grads(params, 0), strict=True):
+        p.grad = g
+    opt.step()
+    kept = opt.state_dict()
+    lr = float(kept["param_groups"][0]["lr"])
+    sched.step()
+    assert float(kept["param_groups"][0]["lr"]) == lr != float(opt.param_groups[0]["lr"])
+
+
+def test_the_placement_table_says_placement_is_pending_on_meta():
+    with torch.device("meta"):
+        model = meta_model()
+    opt = HybridAdamW(model.parameters(), min_offload_numel=16)
+    assert "placement pending: 4 params of 1 groups" in opt.placement_table()

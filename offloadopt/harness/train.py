@@ -98,6 +98,11 @@ class TrainConfig:
             lr=lr if cfg.lr is None else cfg.lr,
             warmup_steps=cfg.steps // 20 if cfg.warmup_steps is None else cfg.warmup_steps,
         )
+        if cfg.overlap != "step" and cfg.optimizer != "hybrid":
+            raise UsageError(
+                f"--overlap: {cfg.overlap!r} is HybridAdamW's mode; --optimizer {cfg.optimizer} "
+                "has only 'step'"
+            )
         if cfg.seq_len > block_size:
             raise UsageError(
                 f"--seq-len: {cfg.seq_len} is more than the {cfg.preset} preset's block_size "
