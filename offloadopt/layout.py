@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offloadopt.host import HostBuffers
+from offloadopt.shards import local
 
 __all__ = ["CUT_ALIGN", "Arena", "Segment", "Bucket", "build_arenas"]
 
@@ -63,11 +64,11 @@ class Arena:
         self.names.append(name)
         self.order.append(order)
         self.offsets.append(self.numel)
-        self.numel += param.numel()
+        self.numel += local(param).numel()  # an FSDP2 param: this rank's shard
 
     def view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
         """Param ``k``'s range of ``flat``, shaped like the param."""
-        p = self.params[k]
+        p = local(self.params[k])
         return flat[self.offsets[k] : self.offsets[k] + p.numel()].view(p.shape)
 
     def allocate(self, state_keys: tuple[str, ...], pin: bool) -> None:
@@ -164,12 +165,12 @@ class Bucket:
 
     def param_views(self) -> list[torch.Tensor]:
         """Each segment's flat range of its (contiguous) param."""
-        return [self.arena.params[s.k].view(-1)[s.lo : s.hi] for s in self.segments]
+        return [local(self.arena.params[s.k]).view(-1)[s.lo : s.hi] for s in self.segments]
 
     def grad_views(self, idx: list[int]) -> list[torch.Tensor]:
         """The flat grad ranges of segments ``idx`` (a non-contiguous grad is copied flat)."""
         segs = [self.segments[i] for i in idx]
-        return [self.arena.params[s.k].grad.reshape(-1)[s.lo : s.hi] for s in segs]
+        return [local(self.arena.params[s.k].grad).reshape(-1)[s.lo : s.hi] for s in segs]
 
 
 def build_arenas(
@@ -197,7 +198,7 @@ def build_arenas(
         size = max(CUT_ALIGN, bucket_nbytes // arena.dtype.itemsize)
         lo, segments = 0, []
         for k, p in enumerate(arena.params):
-            start, n, done = arena.offsets[k], p.numel(), 0
+            start, n, done = arena.offsets[k], local(p).numel(), 0
             while done < n:
                 room = size - (start + done - lo)
                 take = n - done

@@ -21,6 +21,7 @@ from offloadopt.pipeline import Pipeline
 from offloadopt.placement import ParamInfo, Placement, format_placement, place, update_dtype
 from offloadopt.records import ParamRecord
 from offloadopt.rules import ADAMW, Rule
+from offloadopt.shards import is_dtensor, local, unwrap_like, wrap_like
 from offloadopt.state import OptimizerState
 from offloadopt.steps import Stepping
 from offloadopt.transfer import Transfer
@@ -212,10 +213,11 @@ class HybridOptimizer(Stepping, Optimizer):
             g = self.param_groups[gi]
             keys[gi] = self.rule.state_keys_for(g)
             for i, p in enumerate(g["params"]):
+                mine = local(p)  # an FSDP2 param: this rank's shard is what it places
                 infos.append(
-                    ParamInfo(start + len(infos), self._name(g, gi, i), gi, tuple(p.shape),
-                              p.dtype, p.requires_grad, g["offload"], p.is_contiguous(),
-                              len(keys[gi]))
+                    ParamInfo(start + len(infos), self._name(g, gi, i), gi, tuple(mine.shape),
+                              p.dtype, p.requires_grad, g["offload"], mine.is_contiguous(),
+                              len(keys[gi]), tuple(p.shape) if mine is not p else None)
                 )  # fmt: skip
                 tensors.append(p)
         placements = place(infos, self.offload_fraction, self.min_offload_numel,
@@ -240,7 +242,9 @@ class HybridOptimizer(Stepping, Optimizer):
             if self.overlap == "delayed":  # the next weights, published at the next step()
                 for arena in arenas:
                     for p in arena.params:
-                        landing[p] = torch.empty_like(p, memory_format=torch.contiguous_format)
+                        landing[p] = torch.empty_like(
+                            local(p), memory_format=torch.contiguous_format
+                        )
             # Staging as large as the largest bucket (at most bucket_nbytes); a later
             # add_param_group that needs more replaces it, between steps.
             for d in devices:
@@ -427,7 +431,15 @@ class HybridOptimizer(Stepping, Optimizer):
             )
         self.synchronize()
         self._raise_if_broken()
-        return checkpoint.pack(super().state_dict(), on_device=self._snapshot_on_device)
+        sd = checkpoint.pack(super().state_dict(), on_device=self._snapshot_on_device)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, entry in sd["state"].items():
+            p = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+            if is_dtensor(p) and isinstance(entry, dict):  # FSDP2: each shard goes out as a DTensor laid out like its param
+                for key, v in entry.items():
+                    if key != "step" and isinstance(v, torch.Tensor):
+                        entry[key] = wrap_like(p, v)
+        return sd
 
     @torch.no_grad()  # copies from tensors that require grad record nothing
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -456,8 +468,9 @@ class HybridOptimizer(Stepping, Optimizer):
             if result is not None:
                 sd = result
         groups = self.param_groups
-        specs = [[(self._record(p, g, gi, i).name, tuple(p.shape)) for i, p in enumerate(g["params"])]
-                 for gi, g in enumerate(groups)]  # fmt: skip
+        specs = [[(self._record(p, g, gi, i).name, tuple(local(p).shape))
+                  for i, p in enumerate(g["params"])] for gi, g in enumerate(groups)]  # fmt: skip
+        sd = self._local_shards(sd)
         saved_groups, saved_state = checkpoint.validate(sd, self.rule, specs)
         if self._step is not None and self._step.run is not None:
             self._step.run.abort()
@@ -484,6 +497,27 @@ class HybridOptimizer(Stepping, Optimizer):
             )
         self._check_pinned()
 
+    def _local_shards(self, sd: Any) -> Any:
+        """``sd`` with the DTensor state of FSDP2 params replaced by this rank's shards (a
+        new dict; the caller's is left as it was).
+
+        Raises:
+            ValueError: a DTensor value sharded otherwise than its param (named).
+        """
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = sd.get("state") if isinstance(sd, dict) else None
+        if not isinstance(state, dict) or not any(is_dtensor(p) for p in params):
+            return sd
+        out = {}
+        for index, entry in state.items():
+            p = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+            if p is None or not is_dtensor(p) or not isinstance(entry, dict):
+                out[index] = entry
+                continue
+            name = self._records[p].name
+            out[index] = {k: unwrap_like(p, v, f"state {k!r} of {name}") for k, v in entry.items()}
+        return {**sd, "state": out}
+
     def _load_entry(self, p: torch.Tensor, rec: ParamRecord, entry: dict[str, Any]) -> None:
         """Copy one validated saved entry into ``p``'s existing state."""
         if not self.state.get(p):
@@ -503,7 +537,7 @@ class HybridOptimizer(Stepping, Optimizer):
                 mine["master"].copy_(entry["master"])
                 rec.forget_written()  # compare with the weights at the next step
             else:
-                mine["master"].copy_(p.detach())
+                mine["master"].copy_(local(p).detach())
                 rec.mark_written(p)
                 self._warn_once(
                     "no-master",
@@ -511,7 +545,7 @@ class HybridOptimizer(Stepping, Optimizer):
                     "made from the current weights, so this resume is not bitwise exact",
                 )
         elif rec.offloaded:
-            rec.home("master").copy_(p.detach())  # fp32 offloaded: the param is the truth
+            rec.home("master").copy_(local(p).detach())  # fp32 offloaded: the param is the truth
             rec.mark_written(p)
 
     # ------------------------------------------------------------------ lifetime

@@ -31,6 +31,7 @@ class ParamInfo:
     group_offload: bool | None  # the group's "offload" key
     contiguous: bool = True  # offloaded params are copied as flat ranges, so must be contiguous
     n_states: int = 2  # state tensors the rule keeps for its group (AdamW 2; SGD 1, or 0)
+    shard_of: tuple[int, ...] | None = None  # an FSDP2 param: ``shape`` is this rank's shard
 
     @property
     def numel(self) -> int:
@@ -52,6 +53,7 @@ class Placement:
     where: str  # "host" or "device"
     state_nbytes: int  # bytes of exp_avg + exp_avg_sq (+ fp32 master), wherever they live
     reason: str  # why it is there: "fraction", "forced", "frozen", "small", ...
+    shard_of: tuple[int, ...] | None = None  # an FSDP2 param: the global shape of its shard
 
     @property
     def offloaded(self) -> bool:
@@ -142,7 +144,9 @@ def place(
             where[k] = "host"
             taken += nbytes[k]
     return [
-        Placement(i.index, i.name, i.group, i.shape, i.dtype, where[k], nbytes[k], reason[k])
+        Placement(
+            i.index, i.name, i.group, i.shape, i.dtype, where[k], nbytes[k], reason[k], i.shard_of
+        )
         for k, i in enumerate(infos)
     ]
 
@@ -154,6 +158,8 @@ def format_placement(placements: list[Placement]) -> str:
     ]
     for p in placements:
         shape = "x".join(map(str, p.shape)) or "()"
+        if p.shard_of is not None:  # this rank's shard: its shape, then the whole param's
+            shape += "/" + ("x".join(map(str, p.shard_of)) or "()")
         dtype = str(p.dtype).replace("torch.", "")
         lines.append(
             f"{p.name[:40]:<40} {p.group:>5} {shape[:18]:<18} {dtype:<9} {p.where:<6} "
@@ -163,4 +169,8 @@ def format_placement(placements: list[Placement]) -> str:
     total = sum(p.state_nbytes for p in placements)
     share = host / total if total else 0.0
     lines.append(f"state on host: {host / 1e6:.3f} MB of {total / 1e6:.3f} MB ({share:.1%})")
+    if any(p.shard_of is not None for p in placements):
+        lines.append(
+            "FSDP2 shards: shape is this rank's shard/the whole param; bytes are this rank's"
+        )
     return "\n".join(lines)

@@ -14,6 +14,7 @@ import torch
 
 from offloadopt.layout import Arena, Bucket
 from offloadopt.placement import Placement
+from offloadopt.shards import local
 
 __all__ = ["ParamRecord"]
 
@@ -55,6 +56,7 @@ class ParamRecord:
         return self.arena.view(flat, self.k)
 
     def mark_written(self, p: torch.Tensor) -> None:
+        p = local(p)  # an FSDP2 param: the shard's own memory and version counter
         self.written = (p._version, p.data_ptr())
 
     def forget_written(self) -> None:
@@ -65,4 +67,5 @@ class ParamRecord:
         """Whether ``p`` may have been written outside the optimizer since the last write
         (``param._version`` moved, or the param points at other memory). Edits through
         ``param.data`` do not move the version and are not seen."""
+        p = local(p)
         return self.written != (p._version, p.data_ptr())

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from offloadopt.shards import is_dtensor, local
+
 __all__ = ["OptimizerState", "StateEntry"]
 
 
@@ -36,6 +38,8 @@ class StateEntry(dict):
 
     def __setitem__(self, key: str, value: Any) -> None:
         old = self.get(key)
+        if isinstance(old, torch.Tensor) and is_dtensor(value):
+            value = local(value)  # an FSDP2 param's state: this rank's shard is copied in
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if isinstance(old, torch.Tensor) and old.numel() == 1 and number:
             old.fill_(value)  # e.g. "step" assigned a number: the counter tensor keeps it

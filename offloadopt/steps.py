@@ -51,6 +51,7 @@ from offloadopt.pipeline import BucketWork, StepRun
 from offloadopt.placement import update_dtype
 from offloadopt.records import ParamRecord
 from offloadopt.rules import Hyper
+from offloadopt.shards import is_dtensor, local
 from offloadopt.transfer import SLOTS
 from offloadopt.worker import WaitTimeout
 
@@ -182,7 +183,7 @@ class Stepping:
             moved = {}
             for p, (grad, version) in st.versions.items():
                 now = p.grad
-                if now is not None and (now is not grad() or now._version != version):
+                if now is not None and (now is not grad() or local(now)._version != version):
                     moved[p] = now
             same = self._same_values(st, moved)
             for p in moved:
@@ -340,7 +341,7 @@ class Stepping:
         for device, (params, landed) in by_device.items():
             stream = streams.get(device)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                torch._foreach_copy_(params, landed)
+                torch._foreach_copy_([local(p) for p in params], landed)
             for p in params:
                 self._records[p].mark_written(p)
         if kept:
@@ -499,7 +500,7 @@ class Stepping:
         have = [p for p in moved if p in st.fingerprints]
         if not have:
             return set()
-        now = torch.stack(_norms([moved[p] for p in have])).cpu()
+        now = torch.stack(_norms([local(moved[p]) for p in have])).cpu()
         then = torch.stack([st.fingerprints[p] for p in have]).cpu()
         same = (now == then).tolist()
         return {p for p, ok in zip(have, same, strict=True) if ok}
@@ -608,7 +609,7 @@ class Stepping:
                 if self.rule.has_step:
                     call[2].append(self.state[p]["step"])
                 # A weak reference: a released grad must not be kept alive by this check.
-                st.versions[p] = (weakref.ref(p.grad), p.grad._version)
+                st.versions[p] = (weakref.ref(p.grad), local(p.grad)._version)
                 if early and p not in st.fingerprints:
                     new_prints.append(p)
                 left = st.landing.setdefault(p, len(self._records[p].buckets)) - 1
@@ -622,7 +623,7 @@ class Stepping:
                            for s in b.segments]  # fmt: skip
             if new_prints:  # on this stream, before `ready`: the values the D2H reads
                 st.fingerprints.update(
-                    zip(new_prints, _norms([q.grad for q in new_prints]), strict=True)
+                    zip(new_prints, _norms([local(q.grad) for q in new_prints]), strict=True)
                 )
                 new_prints = []
             tr = self._pipeline.transfers[b.arena.device]
@@ -682,8 +683,21 @@ class Stepping:
             zero = torch.zeros((), dtype=torch.float32)
             return zero, torch.ones((), dtype=torch.float32)
         device = params[0].grad.device
-        norms = torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32)
-        norm = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+        sharded = [p.grad for p in params if is_dtensor(p.grad)]
+        if sharded:
+            # FSDP2: the same DTensor arithmetic as torch's clip_grad_norm_ (per-shard norms,
+            # their norm, then one all-reduce over the mesh in full_tensor()): every rank gets
+            # the global norm. Params outside FSDP2 (plain) join through one more norm.
+            norms = torch._foreach_norm(sharded, 2, dtype=torch.float32)
+            norm = torch.linalg.vector_norm(torch.stack(list(norms))).full_tensor().to(device)
+            plain = [p.grad for p in params if not is_dtensor(p.grad)]
+            if plain:
+                rest = torch._foreach_norm(plain, 2, dtype=torch.float32)
+                rest = torch.linalg.vector_norm(torch.stack([n.to(device) for n in rest]))
+                norm = torch.linalg.vector_norm(torch.stack([norm, rest]))
+        else:
+            norms = torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32)
+            norm = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grad_norm_
         return norm, scale
 
@@ -713,7 +727,7 @@ class Stepping:
         keys = () if self.rule.lazy_state else rec.state_keys
         if rec.offloaded:
             master = rec.home("master")
-            master.copy_(p.detach())  # blocking D2H (once per param): master = weights
+            master.copy_(local(p).detach())  # blocking D2H (once per param): master = weights
             state = {**step, **{k: self._new_state_tensor(p, rec, k) for k in keys}}
             if rec.arena.dtype != p.dtype:
                 state["master"] = master
@@ -723,7 +737,9 @@ class Stepping:
                 step["step"] = step["step"].to(p.device)
             state = {**step, **{k: self._new_state_tensor(p, rec, k) for k in keys}}
             if udt != p.dtype:
-                state["master"] = p.detach().to(udt, memory_format=torch.preserve_format, copy=True)
+                state["master"] = (
+                    local(p).detach().to(udt, memory_format=torch.preserve_format, copy=True)
+                )
         self.state.install(p, state)
         rec.mark_written(p)
 
@@ -738,7 +754,7 @@ class Stepping:
         if rec.offloaded:
             return rec.home(key).zero_()
         udt = update_dtype(p.dtype, self.master_weights)
-        return torch.zeros_like(p, dtype=udt, memory_format=torch.preserve_format)
+        return torch.zeros_like(local(p), dtype=udt, memory_format=torch.preserve_format)
 
     def _refresh_if_stale(self, p: torch.Tensor, rec: ParamRecord) -> None:
         """No stale masters: weights changed outside the optimizer win over its copy."""
@@ -746,12 +762,12 @@ class Stepping:
         if master is None:
             rec.mark_written(p)
             return
-        current = p.detach().to(master.device)
+        current = local(p).detach().to(master.device)
         changed = master.to(p.dtype) != current  # (shape of p) bool, where the master is stale
         if changed.any():
             warnings.warn(
                 f"the weights of {rec.name} changed outside the optimizer since its last step "
-                f"({int(changed.sum())} of {p.numel()} elements); its master copy was refreshed there",
+                f"({int(changed.sum())} of {current.numel()} elements); its master copy was refreshed there",
                 stacklevel=5,
             )
             # Only the changed elements: the others keep their fp32 master's precision.
@@ -762,13 +778,15 @@ class Stepping:
         """The rule on the device, on the compute stream; fp32 masters where they exist, fed
         grads upcast (and multiplied by the clip coefficient) chunk by chunk so the fp32
         temporaries stay under ``bucket_nbytes``."""
-        plain = [p for p in params if "master" not in self.state[p] and _dense(p)]
+        plain = [p for p in params if "master" not in self.state[p] and _dense(local(p))]
         # torch's fused kernels walk a tensor's memory flat: a strided view (Parameter(base[..., 0]))
         # is updated through a contiguous copy (tests/test_state_contract.py).
-        strided = [p for p in params if "master" not in self.state[p] and not _dense(p)]
+        strided = [p for p in params if "master" not in self.state[p] and not _dense(local(p))]
         mastered = [p for p in params if "master" in self.state[p]]
         if scale is None:
-            self._device_rule(hyper, plain, plain, [_matching(p.grad, p) for p in plain], first)
+            weights = [local(p) for p in plain]
+            grads = [_matching(local(p.grad), w) for p, w in zip(plain, weights, strict=True)]
+            self._device_rule(hyper, plain, weights, grads, first)
             plain = []
         for kind in (plain, strided, mastered):
             chunk: list[torch.Tensor] = []
@@ -782,19 +800,21 @@ class Stepping:
                     targets = [self.state[q]["master"] for q in chunk]
                 elif kind is strided:
                     targets = [
-                        q.detach().clone(memory_format=torch.contiguous_format) for q in chunk
+                        local(q).detach().clone(memory_format=torch.contiguous_format)
+                        for q in chunk
                     ]
                 else:
-                    targets = chunk
-                grads = [_matching(q.grad, t) for q, t in zip(chunk, targets, strict=True)]
+                    targets = [local(q) for q in chunk]
+                grads = [_matching(local(q.grad), t) for q, t in zip(chunk, targets, strict=True)]
                 if scale is not None:
                     # The clip coefficient on fp32 grads, as the offloaded path applies it; the
                     # user's grads are left as they are.
-                    grads = [g * scale if g is q.grad else g.mul_(scale)
+                    grads = [g * scale if g is local(q.grad) else g.mul_(scale)
                              for g, q in zip(grads, chunk, strict=True)]  # fmt: skip
                 self._device_rule(hyper, chunk, targets, grads, first)
                 if kind is not plain:
-                    torch._foreach_copy_(chunk, targets)  # weights = round(master), or strided
+                    # weights = round(master), or strided
+                    torch._foreach_copy_([local(q) for q in chunk], targets)
                 for q in chunk:
                     self._records[q].mark_written(q)
                 chunk, nbytes = [], 0
