@@ -21,7 +21,7 @@ from offloadopt.pipeline import Pipeline
 from offloadopt.placement import ParamInfo, Placement, format_placement, place, update_dtype
 from offloadopt.records import ParamRecord
 from offloadopt.rules import ADAMW, Rule
-from offloadopt.shards import is_dtensor, local, unwrap_like, wrap_like
+from offloadopt.shards import check_setup, is_dtensor, local, unwrap_like, wrap_like
 from offloadopt.state import OptimizerState
 from offloadopt.steps import Stepping
 from offloadopt.transfer import Transfer
@@ -208,6 +208,9 @@ class HybridOptimizer(Stepping, Optimizer):
     def _place(self, group_indices: list[int]) -> None:
         """Place the params of these groups and allocate their host buffers (all or nothing)."""
         start = sum(len(g["params"]) for g in self.param_groups[: group_indices[0]])
+        check_setup([(self._name(self.param_groups[gi], gi, i), p) for gi in group_indices
+                     for i, p in enumerate(self.param_groups[gi]["params"])],
+                    self.overlap, self.wait)  # fmt: skip
         infos, tensors, keys = [], [], {}
         for gi in group_indices:
             g = self.param_groups[gi]
@@ -386,7 +389,8 @@ class HybridOptimizer(Stepping, Optimizer):
         (host time launching the device-resident update), ``collect_ms`` (host time checking
         grads and state before the update), ``h2d_ms`` and ``d2h_ms`` (GPU time of the copies
         and casts on the side streams), ``d2h_nbytes`` / ``h2d_nbytes`` (bytes over the
-        link), ``step_ms`` (host wall time of ``step()``), ``cpu_threads`` (the worker's).
+        link), ``step_ms`` (host wall time of ``step()``), ``cpu_threads`` (the worker's),
+        ``local_ranks`` (processes of the job on this host, sharing its cores).
 
         Reading it waits for the CUDA events of that step's copies (long done by the time the
         next forward has run)."""
@@ -435,7 +439,9 @@ class HybridOptimizer(Stepping, Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for index, entry in sd["state"].items():
             p = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
-            if is_dtensor(p) and isinstance(entry, dict):  # FSDP2: each shard goes out as a DTensor laid out like its param
+            if is_dtensor(p) and isinstance(
+                entry, dict
+            ):  # FSDP2: each shard goes out as a DTensor laid out like its param
                 for key, v in entry.items():
                     if key != "step" and isinstance(v, torch.Tensor):
                         entry[key] = wrap_like(p, v)
@@ -504,13 +510,23 @@ class HybridOptimizer(Stepping, Optimizer):
         Raises:
             ValueError: a DTensor value sharded otherwise than its param (named).
         """
-        params = [p for g in self.param_groups for p in g["params"]]
         state = sd.get("state") if isinstance(sd, dict) else None
-        if not isinstance(state, dict) or not any(is_dtensor(p) for p in params):
+        saved = sd.get("param_groups") if isinstance(sd, dict) else None
+        if not isinstance(state, dict) or not isinstance(saved, list):
+            return sd  # checkpoint.validate says what is wrong
+        # The saved ids (ints, or FQNs from torch.distributed.checkpoint) name params by their
+        # position in the groups, as in torch's load_state_dict.
+        param_of = {}
+        for g, s in zip(self.param_groups, saved, strict=False):
+            ids = s.get("params") if isinstance(s, dict) else None
+            if isinstance(ids, list) and len(ids) == len(g["params"]):
+                param_of.update((i, p) for i, p in zip(ids, g["params"], strict=True)
+                                if isinstance(i, (int, str)))  # fmt: skip
+        if not any(is_dtensor(p) for p in param_of.values()):
             return sd
         out = {}
         for index, entry in state.items():
-            p = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+            p = param_of.get(index) if isinstance(index, (int, str)) else None
             if p is None or not is_dtensor(p) or not isinstance(entry, dict):
                 out[index] = entry
                 continue

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_dtensor", "local", "wrap_like", "unwrap_like", "describe"]
+__all__ = ["is_dtensor", "local", "wrap_like", "unwrap_like", "check_setup"]
 
 try:  # torch.distributed may be built out
     from torch.distributed.tensor import DTensor
@@ -61,9 +61,56 @@ def unwrap_like(p: torch.Tensor, value: Any, what: str) -> Any:
     return value._local_tensor
 
 
-def describe(p: torch.Tensor) -> str | None:
-    """For a DTensor param, ``"shard of 1600x6400 (Shard(dim=0))"``; else None."""
-    if not is_dtensor(p):
-        return None
-    shape = "x".join(map(str, p.shape)) or "()"
-    return f"shard of {shape} {tuple(p.placements)}"
+def world_size() -> int:
+    """Ranks of the default process group (1 when there is none)."""
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size()
+
+
+def check_setup(named: list[tuple[str, torch.Tensor]], overlap: str, wait: str) -> None:
+    """Refuse the distributed setups this optimizer cannot run correctly, before anything is
+    allocated.
+
+    Raises:
+        ValueError: an FSDP2 param whose shard lives on another device type than its mesh
+            (FSDP2's own ``CPUOffloadPolicy``), or, in a job of several ranks, params of one
+            rank on more than one device (each rank owns one device).
+        NotImplementedError: ``overlap="backward"`` in a job of several ranks (a grad hook
+            sees the un-reduced grad), or ``wait="module"`` with FSDP2 params (FSDP2 gathers a
+            module's params before that module's pre-hooks run when it prefetches).
+    """
+    for name, p in named:
+        if is_dtensor(p):
+            mesh_type = p.device_mesh.device_type
+            if local(p).device.type != mesh_type:
+                raise ValueError(
+                    f"{name} is an FSDP2 param on a {mesh_type} mesh whose shard lives on "
+                    f"{local(p).device} (FSDP2's CPUOffloadPolicy?): the two offloads do not "
+                    "stack; drop offload_policy= and let this optimizer offload the state"
+                )
+            if wait == "module":
+                raise NotImplementedError(
+                    f"wait='module' with FSDP2 params ({name}): FSDP2 prefetches the next "
+                    "module's all-gather before that module's pre-hooks run; use wait='step'"
+                )
+    world = world_size()
+    if world == 1:
+        return
+    if overlap == "backward":
+        raise NotImplementedError(
+            f"overlap='backward' in a job of {world} ranks: a grad hook sees the un-reduced "
+            "grad under DDP/FSDP2 (no distributed grad source yet); use overlap='step' or "
+            "overlap='delayed'"
+        )
+    devices: dict[torch.device, str] = {}
+    for name, p in named:
+        if not p.is_meta:
+            devices.setdefault(local(p).device, name)
+    if len(devices) > 1:
+        (d1, n1), (d2, n2) = list(devices.items())[:2]
+        raise ValueError(
+            f"params of this rank are on {len(devices)} devices ({n1} on {d1}, {n2} on {d2}): "
+            f"in a job of {world} ranks each rank's params live on its own one device"
+        )

@@ -53,7 +53,7 @@ from offloadopt.records import ParamRecord
 from offloadopt.rules import Hyper
 from offloadopt.shards import is_dtensor, local
 from offloadopt.transfer import SLOTS
-from offloadopt.worker import WaitTimeout
+from offloadopt.worker import WaitTimeout, local_ranks
 
 __all__ = ["Stepping", "StepState"]
 
@@ -520,6 +520,15 @@ class Stepping:
                 f"{type(self).__name__} does not support sparse gradients: "
                 f"{self._records[p].name} has a {p.grad.layout} grad"
             )
+        if is_dtensor(p) and (
+            not is_dtensor(p.grad) or tuple(p.grad.placements) != tuple(p.placements)
+        ):
+            got = tuple(p.grad.placements) if is_dtensor(p.grad) else "a plain tensor"
+            raise RuntimeError(
+                f"the grad of {self._records[p].name} is {got}, the param is sharded "
+                f"{tuple(p.placements)}: each rank updates its own shard from a grad sharded "
+                "the same way (FSDP2 reduce-scatters it so)"
+            )
         if p.grad.shape != p.shape:
             raise RuntimeError(
                 f"grad of {self._records[p].name} has shape {tuple(p.grad.shape)}, "
@@ -652,6 +661,7 @@ class Stepping:
                 if self._records[p].offloaded:
                     self._records[p].mark_written(p)
         st.stats["cpu_threads"] = self.cpu_threads if self._pipeline is not None else 0
+        st.stats["local_ranks"] = local_ranks()  # processes on this host sharing its cores
         st.stats["step_ms"] = (time.perf_counter() - st.t0) * 1e3
         self._stats = st.stats
 

@@ -1,0 +1,303 @@
+"""One rank of a multi-process test (tests/test_distributed.py starts WORLD_SIZE of these with
+RANK, LOCAL_RANK, WORLD_SIZE and OFFLOADOPT_INIT_FILE set; gloo on the CPU).
+
+``python tests/dist_job.py SCENARIO OUT_DIR [ARG]``: runs SCENARIO, writes each rank's results
+to ``OUT_DIR/SCENARIO.rank{r}.pt`` and then ``...done`` *before* the barrier and teardown (gloo
+aborts at teardown now and then, with torch's own AdamW too; the results are judged from the
+files).
+
+Every run trains a tiny GPT (harness.gpt) from seed 0 on per-rank random tokens and records
+the whole weights (``full_tensor()`` of FSDP2's shards) after the last step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+import offloadopt
+from offloadopt.harness.distributed import init_from_env, shard_fsdp, teardown, wrap_ddp
+from offloadopt.harness.gpt import GPT, GPTConfig
+from offloadopt.shards import local
+
+CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
+STEPS, LR, BATCH = 4, 1e-2, 2
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    seq = torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size + 1), generator=g)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def whole(model) -> dict[str, torch.Tensor]:
+    """Every weight, whole (FSDP2's shards gathered), on the CPU."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name.removeprefix("module.")] = t.detach().cpu().clone()
+    return out
+
+
+def fresh(kind: str, **shard):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    if kind == "fsdp":
+        shard_fsdp(model, **shard)
+    elif kind == "ddp":
+        model = wrap_ddp(model)
+    return model
+
+
+def hybrid(params, **kw):
+    kw.setdefault("min_offload_numel", 64)
+    return offloadopt.HybridAdamW(params, lr=LR, **kw)
+
+
+def torch_adamw(params):
+    return torch.optim.AdamW(params, lr=LR, fused=True)
+
+
+class DelayedTorch:
+    """The delayed parameter update by hand around torch's AdamW (every param offloaded): the
+    params show the weights one update behind the optimizer's, which live in ``masters``."""
+
+    def __init__(self, model):
+        self.params = list(model.parameters())
+        self.opt = torch_adamw(self.params)
+        self.masters = [local(p).detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def step(self):
+        # The forward of step t read w_{t-2}; the update applies its grads to w_{t-1} (the
+        # masters) and the params show w_{t-1} until the next step.
+        before = self.masters
+        for p, m in zip(self.params, before, strict=True):
+            local(p).copy_(m)
+        self.opt.step()
+        self.masters = [local(p).detach().clone() for p in self.params]
+        for p, m in zip(self.params, before, strict=True):
+            local(p).copy_(m)
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+
+    @torch.no_grad()
+    def synchronize(self):
+        for p, m in zip(self.params, self.masters, strict=True):
+            local(p).copy_(m)
+
+
+def train(model, opt, rank, steps=STEPS, start=0, clip=None):
+    for step in range(start, start + steps):
+        x, y = batch(step, rank)
+        _, loss = model(x, y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    if hasattr(opt, "synchronize"):
+        opt.synchronize()
+
+
+def run_fsdp(rank: int, world: int, arg: str) -> dict:
+    out = {}
+    runs = {
+        "torch": (torch_adamw, {}, None, {}),
+        "f0": (lambda p: hybrid(p, offload_fraction=0.0), {}, None, {}),
+        "f0.5": (lambda p: hybrid(p, offload_fraction=0.5), {}, None, {}),
+        "f1": (lambda p: hybrid(p, offload_fraction=1.0), {}, None, {}),
+        "torch_clip": (torch_adamw, {}, 0.05, {}),
+        "f0.5_clip": (lambda p: hybrid(p, offload_fraction=0.5, max_grad_norm=0.05), {}, None, {}),
+        "torch_mp": (torch_adamw, {}, None, {"param_dtype": torch.bfloat16, "reshard_after_forward": False}),
+        "f1_mp": (lambda p: hybrid(p, offload_fraction=1.0), {}, None,
+                  {"param_dtype": torch.bfloat16, "reshard_after_forward": False}),
+        "torch_delayed": (None, {}, None, {}),
+        "f1_delayed": (lambda p: hybrid(p, offload_fraction=1.0, overlap="delayed", min_offload_numel=1),
+                       {}, None, {}),  # every param delayed, as in DelayedTorch
+    }  # fmt: skip
+    for name, (make, _, clip, shard) in runs.items():
+        model = fresh("fsdp", **shard)
+        opt = DelayedTorch(model) if make is None else make(model.parameters())
+        train(model, opt, rank, clip=clip)
+        out[name] = whole(model)
+        if name == "f0.5":
+            out["table"] = opt.placement_table()
+            sd = opt.state_dict()
+            out["state_types"] = sorted({type(v).__name__ for e in sd["state"].values()
+                                         for k, v in e.items() if k != "step"})  # fmt: skip
+        if hasattr(opt, "close"):
+            opt.close()
+    return out
+
+
+def run_ddp(rank: int, world: int, arg: str) -> dict:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    out = {}
+    runs = {
+        "torch": torch_adamw,
+        "f0": lambda p: hybrid(p, offload_fraction=0.0),
+        "f0.5": lambda p: hybrid(p, offload_fraction=0.5),
+        "f1": lambda p: hybrid(p, offload_fraction=1.0),
+        "torch_delayed": None,
+        "f1_delayed": lambda p: hybrid(
+            p, offload_fraction=1.0, overlap="delayed", min_offload_numel=1
+        ),
+        "torch_zero": lambda p: ZeroRedundancyOptimizer(
+            p, optimizer_class=torch.optim.AdamW, lr=LR, fused=True
+        ),
+        "zero_f0.5": lambda p: ZeroRedundancyOptimizer(
+            p,
+            optimizer_class=offloadopt.HybridAdamW,
+            lr=LR,
+            offload_fraction=0.5,
+            min_offload_numel=64,
+        ),  # fmt: skip
+    }
+    for name, make in runs.items():
+        model = fresh("ddp")
+        opt = DelayedTorch(model) if make is None else make(list(model.parameters()))
+        train(model, opt, rank)
+        out[name] = whole(model)
+        if name == "zero_f0.5":
+            # A resume through ZeRO's consolidated dict: two more steps from a reload equal
+            # two more steps of the same optimizer.
+            opt.consolidate_state_dict(to=0)
+            sd = opt.state_dict() if rank == 0 else None
+            objs = [sd]
+            torch.distributed.broadcast_object_list(objs, src=0)
+            snapshot = {k: v.clone() for k, v in model.module.state_dict().items()}
+            train(model, opt, rank, steps=2, start=STEPS)
+            out["zero_more"] = whole(model)
+            model2 = fresh("ddp")
+            model2.module.load_state_dict(snapshot)
+            opt2 = make(list(model2.parameters()))
+            opt2.load_state_dict(objs[0])
+            train(model2, opt2, rank, steps=2, start=STEPS)
+            out["zero_resumed"] = whole(model2)
+            opt2.optim.close()
+        inner = getattr(opt, "optim", opt)
+        if hasattr(inner, "close"):
+            inner.close()
+    return out
+
+
+def run_dcp(rank: int, world: int, arg: str) -> dict:
+    """``arg`` = "save:DIR" (train, save, train on), "reshard:SRC:DST" (load, record, save)
+    or "resume:DIR" (load, train on)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    mode, *dirs = arg.split(":")
+    model = fresh("fsdp")
+    opt = hybrid(model.parameters(), offload_fraction=0.5)
+    out = {}
+
+    def full_state():
+        _, osd = get_state_dict(model, opt)
+        return {f"{fqn}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu().clone()
+                for fqn, e in osd["state"].items() for k, v in e.items()}  # fmt: skip
+
+    def load(path):
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def save(path):
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+    if mode == "save":
+        train(model, opt, rank)
+        save(dirs[0])
+        out["state"] = full_state()
+        train(model, opt, rank, start=STEPS)
+        out["weights"] = whole(model)
+    elif mode == "reshard":
+        load(dirs[0])
+        out["state"] = full_state()
+        out["table"] = opt.placement_table()
+        save(dirs[1])
+    else:
+        load(dirs[0])
+        out["state"] = full_state()
+        train(model, opt, rank, start=STEPS)
+        out["weights"] = whole(model)
+    opt.close()
+    return out
+
+
+def run_bad(rank: int, world: int, arg: str) -> dict:
+    """Setups refused with a clear error (each message recorded), and the worker's threads
+    under torchrun's OMP_NUM_THREADS=1 (the launcher sets it for this scenario)."""
+    import logging
+
+    out = {}
+
+    def error(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - recorded, judged by the test
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    ddp = fresh("ddp")
+    out["backward"] = error(lambda: hybrid(ddp.parameters(), overlap="backward"))
+    fsdp = fresh("fsdp")
+    out["module_wait"] = error(lambda: hybrid(fsdp.parameters(), wait="module"))
+    # A grad that is not sharded like its param (here: replicated) is refused, nothing changes.
+    from torch.distributed.tensor import Replicate
+
+    opt = hybrid(fsdp.parameters(), offload_fraction=0.5)
+    before = whole(fsdp)
+    for p in fsdp.parameters():
+        p.grad = p.detach().redistribute(placements=[Replicate()]).clone()
+    out["replicated_grad"] = error(opt.step)
+    out["unchanged"] = all(torch.equal(before[k], v) for k, v in whole(fsdp).items())
+    opt.close()
+    # Threads per rank: the default, and the knob over OMP_NUM_THREADS=1, with its log line.
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("offloadopt").addHandler(handler)
+    opt = hybrid(ddp.parameters(), offload_fraction=1.0)
+    out["default_threads"] = opt.cpu_threads
+    opt.close()
+    opt = hybrid(ddp.parameters(), offload_fraction=1.0, cpu_threads=2)
+    train(ddp, opt, rank, steps=1)
+    out["stats"] = opt.stats
+    out["worker_threads"] = []
+    job = opt._pipeline.worker.submit(
+        lambda: out["worker_threads"].append(torch.get_num_threads()), "probe"
+    )
+    job.wait(30)
+    out["training_threads"] = torch.get_num_threads()
+    out["log"] = [r.getMessage() for r in records]
+    opt.close()
+    return out
+
+
+def main() -> None:
+    scenario, out_dir = sys.argv[1], Path(sys.argv[2])
+    arg = sys.argv[3] if len(sys.argv) > 3 else ""
+    d = init_from_env("cpu")
+    if scenario != "run_bad":
+        torch.set_num_threads(1)
+    jobs = {"run_fsdp": run_fsdp, "run_ddp": run_ddp, "run_dcp": run_dcp, "run_bad": run_bad}
+    results = jobs[scenario](d.rank, d.world, arg)
+    tag = f"{scenario}{'.' + arg.split(':')[0] if arg else ''}"
+    torch.save(results, out_dir / f"{tag}.rank{d.rank}.pt")
+    (out_dir / f"{tag}.rank{d.rank}.done").write_text("ok")
+    sys.stdout.flush()
+    teardown()
+    os._exit(0)  # no interpreter teardown after the group is gone (gloo's abort there)
+
+
+if __name__ == "__main__":
+    main()
