@@ -154,19 +154,37 @@ def test_refused_setups_and_threads_per_rank(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
-@pytest.mark.parametrize("wrapper", ["--fsdp", "--ddp"])
-def test_main_job_under_torchrun(tmp_path, wrapper):
-    out = tmp_path / "out.json"
-    r = subprocess.run(
-        ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "offloadopt", "train",
-         wrapper, "--steps", "12", "--eval-every", "6", "--offload-fraction", "0.5",
-         "--json-out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["world_size"] == 2 and result["wrapper"] == wrapper.removeprefix("--")
-    assert len(result["ranks"]) == 2
-    for rank in result["ranks"]:
-        assert rank["host_state_nbytes"] > 0 and rank["cpu_threads"] >= 1
-    assert result["heldout_loss"] < result["first_loss"]
+def test_main_job_under_torchrun_fsdp_and_ddp():
+    results = {}
+    for parallel in ("fsdp", "ddp"):
+        r = subprocess.run(
+            ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "offloadopt", "train",
+             f"--{parallel}", "--steps", "30", "--eval-every", "30", "--eval-batches", "2",
+             "--batch-size", "8", "--seq-len", "64", "--offload-fraction", "0.5", "--no-progress"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        result = results[parallel] = json.loads(r.stdout.strip().splitlines()[-1])  # rank 0's
+        assert r.stdout.count("model: tiny") == 1  # one rank speaks for the job
+        assert result["world_size"] == 2 and result["parallel"] == parallel
+        assert [rank["rank"] for rank in result["ranks"]] == [0, 1]
+        for rank in result["ranks"]:
+            assert rank["host_state_nbytes"] > 0 and rank["cpu_threads"] >= 1
+            assert rank["local_ranks"] == 2
+        total = sum(rank["host_state_nbytes"] for rank in result["ranks"])
+        assert result["optimizer_host_gb"] == pytest.approx(total / 1e9)
+        assert result["final_heldout_loss"] < result["first_train_loss"] - 1.0  # it trains
+    # FSDP2's ranks each hold half of the host state that each DDP rank holds whole.
+    fsdp, ddp = (results[k]["ranks"][0]["host_state_nbytes"] for k in ("fsdp", "ddp"))
+    assert fsdp == pytest.approx(ddp / 2, rel=0.1)
+    # The same arithmetic either way (the mean grad over the same two ranks' batches).
+    assert results["fsdp"]["final_heldout_loss"] == pytest.approx(
+        results["ddp"]["final_heldout_loss"], abs=1e-3
+    )
+
+
+def test_main_job_refuses_fsdp_without_torchrun():
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    r = subprocess.run([sys.executable, "-m", "offloadopt", "train", "--fsdp", "--steps", "1"],
+                       capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert r.returncode != 0 and "torchrun" in r.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -25,12 +26,14 @@ from tqdm import tqdm
 from offloadopt.harness import checks
 from offloadopt.harness.checks import UsageError
 from offloadopt.harness.data import TokenData, get_batch, mock_data
+from offloadopt.harness.distributed import Dist, init_from_env, shard_fsdp, teardown, wrap_ddp
 from offloadopt.harness.gpt import GPT, PRESETS
 from offloadopt.optim import HybridAdamW
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OPTIMIZERS = ("hybrid", "adamw")
 OVERLAPS = ("step", "delayed")  # the modes the main job offers (its clipping is torch's)
+PARALLELS = ("none", "fsdp", "ddp")  # under torchrun: FSDP2 (fully_shard per block) or DDP
 
 # Per-preset (batch_size, peak lr) used when --batch-size / --lr are not given. The GPT-2
 # learning rates are GPT-3's for those sizes (Brown et al. 2020, table 2.1); the GPT-2 batch
@@ -68,6 +71,7 @@ class TrainConfig:
     eval_batches: int = 8  # batches per held-out evaluation (the same batches every time)
     log_every: int = 25  # one log line every this many steps (and at the first and last step)
     progress: bool = True  # tqdm progress bar on stderr
+    parallel: str = "none"  # "fsdp" (FSDP2) or "ddp" under torchrun; "none": one process
 
     def resolved(self) -> TrainConfig:
         """A checked copy with every None default filled in.
@@ -77,7 +81,7 @@ class TrainConfig:
                 ``FIELD_CHECKS`` and, across fields, ``seq_len`` <= the preset's block_size.
         """
         for name, choices in (("preset", PRESETS), ("optimizer", OPTIMIZERS), ("dtype", DTYPES),
-                              ("overlap", OVERLAPS)):  # fmt: skip
+                              ("overlap", OVERLAPS), ("parallel", PARALLELS)):  # fmt: skip
             value = getattr(self, name)
             known = isinstance(value, str) and value in choices
             if not known and not (name == "dtype" and value is None):
@@ -102,6 +106,11 @@ class TrainConfig:
             raise UsageError(
                 f"--overlap: {cfg.overlap!r} is HybridAdamW's mode; --optimizer {cfg.optimizer} "
                 "has only 'step'"
+            )
+        if cfg.parallel != "none" and "WORLD_SIZE" not in os.environ:
+            raise UsageError(
+                f"--{cfg.parallel}: run under torchrun (torchrun --nproc-per-node N -m offloadopt "
+                f"train --{cfg.parallel}); WORLD_SIZE is not set"
             )
         if cfg.seq_len > block_size:
             raise UsageError(
@@ -141,7 +150,9 @@ def lr_at(step: int, lr: float, warmup_steps: int, steps: int) -> float:
 
 
 def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimizer]:
-    """The preset's model on ``cfg.device`` in ``cfg.dtype`` (seeded init) and its optimizer.
+    """The preset's model on ``cfg.device`` in ``cfg.dtype`` (seeded init) and its optimizer;
+    with ``cfg.parallel`` the model is sharded by FSDP2 or wrapped in DDP (the process group
+    must exist: :func:`offloadopt.harness.distributed.init_from_env`).
 
     The model is built directly on the device (no fp32 CPU copy of a 1.5B model). ``cfg`` must
     be resolved (``TrainConfig.resolved()``).
@@ -151,6 +162,10 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
     with device:
         model = GPT(PRESETS[cfg.preset])
     model.to(dtype=DTYPES[cfg.dtype])
+    if cfg.parallel == "fsdp":
+        model = shard_fsdp(model)  # every rank built the same weights (the seed); FSDP2 shards them
+    elif cfg.parallel == "ddp":
+        model = wrap_ddp(model)
     kwargs = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), fused=True, **kwargs)
@@ -227,26 +242,34 @@ def train(cfg: TrainConfig) -> dict:
     CUDA. Memory figures are in GB = 1e9 bytes.
     """
     cfg = cfg.resolved()
+    ranks = init_from_env(cfg.device) if cfg.parallel != "none" else Dist()
+    if ranks.initialized and torch.device(cfg.device).type == "cuda":
+        cfg = replace(cfg, device=f"cuda:{ranks.local_rank}")  # this rank's GPU
     device = torch.device(cfg.device)
     cuda = device.type == "cuda"
+    say = print if ranks.main else (lambda *a, **k: None)  # rank 0 speaks for the job
     # the data before the model: a missing or short file fails in a second, not after a build
     if cfg.mock_data:
         data = mock_data(PRESETS[cfg.preset].vocab_size)
     else:
         data = checks.text_data(cfg.data, cfg.seq_len)
-    print(f"data: {data.description}")
-    print(
-        f"data: byte unigram entropy {data.entropy_nats:.4f} nats (held-out loss should end below)"
-    )
+    say(f"data: {data.description}")
+    say(f"data: byte unigram entropy {data.entropy_nats:.4f} nats (held-out loss should end below)")
 
     model, opt = make_model_and_optimizer(cfg)
-    n_params = model.num_params()
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    print(
-        f"model: {cfg.preset}, {n_params / 1e6:.2f}M params, {cfg.dtype} on {device} | "
+    n_params = getattr(model, "module", model).num_params()  # DDP wraps; FSDP2 does not
+    tokens_per_step = cfg.batch_size * cfg.seq_len  # per rank
+    on = (
+        f"{device}"
+        if not ranks.initialized
+        else f"{device.type} x {ranks.world} ranks ({cfg.parallel})"
+    )
+    say(
+        f"model: {cfg.preset}, {n_params / 1e6:.2f}M params, {cfg.dtype} on {on} | "
         f"optimizer: {cfg.optimizer}"
         + (f" (offload_fraction {cfg.offload_fraction})" if cfg.optimizer == "hybrid" else "")
         + f" | batch {cfg.batch_size} x {cfg.seq_len} = {tokens_per_step:,} tokens/step"
+        + (" per rank" if ranks.initialized else "")
         + f" | {cfg.steps} steps, lr {cfg.lr:g}"
     )
     if cuda:
@@ -264,12 +287,13 @@ def train(cfg: TrainConfig) -> dict:
             torch.cuda.synchronize(device)
         return loss_host.item()
 
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed((cfg.seed + 7919 * ranks.rank) % 2**63)  # own batches
     step_ms: list[float] = []
     first_loss = train_loss = val_loss = float("nan")
     gb = 1e9
     t_start = time.perf_counter()
-    bar = tqdm(range(1, cfg.steps + 1), desc="train", file=sys.stderr, disable=not cfg.progress)
+    bar = tqdm(range(1, cfg.steps + 1), desc="train", file=sys.stderr,
+               disable=not (cfg.progress and ranks.main))  # fmt: skip
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps)
@@ -289,7 +313,7 @@ def train(cfg: TrainConfig) -> dict:
             if hasattr(opt, "synchronize"):
                 opt.synchronize()  # delayed: evaluate the newest weights (copied in now)
             val_loss = to_host(evaluate(model, data, cfg))
-        if step % cfg.log_every == 0 or step in (1, cfg.steps) or evaluated:
+        if ranks.main and (step % cfg.log_every == 0 or step in (1, cfg.steps) or evaluated):
             peak_gpu = torch.cuda.max_memory_allocated(device) / gb if cuda else 0.0
             pinned = getattr(opt, "pinned_nbytes", 0) / gb
             val = f"{val_loss:6.4f}" if evaluated else f"{'-':>6}"
@@ -331,8 +355,40 @@ def train(cfg: TrainConfig) -> dict:
         "optimizer_pinned_gb": getattr(opt, "pinned_nbytes", 0) / gb,
         "wall_s": time.perf_counter() - t_start,
         "torch": torch.__version__,
+        "parallel": cfg.parallel,
+        "world_size": ranks.world,
     }
+    if ranks.initialized:
+        summary.update(per_rank(opt, summary, ranks, tokens_per_step))
     return summary
+
+
+def per_rank(opt, summary: dict, ranks: Dist, tokens_per_step: int) -> dict:
+    """Each rank's figures (gathered on every rank) and the job's totals: host bytes add up
+    over ranks, tokens/s too (each rank trains on its own batches)."""
+    import torch.distributed as dist
+
+    stats = getattr(opt, "stats", {})
+    mine = {
+        "rank": ranks.rank,
+        "median_step_ms": summary["median_step_ms"],
+        "peak_gpu_gb": summary["peak_gpu_gb"],
+        "host_rss_gb": host_rss_nbytes() / 1e9,
+        "host_state_nbytes": getattr(opt, "host_nbytes", 0),
+        "pinned_nbytes": getattr(opt, "pinned_nbytes", 0),
+        "cpu_threads": int(stats.get("cpu_threads", 0)),
+        "local_ranks": int(stats.get("local_ranks", ranks.local_world)),
+    }
+    everyone: list = [None] * ranks.world
+    dist.all_gather_object(everyone, mine)
+    slowest = max(r["median_step_ms"] for r in everyone)  # the job steps at its slowest rank
+    return {
+        "ranks": everyone,
+        "tokens_per_s": tokens_per_step * ranks.world / slowest * 1e3,
+        "tokens_per_s_per_rank": tokens_per_step / slowest * 1e3,
+        "optimizer_host_gb": sum(r["host_state_nbytes"] for r in everyone) / 1e9,
+        "optimizer_pinned_gb": sum(r["pinned_nbytes"] for r in everyone) / 1e9,
+    }
 
 
 # --flag help, one per TrainConfig field; a field's type check is FIELD_CHECKS'
@@ -374,6 +430,22 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--mock-data", action="store_true", help="uniform random tokens: loss stays at ln(vocab)")
     a("--no-progress", action="store_true", help="no tqdm progress bar on stderr")
+    par = parser.add_mutually_exclusive_group()
+    par.add_argument(
+        "--fsdp",
+        dest="parallel",
+        action="store_const",
+        const="fsdp",
+        help="under torchrun: FSDP2 (fully_shard per block); the optimizer updates each rank's shard",
+    )
+    par.add_argument(
+        "--ddp",
+        dest="parallel",
+        action="store_const",
+        const="ddp",
+        help="under torchrun: DDP; each rank keeps the whole optimizer state",
+    )
+    parser.set_defaults(parallel="none")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -384,6 +456,18 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     """``offloadopt train``: train, then print the summary as the last line (JSON)."""
-    summary = train(config_from_args(args))
-    print(json.dumps(summary), flush=True)
+    try:
+        summary = train(config_from_args(args))
+        if rank_of_env() == 0:
+            print(json.dumps(summary), flush=True)
+    finally:
+        teardown()
     return 0
+
+
+def rank_of_env() -> int:
+    """This process's rank under torchrun (0 otherwise)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
