@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|bench|audit|ab|overlap|delayed|conv|frameworks|endurance|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|bench|audit|ab|overlap|delayed|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -45,6 +45,14 @@ for part in "${@:-all}"; do
   fi
   if [[ $part == endurance || $part == all ]]; then
     timeout 300 python3 benchmarks/endurance.py --device cuda --no-progress --out "$OUT/endurance" 2>&1 | tail -24
+  fi
+  if [[ $part == fsdp || $part == all ]]; then
+    # FSDP2 of one rank: ours beside FSDP2's CPUOffloadPolicy, the same model and batch, one run.
+    timeout 480 python3 -m offloadopt bench --preset gpt2-xl --batch-size 4 --seq-len 1024 \
+      --warmup 2 --steps 6 --fractions 1 --no-kernel --no-progress --out "$OUT/fsdp" \
+      --anchors fsdp2-cpuoffload hybrid-fsdp2:1 hybrid-fsdp2:0.5 hybrid-fsdp2-delayed:1 2>&1 | tee "$OUT/fsdp.log" | tail -14
+    timeout 150 torchrun --standalone --nproc-per-node 1 -m offloadopt train --fsdp --device cuda \
+      --preset gpt2 --steps 30 --eval-every 30 --log-every 10 --no-progress 2>&1 | tee "$OUT/train_fsdp.log" | tail -4
   fi
   if [[ $part == audit || $part == all ]]; then
     for opt in "hybrid" "hybrid --no-pin-memory" "megatron"; do

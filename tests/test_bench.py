@@ -119,6 +119,22 @@ def test_fsdp2_anchor_is_bitwise_the_baseline_on_cpu_and_leaves_the_shared_model
     assert again["checksum"] == base["checksum"]  # the shared model was left as it was
 
 
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
+def test_hybrid_under_fsdp2_of_one_rank_is_bitwise_the_single_process_path(tmp_path):
+    bench = Bench(tiny(tmp_path, dtype="bf16"))
+    base = bench.run("hybrid:0", _tagged(anchors.hybrid(0.0), baseline=True))
+    bench.run("repeat", _tagged(anchors.hybrid(0.0), repeat=True))
+    plain = bench.run("hybrid:0.5", anchors.hybrid(0.5))
+    with mock.patch.dict(os.environ):  # RANK, MASTER_PORT, ... the builder sets
+        try:
+            fsdp = bench.run("hybrid-fsdp2:0.5", anchors.hybrid_fsdp2(0.5))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    assert fsdp["status"] == "ok" and fsdp["checksum"] == plain["checksum"] == base["checksum"]
+    assert fsdp["opt_host_gb"] == plain["opt_host_gb"] > 0  # the same placement: one shard each
+
+
 def test_the_new_anchors_are_cleanly_unavailable_on_a_cpu_only_machine(tmp_path, monkeypatch):
     bench = Bench(tiny(tmp_path))
     with pytest.raises(anchors.Unavailable, match="deepspeed is not installed|CUDA device"):

@@ -257,6 +257,41 @@ def fsdp2_cpu_offload(model: torch.nn.Module, lr: float) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def hybrid_fsdp2(fraction: float, **kwargs):
+    """HybridAdamW at ``fraction`` on FSDP2 of one rank (``fully_shard`` per transformer block,
+    then the root; no offload policy, no mixed-precision policy), on a deep copy in the model's
+    own dtype: the params are bf16 shards, the optimizer keeps their fp32 masters and moments
+    on the host for ``fraction`` of the state bytes and updates each rank's shards. With one
+    rank FSDP2's all-gather and reduce-scatter are copies, so the math is the single-GPU
+    path's (tests/test_bench.py checks it bitwise on the CPU)."""
+
+    def build(model: torch.nn.Module, lr: float) -> dict[str, Any]:
+        try:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+        except ImportError as e:
+            raise Unavailable(f"FSDP2: {e}") from e
+        from offloadopt import HybridAdamW
+
+        device = next(model.parameters()).device
+        _single_rank_group(device)
+        dtypes = _float_dtypes(model)
+        mesh = init_device_mesh(device.type, (1,))
+        clone = copy.deepcopy(model)  # fully_shard changes modules in place
+        for block in transformer_blocks(clone):
+            fully_shard(block, mesh=mesh)
+        fully_shard(clone, mesh=mesh)
+        opt = HybridAdamW(
+            clone.named_parameters(), offload_fraction=fraction, **adamw_kwargs(lr), **kwargs
+        )
+        return {
+            "model": clone, "opt": opt, "weights": lambda m: _host_weights(m, dtypes),
+            "fraction": fraction, "kind": "hybrid", "numerics": "same", "close": opt.close,
+        }  # fmt: skip
+
+    return build
+
+
 # name -> (builder, slow): slow anchors get BenchConfig.slow_steps timed steps.
 ANCHORS: dict[str, tuple[Any, bool]] = {
     "megatron:0": (megatron(0.0, fix_pinning=False, fused_cpu=False), False),
@@ -264,6 +299,9 @@ ANCHORS: dict[str, tuple[Any, bool]] = {
     "megatron-pinfix-fused:1": (megatron(1.0, fix_pinning=True, fused_cpu=True), False),
     "torchao": (torchao_offload, False),
     "fsdp2-cpuoffload": (fsdp2_cpu_offload, False),
+    "hybrid-fsdp2:0.5": (hybrid_fsdp2(0.5), False),  # ours under FSDP2 (one rank), beside it
+    "hybrid-fsdp2:1": (hybrid_fsdp2(1.0), False),
+    "hybrid-fsdp2-delayed:1": (hybrid_fsdp2(1.0, overlap="delayed"), False),
     "deepspeed-zero2": (
         deepspeed_zero2,
         False,
