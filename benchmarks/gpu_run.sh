@@ -50,7 +50,7 @@ for part in "${@:-all}"; do
     # FSDP2 of one rank: ours beside FSDP2's CPUOffloadPolicy, the same model and batch, one run.
     timeout 480 python3 -m offloadopt bench --preset gpt2-xl --batch-size 4 --seq-len 1024 \
       --warmup 2 --steps 6 --fractions 1 --no-kernel --no-progress --out "$OUT/fsdp" \
-      --anchors fsdp2-cpuoffload hybrid-fsdp2:1 hybrid-fsdp2:0.5 hybrid-fsdp2-delayed:1 2>&1 | tee "$OUT/fsdp.log" | tail -14
+      --anchors fsdp2-cpuoffload hybrid-fsdp2:1 hybrid-fsdp2-backward:1 hybrid-fsdp2-delayed:1 hybrid-fsdp2:0.5 2>&1 | tee "$OUT/fsdp.log" | tail -14
     timeout 150 torchrun --standalone --nproc-per-node 1 -m offloadopt train --fsdp --device cuda \
       --preset gpt2 --steps 30 --eval-every 30 --log-every 10 --no-progress 2>&1 | tee "$OUT/train_fsdp.log" | tail -4
   fi

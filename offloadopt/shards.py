@@ -77,8 +77,8 @@ def check_setup(named: list[tuple[str, torch.Tensor]], overlap: str, wait: str) 
         ValueError: an FSDP2 param whose shard lives on another device type than its mesh
             (FSDP2's own ``CPUOffloadPolicy``), or, in a job of several ranks, params of one
             rank on more than one device (each rank owns one device).
-        NotImplementedError: ``overlap="backward"`` in a job of several ranks (a grad hook
-            sees the un-reduced grad), or ``wait="module"`` with FSDP2 params (FSDP2 gathers a
+        NotImplementedError: ``overlap="backward"`` in a job of several ranks with params
+            that are not FSDP2's (a grad hook sees DDP's un-reduced grad), or ``wait="module"`` with FSDP2 params (FSDP2 gathers a
             module's params before that module's pre-hooks run when it prefetches).
     """
     for name, p in named:
@@ -98,11 +98,13 @@ def check_setup(named: list[tuple[str, torch.Tensor]], overlap: str, wait: str) 
     world = world_size()
     if world == 1:
         return
-    if overlap == "backward":
+    # FSDP2 calls a sharded param's post-accumulate-grad hooks after its reduce-scatter, on
+    # its post-reduce stream: the grads a hook announces are reduced. DDP's hooks are not.
+    if overlap == "backward" and not all(is_dtensor(p) for _, p in named if p.requires_grad):
         raise NotImplementedError(
-            f"overlap='backward' in a job of {world} ranks: a grad hook sees the un-reduced "
-            "grad under DDP/FSDP2 (no distributed grad source yet); use overlap='step' or "
-            "overlap='delayed'"
+            f"overlap='backward' in a job of {world} ranks with params that are not FSDP2's: "
+            "a grad hook sees the un-reduced grad under DDP (no DDP grad source yet); use "
+            "FSDP2, overlap='step' or overlap='delayed'"
         )
     devices: dict[torch.device, str] = {}
     for name, p in named:

@@ -506,12 +506,18 @@ class Stepping:
         return {p for p, ok in zip(have, same, strict=True) if ok}
 
     def _check_single_process(self) -> None:
+        """A hook's grad is reduced: one process, or FSDP2's (sharded, hooks after reduce)."""
         dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if (
+            dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+            and (not all(is_dtensor(p) for p in self._records))
+        ):
             raise RuntimeError(
-                f"overlap='backward' with a world size of {dist.get_world_size()}: a grad hook "
-                "sees the un-reduced grad under DDP/FSDP (no distributed grad source is "
-                "attached yet); use overlap='step'"
+                f"overlap='backward' with a world size of {dist.get_world_size()} and params "
+                "that are not FSDP2's: a grad hook sees DDP's un-reduced grad (no DDP grad "
+                "source is attached yet); use FSDP2, overlap='step' or overlap='delayed'"
             )
 
     def _check_grad(self, p: torch.Tensor) -> None:

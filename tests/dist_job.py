@@ -96,6 +96,8 @@ def train(model, opt, rank, steps=STEPS, start=0, clip=None):
         x, y = batch(step, rank)
         _, loss = model(x, y)
         loss.backward()
+        st = getattr(opt, "_step", None)  # overlap="backward": buckets started during backward
+        opt.fed_in_backward = len(st.fed) if st is not None else 0
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -116,6 +118,14 @@ def run_fsdp(rank: int, world: int, arg: str) -> dict:
         "torch_mp": (torch_adamw, {}, None, {"param_dtype": torch.bfloat16, "reshard_after_forward": False}),
         "f1_mp": (lambda p: hybrid(p, offload_fraction=1.0), {}, None,
                   {"param_dtype": torch.bfloat16, "reshard_after_forward": False}),
+        "f0.5_bwd_final": (lambda p: hybrid(p, offload_fraction=0.5, overlap="backward",
+                                            grads_final=True), {}, None, {}),
+        "f1_bwd_clip": (lambda p: hybrid(p, offload_fraction=1.0, overlap="backward",
+                                         max_grad_norm=0.05), {}, None, {}),
+        "f1_bwd_release": (lambda p: hybrid(p, offload_fraction=1.0, overlap="backward",
+                                            grads_final=True, release_grads=True), {}, None, {}),
+        "f1_bwd_torchclip": (lambda p: hybrid(p, offload_fraction=1.0, overlap="backward"),
+                             {}, 0.05, {}),  # torch's clip: the updates wait for step()
         "torch_delayed": (None, {}, None, {}),
         "f1_delayed": (lambda p: hybrid(p, offload_fraction=1.0, overlap="delayed", min_offload_numel=1),
                        {}, None, {}),  # every param delayed, as in DelayedTorch
@@ -125,6 +135,8 @@ def run_fsdp(rank: int, world: int, arg: str) -> dict:
         opt = DelayedTorch(model) if make is None else make(model.parameters())
         train(model, opt, rank, clip=clip)
         out[name] = whole(model)
+        if "_bwd_" in name:
+            out[f"{name}.fed"] = (opt.fed_in_backward, len(opt.buckets))
         if name == "f0.5":
             out["table"] = opt.placement_table()
             sd = opt.state_dict()

@@ -95,8 +95,15 @@ def test_fsdp2_matches_torch_bitwise_at_every_fraction_and_mode(tmp_path, job):
     for ours, ref in [("f0", "torch"), ("f0.5", "torch"), ("f1", "torch"),
                       ("f0.5_clip", "torch_clip"),  # max_grad_norm vs torch's clip_grad_norm_
                       ("f1_mp", "torch_mp"),  # FSDP2 bf16 compute, fp32 shards, no reshard
-                      ("f1_delayed", "torch_delayed")]:  # fmt: skip
+                      ("f1_delayed", "torch_delayed"),
+                      # overlap="backward": FSDP2 calls the hooks after each reduce-scatter
+                      ("f0.5_bwd_final", "torch"), ("f1_bwd_clip", "torch_clip"),
+                      ("f1_bwd_release", "torch"), ("f1_bwd_torchclip", "torch_clip")]:  # fmt: skip
         assert max_diff(r[ours], r[ref]) == 0.0, (ours, ref)
+    for name in ("f0.5_bwd_final", "f1_bwd_clip", "f1_bwd_release"):  # all started in backward
+        fed, buckets = r[f"{name}.fed"]
+        assert fed == buckets > 0, name
+    assert r["f1_bwd_torchclip.fed"][0] == 0  # torch's clip may edit grads: they wait for step()
     assert max_diff(r["f1"], r["f1_delayed"]) > 0  # the delayed run is a different run
     for name in r:
         if isinstance(r[name], dict):

@@ -286,7 +286,9 @@ def hybrid_fsdp2(fraction: float, **kwargs):
         )
         return {
             "model": clone, "opt": opt, "weights": lambda m: _host_weights(m, dtypes),
-            "fraction": fraction, "kind": "hybrid", "numerics": "same", "close": opt.close,
+            "fraction": fraction, "kind": "hybrid", "close": opt.close,
+            # the delayed update is another run (weights one step stale), not a drift
+            "numerics": "delayed update" if opt.overlap == "delayed" else "same",
         }  # fmt: skip
 
     return build
@@ -302,6 +304,7 @@ ANCHORS: dict[str, tuple[Any, bool]] = {
     "hybrid-fsdp2:0.5": (hybrid_fsdp2(0.5), False),  # ours under FSDP2 (one rank), beside it
     "hybrid-fsdp2:1": (hybrid_fsdp2(1.0), False),
     "hybrid-fsdp2-delayed:1": (hybrid_fsdp2(1.0, overlap="delayed"), False),
+    "hybrid-fsdp2-backward:1": (hybrid_fsdp2(1.0, overlap="backward", grads_final=True), False),
     "deepspeed-zero2": (
         deepspeed_zero2,
         False,

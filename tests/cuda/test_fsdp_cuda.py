@@ -53,7 +53,11 @@ def train(m, opt, steps=5):
 
 @pytest.mark.parametrize("kw", [dict(offload_fraction=0.5), dict(offload_fraction=1.0),
                                 dict(offload_fraction=1.0, overlap="delayed"),
-                                dict(offload_fraction=0.5, max_grad_norm=0.1)], ids=str)  # fmt: skip
+                                dict(offload_fraction=0.5, max_grad_norm=0.1),
+                                # hooks after each reduce-scatter, on FSDP2's post-reduce stream
+                                dict(offload_fraction=1.0, overlap="backward", grads_final=True),
+                                dict(offload_fraction=1.0, overlap="backward", max_grad_norm=0.1,
+                                     release_grads=True)], ids=str)  # fmt: skip
 def test_fsdp2_one_rank_is_bitwise_the_single_gpu_path(group, kw):
     kw = {"lr": 1e-2, "min_offload_numel": 64, **kw}
     plain = train(m := model(False), HybridAdamW(m.parameters(), **kw))
