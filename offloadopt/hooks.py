@@ -93,3 +93,44 @@ class ModuleWaits:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+class DDPGrads:
+    """A DDP comm hook: torch's default all-reduce of each bucket (divide by the world size, then
+    all-reduce), then ``owner._on_reduced(params)`` once the reduced values are in the bucket.
+    The announcement is a callback of the all-reduce's future: on gloo it runs when the
+    all-reduce is done (on gloo's thread); on NCCL when it is queued, with the current stream
+    made to wait for it, so a D2H marked on that stream reads reduced grads. With
+    ``gradient_as_bucket_view=True`` each ``p.grad`` is a view of its bucket: reduced in place.
+
+    DDP takes one comm hook per model and cannot take it back: ``remove()`` leaves the plain
+    all-reduce."""
+
+    def __init__(self, owner: Any, ddp: torch.nn.Module):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ref = weakref.ref(owner)
+        self.active = True
+        group = ddp.process_group
+
+        def hook(state, bucket):
+            fut = default_hooks.allreduce_hook(group, bucket)
+            opt = ref()
+            if opt is None or not self.active:
+                return fut
+            params = bucket.parameters()
+
+            def announce(done):
+                o = ref()
+                if o is not None and self.active:
+                    o._on_reduced(params)
+                return done.value()
+
+            out = fut.then(announce)
+            opt._reduction_started(out)
+            return out
+
+        ddp.register_comm_hook(None, hook)
+
+    def remove(self) -> None:
+        self.active = False

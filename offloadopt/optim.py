@@ -72,6 +72,7 @@ class HybridOptimizer(Stepping, Optimizer):
         max_grad_norm: float | None = None,
         grads_final: bool = False,
         release_grads: bool = False,
+        ddp: Any = None,
         placement_policy: str = "state-bytes",
     ):
         if placement_policy not in ("state-bytes", "megatron"):
@@ -86,6 +87,7 @@ class HybridOptimizer(Stepping, Optimizer):
             pin_memory=pin_memory, bucket_nbytes=bucket_nbytes, flush_denormal=flush_denormal,
             cpu_threads=cpu_threads, timeout_s=timeout_s, overlap=overlap, wait=wait,
             max_grad_norm=max_grad_norm, grads_final=grads_final, release_grads=release_grads,
+            ddp=ddp,
         )  # fmt: skip
         params = validate_params_arg(params)
         self.offload_fraction = float(offload_fraction)
@@ -114,6 +116,9 @@ class HybridOptimizer(Stepping, Optimizer):
         self._grad_hooks: list[GradHooks] = []
         self._closed = False
         self._module_waits: list = []
+        self._ddp = ddp  # the DDP model whose all-reduced buckets announce grads (hooks.DDPGrads)
+        self._ddp_hook = None
+        self._reductions: list = []  # ddp=: this backward's all-reduce futures
         # torch's group flags, so a cross-load into torch's optimizer keeps its fused kernel.
         defaults = {**hyper, **self.rule.torch_flags, "offload": None}
         if "betas" in defaults:
@@ -129,6 +134,10 @@ class HybridOptimizer(Stepping, Optimizer):
         super().__init__(params, defaults)
         self.state = OptimizerState(self)  # assignments copy into the buffers (state.py)
         self._place_or_defer(list(range(len(self.param_groups))))
+        if ddp is not None:
+            from offloadopt.hooks import DDPGrads
+
+            self._ddp_hook = DDPGrads(self, ddp)  # DDP refuses a second comm hook: it says so
         self._ready = True
 
     # ------------------------------------------------------------------ construction
@@ -210,7 +219,7 @@ class HybridOptimizer(Stepping, Optimizer):
         start = sum(len(g["params"]) for g in self.param_groups[: group_indices[0]])
         check_setup([(self._name(self.param_groups[gi], gi, i), p) for gi in group_indices
                      for i, p in enumerate(self.param_groups[gi]["params"])],
-                    self.overlap, self.wait)  # fmt: skip
+                    self.overlap, self.wait, ddp=self._ddp is not None)  # fmt: skip
         infos, tensors, keys = [], [], {}
         for gi in group_indices:
             g = self.param_groups[gi]
@@ -575,6 +584,8 @@ class HybridOptimizer(Stepping, Optimizer):
         finally:
             for hooks in (*self._grad_hooks, *self._module_waits):
                 hooks.remove()
+            if self._ddp_hook is not None:
+                self._ddp_hook.remove()  # DDP keeps the hook: a plain all-reduce from now on
             self._grad_hooks, self._module_waits = [], []
             if self._step is not None and self._step.run is not None:
                 self._step.run.abort()
@@ -687,6 +698,11 @@ class HybridAdamW(HybridOptimizer):
         release_grads: free the device grads of offloaded params as soon as their copy has
             landed on the host (``p.grad`` is then None after ``step()``); needs
             ``overlap="backward"`` with ``grads_final`` or ``max_grad_norm``.
+        ddp: the ``DistributedDataParallel`` model (built with ``gradient_as_bucket_view=True``)
+            whose grads ``overlap="backward"`` reads: a comm hook (torch's all-reduce, then an
+            announcement) starts each offloaded bucket once DDP's all-reduce of its grads is
+            done, never before; DDP's ``no_sync()`` marks accumulation micro-steps. Under DDP
+            without it, ``overlap="backward"`` is refused (a grad hook sees the un-reduced grad).
 
     Raises:
         ValueError, TypeError: a bad argument, named in the message, before anything is built.
@@ -729,6 +745,7 @@ class HybridAdamW(HybridOptimizer):
         max_grad_norm: float | None = None,
         grads_final: bool = False,
         release_grads: bool = False,
+        ddp: Any = None,
     ):
         super().__init__(
             params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize),
@@ -737,5 +754,5 @@ class HybridAdamW(HybridOptimizer):
             master_weights=master_weights, pin_memory=pin_memory, bucket_nbytes=bucket_nbytes,
             flush_denormal=flush_denormal, cpu_threads=cpu_threads, timeout_s=timeout_s,
             overlap=overlap, wait=wait, max_grad_norm=max_grad_norm, grads_final=grads_final,
-            release_grads=release_grads,
+            release_grads=release_grads, ddp=ddp,
         )  # fmt: skip

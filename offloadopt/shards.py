@@ -69,7 +69,9 @@ def world_size() -> int:
     return dist.get_world_size()
 
 
-def check_setup(named: list[tuple[str, torch.Tensor]], overlap: str, wait: str) -> None:
+def check_setup(
+    named: list[tuple[str, torch.Tensor]], overlap: str, wait: str, ddp: bool = False
+) -> None:
     """Refuse the distributed setups this optimizer cannot run correctly, before anything is
     allocated.
 
@@ -100,11 +102,15 @@ def check_setup(named: list[tuple[str, torch.Tensor]], overlap: str, wait: str) 
         return
     # FSDP2 calls a sharded param's post-accumulate-grad hooks after its reduce-scatter, on
     # its post-reduce stream: the grads a hook announces are reduced. DDP's hooks are not.
-    if overlap == "backward" and not all(is_dtensor(p) for _, p in named if p.requires_grad):
+    if (
+        overlap == "backward"
+        and not ddp
+        and not all(is_dtensor(p) for _, p in named if p.requires_grad)
+    ):
         raise NotImplementedError(
             f"overlap='backward' in a job of {world} ranks with params that are not FSDP2's: "
-            "a grad hook sees the un-reduced grad under DDP (no DDP grad source yet); use "
-            "FSDP2, overlap='step' or overlap='delayed'"
+            "a grad hook sees the un-reduced grad under DDP: pass ddp=<the DDP model> (its "
+            "all-reduced buckets announce the grads), or use overlap='step' or 'delayed'"
         )
     devices: dict[torch.device, str] = {}
     for name, p in named:

@@ -112,6 +112,9 @@ def signals_deferred() -> Iterator[None]:
             previous[signum](signum, frame)  # KeyboardInterrupt for SIGINT: raised from here
 
 
+_PENDING = -2  # StepState.task_id of a step begun by DDP's comm hook, before any grad hook
+
+
 @dataclass(eq=False)
 class StepState:
     """One step from its first bucket to the end of ``step()`` (or, with ``wait="module"``,
@@ -382,12 +385,15 @@ class Stepping:
 
     # ------------------------------------------------------------------ grads from backward
     def _on_grad(self, p: torch.Tensor) -> None:
-        """A grad hook (autograd's thread): ``p``'s grad is final for this backward."""
+        """A grad hook (autograd's thread): ``p``'s grad is final for this backward (with
+        ``ddp=``: accumulated locally; it is announced once reduced, by :meth:`_on_reduced`)."""
         if self._accumulating:
             return
         task = torch._C._current_graph_task_id()
         with self._lock:
             st = self._step
+            if st is not None and st.task_id == _PENDING:
+                st.task_id = task  # begun by a bucket reduced before this backward's first hook
             if st is not None and st.task_id != task:
                 if st.fed:  # its updates used grads that this backward now adds to
                     what = "did not finish" if not st.backward_done else "came before step()"
@@ -397,6 +403,8 @@ class Stepping:
                 self._check_single_process()
                 st = self._step = self._begin()
                 st.task_id = task
+            if self._ddp is not None:
+                return  # DDP's all-reduce of its bucket announces it (hooks.DDPGrads)
             if p not in st.group_of:
                 return  # no longer in any group
             st.announced.add(p)
@@ -409,6 +417,29 @@ class Stepping:
             st.run.wait_launched(SLOTS, self.timeout_s)  # backpressure: grads do not pile up
             self._release(st)
 
+    def _reduction_started(self, fut) -> None:
+        """DDP's comm hook launched a bucket's all-reduce (autograd's thread)."""
+        with self._lock:
+            self._reductions.append(fut)
+
+    def _on_reduced(self, params: list[torch.Tensor]) -> None:
+        """``ddp=``: DDP's all-reduce of a bucket holding ``params`` is done (a future's
+        callback, see hooks.DDPGrads): their grads are final; complete buckets start
+        (``grads_final``), or wait for the end of backward (``max_grad_norm``)."""
+        if self._accumulating:
+            return
+        with self._lock:
+            st = self._step
+            if st is None:  # before this backward's first grad hook (a small first bucket)
+                st = self._step = self._begin()
+                st.task_id = _PENDING
+            st.announced.update(p for p in params if p in st.group_of)
+            if self.max_grad_norm is None and self.grads_final:
+                mine = {b for p in params if p in st.group_of for b in self._records[p].buckets}
+                done = [b for b in self.buckets if b in mine and b not in st.fed
+                        and all(q in st.announced for q in b.params)]  # fmt: skip
+                self._feed(st, [(b, self._announced_idx(st, b)) for b in done], None, early=True)
+
     def _release(self, st: StepState) -> None:
         """Drop the device grads whose every D2H has landed (release_grads), on the thread that
         owns the grads (autograd's during backward, the training thread in step())."""
@@ -420,7 +451,19 @@ class Stepping:
 
     def _on_backward_end(self) -> None:
         """Autograd's final callback (the thread that called backward): complete the buckets
-        whose params got no grad, and start the clipped updates."""
+        whose params got no grad, and start the clipped updates. With ``ddp=``: first wait
+        for this backward's all-reduces (outside the lock: their callbacks take it); none
+        means a ``no_sync()`` micro-step, which starts nothing."""
+        if self._ddp is not None:
+            with self._lock:
+                futures, self._reductions = self._reductions, []
+            for fut in futures:
+                fut.wait()  # gloo: done; NCCL: the current stream waits for it
+            if not futures:
+                with self._lock:
+                    if self._step is not None:
+                        self._step.backward_done = True
+                return
         with self._lock:
             st = self._step
             if st is None or st.backward_done:
@@ -506,13 +549,15 @@ class Stepping:
         return {p for p, ok in zip(have, same, strict=True) if ok}
 
     def _check_single_process(self) -> None:
-        """A hook's grad is reduced: one process, or FSDP2's (sharded, hooks after reduce)."""
+        """A hook's grad is reduced: one process, FSDP2's (sharded, hooks after reduce), or
+        announced by DDP's comm hook (``ddp=``)."""
         dist = torch.distributed
         if (
             dist.is_available()
             and dist.is_initialized()
             and dist.get_world_size() > 1
-            and (not all(is_dtensor(p) for p in self._records))
+            and self._ddp is None
+            and not all(is_dtensor(p) for p in self._records)
         ):
             raise RuntimeError(
                 f"overlap='backward' with a world size of {dist.get_world_size()} and params "

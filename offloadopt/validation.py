@@ -62,6 +62,7 @@ def validate_options(
     max_grad_norm=None,
     grads_final=False,
     release_grads=False,
+    ddp=None,
 ) -> None:
     """The constructor's arguments: the rule's hyperparameters ``hyper`` and ours.
 
@@ -105,6 +106,31 @@ def validate_options(
         "release_grads=True frees grads once their copy lands during backward: it needs "
         "overlap='backward' and grads_final=True or max_grad_norm= (clipping through the optimizer)",
     )
+    if ddp is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        _check(
+            isinstance(ddp, DistributedDataParallel),
+            f"Invalid ddp: {type(ddp).__name__} (expected the DistributedDataParallel model whose "
+            "all-reduced grads this optimizer reads)",
+            TypeError,
+        )
+        _check(
+            overlap == "backward" and (grads_final or max_grad_norm is not None),
+            "ddp= is the grad source of overlap='backward' with grads_final=True or "
+            f"max_grad_norm= (got overlap={overlap!r}); without it step() reads DDP's reduced "
+            "grads, and needs no ddp=",
+        )
+        _check(
+            ddp.gradient_as_bucket_view,
+            "ddp=: build DistributedDataParallel(..., gradient_as_bucket_view=True), so that a "
+            "bucket's grads are reduced in place once its all-reduce is done (otherwise DDP "
+            "copies them into p.grad only at the end of backward)",
+        )
+        _check(
+            not release_grads,
+            "release_grads=True with ddp=: DDP owns its grad buckets (their memory stays)",
+        )
     if overlap == "delayed":
         _check(
             wait == "step",

@@ -49,6 +49,11 @@ def fresh(kind: str, **shard):
         shard_fsdp(model, **shard)
     elif kind == "ddp":
         model = wrap_ddp(model)
+    elif kind == "ddp_view":  # what ddp= needs: grads are views of DDP's buckets
+        from torch.nn.parallel import DistributedDataParallel
+
+        # small buckets both sides: several all-reduces, several offloaded buckets
+        model = DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=0.02)
     return model
 
 
@@ -91,10 +96,17 @@ class DelayedTorch:
             local(p).copy_(m)
 
 
-def train(model, opt, rank, steps=STEPS, start=0, clip=None):
+def train(model, opt, rank, steps=STEPS, start=0, clip=None, accumulate=1):
+    import contextlib
+
     for step in range(start, start + steps):
+        for micro in range(accumulate - 1):  # DDP's no_sync(): local accumulation, no all-reduce
+            with model.no_sync():
+                x, y = batch(100 + 10 * step + micro, rank)
+                model(x, y)[1].backward()
         x, y = batch(step, rank)
-        _, loss = model(x, y)
+        with contextlib.nullcontext():
+            _, loss = model(x, y)
         loss.backward()
         st = getattr(opt, "_step", None)  # overlap="backward": buckets started during backward
         opt.fed_in_backward = len(st.fed) if st is not None else 0
@@ -171,6 +183,28 @@ def run_ddp(rank: int, world: int, arg: str) -> dict:
             min_offload_numel=64,
         ),  # fmt: skip
     }
+
+    def backward(**kw):  # overlap="backward" with DDP's all-reduced buckets as the grad source
+        return lambda m: hybrid(
+            m.parameters(), overlap="backward", ddp=m, bucket_nbytes=16384, **kw
+        )
+
+    views = {  # name -> (optimizer of the DDP model, torch's clip, micro-steps)
+        "torch_view": (lambda m: torch_adamw(m.parameters()), None, 1),
+        "bwd_final": (backward(offload_fraction=0.5, grads_final=True), None, 1),
+        "torch_clip": (lambda m: torch_adamw(m.parameters()), 0.05, 1),
+        "bwd_clip": (backward(offload_fraction=1.0, max_grad_norm=0.05), None, 1),
+        "torch_accum": (lambda m: torch_adamw(m.parameters()), None, 2),
+        "bwd_accum": (backward(offload_fraction=1.0, grads_final=True), None, 2),
+    }
+    for name, (make, clip, accumulate) in views.items():
+        model = fresh("ddp_view")
+        opt = make(model)
+        train(model, opt, rank, clip=clip, accumulate=accumulate)
+        out[name] = whole(model)
+        if name.startswith("bwd"):
+            out[f"{name}.fed"] = (opt.fed_in_backward, len(opt.buckets))
+            opt.close()
     for name, make in runs.items():
         model = fresh("ddp")
         opt = DelayedTorch(model) if make is None else make(list(model.parameters()))
@@ -261,6 +295,16 @@ def run_bad(rank: int, world: int, arg: str) -> dict:
 
     ddp = fresh("ddp")
     out["backward"] = error(lambda: hybrid(ddp.parameters(), overlap="backward"))
+    out["ddp_no_view"] = error(
+        lambda: hybrid(ddp.parameters(), overlap="backward", grads_final=True, ddp=ddp)
+    )
+    view = fresh("ddp_view")
+    out["ddp_step"] = error(lambda: hybrid(view.parameters(), ddp=view))
+    out["ddp_release"] = error(lambda: hybrid(view.parameters(), overlap="backward", grads_final=True,
+                                              release_grads=True, ddp=view))  # fmt: skip
+    out["ddp_module"] = error(
+        lambda: hybrid(view.parameters(), overlap="backward", grads_final=True, ddp=view.module)
+    )
     fsdp = fresh("fsdp")
     out["module_wait"] = error(lambda: hybrid(fsdp.parameters(), wait="module"))
     # A grad that is not sharded like its param (here: replicated) is refused, nothing changes.

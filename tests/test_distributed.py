@@ -121,8 +121,14 @@ def test_ddp_and_zero_match_torch_bitwise(tmp_path, job):
     r = ranks[0]
     for ours, ref in [("f0", "torch"), ("f0.5", "torch"), ("f1", "torch"),
                       ("f1_delayed", "torch_delayed"), ("zero_f0.5", "torch_zero"),
-                      ("zero_resumed", "zero_more")]:  # fmt: skip
+                      ("zero_resumed", "zero_more"), ("torch_view", "torch"),
+                      # ddp=: each bucket starts once DDP's all-reduce of its grads is done
+                      ("bwd_final", "torch_view"), ("bwd_clip", "torch_clip"),
+                      ("bwd_accum", "torch_accum")]:  # no_sync() micro-steps  # fmt: skip
         assert max_diff(r[ours], r[ref]) == 0.0, (ours, ref)
+    for name in ("bwd_final", "bwd_clip", "bwd_accum"):  # every bucket started in backward
+        fed, buckets = r.pop(f"{name}.fed")
+        assert fed == buckets > 1, name
     assert max_diff(r["f0.5"], single_process_torch(job)) < 1e-4
     for name in r:
         assert max_diff(ranks[0][name], ranks[1][name]) == 0.0, name
@@ -153,6 +159,12 @@ def test_refused_setups_and_threads_per_rank(tmp_path):
             r["replicated_grad"].startswith("RuntimeError") and "Replicate" in r["replicated_grad"]
         )
         assert r["unchanged"]
+        assert r["backward"].count("ddp=") and r["ddp_no_view"].count(
+            "gradient_as_bucket_view=True"
+        )
+        assert r["ddp_step"].startswith("ValueError") and "overlap='backward'" in r["ddp_step"]
+        assert r["ddp_release"].startswith("ValueError") and "DDP owns" in r["ddp_release"]
+        assert r["ddp_module"].startswith("TypeError") and "GPT" in r["ddp_module"]
         assert r["default_threads"] == max(1, usable_cores() // 2)  # cores // local ranks
         assert r["worker_threads"] == [2] and r["stats"]["cpu_threads"] == 2
         assert r["stats"]["local_ranks"] == 2

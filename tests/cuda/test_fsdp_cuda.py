@@ -1,5 +1,5 @@
-"""HybridAdamW under FSDP2 on the GPU, one rank (NCCL): the single-GPU path's results bitwise,
-no pageable copies, FSDP2's own CPU offload refused. Run on the GPU host."""
+"""HybridAdamW under FSDP2 and DDP on the GPU, one rank (NCCL): the single-GPU path's results
+bitwise, no pageable copies, FSDP2's own CPU offload refused. Run on the GPU host."""
 
 import os
 from unittest import mock
@@ -65,6 +65,21 @@ def test_fsdp2_one_rank_is_bitwise_the_single_gpu_path(group, kw):
     assert opt.host_nbytes > 0
     for name in plain:
         assert torch.equal(plain[name], sharded[name]), name
+
+
+@pytest.mark.parametrize("kw", [dict(offload_fraction=0.5, grads_final=True),
+                                dict(offload_fraction=1.0, max_grad_norm=0.1)], ids=str)  # fmt: skip
+def test_ddp_grad_source_one_rank_is_bitwise_the_single_gpu_path(group, kw):
+    from torch.nn.parallel import DistributedDataParallel
+
+    kw = {"lr": 1e-2, "min_offload_numel": 64, "overlap": "backward", "bucket_nbytes": 2**16, **kw}
+    plain = train(m := model(False), HybridAdamW(m.parameters(), **kw))
+    ddp = DistributedDataParallel(model(False), gradient_as_bucket_view=True, bucket_cap_mb=0.05)
+    opt = HybridAdamW(ddp.parameters(), ddp=ddp, **kw)
+    wrapped = train(ddp, opt)
+    assert len(opt.buckets) > 1
+    for name in plain:
+        assert torch.equal(plain[name], wrapped[f"module.{name}"]), name
 
 
 def test_fsdp2_step_makes_no_pageable_copy(group):
