@@ -175,7 +175,8 @@ def test_main_job_under_torchrun_fsdp_and_ddp():
     results = {}
     for parallel in ("fsdp", "ddp"):
         r = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",  # torchrun "--nproc-per-node", "2", "-m", "offloadopt", "train",
+            [sys.executable, "-m", "torch.distributed.run",  # torchrun, from this interpreter
+             "--standalone", "--nproc-per-node", "2", "-m", "offloadopt", "train",
              f"--{parallel}", "--steps", "30", "--eval-every", "30", "--eval-batches", "2",
              "--batch-size", "8", "--seq-len", "64", "--offload-fraction", "0.5", "--no-progress"],
             capture_output=True, text=True, timeout=300,
