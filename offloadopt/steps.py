@@ -433,9 +433,12 @@ class Stepping:
             if st is None:  # before this backward's first grad hook (a small first bucket)
                 st = self._step = self._begin()
                 st.task_id = _PENDING
-            st.announced.update(p for p in params if p in st.group_of)
+            # A param DDP reduced without a grad of its own (unused this step, with
+            # find_unused_parameters=True) keeps grad None: it is not announced, as in torch.
+            params = [p for p in params if p in st.group_of and p.grad is not None]
+            st.announced.update(params)
             if self.max_grad_norm is None and self.grads_final:
-                mine = {b for p in params if p in st.group_of for b in self._records[p].buckets}
+                mine = {b for p in params for b in self._records[p].buckets}
                 done = [b for b in self.buckets if b in mine and b not in st.fed
                         and all(q in st.announced for q in b.params)]  # fmt: skip
                 self._feed(st, [(b, self._announced_idx(st, b)) for b in done], None, early=True)

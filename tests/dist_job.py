@@ -159,6 +159,16 @@ def run_fsdp(rank: int, world: int, arg: str) -> dict:
     return out
 
 
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, use_b=True):
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
 def run_ddp(rank: int, world: int, arg: str) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -204,6 +214,28 @@ def run_ddp(rank: int, world: int, arg: str) -> dict:
         out[name] = whole(model)
         if name.startswith("bwd"):
             out[f"{name}.fed"] = (opt.fed_in_backward, len(opt.buckets))
+            opt.close()
+    # find_unused_parameters=True: a layer unused in one step keeps grad None (fresh-user bug:
+    # it was announced, and its None grad was read).
+    for name in ("torch_unused", "bwd_unused"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch.manual_seed(0)
+        model = DistributedDataParallel(
+            TwoLayers(), gradient_as_bucket_view=True, find_unused_parameters=True
+        )
+        if name == "torch_unused":
+            opt = torch_adamw(model.parameters())
+        else:
+            opt = hybrid(model.parameters(), overlap="backward", grads_final=True, ddp=model,
+                         min_offload_numel=0)  # fmt: skip
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x, use_b=step != 1).square().mean().backward()  # step 1: b gets no grad
+            opt.step()
+            opt.zero_grad()
+        out[name] = whole(model)
+        if hasattr(opt, "close"):
             opt.close()
     for name, make in runs.items():
         model = fresh("ddp")

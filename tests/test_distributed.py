@@ -123,7 +123,8 @@ def test_ddp_and_zero_match_torch_bitwise(tmp_path, job):
                       ("zero_resumed", "zero_more"), ("torch_view", "torch"),
                       # ddp=: each bucket starts once DDP's all-reduce of its grads is done
                       ("bwd_final", "torch_view"), ("bwd_clip", "torch_clip"),
-                      ("bwd_accum", "torch_accum")]:  # no_sync() micro-steps  # fmt: skip
+                      ("bwd_accum", "torch_accum"),  # no_sync() micro-steps
+                      ("bwd_unused", "torch_unused")]:  # find_unused_parameters=True  # fmt: skip
         assert max_diff(r[ours], r[ref]) == 0.0, (ours, ref)
     for name in ("bwd_final", "bwd_clip", "bwd_accum"):  # every bucket started in backward
         fed, buckets = r.pop(f"{name}.fed")
