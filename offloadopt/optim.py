@@ -133,12 +133,50 @@ class HybridOptimizer(Stepping, Optimizer):
         self._unplaced: list[int] = []  # groups waiting for their meta params (ensure_placed)
         super().__init__(params, defaults)
         self.state = OptimizerState(self)  # assignments copy into the buffers (state.py)
+        if ddp is not None:
+            self._check_ddp(ddp)
         self._place_or_defer(list(range(len(self.param_groups))))
         if ddp is not None:
             from offloadopt.hooks import DDPGrads
 
-            self._ddp_hook = DDPGrads(self, ddp)  # DDP refuses a second comm hook: it says so
+            try:
+                self._ddp_hook = DDPGrads(self, ddp)
+            except RuntimeError as e:  # DDP takes one comm hook per model
+                self.close()
+                raise RuntimeError(
+                    f"ddp=: this DDP model has a comm hook already ({e}); ddp= installs its "
+                    "own (torch's all-reduce, then an announcement), and DDP takes one: drop the "
+                    "other hook (fp16 compression, PowerSGD, another optimizer's ddp=), or leave "
+                    "out ddp= and use overlap='step' or 'delayed'"
+                ) from e
         self._ready = True
+
+    def _check_ddp(self, ddp: Any) -> None:
+        """``ddp=``'s model must hold this optimizer's trainable params (a subset is fine), and
+        the groups must not carry the constructor's options.
+
+        Raises:
+            ValueError: a param the DDP model does not hold (named); a group holding a ``ddp``
+                key (``ZeroRedundancyOptimizer`` copies the constructor's keywords into every
+                group, so each checkpoint would try to pickle the DDP model).
+        """
+        for gi, group in enumerate(self.param_groups):
+            if "ddp" in group:
+                raise ValueError(
+                    f"param group {gi} carries the ddp= option as a key: torch's "
+                    "ZeroRedundancyOptimizer copies the constructor's keywords into every group, "
+                    "and its checkpoints would pickle the DDP model; under ZeRO use "
+                    "overlap='step' or 'delayed' (ZeRO reads grads in step())"
+                )
+        held = {id(p) for p in ddp.parameters()}
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.requires_grad and id(p) not in held:
+                    raise ValueError(
+                        f"ddp=: {self._name(group, gi, i)} is not a param of that DDP model, so "
+                        "its all-reduce would never announce the grad; pass the DDP model that "
+                        "holds these params (a subset of its params is fine)"
+                    )
 
     # ------------------------------------------------------------------ construction
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -334,6 +334,20 @@ def run_bad(rank: int, world: int, arg: str) -> dict:
     out["ddp_step"] = error(lambda: hybrid(view.parameters(), ddp=view))
     out["ddp_release"] = error(lambda: hybrid(view.parameters(), overlap="backward", grads_final=True,
                                               release_grads=True, ddp=view))  # fmt: skip
+    other = GPT(CFG)  # not the DDP model's params
+    out["ddp_other"] = error(
+        lambda: hybrid(other.parameters(), overlap="backward", grads_final=True, ddp=view)
+    )
+    hooked = fresh("ddp_view")
+    hooked.register_comm_hook(None, lambda state, bucket: torch.futures.Future())
+    out["ddp_hooked"] = error(
+        lambda: hybrid(hooked.parameters(), overlap="backward", grads_final=True, ddp=hooked)
+    )
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    out["ddp_zero"] = error(lambda: ZeroRedundancyOptimizer(
+        view.parameters(), optimizer_class=offloadopt.HybridAdamW, lr=LR, overlap="backward",
+        grads_final=True, ddp=view))  # fmt: skip
     out["ddp_module"] = error(
         lambda: hybrid(view.parameters(), overlap="backward", grads_final=True, ddp=view.module)
     )

@@ -165,6 +165,11 @@ def test_refused_setups_and_threads_per_rank(tmp_path):
         assert r["ddp_step"].startswith("ValueError") and "overlap='backward'" in r["ddp_step"]
         assert r["ddp_release"].startswith("ValueError") and "DDP owns" in r["ddp_release"]
         assert r["ddp_module"].startswith("TypeError") and "GPT" in r["ddp_module"]
+        assert (
+            r["ddp_other"].startswith("ValueError") and "not a param of that DDP" in r["ddp_other"]
+        )
+        assert r["ddp_hooked"].startswith("RuntimeError") and "comm hook already" in r["ddp_hooked"]
+        assert r["ddp_zero"].startswith("ValueError") and "ZeroRedundancyOptimizer" in r["ddp_zero"]
         assert r["default_threads"] == max(1, usable_cores() // 2)  # cores // local ranks
         assert r["worker_threads"] == [2] and r["stats"]["cpu_threads"] == 2
         assert r["stats"]["local_ranks"] == 2
