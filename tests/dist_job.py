@@ -97,16 +97,13 @@ class DelayedTorch:
 
 
 def train(model, opt, rank, steps=STEPS, start=0, clip=None, accumulate=1):
-    import contextlib
-
     for step in range(start, start + steps):
         for micro in range(accumulate - 1):  # DDP's no_sync(): local accumulation, no all-reduce
             with model.no_sync():
                 x, y = batch(100 + 10 * step + micro, rank)
                 model(x, y)[1].backward()
         x, y = batch(step, rank)
-        with contextlib.nullcontext():
-            _, loss = model(x, y)
+        _, loss = model(x, y)
         loss.backward()
         st = getattr(opt, "_step", None)  # overlap="backward": buckets started during backward
         opt.fed_in_backward = len(st.fed) if st is not None else 0

@@ -217,6 +217,32 @@ def deepspeed_zero2(model: torch.nn.Module, lr: float, batch_size: int = 1) -> d
     }  # fmt: skip
 
 
+def _fsdp2_copy(model: torch.nn.Module, dtype: torch.dtype | None, **shard: Any):
+    """A deep copy of ``model`` (cast to ``dtype`` if given) under FSDP2 of one rank: one
+    ``fully_shard`` per transformer block, then the root, with ``shard``'s options; and the
+    shared model's float dtypes (for :func:`_host_weights`).
+
+    Raises:
+        Unavailable: a torch without FSDP2.
+    """
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+    except ImportError as e:
+        raise Unavailable(f"FSDP2: {e}") from e
+    device = next(model.parameters()).device
+    _single_rank_group(device)
+    dtypes = _float_dtypes(model)
+    clone = copy.deepcopy(model)  # fully_shard changes modules in place
+    if dtype is not None:
+        clone = clone.to(dtype)
+    shard = {"mesh": init_device_mesh(device.type, (1,)), **shard}
+    for block in transformer_blocks(clone):
+        fully_shard(block, **shard)
+    fully_shard(clone, **shard)
+    return clone, dtypes
+
+
 def fsdp2_cpu_offload(model: torch.nn.Module, lr: float) -> dict[str, Any]:
     """PyTorch FSDP2 (``fully_shard``) with ``CPUOffloadPolicy(pin_memory=True)``, one rank, on
     an fp32 deep copy: one FSDP group per transformer block, then the root (embeddings, final
@@ -233,23 +259,16 @@ def fsdp2_cpu_offload(model: torch.nn.Module, lr: float) -> dict[str, Any]:
     On a CPU device (the tests) the params live on the host already: no offload policy, gloo.
     """
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
     except ImportError as e:
         raise Unavailable(f"FSDP2: {e}") from e
-    device = next(model.parameters()).device
-    _single_rank_group(device)
-    dtypes = _float_dtypes(model)
-    mp = MixedPrecisionPolicy(
-        param_dtype=next(model.parameters()).dtype, reduce_dtype=torch.float32
-    )
-    shard: dict[str, Any] = {"mesh": init_device_mesh(device.type, (1,)), "mp_policy": mp}
-    if device.type == "cuda":
+    dtype = next(model.parameters()).dtype
+    shard: dict[str, Any] = {
+        "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    }
+    if next(model.parameters()).device.type == "cuda":
         shard["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-    clone = copy.deepcopy(model).float()  # fully_shard changes modules in place
-    for block in transformer_blocks(clone):
-        fully_shard(block, **shard)
-    fully_shard(clone, **shard)
+    clone, dtypes = _fsdp2_copy(model, torch.float32, **shard)
     opt = torch.optim.AdamW(clone.parameters(), fused=True, **adamw_kwargs(lr))
     return {
         "model": clone, "opt": opt, "weights": lambda m: _host_weights(m, dtypes),
@@ -266,21 +285,9 @@ def hybrid_fsdp2(fraction: float, **kwargs):
     path's (tests/test_bench.py checks it bitwise on the CPU)."""
 
     def build(model: torch.nn.Module, lr: float) -> dict[str, Any]:
-        try:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-        except ImportError as e:
-            raise Unavailable(f"FSDP2: {e}") from e
         from offloadopt import HybridAdamW
 
-        device = next(model.parameters()).device
-        _single_rank_group(device)
-        dtypes = _float_dtypes(model)
-        mesh = init_device_mesh(device.type, (1,))
-        clone = copy.deepcopy(model)  # fully_shard changes modules in place
-        for block in transformer_blocks(clone):
-            fully_shard(block, mesh=mesh)
-        fully_shard(clone, mesh=mesh)
+        clone, dtypes = _fsdp2_copy(model, None)
         opt = HybridAdamW(
             clone.named_parameters(), offload_fraction=fraction, **adamw_kwargs(lr), **kwargs
         )
