@@ -26,6 +26,7 @@ from offloadopt.state import OptimizerState
 from offloadopt.steps import Stepping
 from offloadopt.transfer import Transfer
 from offloadopt.validation import validate_group, validate_options, validate_params_arg
+from offloadopt.warn import warn
 from offloadopt.worker import Worker, default_cpu_threads, local_ranks, usable_cores
 
 __all__ = ["HybridOptimizer", "HybridAdamW"]
@@ -374,7 +375,7 @@ class HybridOptimizer(Stepping, Optimizer):
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, stacklevel=4)
+            warn(message)
 
     # ------------------------------------------------------------------ reporting
     def crossing_host_tensors(self) -> list[tuple[str, torch.Tensor]]:

@@ -38,7 +38,6 @@ import contextlib
 import signal
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ from offloadopt.records import ParamRecord
 from offloadopt.rules import Hyper
 from offloadopt.shards import is_dtensor, local
 from offloadopt.transfer import SLOTS
+from offloadopt.warn import warn
 from offloadopt.worker import WaitTimeout, local_ranks
 
 __all__ = ["Stepping", "StepState"]
@@ -348,12 +348,11 @@ class Stepping:
             for p in params:
                 self._records[p].mark_written(p)
         if kept:
-            warnings.warn(
+            warn(
                 f"{len(kept)} params were written or moved outside the optimizer while their "
                 f"delayed update was in flight (e.g. {', '.join(kept[:3])}): they keep that "
                 "write, not the update (a framework moving the model at the end of training: "
-                "call opt.synchronize() before it)",
-                stacklevel=4,
+                "call opt.synchronize() before it)"
             )
 
     def watch(self, model: torch.nn.Module) -> None:
@@ -829,10 +828,9 @@ class Stepping:
         current = local(p).detach().to(master.device)
         changed = master.to(p.dtype) != current  # (shape of p) bool, where the master is stale
         if changed.any():
-            warnings.warn(
+            warn(
                 f"the weights of {rec.name} changed outside the optimizer since its last step "
-                f"({int(changed.sum())} of {current.numel()} elements); its master copy was refreshed there",
-                stacklevel=5,
+                f"({int(changed.sum())} of {current.numel()} elements); its master copy was refreshed there"
             )
             # Only the changed elements: the others keep their fp32 master's precision.
             master.copy_(torch.where(changed, current.to(master.dtype), master))

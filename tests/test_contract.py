@@ -157,8 +157,10 @@ def test_weights_changed_outside_refresh_the_master_with_a_warning():
     opt.step()
     with torch.no_grad():
         p.fill_(2.0)  # a checkpoint loaded into the model, an EMA swap, ...
-    with pytest.warns(UserWarning, match="changed outside the optimizer"):
+    with pytest.warns(UserWarning, match="changed outside the optimizer") as caught:
         opt.step()
+    # It names the line that called step(), not one inside torch's no_grad wrapper.
+    assert [w.filename for w in caught] == [__file__]
     # The update started from 2.0, not from the stale master.
     assert (p.float() - 2.0).abs().max() < 0.01
     with warnings.catch_warnings():
