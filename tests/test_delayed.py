@@ -164,8 +164,9 @@ def test_a_weight_edited_while_its_update_is_pending_keeps_the_edit():
     w = model[0].weight
     with torch.no_grad():
         w.fill_(0.5)  # outside the optimizer, while the update is in flight
-    with pytest.warns(UserWarning, match="while their delayed update was in flight"):
+    with pytest.warns(UserWarning, match="while their delayed update was in flight") as caught:
         opt.synchronize()
+    assert [x.filename for x in caught] == [__file__]  # the caller's line
     assert torch.equal(w, torch.full_like(w, 0.5))  # the outside write wins, as in every mode
     backward(model, 1)
     opt.step()
