@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GradHooks", "ModuleWaits"]
+__all__ = ["GradHooks", "ModuleWaits", "DDPGrads"]
 
 
 class GradHooks:
@@ -67,15 +67,31 @@ class ModuleWaits:
         ref = weakref.ref(owner)
         self.handles = []
         self.modules = 0
-        for module in model.modules():
-            mine = [p for p in module.parameters(recurse=False) if p in offloaded]
-            if not mine:
-                continue
+        fsdp = _fsdp_modules(model)
+        if fsdp is None and any(_is_dtensor(p) for p in model.parameters()):
+            raise ValueError(
+                "watch(): the model's params are DTensors but none of its modules is FSDP2's: "
+                "call opt.watch(model) after fully_shard (the waits must run before FSDP2's "
+                "own pre-forward)"
+            )
+        for module in fsdp if fsdp is not None else model.modules():
+            if fsdp is not None:
 
-            def pre_hook(mod, args, mine=mine) -> None:
-                opt = ref()
-                if opt is not None:
-                    opt._wait_for(mine)
+                def pre_hook(mod, args) -> None:
+                    opt = ref()
+                    if opt is not None:  # FSDP2 all-gathers these shards next, on its streams
+                        params, streams = _fsdp_shards(mod)
+                        opt._wait_for([p for p in params if p in offloaded], streams)
+
+            else:
+                mine = [p for p in module.parameters(recurse=False) if p in offloaded]
+                if not mine:
+                    continue
+
+                def pre_hook(mod, args, mine=mine) -> None:
+                    opt = ref()
+                    if opt is not None:
+                        opt._wait_for(mine)
 
             self.handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
             self.modules += 1
@@ -134,3 +150,43 @@ class DDPGrads:
 
     def remove(self) -> None:
         self.active = False
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from offloadopt.shards import is_dtensor
+
+    return is_dtensor(t)
+
+
+def _fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module] | None:
+    """The FSDP2 modules of ``model`` (``fully_shard`` applied), or None when it has none."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return None
+    found = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return found or None
+
+
+def _fsdp_shards(module: torch.nn.Module) -> tuple[list[torch.Tensor], tuple]:
+    """What FSDP2's pre-forward of ``module`` is about to all-gather: the sharded params of its
+    param groups and of the modules it prefetches (``set_modules_to_forward_prefetch``), and
+    the all-gather streams (FSDP2 makes them wait for the compute stream once, at the root's
+    pre-forward, so a wait on the compute stream alone would not order a block's all-gather
+    after its H2D). FSDP2's state is read through its private attributes (torch 2.11-2.13
+    name them alike; the single-group ``_fsdp_param_group`` of older releases too)."""
+    state = module._get_fsdp_state()
+    params: list[torch.Tensor] = []
+    for s in (state, *getattr(state, "_states_to_forward_prefetch", ())):
+        groups = getattr(s, "_fsdp_param_groups", None)
+        if groups is None:
+            one = getattr(s, "_fsdp_param_group", None)
+            groups = [one] if one is not None else []
+        params += [fp.sharded_param for g in groups for fp in g.fsdp_params]
+    comm = getattr(state, "_comm_ctx", None)
+    streams = tuple(
+        st for st in (getattr(comm, "all_gather_copy_in_stream", None),
+                      getattr(comm, "all_gather_stream", None))
+        if isinstance(st, torch.cuda.Stream)
+    )  # fmt: skip
+    return params, streams

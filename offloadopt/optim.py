@@ -258,7 +258,7 @@ class HybridOptimizer(Stepping, Optimizer):
         start = sum(len(g["params"]) for g in self.param_groups[: group_indices[0]])
         check_setup([(self._name(self.param_groups[gi], gi, i), p) for gi in group_indices
                      for i, p in enumerate(self.param_groups[gi]["params"])],
-                    self.overlap, self.wait, ddp=self._ddp is not None)  # fmt: skip
+                    self.overlap, ddp=self._ddp is not None)  # fmt: skip
         infos, tensors, keys = [], [], {}
         for gi in group_indices:
             g = self.param_groups[gi]

@@ -69,9 +69,7 @@ def world_size() -> int:
     return dist.get_world_size()
 
 
-def check_setup(
-    named: list[tuple[str, torch.Tensor]], overlap: str, wait: str, ddp: bool = False
-) -> None:
+def check_setup(named: list[tuple[str, torch.Tensor]], overlap: str, ddp: bool = False) -> None:
     """Refuse the distributed setups this optimizer cannot run correctly, before anything is
     allocated.
 
@@ -80,8 +78,7 @@ def check_setup(
             (FSDP2's own ``CPUOffloadPolicy``), or, in a job of several ranks, params of one
             rank on more than one device (each rank owns one device).
         NotImplementedError: ``overlap="backward"`` in a job of several ranks with params
-            that are not FSDP2's (a grad hook sees DDP's un-reduced grad), or ``wait="module"`` with FSDP2 params (FSDP2 gathers a
-            module's params before that module's pre-hooks run when it prefetches).
+            that are not FSDP2's (a grad hook sees DDP's un-reduced grad), unless ``ddp=``.
     """
     for name, p in named:
         if is_dtensor(p):
@@ -91,11 +88,6 @@ def check_setup(
                     f"{name} is an FSDP2 param on a {mesh_type} mesh whose shard lives on "
                     f"{local(p).device} (FSDP2's CPUOffloadPolicy?): the two offloads do not "
                     "stack; drop offload_policy= and let this optimizer offload the state"
-                )
-            if wait == "module":
-                raise NotImplementedError(
-                    f"wait='module' with FSDP2 params ({name}): FSDP2 prefetches the next "
-                    "module's all-gather before that module's pre-hooks run; use wait='step'"
                 )
     world = world_size()
     if world == 1:

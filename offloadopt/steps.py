@@ -359,7 +359,16 @@ class Stepping:
         """Register forward pre-hooks on the modules of ``model`` that own offloaded params;
         with ``wait="module"`` each waits only for its own params' copies back. Modules inside
         a ``torch.compile``d region are not waited for one by one: call ``opt.synchronize()``
-        before such a forward. Removed by ``close()``."""
+        before such a forward. Removed by ``close()``.
+
+        Under FSDP2 call it after ``fully_shard``: the waits go on the FSDP2 modules, before
+        FSDP2's own pre-forward (which all-gathers the module's shards on FSDP2's streams, and
+        those of the modules it prefetches), and those streams wait too.
+
+        Raises:
+            ValueError: FSDP2 params (DTensors) in a model with no FSDP2 module (``watch()``
+                before ``fully_shard``).
+        """
         from offloadopt.hooks import ModuleWaits
 
         self.ensure_placed()
@@ -487,9 +496,10 @@ class Stepping:
         """Buckets in the order the next forward reads them (first-registered params first)."""
         return self.buckets[::-1]
 
-    def _wait_for(self, params: list[torch.Tensor]) -> None:
-        """A module's forward pre-hook: its stream waits for the copies back of ``params``
-        (overlap="delayed": none; the forward reads the weights of the step before)."""
+    def _wait_for(self, params: list[torch.Tensor], streams_too: tuple = ()) -> None:
+        """A module's forward pre-hook: its stream, and ``streams_too`` (FSDP2's all-gather
+        streams), wait for the copies back of ``params`` (overlap="delayed": none; the forward
+        reads the weights of the step before)."""
         st = self._inflight
         if st is None or self.overlap == "delayed":
             return
@@ -502,6 +512,8 @@ class Stepping:
                     if tr.cuda:
                         # (I4) the forward reads these params only after their H2D.
                         torch.cuda.current_stream(b.arena.device).wait_event(tr.h2d_done[b])
+                        for stream in streams_too:
+                            stream.wait_event(tr.h2d_done[b])
                     st.waited.add(b)
         if len(st.waited) == len(st.fed):
             self.synchronize()  # every copy back is waited for: the step is over

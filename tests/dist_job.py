@@ -135,6 +135,10 @@ def run_fsdp(rank: int, world: int, arg: str) -> dict:
                                             grads_final=True, release_grads=True), {}, None, {}),
         "f1_bwd_torchclip": (lambda p: hybrid(p, offload_fraction=1.0, overlap="backward"),
                              {}, 0.05, {}),  # torch's clip: the updates wait for step()
+        # wait="module" with opt.watch(model): each FSDP2 module waits before its all-gather
+        "f1_module": (lambda p: hybrid(p, offload_fraction=1.0, wait="module"), {}, None, {}),
+        "f0.5_bwd_module": (lambda p: hybrid(p, offload_fraction=0.5, overlap="backward",
+                                             grads_final=True, wait="module"), {}, None, {}),
         "torch_delayed": (None, {}, None, {}),
         "f1_delayed": (lambda p: hybrid(p, offload_fraction=1.0, overlap="delayed", min_offload_numel=1),
                        {}, None, {}),  # every param delayed, as in DelayedTorch
@@ -142,6 +146,9 @@ def run_fsdp(rank: int, world: int, arg: str) -> dict:
     for name, (make, _, clip, shard) in runs.items():
         model = fresh("fsdp", **shard)
         opt = DelayedTorch(model) if make is None else make(model.parameters())
+        if "module" in name:
+            opt.watch(model)
+            out[f"{name}.hooks"] = opt._module_waits[0].modules  # on the FSDP2 modules only
         train(model, opt, rank, clip=clip)
         out[name] = whole(model)
         if "_bwd_" in name:
@@ -349,11 +356,11 @@ def run_bad(rank: int, world: int, arg: str) -> dict:
         lambda: hybrid(view.parameters(), overlap="backward", grads_final=True, ddp=view.module)
     )
     fsdp = fresh("fsdp")
-    out["module_wait"] = error(lambda: hybrid(fsdp.parameters(), wait="module"))
     # A grad that is not sharded like its param (here: replicated) is refused, nothing changes.
     from torch.distributed.tensor import Replicate
 
     opt = hybrid(fsdp.parameters(), offload_fraction=0.5)
+    out["watch_inner"] = error(lambda: opt.watch(fsdp.lm_head))  # not an FSDP2 module
     before = whole(fsdp)
     for p in fsdp.parameters():
         p.grad = p.detach().redistribute(placements=[Replicate()]).clone()

@@ -97,12 +97,14 @@ def test_fsdp2_matches_torch_bitwise_at_every_fraction_and_mode(tmp_path, job):
                       ("f1_delayed", "torch_delayed"),
                       # overlap="backward": FSDP2 calls the hooks after each reduce-scatter
                       ("f0.5_bwd_final", "torch"), ("f1_bwd_clip", "torch_clip"),
-                      ("f1_bwd_release", "torch"), ("f1_bwd_torchclip", "torch_clip")]:  # fmt: skip
+                      ("f1_bwd_release", "torch"), ("f1_bwd_torchclip", "torch_clip"),
+                      ("f1_module", "torch"), ("f0.5_bwd_module", "torch")]:  # fmt: skip
         assert max_diff(r[ours], r[ref]) == 0.0, (ours, ref)
     for name in ("f0.5_bwd_final", "f1_bwd_clip", "f1_bwd_release"):  # all started in backward
         fed, buckets = r[f"{name}.fed"]
         assert fed == buckets > 0, name
     assert r["f1_bwd_torchclip.fed"][0] == 0  # torch's clip may edit grads: they wait for step()
+    assert r["f1_module.hooks"] == 1 + job.CFG.n_layer  # the blocks and the root, FSDP2's modules
     assert max_diff(r["f1"], r["f1_delayed"]) > 0  # the delayed run is a different run
     for name in r:
         if isinstance(r[name], dict):
@@ -154,7 +156,7 @@ def test_refused_setups_and_threads_per_rank(tmp_path):
     ranks = launch(tmp_path, "run_bad", 2, env={"OMP_NUM_THREADS": "1"})
     for r in ranks:
         assert r["backward"].startswith("NotImplementedError") and "2 ranks" in r["backward"]
-        assert r["module_wait"].startswith("NotImplementedError") and "prefetch" in r["module_wait"]
+        assert r["watch_inner"].startswith("ValueError") and "fully_shard" in r["watch_inner"]
         assert (
             r["replicated_grad"].startswith("RuntimeError") and "Replicate" in r["replicated_grad"]
         )

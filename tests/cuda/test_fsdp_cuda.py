@@ -57,11 +57,22 @@ def train(m, opt, steps=5):
                                 # hooks after each reduce-scatter, on FSDP2's post-reduce stream
                                 dict(offload_fraction=1.0, overlap="backward", grads_final=True),
                                 dict(offload_fraction=1.0, overlap="backward", max_grad_norm=0.1,
-                                     release_grads=True)], ids=str)  # fmt: skip
+                                     release_grads=True),
+                                # each FSDP2 module waits, and makes FSDP2's all-gather wait
+                                dict(offload_fraction=1.0, wait="module"),
+                                dict(offload_fraction=1.0, overlap="backward", grads_final=True,
+                                     wait="module")], ids=str)  # fmt: skip
 def test_fsdp2_one_rank_is_bitwise_the_single_gpu_path(group, kw):
     kw = {"lr": 1e-2, "min_offload_numel": 64, **kw}
-    plain = train(m := model(False), HybridAdamW(m.parameters(), **kw))
-    sharded = train(m := model(True), opt := HybridAdamW(m.parameters(), **kw))
+
+    def hybrid(m):
+        opt = HybridAdamW(m.parameters(), **kw)
+        if kw.get("wait") == "module":
+            opt.watch(m)
+        return opt
+
+    plain = train(m := model(False), hybrid(m))
+    sharded = train(m := model(True), opt := hybrid(m))
     assert opt.host_nbytes > 0
     for name in plain:
         assert torch.equal(plain[name], sharded[name]), name
