@@ -105,6 +105,7 @@ def test_fsdp2_matches_torch_bitwise_at_every_fraction_and_mode(tmp_path, job):
         assert fed == buckets > 0, name
     assert r["f1_bwd_torchclip.fed"][0] == 0  # torch's clip may edit grads: they wait for step()
     assert r["f1_module.hooks"] == 1 + job.CFG.n_layer  # the blocks and the root, FSDP2's modules
+    assert r["f1_module.shards"] == 12  # a block's shards: what its pre-forward all-gathers
     assert max_diff(r["f1"], r["f1_delayed"]) > 0  # the delayed run is a different run
     for name in r:
         if isinstance(r[name], dict):
