@@ -210,6 +210,27 @@ def test_main_job_under_torchrun_fsdp_and_ddp():
     )
 
 
+def test_bench_under_torchrun_fsdp_gathers_every_rank(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "offloadopt", "bench", "--fsdp", "--device", "cpu", "--preset", "tiny",
+         "--fractions", "0", "0.5", "--batch-size", "2", "--seq-len", "16", "--warmup", "1",
+         "--steps", "2", "--no-progress", "--anchors", "torchao", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.count("step ms  fwd+bwd") == 1  # rank 0 prints the job's table
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    assert bench["world_size"] == 2
+    rows = {row["name"]: row for row in bench["results"]}
+    assert rows["torchao"]["status"].startswith("skipped: not an FSDP2")
+    half = rows["hybrid-fsdp2:0.5"]
+    assert half["status"] == "ok" and half["rms_rel_diff"] == 0.0  # bitwise the f0 baseline
+    assert len(half["ranks"]) == 2 and half["step_ms"] == max(x["step_ms"] for x in half["ranks"])
+    assert half["opt_host_gb_total"] == pytest.approx(2 * half["ranks"][0]["opt_host_gb"])
+    assert half["tokens_per_s"] == pytest.approx(2 * 2 * 16 / half["step_ms"] * 1e3)
+
+
 def test_main_job_refuses_fsdp_without_torchrun():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     r = subprocess.run([sys.executable, "-m", "offloadopt", "train", "--fsdp", "--steps", "1"],

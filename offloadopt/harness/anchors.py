@@ -218,7 +218,8 @@ def deepspeed_zero2(model: torch.nn.Module, lr: float, batch_size: int = 1) -> d
 
 
 def _fsdp2_copy(model: torch.nn.Module, dtype: torch.dtype | None, **shard: Any):
-    """A deep copy of ``model`` (cast to ``dtype`` if given) under FSDP2 of one rank: one
+    """A deep copy of ``model`` (cast to ``dtype`` if given) under FSDP2 (one rank, or the
+    ranks of the process group that exists, as under ``offloadopt bench --fsdp``): one
     ``fully_shard`` per transformer block, then the root, with ``shard``'s options; and the
     shared model's float dtypes (for :func:`_host_weights`).
 
@@ -236,7 +237,10 @@ def _fsdp2_copy(model: torch.nn.Module, dtype: torch.dtype | None, **shard: Any)
     clone = copy.deepcopy(model)  # fully_shard changes modules in place
     if dtype is not None:
         clone = clone.to(dtype)
-    shard = {"mesh": init_device_mesh(device.type, (1,)), **shard}
+    import torch.distributed as dist
+
+    # One rank alone; under `offloadopt bench --fsdp` every rank of the torchrun job.
+    shard = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)), **shard}
     for block in transformer_blocks(clone):
         fully_shard(block, **shard)
     fully_shard(clone, **shard)

@@ -16,6 +16,7 @@ import gc
 import inspect
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -28,6 +29,7 @@ import torch
 from offloadopt.harness import anchors, checks, models
 from offloadopt.harness.checks import UsageError
 from offloadopt.harness.data import get_batch, mock_data
+from offloadopt.harness.distributed import Dist, init_from_env, teardown
 from offloadopt.harness.probes import time_kernel, time_link
 from offloadopt.harness.report import format_table, plot
 from offloadopt.harness.train import host_rss_nbytes
@@ -61,6 +63,7 @@ class BenchConfig:
     out: str = "bench-out"  # folder for bench.json and bench.png
     audit: bool = True  # audit one training iteration per configuration (pageable copies)
     progress: bool = True
+    fsdp: bool = False  # under torchrun: every configuration under FSDP2 across the job's ranks
 
 
 # The check of each BenchConfig field that has one: its --flag's argparse type, and
@@ -324,19 +327,32 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     """
     from tqdm import tqdm
 
+    ranks = Dist()
+    if cfg.fsdp:
+        if "WORLD_SIZE" not in os.environ:
+            raise UsageError("--fsdp: run under torchrun (torchrun --nproc-per-node N -m "
+                             "offloadopt bench --fsdp); WORLD_SIZE is not set")  # fmt: skip
+        ranks = init_from_env(cfg.device)
+        if torch.device(cfg.device).type == "cuda":
+            cfg = replace(cfg, device=f"cuda:{ranks.local_rank}")  # this rank's GPU
+        cfg = replace(cfg, kernel=False, progress=cfg.progress and ranks.main)
     bench = Bench(cfg)
     cfg, device, out = bench.cfg, bench.device, Path(bench.cfg.out)
     header = {"config": asdict(cfg), "torch": torch.__version__, "params": models.num_params(bench.model),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
               "cpu_threads": torch.get_num_threads()}  # fmt: skip
-    jobs = [("hybrid:0", _tagged(anchors.hybrid(0.0), baseline=True), False),
-            ("hybrid:0 (repeat)", _tagged(anchors.hybrid(0.0), repeat=True), False)]  # fmt: skip
-    jobs += [
-        (f"hybrid:{f:g}", anchors.hybrid(f), False) for f in sorted(set(cfg.fractions) - {0.0})
-    ]
+    header["world_size"] = ranks.world
+    base = anchors.hybrid_fsdp2 if cfg.fsdp else anchors.hybrid  # --fsdp: FSDP2 over every rank
+    tag = "hybrid-fsdp2" if cfg.fsdp else "hybrid"
+    jobs = [(f"{tag}:0", _tagged(base(0.0), baseline=True), False),
+            (f"{tag}:0 (repeat)", _tagged(base(0.0), repeat=True), False)]  # fmt: skip
+    jobs += [(f"{tag}:{f:g}", base(f), False) for f in sorted(set(cfg.fractions) - {0.0})]
     results: list[dict[str, Any]] = []
     for name in cfg.anchors:
-        if device.type == "cuda":
+        if cfg.fsdp and name not in FSDP2_ANCHORS:
+            results.append({"name": name, "kind": "anchor",
+                            "status": "skipped: not an FSDP2 configuration (--fsdp)"})  # fmt: skip
+        elif device.type == "cuda":
             builder, slow = anchors.ANCHORS[name]
             jobs.append((name, builder, slow))
         else:  # the anchors offload to the host from a GPU: say so, do not drop them silently
@@ -345,6 +361,8 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
             )
 
     def write() -> None:
+        if cfg.fsdp:
+            return  # rank 0 writes the job's results once, gathered (below)
         out.mkdir(parents=True, exist_ok=True)  # here, so a run that fails first leaves none
         checks.write_atomic(out / "bench.json", json.dumps({**header, "results": results},
                                                            indent=1, default=str))  # fmt: skip
@@ -367,9 +385,47 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
             )
             _empty_caches(device)
         write()
+    if cfg.fsdp:
+        results = merge_ranks(results, ranks, cfg.batch_size * cfg.seq_len)
+        if not ranks.main:
+            return results
+        cfg = replace(cfg, fsdp=False)
+        write()
     print(format_table(results))
     plot(results, out / "bench.png")
     return results
+
+
+# The anchors that are FSDP2 configurations themselves (``--fsdp`` runs only these).
+FSDP2_ANCHORS = ("fsdp2-cpuoffload", "hybrid-fsdp2:0.5", "hybrid-fsdp2:1",
+                 "hybrid-fsdp2-delayed:1", "hybrid-fsdp2-backward:1")  # fmt: skip
+# The figures of each rank kept in a merged row's ``ranks`` list.
+PER_RANK = ("step_ms", "fwd_bwd_ms", "opt_ms", "peak_gpu_gb", "pinned_gb", "opt_host_gb",
+            "host_rss_gb", "pageable_copies", "opt_stats_cpu_threads", "opt_stats_local_ranks")  # fmt: skip
+
+
+def merge_ranks(results: list[dict[str, Any]], ranks: Dist, tokens_per_rank: int) -> list:
+    """Every rank's rows, gathered: one row per configuration with rank 0's fields, the
+    slowest rank's step (the job steps at it), the pageable copies of all ranks, each rank's
+    figures under ``ranks`` and the job's ``tokens_per_s`` (every rank trains its own batch)."""
+    import torch.distributed as dist
+
+    everyone: list = [None] * ranks.world
+    dist.all_gather_object(everyone, results)
+    merged = []
+    for rows in zip(*everyone, strict=True):
+        row = dict(rows[0])
+        if "step_ms" in row:
+            row["ranks"] = [{k: r.get(k) for k in PER_RANK} for r in rows]
+            for key in ("step_ms", "fwd_bwd_ms", "opt_ms", "peak_gpu_gb"):
+                row[key] = max(r[key] for r in rows)
+            if "pageable_copies" in row:
+                row["pageable_copies"] = sum(r["pageable_copies"] for r in rows)
+            row["tokens_per_s"] = tokens_per_rank * ranks.world / row["step_ms"] * 1e3
+            for key in ("opt_host_gb", "pinned_gb"):  # the job's host memory: every rank's
+                row[f"{key}_total"] = sum(r[key] for r in rows)
+        merged.append(row)
+    return merged
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -400,6 +456,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     a("--seed", type=t["seed"], default=d.seed, help="0 .. 2**63 - 1")
     a("--out", type=t["out"], default=d.out, help="folder for bench.json and bench.png")
     a("--no-progress", action="store_true")
+    a("--fsdp", action="store_true",
+      help="under torchrun: every configuration under FSDP2 across the job's ranks; rank 0 "
+           "writes each rank's figures and the job's totals (the kernel timing is skipped)")
     # fmt: on
 
 
@@ -409,7 +468,12 @@ def run(args: argparse.Namespace) -> int:
     given = {k: v for k, v in vars(args).items() if k in BenchConfig.__dataclass_fields__}
     cfg = BenchConfig(**given, kernel=not args.no_kernel, audit=not args.no_audit,
                       progress=not args.no_progress)  # fmt: skip
-    results = run_bench(cfg)
+    try:
+        results = run_bench(cfg)
+    finally:
+        teardown()  # --fsdp: the job's process group (nothing otherwise)
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # rank 0 speaks for the job
     print(json.dumps({"out": str(Path(cfg.out) / "bench.json"), "configurations": len(results)}))
     failed = [r["name"] for r in results if str(r.get("status", "")).startswith("error")]
     if failed:
