@@ -1,0 +1,201 @@
+"""What a placement costs: predicted step time and memory at any offload fraction, from a few
+measurements of one run. Pure arithmetic, no CUDA calls (the placement policy's sibling,
+offloadopt/placement.py).
+
+The model (tests/test_costmodel.py checks it against the H200 runs recorded in benchmarks/):
+
+- *CPU work* of fraction ``f``: the worker's fused kernel over the ``f * params`` offloaded
+  elements (``cpu_ns_per_param``, measured while a step's copies cross the link), plus
+  ``bucket_overhead_ms`` per bucket of ``bucket_nbytes`` fp32 state (the hand-offs between
+  buckets: events, a launch, the GIL), plus the pipeline's fill and drain: the first bucket's
+  D2H and the last one's H2D at the link's bandwidth.
+- *Device work*: the fused kernel over the ``(1 - f) * params`` device-resident elements
+  (``device_ns_per_param``).
+- ``overlap="step"``: forward+backward, then the device work, then the CPU work.
+- ``overlap="backward"`` (grads final, each module waiting for its own params): the CPU work
+  hides behind the rest of backward and the next forward, a window of about one
+  forward+backward; what is left shows.
+- ``overlap="delayed"``: the CPU work of one step runs during the next forward and backward;
+  the step is the longer of the two.
+
+Memory per param, bf16 params with fp32 masters (README, "Memory per parameter"): on the GPU 2
+(weight) + 2 (grad) bytes for every param, 12 (master, ``exp_avg``, ``exp_avg_sq``) for the
+device-resident ones, 4 x ``bucket_nbytes`` of staging when anything is offloaded, 2 more per
+offloaded param with ``overlap="delayed"`` (the landing buffer), plus what forward and backward
+hold (``activation_bytes``, measured); on the host 12 per offloaded param and 2 x
+``bucket_nbytes`` of pinned staging.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+__all__ = ["Measurements", "Prediction", "predict", "smallest_fitting", "largest_hidden",
+           "parse_bytes", "format_bytes"]  # fmt: skip
+
+MODES = ("step", "backward", "delayed")
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """The inputs, from one run (times in ms or ns, sizes in bytes).
+
+    ``params``: trainable elements; ``fwd_bwd_ms``: forward + backward with nothing offloaded;
+    ``device_ns_per_param``: the device-resident update; ``cpu_ns_per_param``: the worker's
+    kernel while copies cross the link; ``d2h_gbps`` / ``h2d_gbps``: the link, GB/s of fp32
+    state; ``bucket_overhead_ms``: per bucket above the kernel; ``activation_bytes``: the GPU
+    peak beyond weights, grads, state and staging.
+    """
+
+    params: int
+    fwd_bwd_ms: float
+    device_ns_per_param: float
+    cpu_ns_per_param: float
+    d2h_gbps: float
+    h2d_gbps: float
+    bucket_overhead_ms: float
+    activation_bytes: int = 0
+    bucket_nbytes: int = 64 * 2**20
+    weight_bytes: int = 2  # per param on the GPU (bf16)
+    grad_bytes: int = 2
+    state_bytes: int = 12  # fp32 master + exp_avg + exp_avg_sq
+
+
+@dataclass(frozen=True)
+class Prediction:
+    fraction: float
+    mode: str
+    step_ms: float
+    cpu_ms: float  # the worker's share: kernel, bucket overheads, fill and drain
+    gpu_bytes: int
+    host_bytes: int
+
+
+def _check(m: Measurements, fraction: float, mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"Invalid mode: {mode!r} (expected one of {', '.join(MODES)})")
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"Invalid fraction: {fraction!r} (expected 0 <= fraction <= 1)")
+    if m.params <= 0 or m.bucket_nbytes <= 0:
+        raise ValueError(
+            f"Invalid measurements: params {m.params}, bucket_nbytes {m.bucket_nbytes}"
+        )
+
+
+def predict(m: Measurements, fraction: float, mode: str = "step") -> Prediction:
+    """Step time and memory of ``fraction`` in ``mode`` (see the module docstring).
+
+    Raises:
+        ValueError: a fraction outside [0, 1], an unknown mode, or no params.
+    """
+    _check(m, fraction, mode)
+    offloaded = fraction * m.params
+    fp32 = offloaded * 4
+    buckets = math.ceil(fp32 / m.bucket_nbytes) if offloaded else 0
+    first = min(fp32, m.bucket_nbytes)  # the pipeline's fill (D2H) and drain (H2D)
+    fill_ms = first / (m.d2h_gbps * 1e6) + first / (m.h2d_gbps * 1e6) if offloaded else 0.0
+    cpu_ms = offloaded * m.cpu_ns_per_param * 1e-6 + buckets * m.bucket_overhead_ms + fill_ms
+    device_ms = (m.params - offloaded) * m.device_ns_per_param * 1e-6
+    if mode == "step":
+        step = m.fwd_bwd_ms + device_ms + cpu_ms
+    elif mode == "backward":
+        step = m.fwd_bwd_ms + device_ms + max(0.0, cpu_ms - m.fwd_bwd_ms)
+    else:
+        step = max(m.fwd_bwd_ms + device_ms, cpu_ms)
+    gpu = m.params * (m.weight_bytes + m.grad_bytes) + (m.params - offloaded) * m.state_bytes
+    gpu += m.activation_bytes + (4 * m.bucket_nbytes if offloaded else 0)
+    if mode == "delayed":
+        gpu += offloaded * m.weight_bytes  # the landing buffers of the next weights
+    host = offloaded * m.state_bytes + (2 * m.bucket_nbytes if offloaded else 0)
+    return Prediction(fraction, mode, step, cpu_ms, int(gpu), int(host))
+
+
+def _grid(step: float) -> list[float]:
+    n = round(1 / step)
+    return [k / n for k in range(n + 1)]
+
+
+def smallest_fitting(m: Measurements, gpu_budget: int, mode: str = "step",
+                     host_budget: int | None = None, step: float = 0.01) -> Prediction:  # fmt: skip
+    """The smallest fraction (on a grid of ``step``) whose GPU bytes fit ``gpu_budget``; with
+    ``host_budget``, its host bytes must fit too. Step time grows with the fraction, so this
+    is also the fastest placement that fits.
+
+    Raises:
+        ValueError: no fraction fits; the message gives both memories' figures at fraction 1
+            (GPU) or at the fraction the GPU needs (host).
+    """
+    for f in _grid(step):
+        p = predict(m, f, mode)
+        if p.gpu_bytes <= gpu_budget:
+            if host_budget is not None and p.host_bytes > host_budget:
+                raise ValueError(
+                    f"fraction {f:g} fits the GPU budget {format_bytes(gpu_budget)} but needs "
+                    f"{format_bytes(p.host_bytes)} of host memory, more than "
+                    f"{format_bytes(host_budget)}"
+                )
+            return p
+    full = predict(m, 1.0, mode)
+    raise ValueError(
+        f"no offload fraction fits the GPU budget {format_bytes(gpu_budget)}: even fraction 1 "
+        f"needs {format_bytes(full.gpu_bytes)} (weights and grads "
+        f"{format_bytes(m.params * (m.weight_bytes + m.grad_bytes))}, activations "
+        f"{format_bytes(m.activation_bytes)}, staging {format_bytes(4 * m.bucket_nbytes)})"
+    )
+
+
+def largest_hidden(m: Measurements, tolerance: float = 0.05, mode: str = "backward",
+                   step: float = 0.01) -> Prediction:  # fmt: skip
+    """The largest fraction whose predicted step stays within ``1 + tolerance`` of fraction
+    0's (the CPU work still hides behind the GPU's).
+
+    Raises:
+        ValueError: a negative tolerance.
+    """
+    if not tolerance >= 0:
+        raise ValueError(f"Invalid tolerance: {tolerance!r} (expected >= 0)")
+    limit = predict(m, 0.0, mode).step_ms * (1 + tolerance)
+    best = predict(m, 0.0, mode)
+    for f in _grid(step):
+        p = predict(m, f, mode)
+        if p.step_ms <= limit:
+            best = p
+    return best
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Bytes from a number or a string: ``"120GB"`` is 120e9 bytes, ``"112GiB"`` 112 x 2**30,
+    ``"1.5 TB"``, ``"512MiB"``, ``"8e9"``.
+
+    Raises:
+        ValueError: anything else, or a size that is not positive (the value is named).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"Invalid size: {value!r} (expected bytes, or a string like '120GB')")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"Invalid size: {value!r} (expected bytes, or a number with one of "
+                "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, like '120GB' or '112GiB')"
+            )
+        number, unit = float(match.group(1)), match.group(2).lower()
+    else:
+        raise ValueError(f"Invalid size: {value!r} (expected bytes, or a string like '120GB')")
+    nbytes = number * _UNITS[unit]
+    if not (nbytes > 0 and math.isfinite(nbytes)):
+        raise ValueError(f"Invalid size: {value!r} (expected a positive size)")
+    return int(nbytes)
+
+
+def format_bytes(nbytes: float) -> str:
+    """``"120.00 GB (111.76 GiB)"``: both units, as the messages show them."""
+    return f"{nbytes / 1e9:.2f} GB ({nbytes / 2**30:.2f} GiB)"
