@@ -169,12 +169,13 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
 
-def parse_bytes(value: int | float | str) -> int:
+def parse_bytes(value: int | float | str, allow_zero: bool = False) -> int:
     """Bytes from a number or a string: ``"120GB"`` is 120e9 bytes, ``"112GiB"`` 112 x 2**30,
     ``"1.5 TB"``, ``"512MiB"``, ``"8e9"``.
 
     Raises:
-        ValueError: anything else, or a size that is not positive (the value is named).
+        ValueError: anything else, or a size that is not positive (zero passes with
+            ``allow_zero``); the value is named.
     """
     if isinstance(value, bool):
         raise ValueError(f"Invalid size: {value!r} (expected bytes, or a string like '120GB')")
@@ -191,11 +192,15 @@ def parse_bytes(value: int | float | str) -> int:
     else:
         raise ValueError(f"Invalid size: {value!r} (expected bytes, or a string like '120GB')")
     nbytes = number * _UNITS[unit]
-    if not (nbytes > 0 and math.isfinite(nbytes)):
+    if not ((nbytes > 0 or (allow_zero and nbytes == 0)) and math.isfinite(nbytes)):
         raise ValueError(f"Invalid size: {value!r} (expected a positive size)")
     return int(nbytes)
 
 
 def format_bytes(nbytes: float) -> str:
-    """``"120.00 GB (111.76 GiB)"``: both units, as the messages show them."""
-    return f"{nbytes / 1e9:.2f} GB ({nbytes / 2**30:.2f} GiB)"
+    """``"120.00 GB (111.76 GiB)"``: both units, as the messages show them (MB/MiB or KB/KiB
+    below a GB or an MB)."""
+    for decimal, binary, unit in ((1e12, 2**40, "T"), (1e9, 2**30, "G"), (1e6, 2**20, "M")):
+        if abs(nbytes) >= decimal:
+            return f"{nbytes / decimal:.2f} {unit}B ({nbytes / binary:.2f} {unit}iB)"
+    return f"{nbytes / 1e3:.2f} KB ({nbytes / 2**10:.2f} KiB)"

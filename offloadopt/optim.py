@@ -74,6 +74,9 @@ class HybridOptimizer(Stepping, Optimizer):
         grads_final: bool = False,
         release_grads: bool = False,
         ddp: Any = None,
+        max_gpu_memory: int | str | None = None,
+        max_host_memory: int | str | None = None,
+        activation_bytes: int | str | None = None,
         placement_policy: str = "state-bytes",
     ):
         if placement_policy not in ("state-bytes", "megatron"):
@@ -91,6 +94,15 @@ class HybridOptimizer(Stepping, Optimizer):
             ddp=ddp,
         )  # fmt: skip
         params = validate_params_arg(params)
+        budget = _sizes(max_gpu_memory=max_gpu_memory, max_host_memory=max_host_memory,
+                        activation_bytes=activation_bytes)  # fmt: skip
+        if budget["max_gpu_memory"] is not None and offload_fraction != 1.0:
+            raise ValueError(
+                f"offload_fraction={offload_fraction!r} with max_gpu_memory={max_gpu_memory!r}: "
+                "give one (the budget chooses the fraction)"
+            )
+        self._budget = budget  # max_gpu_memory: the fraction is chosen at the first step()
+        self.placement_choice: dict[str, Any] | None = None  # what the budget chose, and why
         self.offload_fraction = float(offload_fraction)
         self.min_offload_numel = min_offload_numel
         self.master_weights = master_weights
@@ -207,7 +219,8 @@ class HybridOptimizer(Stepping, Optimizer):
         """Place these groups now, or, while any param of them (or of a group still waiting) is
         on the meta device, when :meth:`ensure_placed` finds them materialized."""
         params = (p for gi in group_indices for p in self.param_groups[gi]["params"])
-        if self._unplaced or any(p.is_meta for p in params):
+        choosing = self._budget["max_gpu_memory"] is not None and self.placement_choice is None
+        if self._unplaced or choosing or any(p.is_meta for p in params):
             self._unplaced.extend(group_indices)
         else:
             self._place(group_indices)
@@ -238,12 +251,104 @@ class HybridOptimizer(Stepping, Optimizer):
                         "set_swap_module_params_on_conversion(True) before model.to_empty(); "
                         "without it to_empty() makes new params this optimizer does not hold)"
                     )
+        if self._budget["max_gpu_memory"] is not None and self.placement_choice is None:
+            self._choose_fraction(self._unplaced)  # raises with the figures; nothing is built
         pending, self._unplaced = self._unplaced, []
         try:
             self._place(pending)
         except BaseException:
             self._unplaced = pending
             raise
+
+    def _choose_fraction(self, group_indices: list[int]) -> None:
+        """max_gpu_memory: the smallest fraction (0.01 steps) whose GPU bytes fit the budget:
+        what the device holds now (its peak since the last reset, on CUDA: weights, grads and
+        what forward and backward needed; on the CPU, or with ``activation_bytes``, weights and
+        grads counted plus that figure), plus the device-resident state of the placement,
+        4 x ``bucket_nbytes`` of staging and, delayed, the landing buffers. Its host bytes
+        must fit ``max_host_memory`` (default: the host's ``MemAvailable``).
+
+        Raises:
+            ValueError: no fraction fits, or the host lacks the memory (both with figures).
+        """
+        from offloadopt.costmodel import format_bytes
+
+        infos = self._infos(group_indices)
+        tensors = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
+        devices = {local(p).device for p in tensors}
+        given = self._budget["activation_bytes"]
+        counted = sum(local(p).nbytes * (2 if p.requires_grad else 1) for p in tensors)
+        cuda = [d for d in devices if d.type == "cuda"]
+        if given is None and cuda:
+            measured = sum(torch.cuda.max_memory_allocated(d) for d in cuda)
+            how = "the device's peak so far (weights, grads, forward and backward)"
+            if not any(p.grad is not None for p in tensors):
+                self._warn_once("budget-before-backward",
+                                "max_gpu_memory: placing before any backward ran, so the "
+                                "activations are not in the measured peak; pass "
+                                "activation_bytes= or call step() first")  # fmt: skip
+        else:
+            measured = counted + (given or 0)
+            how = f"weights and grads {format_bytes(counted)} + activations {format_bytes(given or 0)}"
+        budget = self._budget["max_gpu_memory"]
+        staging = 4 * self.bucket_nbytes
+        chosen = None
+        for k in range(101):
+            f = k / 100
+            pls = place(
+                infos, f, self.min_offload_numel, self.master_weights, self.placement_policy
+            )
+            host_state = sum(pl.state_nbytes for pl in pls if pl.offloaded)
+            device_state = sum(
+                pl.state_nbytes for pl in pls if not pl.offloaded and pl.reason != "frozen"
+            )
+            landing = sum(i.numel * i.dtype.itemsize for i, pl in zip(infos, pls, strict=True)
+                          if pl.offloaded) if self.overlap == "delayed" else 0  # fmt: skip
+            need = measured + device_state + (staging + landing if host_state else 0)
+            if need <= budget:
+                chosen = (f, need, host_state + (2 * self.bucket_nbytes if host_state else 0))
+                break
+        if chosen is None:
+            raise ValueError(
+                f"max_gpu_memory={format_bytes(budget)} cannot be met: at offload fraction 1 the "
+                f"device needs {format_bytes(need)} ({how}: {format_bytes(measured)}; staging "
+                f"{format_bytes(staging)}; state left on the device {format_bytes(device_state)})"
+            )
+        f, need, host = chosen
+        available = self._budget["max_host_memory"] or _mem_available()
+        if available is not None and host > available:
+            raise ValueError(
+                f"max_gpu_memory={format_bytes(budget)} needs offload fraction {f:g}, whose host "
+                f"state is {format_bytes(host)}; the host has {format_bytes(available)} "
+                f"{'(max_host_memory)' if self._budget['max_host_memory'] else 'available (MemAvailable)'}"
+            )
+        self.offload_fraction = f
+        self.placement_choice = {
+            "fraction": f, "max_gpu_memory": budget, "measured_bytes": measured,
+            "measured": how, "predicted_gpu_bytes": need, "host_bytes": host,
+            "host_available_bytes": available,
+        }  # fmt: skip
+        log.info(
+            "offloadopt: max_gpu_memory %s: offload fraction %g, the smallest that fits (%s "
+            "on the device; %s measured as %s; %s on the host)", format_bytes(budget), f,
+            format_bytes(need), format_bytes(measured), how, format_bytes(host),
+        )  # fmt: skip
+
+    def _infos(self, group_indices: list[int]) -> list[ParamInfo]:
+        """The placement policy's view of these groups' params."""
+        start = sum(len(g["params"]) for g in self.param_groups[: group_indices[0]])
+        infos = []
+        for gi in group_indices:
+            g = self.param_groups[gi]
+            keys = self.rule.state_keys_for(g)
+            for i, p in enumerate(g["params"]):
+                mine = local(p)  # an FSDP2 param: this rank's shard is what it places
+                infos.append(
+                    ParamInfo(start + len(infos), self._name(g, gi, i), gi, tuple(mine.shape),
+                              p.dtype, p.requires_grad, g["offload"], mine.is_contiguous(),
+                              len(keys), tuple(p.shape) if mine is not p else None)
+                )  # fmt: skip
+        return infos
 
     def _name(self, group: dict[str, Any], gi: int, i: int) -> str:
         """The name of param ``i`` of group ``gi``: its record's, else from ``param_names``."""
@@ -259,18 +364,9 @@ class HybridOptimizer(Stepping, Optimizer):
         check_setup([(self._name(self.param_groups[gi], gi, i), p) for gi in group_indices
                      for i, p in enumerate(self.param_groups[gi]["params"])],
                     self.overlap, ddp=self._ddp is not None)  # fmt: skip
-        infos, tensors, keys = [], [], {}
-        for gi in group_indices:
-            g = self.param_groups[gi]
-            keys[gi] = self.rule.state_keys_for(g)
-            for i, p in enumerate(g["params"]):
-                mine = local(p)  # an FSDP2 param: this rank's shard is what it places
-                infos.append(
-                    ParamInfo(start + len(infos), self._name(g, gi, i), gi, tuple(mine.shape),
-                              p.dtype, p.requires_grad, g["offload"], mine.is_contiguous(),
-                              len(keys[gi]), tuple(p.shape) if mine is not p else None)
-                )  # fmt: skip
-                tensors.append(p)
+        keys = {gi: self.rule.state_keys_for(self.param_groups[gi]) for gi in group_indices}
+        infos = self._infos(group_indices)
+        tensors = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
         placements = place(infos, self.offload_fraction, self.min_offload_numel,
                            self.master_weights, self.placement_policy)  # fmt: skip
         order = [(tensors[k], pl.name, pl.group, update_dtype(pl.dtype, self.master_weights))
@@ -742,6 +838,14 @@ class HybridAdamW(HybridOptimizer):
             announcement) starts each offloaded bucket once DDP's all-reduce of its grads is
             done, never before; DDP's ``no_sync()`` marks accumulation micro-steps. Under DDP
             without it, ``overlap="backward"`` is refused (a grad hook sees the un-reduced grad).
+        max_gpu_memory: a GPU budget in bytes, or a string (``"120GB"`` = 120e9 bytes,
+            ``"112GiB"`` = 112 x 2**30): placement waits for the first ``step()`` (so forward
+            and backward are measured, before any optimizer state is allocated) and takes the
+            smallest fraction whose device bytes fit (``opt.placement_choice`` says what and
+            why; logger ``offloadopt``). Leave ``offload_fraction`` at its default.
+        max_host_memory: the host bytes the chosen fraction may use (default ``MemAvailable``).
+        activation_bytes: what forward and backward need on the device, if not measured (the
+            CPU, or a placement before the first backward).
 
     Raises:
         ValueError, TypeError: a bad argument, named in the message, before anything is built.
@@ -785,6 +889,9 @@ class HybridAdamW(HybridOptimizer):
         grads_final: bool = False,
         release_grads: bool = False,
         ddp: Any = None,
+        max_gpu_memory: int | str | None = None,
+        max_host_memory: int | str | None = None,
+        activation_bytes: int | str | None = None,
     ):
         super().__init__(
             params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize),
@@ -793,5 +900,36 @@ class HybridAdamW(HybridOptimizer):
             master_weights=master_weights, pin_memory=pin_memory, bucket_nbytes=bucket_nbytes,
             flush_denormal=flush_denormal, cpu_threads=cpu_threads, timeout_s=timeout_s,
             overlap=overlap, wait=wait, max_grad_norm=max_grad_norm, grads_final=grads_final,
-            release_grads=release_grads, ddp=ddp,
+            release_grads=release_grads, ddp=ddp, max_gpu_memory=max_gpu_memory,
+            max_host_memory=max_host_memory, activation_bytes=activation_bytes,
         )  # fmt: skip
+
+
+def _sizes(**named: int | str | None) -> dict[str, int | None]:
+    """Byte sizes from ints or strings like "120GB" (None stays None).
+
+    Raises:
+        ValueError: a bad size, named by its argument.
+    """
+    from offloadopt.costmodel import parse_bytes
+
+    out = {}
+    for name, value in named.items():
+        try:
+            zero = name == "activation_bytes"  # a model may need none beyond its weights
+            out[name] = None if value is None else parse_bytes(value, allow_zero=zero)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    return out
+
+
+def _mem_available() -> int | None:
+    """The host's MemAvailable in bytes (/proc/meminfo), or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB in the file, meaning KiB
+    except OSError:
+        pass
+    return None

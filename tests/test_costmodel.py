@@ -89,6 +89,7 @@ def test_bad_sizes_are_named(bad):
 
 def test_format_bytes_shows_both_units():
     assert format_bytes(120e9) == "120.00 GB (111.76 GiB)"
+    assert format_bytes(5e6) == "5.00 MB (4.77 MiB)" and format_bytes(512) == "0.51 KB (0.50 KiB)"
 
 
 def _rows(name):

@@ -1,0 +1,116 @@
+"""max_gpu_memory=: the fraction is chosen at the first step() from the budget, before any
+optimizer state exists, and the run is then exactly the run at that fraction."""
+
+import copy
+
+import pytest
+import torch
+
+from offloadopt import HybridAdamW
+from offloadopt.harness.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=128, block_size=32)
+BUCKET = 2**14  # 16 KiB buckets: 64 KiB of staging "on the device", small beside the state
+
+
+def model():
+    torch.manual_seed(0)
+    return GPT(CFG)
+
+
+def train(m, opt, steps=3):
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        seq = torch.randint(0, CFG.vocab_size, (4, CFG.block_size + 1), generator=g)
+        m(seq[:, :-1], seq[:, 1:])[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def budget_for(m, share_on_device):
+    """Weights and grads (fp32: 8 bytes per param), staging, and the given share of the
+    8 bytes of state per param left on the device."""
+    n = sum(p.numel() for p in m.parameters())
+    return int(8 * n + 4 * BUCKET + share_on_device * 8 * n)
+
+
+def test_the_budget_chooses_the_smallest_fraction_that_fits_at_the_first_step():
+    m = model()
+    budget = budget_for(m, 0.5)
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=BUCKET,
+                      max_gpu_memory=budget, activation_bytes=0)  # fmt: skip
+    assert opt.placement == [] and opt.arenas == [] and opt.placement_choice is None
+    assert "placement pending" in opt.placement_table()
+    first = train(m, opt, steps=1)
+    choice = opt.placement_choice
+    assert 0.45 <= choice["fraction"] <= 0.55 and choice["predicted_gpu_bytes"] <= budget
+    assert opt.offload_fraction == choice["fraction"]
+    # The prediction is the placement made: what the device held, its state left there, staging.
+    device_state = sum(p.state_nbytes for p in opt.placement if not p.offloaded)
+    assert choice["predicted_gpu_bytes"] == choice["measured_bytes"] + device_state + 4 * BUCKET
+    assert (
+        choice["host_bytes"]
+        == sum(p.state_nbytes for p in opt.placement if p.offloaded) + 2 * BUCKET
+    )
+    # One step less offload would not fit (a fraction is of state bytes; params go whole).
+    smaller = HybridAdamW(model().parameters(), min_offload_numel=1, bucket_nbytes=BUCKET,
+                          offload_fraction=choice["fraction"] - 0.01)  # fmt: skip
+    kept = sum(p.state_nbytes for p in smaller.placement if not p.offloaded)
+    assert choice["measured_bytes"] + kept + 4 * BUCKET > budget
+    # The same run as that fraction given from the start: the wait changes nothing.
+    m2 = model()
+    opt2 = HybridAdamW(m2.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=BUCKET,
+                       offload_fraction=choice["fraction"])  # fmt: skip
+    again = train(m2, opt2, 1)
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    later, again = train(m, opt, steps=2), train(m2, opt2, 2)
+    assert all(torch.equal(later[k], again[k]) for k in later)
+
+
+def test_a_budget_that_cannot_be_met_raises_with_figures_and_changes_nothing():
+    m = model()
+    before = copy.deepcopy(m.state_dict())
+    opt = HybridAdamW(m.parameters(), lr=1e-2, bucket_nbytes=BUCKET, max_gpu_memory="100KB",
+                      activation_bytes="1MB")  # fmt: skip
+    seq = torch.randint(0, CFG.vocab_size, (4, CFG.block_size + 1))
+    m(seq[:, :-1], seq[:, 1:])[1].backward()
+    with pytest.raises(
+        ValueError,
+        match=r"max_gpu_memory=100.00 KB \(97.66 KiB\) cannot be met: at offload fraction 1",
+    ):
+        opt.step()
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert opt.arenas == [] and not opt.state
+
+
+def test_a_host_without_the_memory_is_refused_before_anything_is_allocated():
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=BUCKET,
+                      max_gpu_memory=budget_for(m, 0.2), activation_bytes=0,
+                      max_host_memory="1KB")  # fmt: skip
+    seq = torch.randint(0, CFG.vocab_size, (4, CFG.block_size + 1))
+    m(seq[:, :-1], seq[:, 1:])[1].backward()
+    with pytest.raises(ValueError, match=r"whose host state is .*\(max_host_memory\)"):
+        opt.step()
+    assert opt.arenas == []
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_gpu_memory="lots"), "max_gpu_memory: Invalid size: 'lots'"),
+    (dict(max_gpu_memory="1GB", offload_fraction=0.3), "give one"),
+    (dict(max_gpu_memory="1GB", max_host_memory=-1), "max_host_memory: Invalid size: -1"),
+    (dict(max_gpu_memory="1GB", activation_bytes="2 furlongs"), "activation_bytes: Invalid size"),
+])  # fmt: skip
+def test_bad_budgets_are_named_before_anything_is_built(kw, match):
+    with pytest.raises(ValueError, match=match):
+        HybridAdamW(model().parameters(), **kw)
+
+
+def test_sizes_in_gb_and_gib_reach_the_choice():
+    m = model()
+    opt = HybridAdamW(m.parameters(), max_gpu_memory="1GiB", activation_bytes="0.5GB",
+                      bucket_nbytes=BUCKET)  # fmt: skip
+    train(m, opt, steps=1)
+    assert opt.placement_choice["max_gpu_memory"] == 2**30
+    assert opt.placement_choice["fraction"] == 0.0  # it all fits: nothing offloaded
