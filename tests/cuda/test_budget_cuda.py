@@ -1,0 +1,51 @@
+"""max_gpu_memory on the GPU: the fraction chosen from the measured peak keeps the training
+peak within the budget. Run on the GPU host."""
+
+import torch
+
+from offloadopt import HybridAdamW
+from offloadopt.harness.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(n_layer=4, n_head=4, n_embd=512, vocab_size=1024, block_size=256)
+BUCKET = 2**22
+
+
+def step(m, opt, seed):
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, CFG.vocab_size, (8, CFG.block_size + 1), generator=g).cuda()
+    m(seq[:, :-1], seq[:, 1:])[1].backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_the_chosen_fraction_keeps_the_peak_within_the_budget():
+    torch.manual_seed(0)
+    m = GPT(CFG).cuda().bfloat16()
+    n = sum(p.numel() for p in m.parameters())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    # what forward and backward need at fraction 1, and half the 12 bytes of state per param
+    probe = HybridAdamW(m.parameters(), offload_fraction=1.0, bucket_nbytes=BUCKET)
+    step(m, probe, 0)
+    probe.close()
+    m.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.max_memory_allocated()
+    budget = base + 6 * n
+    torch.cuda.reset_peak_memory_stats()
+    opt = HybridAdamW(m.parameters(), max_gpu_memory=budget, bucket_nbytes=BUCKET)
+    step(m, opt, 1)  # the first step chooses, from this backward's measured peak
+    choice = opt.placement_choice
+    assert 0.2 < choice["fraction"] < 0.9, choice
+    torch.cuda.reset_peak_memory_stats()
+    for seed in (2, 3):
+        step(m, opt, seed)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    print(
+        f"budget {budget / 1e6:.1f} MB, chosen fraction {choice['fraction']}, "
+        f"predicted {choice['predicted_gpu_bytes'] / 1e6:.1f} MB, peak {peak / 1e6:.1f} MB"
+    )
+    # the update's fp32 temporaries (one chunk of bucket_nbytes) are not in the prediction
+    assert peak <= budget + BUCKET
+    opt.close()
