@@ -210,3 +210,27 @@ def test_cli_errors_are_one_line_not_tracebacks(capsys):
     assert main(["train", "--data", "/nonexistent/file.txt", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert err == "offloadopt: error: --data: '/nonexistent/file.txt': no such file\n"
+
+
+def test_main_job_takes_a_gpu_budget_and_reports_the_choice(capsys):
+    from offloadopt.harness.train import TrainConfig, train
+
+    summary = train(TrainConfig(steps=2, eval_every=2, eval_batches=1, progress=False,
+                                max_gpu_memory=20 * 10**6))  # fmt: skip
+    # 20 MB holds the tiny model's weights, grads and state: nothing needs to move
+    assert summary["offload_fraction"] == 0.0
+    assert summary["placement_choice"]["max_gpu_memory"] == 20 * 10**6
+    assert "max_gpu_memory 20,000,000 bytes" in capsys.readouterr().out
+
+
+def test_main_job_says_why_a_gpu_budget_cannot_be_met():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "offloadopt", "train", "--max-gpu-memory", "8MB",
+                        "--steps", "1", "--no-progress"], capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 1 and "cannot be met: at offload fraction 1" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "offloadopt", "train", "--max-gpu-memory", "lots"],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "--max-gpu-memory: Invalid size: 'lots'" in r.stderr

@@ -106,6 +106,16 @@ def fraction(value: Any) -> float:
     return _float(value, "in [0, 1]", lambda x: 0.0 <= x <= 1.0)
 
 
+def size(value: Any) -> int:
+    """A byte size: a number of bytes, or a string like ``120GB`` or ``112GiB``."""
+    from offloadopt.costmodel import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def nonneg_float(value: Any) -> float:
     """A finite number >= 0: learning rate, weight decay, grad-clip norm (0 turns it off)."""
     return _float(value, "a finite number >= 0", lambda x: 0.0 <= x < math.inf)

@@ -72,6 +72,7 @@ class TrainConfig:
     log_every: int = 25  # one log line every this many steps (and at the first and last step)
     progress: bool = True  # tqdm progress bar on stderr
     parallel: str = "none"  # "fsdp" (FSDP2) or "ddp" under torchrun; "none": one process
+    max_gpu_memory: int | None = None  # HybridAdamW: a GPU budget (bytes); it picks the fraction
 
     def resolved(self) -> TrainConfig:
         """A checked copy with every None default filled in.
@@ -125,6 +126,7 @@ class TrainConfig:
 FIELD_CHECKS = {
     "device": checks.device,
     "offload_fraction": checks.fraction,
+    "max_gpu_memory": checks.size,
     "min_offload_numel": checks.nonneg_int,
     "steps": checks.positive_int,
     "batch_size": checks.positive_int,
@@ -170,9 +172,11 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
     if cfg.optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), fused=True, **kwargs)
     else:
+        chosen = {"max_gpu_memory": cfg.max_gpu_memory} if cfg.max_gpu_memory else {}
         opt = HybridAdamW(
             model.named_parameters(),
-            offload_fraction=cfg.offload_fraction,
+            offload_fraction=1.0 if chosen else cfg.offload_fraction,
+            **chosen,
             min_offload_numel=cfg.min_offload_numel,
             overlap=cfg.overlap,
             **kwargs,
@@ -267,7 +271,17 @@ def train(cfg: TrainConfig) -> dict:
     say(
         f"model: {cfg.preset}, {n_params / 1e6:.2f}M params, {cfg.dtype} on {on} | "
         f"optimizer: {cfg.optimizer}"
-        + (f" (offload_fraction {cfg.offload_fraction})" if cfg.optimizer == "hybrid" else "")
+        + (
+            f" (offload_fraction {cfg.offload_fraction})"
+            if cfg.optimizer == "hybrid" and not cfg.max_gpu_memory
+            else ""
+        )
+        + (
+            f" (max_gpu_memory {cfg.max_gpu_memory:,} bytes: the fraction is chosen at the first "
+            "step)"
+            if cfg.optimizer == "hybrid" and cfg.max_gpu_memory
+            else ""
+        )
         + f" | batch {cfg.batch_size} x {cfg.seq_len} = {tokens_per_step:,} tokens/step"
         + (" per rank" if ranks.initialized else "")
         + f" | {cfg.steps} steps, lr {cfg.lr:g}"
@@ -335,7 +349,9 @@ def train(cfg: TrainConfig) -> dict:
         "device": str(device),
         "dtype": cfg.dtype,
         "optimizer": cfg.optimizer,
-        "offload_fraction": cfg.offload_fraction if cfg.optimizer == "hybrid" else 0.0,
+        # the fraction placed (with --max-gpu-memory: the one the budget chose)
+        "offload_fraction": opt.offload_fraction if cfg.optimizer == "hybrid" else 0.0,
+        "placement_choice": getattr(opt, "placement_choice", None),
         "overlap": cfg.overlap if cfg.optimizer == "hybrid" else "step",
         "steps": cfg.steps,
         "batch_size": cfg.batch_size,
@@ -398,6 +414,7 @@ HELP = {
     "optimizer": "hybrid: HybridAdamW; adamw: torch.optim.AdamW(fused=True) (default: %(default)s)",
     "offload_fraction": "HybridAdamW: share of optimizer-state bytes on the host, 0..1 (default: %(default)s)",
     "min_offload_numel": "HybridAdamW: params with fewer elements stay on the device (default: %(default)s)",
+    "max_gpu_memory": "HybridAdamW: a GPU budget, bytes or 120GB / 112GiB; it picks the smallest fraction that fits, at the first step (overrides --offload-fraction)",
     "overlap": "HybridAdamW: step, or delayed: the update runs during the next forward and backward, which read weights one step old (default: %(default)s)",
     "steps": "optimizer steps (default: %(default)s)",
     "batch_size": "sequences per step (default: per preset, 16 for tiny)",
