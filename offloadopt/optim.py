@@ -129,6 +129,7 @@ class HybridOptimizer(Stepping, Optimizer):
         self._grad_hooks: list[GradHooks] = []
         self._closed = False
         self._module_waits: list = []
+        self._watched: list = []  # weak references to the models given to watch()
         self._ddp = ddp  # the DDP model whose all-reduced buckets announce grads (hooks.DDPGrads)
         self._ddp_hook = None
         self._reductions: list = []  # ddp=: this backward's all-reduce futures
@@ -333,6 +334,65 @@ class HybridOptimizer(Stepping, Optimizer):
             "on the device; %s measured as %s; %s on the host)", format_bytes(budget), f,
             format_bytes(need), format_bytes(measured), how, format_bytes(host),
         )  # fmt: skip
+
+    @torch.no_grad()
+    def set_offload_fraction(self, fraction: float) -> None:
+        """Place every param again at ``fraction``, between steps, moving state between the
+        device and the host; nothing is lost and no result changes (the state is copied out
+        as ``state_dict()`` would, the new buffers are allocated, and it is copied in;
+        tests/test_budget.py checks a run that switches against one that does not, bitwise).
+        Models given to :meth:`watch` are watched again. The old host buffers are freed after
+        the new ones exist, so for a moment both are held.
+
+        Raises:
+            ValueError: ``fraction`` outside [0, 1].
+            RuntimeError: a step in flight from backward, a failed step, or a closed optimizer.
+            PinnedAllocationError: the new buffers could not be had (the old placement stays).
+        """
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, (int, float))
+            or not 0 <= fraction <= 1
+        ):
+            raise ValueError(
+                f"Invalid offload_fraction: {fraction!r} (expected a number in [0, 1])"
+            )
+        self.ensure_placed()
+        self.synchronize()
+        self._raise_if_broken()
+        self._check_worker([])
+        with self._lock:
+            if self._step is not None:
+                raise RuntimeError(
+                    "set_offload_fraction() between steps only: a backward already announced "
+                    "grads (call it after step())"
+                )
+            saved = checkpoint.pack(Optimizer.state_dict(self), on_device=False)["state"]
+            old = (self.placement, self.arenas, self.buckets, self._records, self.state,
+                   self._grad_hooks, self._module_waits, self.offload_fraction)  # fmt: skip
+            self.placement, self.arenas, self.buckets, self._records = [], [], [], {}
+            self._grad_hooks, self._module_waits = [], []
+            self.state = OptimizerState(self)
+            self.offload_fraction = float(fraction)
+            try:
+                self._place(list(range(len(self.param_groups))))
+            except BaseException:
+                (self.placement, self.arenas, self.buckets, self._records, self.state,
+                 self._grad_hooks, self._module_waits, self.offload_fraction) = old  # fmt: skip
+                raise
+            for hooks in (*old[5], *old[6]):
+                hooks.remove()  # the old placement's grad hooks and module waits
+            for arena in old[1]:
+                arena.release()  # unpinned now
+            params = [p for g in self.param_groups for p in g["params"]]
+            for index, entry in saved.items():
+                if isinstance(index, int) and 0 <= index < len(params) and isinstance(entry, dict):
+                    self._load_entry(params[index], self._records[params[index]], entry)
+            watched, self._watched = self._watched, []
+            for ref in watched:
+                model = ref()
+                if model is not None:
+                    self.watch(model)
 
     def _infos(self, group_indices: list[int]) -> list[ParamInfo]:
         """The placement policy's view of these groups' params."""

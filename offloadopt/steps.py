@@ -374,6 +374,7 @@ class Stepping:
         self.ensure_placed()
         offloaded = {p for p, rec in self._records.items() if rec.offloaded}
         self._module_waits.append(ModuleWaits(self, model, offloaded))
+        self._watched.append(weakref.ref(model))  # set_offload_fraction watches it again
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; with ``set_to_none=False`` the grads are zeroed in place, so this first
