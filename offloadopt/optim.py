@@ -14,18 +14,19 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from offloadopt import checkpoint
+from offloadopt import budget, checkpoint
+from offloadopt.costmodel import format_bytes
 from offloadopt.hooks import GradHooks
 from offloadopt.layout import Arena, Bucket, build_arenas
 from offloadopt.pipeline import Pipeline
 from offloadopt.placement import ParamInfo, Placement, format_placement, place, update_dtype
 from offloadopt.records import ParamRecord
 from offloadopt.rules import ADAMW, Rule
-from offloadopt.shards import check_setup, is_dtensor, local, unwrap_like, wrap_like
+from offloadopt.shards import check_setup, is_dtensor, local, local_state, wrap_like
 from offloadopt.state import OptimizerState
 from offloadopt.steps import Stepping
 from offloadopt.transfer import Transfer
-from offloadopt.validation import validate_group, validate_options, validate_params_arg
+from offloadopt.validation import check_ddp, validate_group, validate_options, validate_params_arg
 from offloadopt.warn import warn
 from offloadopt.worker import Worker, default_cpu_threads, local_ranks, usable_cores
 
@@ -94,14 +95,14 @@ class HybridOptimizer(Stepping, Optimizer):
             ddp=ddp,
         )  # fmt: skip
         params = validate_params_arg(params)
-        budget = _sizes(max_gpu_memory=max_gpu_memory, max_host_memory=max_host_memory,
-                        activation_bytes=activation_bytes)  # fmt: skip
-        if budget["max_gpu_memory"] is not None and offload_fraction != 1.0:
+        sizes = budget.sizes(max_gpu_memory=max_gpu_memory, max_host_memory=max_host_memory,
+                             activation_bytes=activation_bytes)  # fmt: skip
+        if sizes["max_gpu_memory"] is not None and offload_fraction != 1.0:
             raise ValueError(
                 f"offload_fraction={offload_fraction!r} with max_gpu_memory={max_gpu_memory!r}: "
                 "give one (the budget chooses the fraction)"
             )
-        self._budget = budget  # max_gpu_memory: the fraction is chosen at the first step()
+        self._budget = sizes  # max_gpu_memory: the fraction is chosen at the first step()
         self.placement_choice: dict[str, Any] | None = None  # what the budget chose, and why
         self.offload_fraction = float(offload_fraction)
         self.min_offload_numel = min_offload_numel
@@ -148,7 +149,7 @@ class HybridOptimizer(Stepping, Optimizer):
         super().__init__(params, defaults)
         self.state = OptimizerState(self)  # assignments copy into the buffers (state.py)
         if ddp is not None:
-            self._check_ddp(ddp)
+            check_ddp(ddp, self.param_groups, self._name)
         self._place_or_defer(list(range(len(self.param_groups))))
         if ddp is not None:
             from offloadopt.hooks import DDPGrads
@@ -165,34 +166,6 @@ class HybridOptimizer(Stepping, Optimizer):
                 ) from e
         self._ready = True
 
-    def _check_ddp(self, ddp: Any) -> None:
-        """``ddp=``'s model must hold this optimizer's trainable params (a subset is fine), and
-        the groups must not carry the constructor's options.
-
-        Raises:
-            ValueError: a param the DDP model does not hold (named); a group holding a ``ddp``
-                key (``ZeroRedundancyOptimizer`` copies the constructor's keywords into every
-                group, so each checkpoint would try to pickle the DDP model).
-        """
-        for gi, group in enumerate(self.param_groups):
-            if "ddp" in group:
-                raise ValueError(
-                    f"param group {gi} carries the ddp= option as a key: torch's "
-                    "ZeroRedundancyOptimizer copies the constructor's keywords into every group, "
-                    "and its checkpoints would pickle the DDP model; under ZeRO use "
-                    "overlap='step' or 'delayed' (ZeRO reads grads in step())"
-                )
-        held = {id(p) for p in ddp.parameters()}
-        for gi, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                if p.requires_grad and id(p) not in held:
-                    raise ValueError(
-                        f"ddp=: {self._name(group, gi, i)} is not a param of that DDP model, so "
-                        "its all-reduce would never announce the grad; pass the DDP model that "
-                        "holds these params (a subset of its params is fine)"
-                    )
-
-    # ------------------------------------------------------------------ construction
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (``torch.optim`` contract); its params are placed by the same rule,
         with the fraction applied to the new group's eligible state bytes.
@@ -262,24 +235,15 @@ class HybridOptimizer(Stepping, Optimizer):
             raise
 
     def _choose_fraction(self, group_indices: list[int]) -> None:
-        """max_gpu_memory: the smallest fraction (0.01 steps) whose GPU bytes fit the budget:
-        what the device holds now (its peak since the last reset, on CUDA: weights, grads and
-        what forward and backward needed; on the CPU, or with ``activation_bytes``, weights and
-        grads counted plus that figure), plus the device-resident state of the placement,
-        4 x ``bucket_nbytes`` of staging and, delayed, the landing buffers. Its host bytes
-        must fit ``max_host_memory`` (default: the host's ``MemAvailable``).
+        """max_gpu_memory: measure what the device holds, then let :func:`budget.choose`
+        take the smallest fraction that fits (see there).
 
         Raises:
             ValueError: no fraction fits, or the host lacks the memory (both with figures).
         """
-        from offloadopt.costmodel import format_bytes
-
-        infos = self._infos(group_indices)
         tensors = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
-        devices = {local(p).device for p in tensors}
+        cuda = {local(p).device for p in tensors if local(p).device.type == "cuda"}
         given = self._budget["activation_bytes"]
-        counted = sum(local(p).nbytes * (2 if p.requires_grad else 1) for p in tensors)
-        cuda = [d for d in devices if d.type == "cuda"]
         if given is None and cuda:
             measured = sum(torch.cuda.max_memory_allocated(d) for d in cuda)
             how = "the device's peak so far (weights, grads, forward and backward)"
@@ -289,51 +253,17 @@ class HybridOptimizer(Stepping, Optimizer):
                                 "activations are not in the measured peak; pass "
                                 "activation_bytes= or call step() first")  # fmt: skip
         else:
+            counted = sum(local(p).nbytes * (2 if p.requires_grad else 1) for p in tensors)
             measured = counted + (given or 0)
-            how = f"weights and grads {format_bytes(counted)} + activations {format_bytes(given or 0)}"
-        budget = self._budget["max_gpu_memory"]
-        staging = 4 * self.bucket_nbytes
-        chosen = None
-        for k in range(101):
-            f = k / 100
-            pls = place(
-                infos, f, self.min_offload_numel, self.master_weights, self.placement_policy
-            )
-            host_state = sum(pl.state_nbytes for pl in pls if pl.offloaded)
-            device_state = sum(
-                pl.state_nbytes for pl in pls if not pl.offloaded and pl.reason != "frozen"
-            )
-            landing = sum(i.numel * i.dtype.itemsize for i, pl in zip(infos, pls, strict=True)
-                          if pl.offloaded) if self.overlap == "delayed" else 0  # fmt: skip
-            need = measured + device_state + (staging + landing if host_state else 0)
-            if need <= budget:
-                chosen = (f, need, host_state + (2 * self.bucket_nbytes if host_state else 0))
-                break
-        if chosen is None:
-            raise ValueError(
-                f"max_gpu_memory={format_bytes(budget)} cannot be met: at offload fraction 1 the "
-                f"device needs {format_bytes(need)} ({how}: {format_bytes(measured)}; staging "
-                f"{format_bytes(staging)}; state left on the device {format_bytes(device_state)})"
-            )
-        f, need, host = chosen
-        available = self._budget["max_host_memory"] or _mem_available()
-        if available is not None and host > available:
-            raise ValueError(
-                f"max_gpu_memory={format_bytes(budget)} needs offload fraction {f:g}, whose host "
-                f"state is {format_bytes(host)}; the host has {format_bytes(available)} "
-                f"{'(max_host_memory)' if self._budget['max_host_memory'] else 'available (MemAvailable)'}"
-            )
-        self.offload_fraction = f
-        self.placement_choice = {
-            "fraction": f, "max_gpu_memory": budget, "measured_bytes": measured,
-            "measured": how, "predicted_gpu_bytes": need, "host_bytes": host,
-            "host_available_bytes": available,
-        }  # fmt: skip
-        log.info(
-            "offloadopt: max_gpu_memory %s: offload fraction %g, the smallest that fits (%s "
-            "on the device; %s measured as %s; %s on the host)", format_bytes(budget), f,
-            format_bytes(need), format_bytes(measured), how, format_bytes(host),
+            how = (f"weights and grads {format_bytes(counted)} + activations "
+                   f"{format_bytes(given or 0)}")  # fmt: skip
+        self.placement_choice = budget.choose(
+            self._infos(group_indices), measured, how, self._budget["max_gpu_memory"],
+            self._budget["max_host_memory"], self.bucket_nbytes, self.overlap == "delayed",
+            lambda f, infos: place(infos, f, self.min_offload_numel, self.master_weights,
+                                   self.placement_policy),
         )  # fmt: skip
+        self.offload_fraction = self.placement_choice["fraction"]
 
     @torch.no_grad()
     def set_offload_fraction(self, fraction: float) -> None:
@@ -680,7 +610,7 @@ class HybridOptimizer(Stepping, Optimizer):
         groups = self.param_groups
         specs = [[(self._record(p, g, gi, i).name, tuple(local(p).shape))
                   for i, p in enumerate(g["params"])] for gi, g in enumerate(groups)]  # fmt: skip
-        sd = self._local_shards(sd)
+        sd = local_state(sd, self.param_groups, lambda p: self._records[p].name)
         saved_groups, saved_state = checkpoint.validate(sd, self.rule, specs)
         if self._step is not None and self._step.run is not None:
             self._step.run.abort()
@@ -706,37 +636,6 @@ class HybridOptimizer(Stepping, Optimizer):
                 stacklevel=2,
             )
         self._check_pinned()
-
-    def _local_shards(self, sd: Any) -> Any:
-        """``sd`` with the DTensor state of FSDP2 params replaced by this rank's shards (a
-        new dict; the caller's is left as it was).
-
-        Raises:
-            ValueError: a DTensor value sharded otherwise than its param (named).
-        """
-        state = sd.get("state") if isinstance(sd, dict) else None
-        saved = sd.get("param_groups") if isinstance(sd, dict) else None
-        if not isinstance(state, dict) or not isinstance(saved, list):
-            return sd  # checkpoint.validate says what is wrong
-        # The saved ids (ints, or FQNs from torch.distributed.checkpoint) name params by their
-        # position in the groups, as in torch's load_state_dict.
-        param_of = {}
-        for g, s in zip(self.param_groups, saved, strict=False):
-            ids = s.get("params") if isinstance(s, dict) else None
-            if isinstance(ids, list) and len(ids) == len(g["params"]):
-                param_of.update((i, p) for i, p in zip(ids, g["params"], strict=True)
-                                if isinstance(i, (int, str)))  # fmt: skip
-        if not any(is_dtensor(p) for p in param_of.values()):
-            return sd
-        out = {}
-        for index, entry in state.items():
-            p = param_of.get(index) if isinstance(index, (int, str)) else None
-            if p is None or not is_dtensor(p) or not isinstance(entry, dict):
-                out[index] = entry
-                continue
-            name = self._records[p].name
-            out[index] = {k: unwrap_like(p, v, f"state {k!r} of {name}") for k, v in entry.items()}
-        return {**sd, "state": out}
 
     def _load_entry(self, p: torch.Tensor, rec: ParamRecord, entry: dict[str, Any]) -> None:
         """Copy one validated saved entry into ``p``'s existing state."""
@@ -963,33 +862,3 @@ class HybridAdamW(HybridOptimizer):
             release_grads=release_grads, ddp=ddp, max_gpu_memory=max_gpu_memory,
             max_host_memory=max_host_memory, activation_bytes=activation_bytes,
         )  # fmt: skip
-
-
-def _sizes(**named: int | str | None) -> dict[str, int | None]:
-    """Byte sizes from ints or strings like "120GB" (None stays None).
-
-    Raises:
-        ValueError: a bad size, named by its argument.
-    """
-    from offloadopt.costmodel import parse_bytes
-
-    out = {}
-    for name, value in named.items():
-        try:
-            zero = name == "activation_bytes"  # a model may need none beyond its weights
-            out[name] = None if value is None else parse_bytes(value, allow_zero=zero)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
-    return out
-
-
-def _mem_available() -> int | None:
-    """The host's MemAvailable in bytes (/proc/meminfo), or None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB in the file, meaning KiB
-    except OSError:
-        pass
-    return None

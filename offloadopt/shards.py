@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_dtensor", "local", "wrap_like", "unwrap_like", "check_setup"]
+__all__ = ["is_dtensor", "local", "wrap_like", "unwrap_like", "check_setup", "local_state"]
 
 try:  # torch.distributed may be built out
     from torch.distributed.tensor import DTensor
@@ -114,3 +114,36 @@ def check_setup(named: list[tuple[str, torch.Tensor]], overlap: str, ddp: bool =
             f"params of this rank are on {len(devices)} devices ({n1} on {d1}, {n2} on {d2}): "
             f"in a job of {world} ranks each rank's params live on its own one device"
         )
+
+
+def local_state(sd: Any, param_groups: list[dict], name_of: Any) -> Any:
+    """``sd`` (a state dict being loaded) with the DTensor state of FSDP2 params replaced by
+    this rank's shards: a new dict, the caller's is left as it was. ``name_of(p)`` names a
+    param in messages.
+
+    Raises:
+        ValueError: a DTensor value sharded otherwise than its param (named).
+    """
+    state = sd.get("state") if isinstance(sd, dict) else None
+    saved = sd.get("param_groups") if isinstance(sd, dict) else None
+    if not isinstance(state, dict) or not isinstance(saved, list):
+        return sd  # checkpoint.validate says what is wrong
+    # The saved ids (ints, or FQNs from torch.distributed.checkpoint) name params by their
+    # position in the groups, as in torch's load_state_dict.
+    param_of = {}
+    for g, s in zip(param_groups, saved, strict=False):
+        ids = s.get("params") if isinstance(s, dict) else None
+        if isinstance(ids, list) and len(ids) == len(g["params"]):
+            param_of.update((i, p) for i, p in zip(ids, g["params"], strict=True)
+                            if isinstance(i, (int, str)))  # fmt: skip
+    if not any(is_dtensor(p) for p in param_of.values()):
+        return sd
+    out = {}
+    for index, entry in state.items():
+        p = param_of.get(index) if isinstance(index, (int, str)) else None
+        if p is None or not is_dtensor(p) or not isinstance(entry, dict):
+            out[index] = entry
+            continue
+        name = name_of(p)
+        out[index] = {k: unwrap_like(p, v, f"state {k!r} of {name}") for k, v in entry.items()}
+    return {**sd, "state": out}

@@ -221,3 +221,34 @@ def validate_group(param_group: Any, defaults: dict[str, Any], rule: Rule) -> di
             NotImplementedError,
         )
     return group
+
+
+def check_ddp(ddp: Any, param_groups: list[dict], name_of: Any) -> None:
+    """``ddp=``'s model must hold the optimizer's trainable params (a subset is fine), and the
+    groups must not carry the constructor's options. ``name_of(group, gi, i)`` names a param.
+
+    Raises:
+        ValueError: a param the DDP model does not hold (named); a group holding a ``ddp``
+            key (``ZeroRedundancyOptimizer`` copies the constructor's keywords into every
+            group, so each checkpoint would try to pickle the DDP model).
+    """
+    for gi, group in enumerate(param_groups):
+        if "ddp" in group:
+            raise ValueError(
+                f"param group {gi} carries the ddp= option as a key: torch's "
+                "ZeroRedundancyOptimizer copies the constructor's keywords into every group, "
+                "and its checkpoints would pickle the DDP model; under ZeRO use "
+                "overlap='step' or 'delayed' (ZeRO reads grads in step())"
+            )
+    held = {id(p) for p in ddp.parameters()}
+    for gi, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.requires_grad and id(p) not in held:
+                raise ValueError(
+                    f"ddp=: {name_of(group, gi, i)} is not a param of that DDP model, so "
+                    "its all-reduce would never announce the grad; pass the DDP model that "
+                    "holds these params (a subset of its params is fine)"
+                )
+
+
+# ------------------------------------------------------------------ construction

@@ -1,0 +1,107 @@
+"""A GPU memory budget (``max_gpu_memory=``): the smallest offload fraction whose device bytes
+fit, checked against the host's memory. Pure arithmetic over a placement function; the
+optimizer measures what the device holds and applies the choice (optim.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from offloadopt.costmodel import format_bytes, parse_bytes
+from offloadopt.placement import ParamInfo, Placement
+
+__all__ = ["sizes", "mem_available", "choose"]
+
+
+def sizes(**named: int | str | None) -> dict[str, int | None]:
+    """Byte sizes from ints or strings like "120GB" (None stays None; ``activation_bytes`` may
+    be 0).
+
+    Raises:
+        ValueError: a bad size, named by its argument.
+    """
+    out = {}
+    for name, value in named.items():
+        try:
+            zero = name == "activation_bytes"  # a model may need none beyond its weights
+            out[name] = None if value is None else parse_bytes(value, allow_zero=zero)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    return out
+
+
+def mem_available() -> int | None:
+    """The host's MemAvailable in bytes (/proc/meminfo), or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB in the file, meaning KiB
+    except OSError:
+        pass
+    return None
+
+
+def choose(
+    infos: list[ParamInfo],
+    measured: int,
+    how: str,
+    budget: int,
+    host_budget: int | None,
+    bucket_nbytes: int,
+    delayed: bool,
+    place_at: Callable[[float, list[ParamInfo]], list[Placement]],
+) -> dict[str, Any]:
+    """The smallest fraction (0.01 steps) whose device bytes fit ``budget``: ``measured``
+    (what the device holds without optimizer state, described by ``how``), plus the state that
+    ``place_at(fraction, infos)`` leaves on the device, 4 x ``bucket_nbytes`` of staging when
+    anything is offloaded and, ``delayed``, a landing buffer per offloaded param. Its host
+    bytes (offloaded state and 2 x ``bucket_nbytes`` of pinned staging) must fit
+    ``host_budget``, by default the host's MemAvailable.
+
+    Returns:
+        The choice: ``fraction``, ``max_gpu_memory``, ``measured_bytes``, ``measured``,
+        ``predicted_gpu_bytes``, ``host_bytes``, ``host_available_bytes``.
+
+    Raises:
+        ValueError: no fraction fits, or the host lacks the memory (both with figures).
+    """
+    staging = 4 * bucket_nbytes
+    chosen = None
+    for k in range(101):
+        fraction = k / 100
+        placements = place_at(fraction, infos)
+        host_state = sum(pl.state_nbytes for pl in placements if pl.offloaded)
+        device_state = sum(pl.state_nbytes for pl in placements
+                           if not pl.offloaded and pl.reason != "frozen")  # fmt: skip
+        landing = sum(i.numel * i.dtype.itemsize for i, pl in zip(infos, placements, strict=True)
+                      if pl.offloaded) if delayed else 0  # fmt: skip
+        need = measured + device_state + (staging + landing if host_state else 0)
+        if need <= budget:
+            chosen = (fraction, need, host_state + (2 * bucket_nbytes if host_state else 0))
+            break
+    if chosen is None:
+        raise ValueError(
+            f"max_gpu_memory={format_bytes(budget)} cannot be met: at offload fraction 1 the "
+            f"device needs {format_bytes(need)} ({how}: {format_bytes(measured)}; staging "
+            f"{format_bytes(staging)}; state left on the device {format_bytes(device_state)})"
+        )
+    fraction, need, host = chosen
+    available = host_budget or mem_available()
+    if available is not None and host > available:
+        where = "(max_host_memory)" if host_budget else "available (MemAvailable)"
+        raise ValueError(
+            f"max_gpu_memory={format_bytes(budget)} needs offload fraction {fraction:g}, whose "
+            f"host state is {format_bytes(host)}; the host has {format_bytes(available)} {where}"
+        )
+    logging.getLogger("offloadopt").info(
+        "offloadopt: max_gpu_memory %s: offload fraction %g, the smallest that fits (%s on the "
+        "device; %s measured as %s; %s on the host)", format_bytes(budget), fraction,
+        format_bytes(need), format_bytes(measured), how, format_bytes(host),
+    )  # fmt: skip
+    return {
+        "fraction": fraction, "max_gpu_memory": budget, "measured_bytes": measured,
+        "measured": how, "predicted_gpu_bytes": need, "host_bytes": host,
+        "host_available_bytes": available,
+    }  # fmt: skip
