@@ -2,10 +2,11 @@
 fp32 master weights in pinned host memory and overlaps the copies with the GPU's work."""
 
 from offloadopt.adam import HybridAdam
+from offloadopt.adamw import HybridAdamW
 from offloadopt.audit import PageableCopyError, audit, check_pinned, summarize
 from offloadopt.compat.megatron import HybridDeviceOptimizer
 from offloadopt.host import PinnedAllocationError
-from offloadopt.optim import HybridAdamW, HybridOptimizer
+from offloadopt.optim import HybridOptimizer
 from offloadopt.placement import Placement
 from offloadopt.sgd import HybridSGD
 

@@ -23,12 +23,12 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm import tqdm
 
+from offloadopt.adamw import HybridAdamW
 from offloadopt.harness import checks
 from offloadopt.harness.checks import UsageError
 from offloadopt.harness.data import TokenData, get_batch, mock_data
 from offloadopt.harness.distributed import Dist, init_from_env, shard_fsdp, teardown, wrap_ddp
 from offloadopt.harness.gpt import GPT, PRESETS
-from offloadopt.optim import HybridAdamW
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OPTIMIZERS = ("hybrid", "adamw")

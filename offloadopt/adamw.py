@@ -1,0 +1,167 @@
+"""HybridAdamW: AdamW's signature (``torch.optim.AdamW``) on the hybrid machinery
+(offloadopt/optim.py), with its timeline, memory and caveats in the class docstring."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from offloadopt.optim import HybridOptimizer
+from offloadopt.rules import ADAMW
+
+__all__ = ["HybridAdamW"]
+
+
+class HybridAdamW(HybridOptimizer):
+    r"""AdamW with exactly the math of ``torch.optim.AdamW(fused=True)``, whose optimizer state
+    and fp32 master weights live on the host for a chosen fraction of the parameters.
+
+    Timeline of one training step (``overlap="step"``, the default; offloadopt/steps.py's note
+    says what ``overlap="backward"`` and ``wait="module"`` move earlier):
+
+    1. *Backward* (unchanged): grads appear on the device as usual.
+    2. *step()*: phase 0 freezes every group's hyperparameters and checks every grad; phase 1
+       updates the device-resident params with torch's fused AdamW on the compute stream;
+       phase 2 moves the offloaded params bucket by bucket (last-registered params first): a
+       D2H side stream upcasts the grads into a device staging slot and copies them to a
+       pinned host slot; a CPU worker thread waits for that event, runs ``torch._fused_adamw_``
+       on the bucket's fp32 master, ``exp_avg`` and ``exp_avg_sq`` (per-param views, per-param
+       ``step``) and queues the master's H2D on a second side stream into a device slot, from
+       which it is cast into the params. The D2H of bucket k+1 and the H2D of bucket k-1 run
+       while the worker updates bucket k. ``step()`` waits for the worker before it returns.
+    3. *Before the next forward*: phase 3 makes the compute stream wait (a GPU-side event
+       wait, no host sync) for the last H2D, so the next forward reads the new weights.
+
+    The worker runs with flush-to-zero and denormals-are-zero (``flush_denormal=True``): torch's
+    CPU kernel is 4-9x slower on subnormal operands (tiny grads, an ``exp_avg`` stuck near
+    zero); flushing changes results only where values are subnormal, far below where ``eps``
+    dominates the update. With ``flush_denormal=False`` results are bitwise torch's there too.
+    The training thread's floating-point mode is never changed.
+
+    Memory per parameter, bf16 params with masters: device-resident 2 (weight) + 2 (grad) +
+    12 (fp32 master, ``exp_avg``, ``exp_avg_sq``) bytes on the GPU; offloaded 2 + 2 on the GPU and
+    12 on the host (master 4 pinned, moments 8 pageable), plus staging of 4 x ``bucket_nbytes``
+    on the GPU and 2 x ``bucket_nbytes`` pinned on the host. fp32 params: 4 + 4 + 8 on the GPU,
+    or 4 + 4 on the GPU and 12 on the host (master copy pinned, moments).
+
+    Without CUDA every param is a CPU tensor and the same path runs with the CPU standing in
+    for the device: separate host state, plain copies, no pinning, no streams.
+
+    Caveats: a param's placement is fixed when it is added (construction or
+    ``add_param_group``); grads are copied out inside ``step()`` (not during backward); weights
+    changed outside the optimizer are detected through ``param._version`` (edits through
+    ``param.data`` are not seen); ``amsgrad``, ``capturable`` and ``differentiable`` are not
+    supported; ``fused`` and ``foreach`` are accepted and ignored (torch's fused kernel always runs).
+
+    Args:
+        params: tensors, ``named_parameters()`` or param-group dicts (a list, not a set); a
+            group may carry ``"offload": True`` (all its trainable params go to the host) or
+            ``False`` (none do).
+        lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``; ``lr`` may be a Tensor.
+        offload_fraction: share in [0, 1] of the eligible params' optimizer-state bytes kept
+            on the host (see :mod:`offloadopt.placement`).
+        min_offload_numel: params with fewer elements keep their state on the device.
+        master_weights: keep an fp32 master for bf16/fp16 params (on the host for offloaded
+            params, on the device otherwise); with False they update in their own dtype.
+        pin_memory: pin crossing host buffers (checked); False reproduces the slow pageable path
+            and warns once.
+        bucket_nbytes: target bytes of fp32 state per bucket (pipelining unit); default 64 MiB,
+            256 MiB with ``overlap="delayed"`` (fewer hand-offs of the GIL between the worker and
+            the training thread while it launches the next forward and backward).
+        flush_denormal: run the CPU update with flush-to-zero (see above).
+        cpu_threads: OpenMP threads of the CPU worker; default the cores this process may use
+            (its affinity) divided by the local ranks (in step mode the training thread waits
+            while the worker runs).
+        timeout_s: the longest any wait for the worker or a copy may last (seconds).
+        overlap: ``"step"`` (everything inside ``step()``), ``"backward"`` (grad hooks start
+            buckets during backward, as far as ``grads_final`` and ``max_grad_norm`` allow) or
+            ``"delayed"`` (the delayed parameter update of ZeRO-Offload: ``step()`` returns at
+            once, the CPU update runs during the next forward and backward, which read the
+            weights one step old, and the next ``step()`` or :meth:`synchronize` copies the
+            new weights in; ``p.grad`` of offloaded params is None after ``step()``; memory:
+            one more copy of the offloaded weights on the device, in their dtype; see the
+            README's "The delayed parameter update").
+        wait: ``"step"`` (``step()`` returns with every copy back queued and waited for on the
+            compute stream) or ``"module"`` (``step()`` returns at once; modules registered with
+            :meth:`watch` wait for their own params; :meth:`synchronize` for the rest).
+        max_grad_norm: clip the global grad norm inside the update (the coefficient of
+            ``torch.nn.utils.clip_grad_norm_`` multiplies the fp32 grads on the device);
+            ``opt.last_grad_norm`` holds the norm. With ``overlap="backward"`` the updates
+            start at the end of backward.
+        grads_final: declare that nothing edits grads between backward and ``step()`` (no
+            torch clipping, no GradScaler unscale, no hand edit): with ``overlap="backward"``
+            a bucket's update starts as soon as its grads are complete.
+        release_grads: free the device grads of offloaded params as soon as their copy has
+            landed on the host (``p.grad`` is then None after ``step()``); needs
+            ``overlap="backward"`` with ``grads_final`` or ``max_grad_norm``.
+        ddp: the ``DistributedDataParallel`` model (built with ``gradient_as_bucket_view=True``)
+            whose grads ``overlap="backward"`` reads: a comm hook (torch's all-reduce, then an
+            announcement) starts each offloaded bucket once DDP's all-reduce of its grads is
+            done, never before; DDP's ``no_sync()`` marks accumulation micro-steps. Under DDP
+            without it, ``overlap="backward"`` is refused (a grad hook sees the un-reduced grad).
+        max_gpu_memory: a GPU budget in bytes, or a string (``"120GB"`` = 120e9 bytes,
+            ``"112GiB"`` = 112 x 2**30): placement waits for the first ``step()`` (so forward
+            and backward are measured, before any optimizer state is allocated) and takes the
+            smallest fraction whose device bytes fit (``opt.placement_choice`` says what and
+            why; logger ``offloadopt``). Leave ``offload_fraction`` at its default.
+        max_host_memory: the host bytes the chosen fraction may use (default ``MemAvailable``).
+        activation_bytes: what forward and backward need on the device, if not measured (the
+            CPU, or a placement before the first backward).
+
+    Raises:
+        ValueError, TypeError: a bad argument, named in the message, before anything is built.
+        NotImplementedError: ``amsgrad``, ``capturable`` or ``differentiable`` set.
+        PinnedAllocationError: pinned host memory could not be had (the bytes asked for).
+
+    Example::
+
+        model = GPT(cfg).cuda().bfloat16()
+        opt = HybridAdamW(model.named_parameters(), lr=3e-4, offload_fraction=1.0)
+        loss = model(x, y)[1]; loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    rule = ADAMW
+
+    def __init__(
+        self,
+        params,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        offload_fraction: float = 1.0,
+        min_offload_numel: int = 4096,
+        master_weights: bool = True,
+        pin_memory: bool = True,
+        bucket_nbytes: int | None = None,
+        flush_denormal: bool = True,
+        cpu_threads: int | None = None,
+        timeout_s: float = 600.0,
+        overlap: str = "step",
+        wait: str = "step",
+        max_grad_norm: float | None = None,
+        grads_final: bool = False,
+        release_grads: bool = False,
+        ddp: Any = None,
+        max_gpu_memory: int | str | None = None,
+        max_host_memory: int | str | None = None,
+        activation_bytes: int | str | None = None,
+    ):
+        super().__init__(
+            params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize),
+            amsgrad=amsgrad, capturable=capturable, differentiable=differentiable,
+            offload_fraction=offload_fraction, min_offload_numel=min_offload_numel,
+            master_weights=master_weights, pin_memory=pin_memory, bucket_nbytes=bucket_nbytes,
+            flush_denormal=flush_denormal, cpu_threads=cpu_threads, timeout_s=timeout_s,
+            overlap=overlap, wait=wait, max_grad_norm=max_grad_norm, grads_final=grads_final,
+            release_grads=release_grads, ddp=ddp, max_gpu_memory=max_gpu_memory,
+            max_host_memory=max_host_memory, activation_bytes=activation_bytes,
+        )  # fmt: skip
