@@ -55,9 +55,10 @@ def choose(
 ) -> dict[str, Any]:
     """The smallest fraction (0.01 steps) whose device bytes fit ``budget``: ``measured``
     (what the device holds without optimizer state, described by ``how``), plus the state that
-    ``place_at(fraction, infos)`` leaves on the device, 4 x ``bucket_nbytes`` of staging when
-    anything is offloaded and, ``delayed``, a landing buffer per offloaded param. Its host
-    bytes (offloaded state and 2 x ``bucket_nbytes`` of pinned staging) must fit
+    ``place_at(fraction, infos)`` leaves on the device, 4 staging slots as large as the largest
+    bucket (at most ``bucket_nbytes`` of fp32) when anything is offloaded and, ``delayed``, a
+    landing buffer per offloaded param. Its host bytes (offloaded state and 2 pinned slots)
+    must fit
     ``host_budget``, by default the host's MemAvailable.
 
     Returns:
@@ -67,7 +68,6 @@ def choose(
     Raises:
         ValueError: no fraction fits, or the host lacks the memory (both with figures).
     """
-    staging = 4 * bucket_nbytes
     chosen = None
     for k in range(101):
         fraction = k / 100
@@ -77,9 +77,14 @@ def choose(
                            if not pl.offloaded and pl.reason != "frozen")  # fmt: skip
         landing = sum(i.numel * i.dtype.itemsize for i, pl in zip(infos, placements, strict=True)
                       if pl.offloaded) if delayed else 0  # fmt: skip
-        need = measured + device_state + (staging + landing if host_state else 0)
+        # Staging slots are as large as the largest bucket: at most bucket_nbytes of fp32,
+        # at most the offloaded fp32 bytes (a small model's one bucket).
+        fp32 = sum(i.numel * 4 for i, pl in zip(infos, placements, strict=True) if pl.offloaded)
+        slot = min(bucket_nbytes, fp32)
+        staging = 4 * slot
+        need = measured + device_state + staging + landing
         if need <= budget:
-            chosen = (fraction, need, host_state + (2 * bucket_nbytes if host_state else 0))
+            chosen = (fraction, need, host_state + 2 * slot)
             break
     if chosen is None:
         raise ValueError(

@@ -20,10 +20,10 @@ The model (tests/test_costmodel.py checks it against the H200 runs recorded in b
 
 Memory per param, bf16 params with fp32 masters (README, "Memory per parameter"): on the GPU 2
 (weight) + 2 (grad) bytes for every param, 12 (master, ``exp_avg``, ``exp_avg_sq``) for the
-device-resident ones, 4 x ``bucket_nbytes`` of staging when anything is offloaded, 2 more per
+device-resident ones, 4 staging slots as large as the largest bucket (at most
+``bucket_nbytes``) when anything is offloaded, 2 more per
 offloaded param with ``overlap="delayed"`` (the landing buffer), plus what forward and backward
-hold (``activation_bytes``, measured); on the host 12 per offloaded param and 2 x
-``bucket_nbytes`` of pinned staging.
+hold (``activation_bytes``, measured); on the host 12 per offloaded param and 2 pinned slots.
 """
 
 from __future__ import annotations
@@ -61,6 +61,18 @@ class Measurements:
     weight_bytes: int = 2  # per param on the GPU (bf16)
     grad_bytes: int = 2
     state_bytes: int = 12  # fp32 master + exp_avg + exp_avg_sq
+
+    def __post_init__(self) -> None:
+        for name in ("params", "bucket_nbytes", "d2h_gbps", "h2d_gbps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"Invalid {name}: {value!r} (expected a finite number > 0)")
+        for name in ("fwd_bwd_ms", "device_ns_per_param", "cpu_ns_per_param",
+                     "bucket_overhead_ms", "activation_bytes", "weight_bytes", "grad_bytes",
+                     "state_bytes"):  # fmt: skip
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                raise ValueError(f"Invalid {name}: {value!r} (expected a finite number >= 0)")
 
 
 @dataclass(frozen=True)
@@ -105,28 +117,37 @@ def predict(m: Measurements, fraction: float, mode: str = "step") -> Prediction:
     else:
         step = max(m.fwd_bwd_ms + device_ms, cpu_ms)
     gpu = m.params * (m.weight_bytes + m.grad_bytes) + (m.params - offloaded) * m.state_bytes
-    gpu += m.activation_bytes + (4 * m.bucket_nbytes if offloaded else 0)
+    gpu += m.activation_bytes + 4 * first  # staging: slots as large as the largest bucket
     if mode == "delayed":
         gpu += offloaded * m.weight_bytes  # the landing buffers of the next weights
-    host = offloaded * m.state_bytes + (2 * m.bucket_nbytes if offloaded else 0)
+    host = offloaded * m.state_bytes + 2 * first
     return Prediction(fraction, mode, step, cpu_ms, int(gpu), int(host))
 
 
 def _grid(step: float) -> list[float]:
-    n = round(1 / step)
+    """Fractions 0, step, 2 step, ..., 1.
+
+    Raises:
+        ValueError: ``step`` not in (0, 1] or not 1 / an integer.
+    """
+    n = round(1 / step) if isinstance(step, (int, float)) and 0 < step <= 1 else 0
+    if n < 1 or abs(n * step - 1) > 1e-9:
+        raise ValueError(f"Invalid step: {step!r} (expected 1 / an integer, such as 0.01)")
     return [k / n for k in range(n + 1)]
 
 
-def smallest_fitting(m: Measurements, gpu_budget: int, mode: str = "step",
-                     host_budget: int | None = None, step: float = 0.01) -> Prediction:  # fmt: skip
+def smallest_fitting(m: Measurements, gpu_budget: int | str, mode: str = "step",
+                     host_budget: int | str | None = None, step: float = 0.01) -> Prediction:  # fmt: skip
     """The smallest fraction (on a grid of ``step``) whose GPU bytes fit ``gpu_budget``; with
     ``host_budget``, its host bytes must fit too. Step time grows with the fraction, so this
-    is also the fastest placement that fits.
+    is also the fastest placement that fits. Budgets are bytes or strings ("120GB").
 
     Raises:
-        ValueError: no fraction fits; the message gives both memories' figures at fraction 1
+        ValueError: a bad budget or ``step``; no fraction fits; the message gives both memories' figures at fraction 1
             (GPU) or at the fraction the GPU needs (host).
     """
+    gpu_budget = parse_bytes(gpu_budget)
+    host_budget = None if host_budget is None else parse_bytes(host_budget)
     for f in _grid(step):
         p = predict(m, f, mode)
         if p.gpu_bytes <= gpu_budget:
@@ -142,7 +163,7 @@ def smallest_fitting(m: Measurements, gpu_budget: int, mode: str = "step",
         f"no offload fraction fits the GPU budget {format_bytes(gpu_budget)}: even fraction 1 "
         f"needs {format_bytes(full.gpu_bytes)} (weights and grads "
         f"{format_bytes(m.params * (m.weight_bytes + m.grad_bytes))}, activations "
-        f"{format_bytes(m.activation_bytes)}, staging {format_bytes(4 * m.bucket_nbytes)})"
+        f"{format_bytes(m.activation_bytes)}, staging {format_bytes(4 * min(m.params * 4, m.bucket_nbytes))})"
     )
 
 
@@ -179,8 +200,12 @@ def parse_bytes(value: int | float | str, allow_zero: bool = False) -> int:
     """
     if isinstance(value, bool):
         raise ValueError(f"Invalid size: {value!r} (expected bytes, or a string like '120GB')")
-    if isinstance(value, (int, float)):
-        number, unit = float(value), ""
+    if isinstance(value, int):
+        if value > 0 or (allow_zero and value == 0):
+            return value  # exact: no float on the way
+        raise ValueError(f"Invalid size: {value!r} (expected a positive size)")
+    if isinstance(value, float):
+        number, unit = value, ""
     elif isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
         if match is None or match.group(2).lower() not in _UNITS:
@@ -192,8 +217,8 @@ def parse_bytes(value: int | float | str, allow_zero: bool = False) -> int:
     else:
         raise ValueError(f"Invalid size: {value!r} (expected bytes, or a string like '120GB')")
     nbytes = number * _UNITS[unit]
-    if not ((nbytes > 0 or (allow_zero and nbytes == 0)) and math.isfinite(nbytes)):
-        raise ValueError(f"Invalid size: {value!r} (expected a positive size)")
+    if not math.isfinite(nbytes) or not (int(nbytes) > 0 or (allow_zero and nbytes == 0)):
+        raise ValueError(f"Invalid size: {value!r} (expected a positive size of whole bytes)")
     return int(nbytes)
 
 

@@ -179,6 +179,12 @@ class HybridOptimizer(Stepping, Optimizer):
         super().add_param_group(param_group)
         try:
             self._check_group(self.param_groups[-1])
+            if (
+                self._ready
+                and self._budget["max_gpu_memory"] is not None
+                and not self._budget_pending()
+            ):
+                self._check_budget_for([len(self.param_groups) - 1])
             if self._ready:
                 self._place_or_defer([len(self.param_groups) - 1])
         except BaseException:
@@ -234,6 +240,35 @@ class HybridOptimizer(Stepping, Optimizer):
             self._unplaced = pending
             raise
 
+    def _check_budget_for(self, group_indices: list[int]) -> None:
+        """max_gpu_memory after its choice: a group added later is placed at the chosen
+        fraction, and the device bytes it adds (weights, grads, the state left on the device)
+        must still fit the budget.
+
+        Raises:
+            ValueError: the budget would be exceeded (with figures); the group is not added.
+        """
+        infos = self._infos(group_indices)
+        tensors = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
+        pls = place(infos, self.offload_fraction, self.min_offload_numel, self.master_weights,
+                    self.placement_policy)  # fmt: skip
+        added = sum(local(p).nbytes * (2 if p.requires_grad else 1) for p in tensors)
+        added += sum(pl.state_nbytes for pl in pls if not pl.offloaded and pl.reason != "frozen")
+        choice = self.placement_choice
+        need = choice["predicted_gpu_bytes"] + added
+        if need > choice["max_gpu_memory"]:
+            raise ValueError(
+                f"add_param_group: at the chosen offload fraction {self.offload_fraction:g} the "
+                f"new group adds {format_bytes(added)} on the device, {format_bytes(need)} in "
+                f"all, over max_gpu_memory={format_bytes(choice['max_gpu_memory'])}; call "
+                "opt.set_offload_fraction(...) for more offload first"
+            )
+        choice["predicted_gpu_bytes"] = need
+
+    def _budget_pending(self) -> bool:
+        """Whether max_gpu_memory's choice is still to be made (at the first step())."""
+        return self._budget["max_gpu_memory"] is not None and self.placement_choice is None
+
     def _choose_fraction(self, group_indices: list[int]) -> None:
         """max_gpu_memory: measure what the device holds, then let :func:`budget.choose`
         take the smallest fraction that fits (see there).
@@ -253,6 +288,10 @@ class HybridOptimizer(Stepping, Optimizer):
                                 "activations are not in the measured peak; pass "
                                 "activation_bytes= or call step() first")  # fmt: skip
         else:
+            if given is None and not any(p.grad is not None for p in tensors):
+                self._warn_once("budget-before-backward",
+                                "max_gpu_memory: placing before any backward ran and without "
+                                "activation_bytes=, so activations count as 0")  # fmt: skip
             counted = sum(local(p).nbytes * (2 if p.requires_grad else 1) for p in tensors)
             measured = counted + (given or 0)
             how = (f"weights and grads {format_bytes(counted)} + activations "
@@ -274,6 +313,10 @@ class HybridOptimizer(Stepping, Optimizer):
         Models given to :meth:`watch` are watched again. The old host buffers are freed after
         the new ones exist, so for a moment both are held.
 
+        With ``max_gpu_memory`` whose choice is still pending (or could not be met), this
+        places at ``fraction`` instead and drops the budget; after the choice it replaces it
+        (``placement_choice`` says so) and the budget is not checked again.
+
         Raises:
             ValueError: ``fraction`` outside [0, 1].
             RuntimeError: a step in flight from backward, a failed step, or a closed optimizer.
@@ -287,10 +330,18 @@ class HybridOptimizer(Stepping, Optimizer):
             raise ValueError(
                 f"Invalid offload_fraction: {fraction!r} (expected a number in [0, 1])"
             )
+        if self._budget_pending():  # the caller's fraction instead of the budget's choice
+            self._budget["max_gpu_memory"] = None
+            self.offload_fraction = float(fraction)
+            self.ensure_placed()
+            return
         self.ensure_placed()
         self.synchronize()
         self._raise_if_broken()
         self._check_worker([])
+        if self.placement_choice is not None:  # the budget's choice no longer holds
+            self.placement_choice = {**self.placement_choice, "fraction": float(fraction),
+                                     "set_by": "set_offload_fraction (the budget is not checked)"}  # fmt: skip
         with self._lock:
             if self._step is not None:
                 raise RuntimeError(
@@ -492,8 +543,13 @@ class HybridOptimizer(Stepping, Optimizer):
         while params are still on the meta device, a line saying so."""
         if self._unplaced:
             n = sum(len(self.param_groups[gi]["params"]) for gi in self._unplaced)
-            pending = (f"placement pending: {n} params of {len(self._unplaced)} groups were "
-                       "built on the meta device (placed at the first step(), or ensure_placed())")  # fmt: skip
+            why = (
+                "max_gpu_memory chooses the fraction at the first step()"
+                if self._budget_pending()
+                else "built on the meta device"
+            )
+            pending = (f"placement pending: {n} params of {len(self._unplaced)} groups ({why}; "
+                       "placed at the first step(), or ensure_placed())")  # fmt: skip
             return (
                 pending if not self.placement else f"{format_placement(self.placement)}\n{pending}"
             )
@@ -559,7 +615,8 @@ class HybridOptimizer(Stepping, Optimizer):
         never duplicated on the GPU. ``load_state_dict`` copies values into the optimizer's
         buffers wherever they come from; ``torch.optim`` optimizers move them to their params.
         """
-        self.ensure_placed()
+        if not self._budget_pending():  # a budget waits for the first step(): no state yet
+            self.ensure_placed()
         if self.overlap == "delayed" and not self._module_waits and self._inflight is not None:
             self._warn_once(
                 "delayed-unwatched",

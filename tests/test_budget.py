@@ -159,3 +159,52 @@ def test_set_offload_fraction_refuses_bad_values():
         opt.set_offload_fraction(1.5)
     with pytest.raises(ValueError, match="Invalid offload_fraction: True"):
         opt.set_offload_fraction(True)
+
+
+def test_before_the_first_step_the_budget_waits_and_says_why():
+    m = model()
+    opt = HybridAdamW(m.parameters(), max_gpu_memory="1GB", activation_bytes=0,
+                      bucket_nbytes=BUCKET)  # fmt: skip
+    assert "max_gpu_memory chooses the fraction at the first step()" in opt.placement_table()
+    sd = opt.state_dict()  # no state yet: nothing needs placing (fresh-user finding)
+    assert sd["state"] == {} and opt.placement_choice is None and opt.arenas == []
+
+
+def test_an_unmet_budget_can_be_left_for_a_fraction_of_ones_own():
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=BUCKET,
+                      max_gpu_memory="100KB", activation_bytes=0)  # fmt: skip
+    seq = torch.randint(0, CFG.vocab_size, (4, CFG.block_size + 1))
+    m(seq[:, :-1], seq[:, 1:])[1].backward()
+    with pytest.raises(ValueError, match="cannot be met"):
+        opt.step()
+    opt.set_offload_fraction(0.5)  # was a dead end: every call raised the budget's error
+    opt.step()
+    assert opt.offload_fraction == 0.5 and any(p.offloaded for p in opt.placement)
+
+
+def test_a_group_added_after_the_choice_must_fit_the_budget():
+    m = model()
+    budget = budget_for(m, 0.5)
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=BUCKET,
+                      max_gpu_memory=budget, activation_bytes=0)  # fmt: skip
+    train(m, opt, steps=1)
+    groups = len(opt.param_groups)
+    big = torch.nn.Parameter(torch.zeros(100_000))  # 0.4 MB of weights alone: over the budget
+    with pytest.raises(ValueError, match="add_param_group: at the chosen offload fraction"):
+        opt.add_param_group({"params": [big]})
+    assert len(opt.param_groups) == groups  # not added
+    small = torch.nn.Parameter(torch.zeros(10))
+    before = opt.placement_choice["predicted_gpu_bytes"]
+    opt.add_param_group({"params": [small]})
+    assert opt.placement_choice["predicted_gpu_bytes"] > before
+
+
+def test_set_offload_fraction_after_the_choice_says_it_replaced_it():
+    m = model()
+    opt = HybridAdamW(m.parameters(), max_gpu_memory="1GB", activation_bytes=0,
+                      bucket_nbytes=BUCKET)  # fmt: skip
+    train(m, opt, steps=1)
+    opt.set_offload_fraction(1.0)
+    assert opt.placement_choice["fraction"] == 1.0 == opt.offload_fraction
+    assert "set_offload_fraction" in opt.placement_choice["set_by"]

@@ -81,10 +81,32 @@ def test_sizes_parse_in_both_units(text, nbytes):
     assert parse_bytes(text) == nbytes
 
 
-@pytest.mark.parametrize("bad", ["120 parsecs", "GB", "-5GB", "0", True, None, "1e999GB"])
+@pytest.mark.parametrize(
+    "bad", ["120 parsecs", "GB", "-5GB", "0", True, None, "1e999GB", "0.4", 0.5, "1e-3"]
+)  # under a byte: zero (fresh-user finding)
 def test_bad_sizes_are_named(bad):
     with pytest.raises(ValueError, match="Invalid size"):
         parse_bytes(bad)
+
+
+def test_sizes_stay_exact_for_ints():
+    assert parse_bytes(2**53 + 1) == 2**53 + 1
+
+
+@pytest.mark.parametrize("field,value", [("d2h_gbps", 0), ("h2d_gbps", -1.0), ("fwd_bwd_ms", -5),
+                                         ("cpu_ns_per_param", float("nan")), ("params", 0),
+                                         ("activation_bytes", -1)])  # fmt: skip
+def test_bad_measurements_are_named(field, value):
+    with pytest.raises(ValueError, match=f"Invalid {field}"):
+        toy(**{field: value})
+
+
+def test_choices_take_budget_strings_and_refuse_odd_grids():
+    m = toy()
+    assert smallest_fitting(m, "20GB").fraction == smallest_fitting(m, 20 * 10**9).fraction
+    for step in (0, 2, -0.1, 0.3):
+        with pytest.raises(ValueError, match="Invalid step"):
+            smallest_fitting(m, "20GB", step=step)
 
 
 def test_format_bytes_shows_both_units():

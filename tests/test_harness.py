@@ -234,3 +234,6 @@ def test_main_job_says_why_a_gpu_budget_cannot_be_met():
     r = subprocess.run([sys.executable, "-m", "offloadopt", "train", "--max-gpu-memory", "lots"],
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 2 and "--max-gpu-memory: Invalid size: 'lots'" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "offloadopt", "train", "--max-gpu-memory", "1GB",
+                        "--optimizer", "adamw"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "--max-gpu-memory: HybridAdamW's option" in r.stderr

@@ -103,6 +103,11 @@ class TrainConfig:
             lr=lr if cfg.lr is None else cfg.lr,
             warmup_steps=cfg.steps // 20 if cfg.warmup_steps is None else cfg.warmup_steps,
         )
+        if cfg.max_gpu_memory is not None and cfg.optimizer != "hybrid":
+            raise UsageError(
+                f"--max-gpu-memory: HybridAdamW's option; --optimizer {cfg.optimizer} keeps "
+                "everything on the device"
+            )
         if cfg.overlap != "step" and cfg.optimizer != "hybrid":
             raise UsageError(
                 f"--overlap: {cfg.overlap!r} is HybridAdamW's mode; --optimizer {cfg.optimizer} "
