@@ -131,6 +131,7 @@ class HybridOptimizer(Stepping, Optimizer):
         self._closed = False
         self._module_waits: list = []
         self._watched: list = []  # weak references to the models given to watch()
+        self._watch_later: list = []  # watch() before a budget's choice: registered after it
         self._ddp = ddp  # the DDP model whose all-reduced buckets announce grads (hooks.DDPGrads)
         self._ddp_hook = None
         self._reductions: list = []  # ddp=: this backward's all-reduce futures
@@ -239,6 +240,11 @@ class HybridOptimizer(Stepping, Optimizer):
         except BaseException:
             self._unplaced = pending
             raise
+        later, self._watch_later = self._watch_later, []
+        for ref in later:
+            model = ref()
+            if model is not None:
+                self.watch(model)
 
     def _check_budget_for(self, group_indices: list[int]) -> None:
         """max_gpu_memory after its choice: a group added later is placed at the chosen

@@ -371,6 +371,9 @@ class Stepping:
         """
         from offloadopt.hooks import ModuleWaits
 
+        if self._budget_pending():  # placed at the first step(): the waits are registered then
+            self._watch_later.append(weakref.ref(model))
+            return
         self.ensure_placed()
         offloaded = {p for p, rec in self._records.items() if rec.offloaded}
         self._module_waits.append(ModuleWaits(self, model, offloaded))
