@@ -76,6 +76,7 @@ class ModuleWaits:
             )
         for module in fsdp if fsdp is not None else model.modules():
             if fsdp is not None:
+                _fsdp_shards(module)  # FSDP2's state is readable on this torch, or it raises
 
                 def pre_hook(mod, args) -> None:
                     opt = ref()
@@ -180,7 +181,14 @@ def _fsdp_shards(module: torch.nn.Module) -> tuple[list[torch.Tensor], tuple]:
     for s in (state, *getattr(state, "_states_to_forward_prefetch", ())):
         groups = getattr(s, "_fsdp_param_groups", None)
         if groups is None:
-            one = getattr(s, "_fsdp_param_group", None)
+            if not hasattr(s, "_fsdp_param_group"):
+                # Waiting for nothing would let the forward race the H2D: refuse instead.
+                raise RuntimeError(
+                    f"wait='module' under FSDP2 reads FSDP2's state, and this torch "
+                    f"({torch.__version__}) names it otherwise: no param groups on "
+                    f"{type(module).__name__}; use wait='step'"
+                )
+            one = s._fsdp_param_group
             groups = [one] if one is not None else []
         params += [fp.sharded_param for g in groups for fp in g.fsdp_params]
     comm = getattr(state, "_comm_ctx", None)

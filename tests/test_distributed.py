@@ -236,3 +236,19 @@ def test_main_job_refuses_fsdp_without_torchrun():
     r = subprocess.run([sys.executable, "-m", "offloadopt", "train", "--fsdp", "--steps", "1"],
                        capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert r.returncode != 0 and "torchrun" in r.stderr
+
+
+def test_fsdp2_state_named_otherwise_is_refused_not_waited_past():
+    """wait='module' under FSDP2 reads FSDP2's private state; a torch that names it otherwise
+    must fail loudly, not wait for no shards (the forward would race the H2D)."""
+    from offloadopt.hooks import _fsdp_shards
+
+    class State:  # neither _fsdp_param_groups nor _fsdp_param_group
+        pass
+
+    class Module:
+        def _get_fsdp_state(self):
+            return State()
+
+    with pytest.raises(RuntimeError, match="names it otherwise"):
+        _fsdp_shards(Module())
