@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from offloadopt.shards import is_dtensor
+
 __all__ = ["GradHooks", "ModuleWaits", "DDPGrads"]
 
 
@@ -68,7 +70,7 @@ class ModuleWaits:
         self.handles = []
         self.modules = 0
         fsdp = _fsdp_modules(model)
-        if fsdp is None and any(_is_dtensor(p) for p in model.parameters()):
+        if fsdp is None and any(is_dtensor(p) for p in model.parameters()):
             raise ValueError(
                 "watch(): the model's params are DTensors but none of its modules is FSDP2's: "
                 "call opt.watch(model) after fully_shard (the waits must run before FSDP2's "
@@ -80,7 +82,8 @@ class ModuleWaits:
 
                 def pre_hook(mod, args) -> None:
                     opt = ref()
-                    if opt is not None:  # FSDP2 all-gathers these shards next, on its streams
+                    if opt is not None and opt._inflight is not None:  # copies back to wait for
+                        # FSDP2 all-gathers these shards next, on its streams
                         params, streams = _fsdp_shards(mod)
                         opt._wait_for([p for p in params if p in offloaded], streams)
 
@@ -151,12 +154,6 @@ class DDPGrads:
 
     def remove(self) -> None:
         self.active = False
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from offloadopt.shards import is_dtensor
-
-    return is_dtensor(t)
 
 
 def _fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module] | None:

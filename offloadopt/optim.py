@@ -258,7 +258,7 @@ class HybridOptimizer(Stepping, Optimizer):
         tensors = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
         pls = place(infos, self.offload_fraction, self.min_offload_numel, self.master_weights,
                     self.placement_policy)  # fmt: skip
-        added = sum(local(p).nbytes * (2 if p.requires_grad else 1) for p in tensors)
+        added = _weights_and_grads_nbytes(tensors)
         added += sum(pl.state_nbytes for pl in pls if not pl.offloaded and pl.reason != "frozen")
         choice = self.placement_choice
         need = choice["predicted_gpu_bytes"] + added
@@ -298,7 +298,7 @@ class HybridOptimizer(Stepping, Optimizer):
                 self._warn_once("budget-before-backward",
                                 "max_gpu_memory: placing before any backward ran and without "
                                 "activation_bytes=, so activations count as 0")  # fmt: skip
-            counted = sum(local(p).nbytes * (2 if p.requires_grad else 1) for p in tensors)
+            counted = _weights_and_grads_nbytes(tensors)
             measured = counted + (given or 0)
             how = (f"weights and grads {format_bytes(counted)} + activations "
                    f"{format_bytes(given or 0)}")  # fmt: skip
@@ -771,3 +771,8 @@ class HybridOptimizer(Stepping, Optimizer):
             "host buffers, a worker thread and CUDA streams of this process; save and load "
             "opt.state_dict() instead"
         )
+
+
+def _weights_and_grads_nbytes(tensors: list[torch.Tensor]) -> int:
+    """Device bytes of these params (this rank's shards) and of the grads of trainable ones."""
+    return sum(local(p).nbytes * (2 if p.requires_grad else 1) for p in tensors)

@@ -118,32 +118,32 @@ def train(model, opt, rank, steps=STEPS, start=0, clip=None, accumulate=1):
 def run_fsdp(rank: int, world: int, arg: str) -> dict:
     out = {}
     runs = {
-        "torch": (torch_adamw, {}, None, {}),
-        "f0": (lambda p: hybrid(p, offload_fraction=0.0), {}, None, {}),
-        "f0.5": (lambda p: hybrid(p, offload_fraction=0.5), {}, None, {}),
-        "f1": (lambda p: hybrid(p, offload_fraction=1.0), {}, None, {}),
-        "torch_clip": (torch_adamw, {}, 0.05, {}),
-        "f0.5_clip": (lambda p: hybrid(p, offload_fraction=0.5, max_grad_norm=0.05), {}, None, {}),
-        "torch_mp": (torch_adamw, {}, None, {"param_dtype": torch.bfloat16, "reshard_after_forward": False}),
-        "f1_mp": (lambda p: hybrid(p, offload_fraction=1.0), {}, None,
+        "torch": (torch_adamw, None, {}),
+        "f0": (lambda p: hybrid(p, offload_fraction=0.0), None, {}),
+        "f0.5": (lambda p: hybrid(p, offload_fraction=0.5), None, {}),
+        "f1": (lambda p: hybrid(p, offload_fraction=1.0), None, {}),
+        "torch_clip": (torch_adamw, 0.05, {}),
+        "f0.5_clip": (lambda p: hybrid(p, offload_fraction=0.5, max_grad_norm=0.05), None, {}),
+        "torch_mp": (torch_adamw, None, {"param_dtype": torch.bfloat16, "reshard_after_forward": False}),
+        "f1_mp": (lambda p: hybrid(p, offload_fraction=1.0), None,
                   {"param_dtype": torch.bfloat16, "reshard_after_forward": False}),
         "f0.5_bwd_final": (lambda p: hybrid(p, offload_fraction=0.5, overlap="backward",
-                                            grads_final=True), {}, None, {}),
+                                            grads_final=True), None, {}),
         "f1_bwd_clip": (lambda p: hybrid(p, offload_fraction=1.0, overlap="backward",
-                                         max_grad_norm=0.05), {}, None, {}),
+                                         max_grad_norm=0.05), None, {}),
         "f1_bwd_release": (lambda p: hybrid(p, offload_fraction=1.0, overlap="backward",
-                                            grads_final=True, release_grads=True), {}, None, {}),
+                                            grads_final=True, release_grads=True), None, {}),
         "f1_bwd_torchclip": (lambda p: hybrid(p, offload_fraction=1.0, overlap="backward"),
-                             {}, 0.05, {}),  # torch's clip: the updates wait for step()
+                             0.05, {}),  # torch's clip: the updates wait for step()
         # wait="module" with opt.watch(model): each FSDP2 module waits before its all-gather
-        "f1_module": (lambda p: hybrid(p, offload_fraction=1.0, wait="module"), {}, None, {}),
+        "f1_module": (lambda p: hybrid(p, offload_fraction=1.0, wait="module"), None, {}),
         "f0.5_bwd_module": (lambda p: hybrid(p, offload_fraction=0.5, overlap="backward",
-                                             grads_final=True, wait="module"), {}, None, {}),
-        "torch_delayed": (None, {}, None, {}),
+                                             grads_final=True, wait="module"), None, {}),
+        "torch_delayed": (None, None, {}),
         "f1_delayed": (lambda p: hybrid(p, offload_fraction=1.0, overlap="delayed", min_offload_numel=1),
-                       {}, None, {}),  # every param delayed, as in DelayedTorch
+                       None, {}),  # every param delayed, as in DelayedTorch
     }  # fmt: skip
-    for name, (make, _, clip, shard) in runs.items():
+    for name, (make, clip, shard) in runs.items():
         model = fresh("fsdp", **shard)
         opt = DelayedTorch(model) if make is None else make(model.parameters())
         if "module" in name:

@@ -397,8 +397,7 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
 
 
 # The anchors that are FSDP2 configurations themselves (``--fsdp`` runs only these).
-FSDP2_ANCHORS = ("fsdp2-cpuoffload", "hybrid-fsdp2:0.5", "hybrid-fsdp2:1",
-                 "hybrid-fsdp2-delayed:1", "hybrid-fsdp2-backward:1")  # fmt: skip
+FSDP2_ANCHORS = tuple(name for name in anchors.ANCHORS if "fsdp2" in name)
 # The figures of each rank kept in a merged row's ``ranks`` list.
 PER_RANK = ("step_ms", "fwd_bwd_ms", "opt_ms", "peak_gpu_gb", "pinned_gb", "opt_host_gb",
             "host_rss_gb", "pageable_copies", "opt_stats_cpu_threads", "opt_stats_local_ranks")  # fmt: skip
