@@ -24,7 +24,7 @@ from offloadopt.records import ParamRecord
 from offloadopt.rules import ADAMW, Rule
 from offloadopt.shards import check_setup, is_dtensor, local, local_state, wrap_like
 from offloadopt.state import OptimizerState
-from offloadopt.steps import Stepping
+from offloadopt.steps import Stepping, signals_deferred
 from offloadopt.transfer import Transfer
 from offloadopt.validation import check_ddp, validate_group, validate_options, validate_params_arg
 from offloadopt.warn import warn
@@ -348,7 +348,9 @@ class HybridOptimizer(Stepping, Optimizer):
         if self.placement_choice is not None:  # the budget's choice no longer holds
             self.placement_choice = {**self.placement_choice, "fraction": float(fraction),
                                      "set_by": "set_offload_fraction (the budget is not checked)"}  # fmt: skip
-        with self._lock:
+        # Ctrl-C or SIGTERM in the middle would leave state half copied in: they reach their
+        # handler once the move is done (steps.signals_deferred).
+        with signals_deferred(), self._lock:
             if self._step is not None:
                 raise RuntimeError(
                     "set_offload_fraction() between steps only: a backward already announced "

@@ -212,3 +212,39 @@ def test_set_offload_fraction_after_the_choice_says_it_replaced_it():
     opt.set_offload_fraction(1.0)
     assert opt.placement_choice["fraction"] == 1.0 == opt.offload_fraction
     assert "set_offload_fraction" in opt.placement_choice["set_by"]
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's Ctrl-C handler, whatever the process inherited (a shell starts background
+    jobs with SIGINT ignored)."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_an_interrupt_during_set_offload_fraction_waits_for_the_move(monkeypatch, ctrl_c_raises):
+    import os
+    import signal
+
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=BUCKET,
+                      offload_fraction=0.2)  # fmt: skip
+    train(m, opt, steps=1)
+    kept = opt.state_dict()["state"]
+    real, calls = opt._load_entry, []
+
+    def load_then_interrupt(p, rec, entry):
+        real(p, rec, entry)
+        calls.append(p)
+        if len(calls) == 1:  # Ctrl-C with the new buffers half filled, the old ones freed
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(opt, "_load_entry", load_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        opt.set_offload_fraction(0.9)
+    assert len(calls) == len(kept)  # the move finished before the interrupt was raised
+    moved = opt.state_dict()["state"]
+    assert all(torch.equal(kept[i][k], moved[i][k]) for i in kept for k in kept[i])
