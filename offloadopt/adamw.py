@@ -60,7 +60,14 @@ class HybridAdamW(HybridOptimizer):
             ``False`` (none do).
         lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``; ``lr`` may be a Tensor.
         offload_fraction: share in [0, 1] of the eligible params' optimizer-state bytes kept
-            on the host (see :mod:`offloadopt.placement`).
+            on the host (see :mod:`offloadopt.placement`), or ``"auto"``: the first steps run
+            at 0.5 and are measured (forward+backward, both kernels, the link), the cost model
+            (:mod:`offloadopt.costmodel`) predicts every fraction, and the state moves without
+            loss to the largest fraction predicted within ``1 + auto_tolerance`` of fraction
+            0's step; with ``max_gpu_memory`` the budget's choice stays (the smallest fraction
+            that fits is the fastest that fits) and is measured. ``opt.placement_choice``
+            holds the inputs and the predicted and measured step times (ms); see
+            :mod:`offloadopt.auto`. One process only (``ValueError`` with several ranks).
         min_offload_numel: params with fewer elements keep their state on the device.
         master_weights: keep an fp32 master for bf16/fp16 params (on the host for offloaded
             params, on the device otherwise); with False they update in their own dtype.
@@ -108,6 +115,8 @@ class HybridAdamW(HybridOptimizer):
         max_host_memory: the host bytes the chosen fraction may use (default ``MemAvailable``).
         activation_bytes: what forward and backward need on the device, if not measured (the
             CPU, or a placement before the first backward).
+        auto_tolerance: with ``offload_fraction="auto"``, the share the step may grow over
+            fraction 0's (default 0.05: 5%).
 
     Raises:
         ValueError, TypeError: a bad argument, named in the message, before anything is built.
@@ -137,7 +146,7 @@ class HybridAdamW(HybridOptimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        offload_fraction: float = 1.0,
+        offload_fraction: float | str = 1.0,
         min_offload_numel: int = 4096,
         master_weights: bool = True,
         pin_memory: bool = True,
@@ -154,6 +163,7 @@ class HybridAdamW(HybridOptimizer):
         max_gpu_memory: int | str | None = None,
         max_host_memory: int | str | None = None,
         activation_bytes: int | str | None = None,
+        auto_tolerance: float = 0.05,
     ):
         super().__init__(
             params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize),
@@ -164,4 +174,5 @@ class HybridAdamW(HybridOptimizer):
             overlap=overlap, wait=wait, max_grad_norm=max_grad_norm, grads_final=grads_final,
             release_grads=release_grads, ddp=ddp, max_gpu_memory=max_gpu_memory,
             max_host_memory=max_host_memory, activation_bytes=activation_bytes,
+            auto_tolerance=auto_tolerance,
         )  # fmt: skip

@@ -15,6 +15,7 @@ import torch
 from torch.optim import Optimizer
 
 from offloadopt import budget, checkpoint
+from offloadopt.auto import PROBE_FRACTION, AutoFraction
 from offloadopt.costmodel import format_bytes
 from offloadopt.hooks import GradHooks
 from offloadopt.layout import Arena, Bucket, build_arenas
@@ -22,7 +23,7 @@ from offloadopt.pipeline import Pipeline
 from offloadopt.placement import ParamInfo, Placement, format_placement, place, update_dtype
 from offloadopt.records import ParamRecord
 from offloadopt.rules import ADAMW, Rule
-from offloadopt.shards import check_setup, is_dtensor, local, local_state, wrap_like
+from offloadopt.shards import check_setup, is_dtensor, local, local_state, world_size, wrap_like
 from offloadopt.state import OptimizerState
 from offloadopt.steps import Stepping, signals_deferred
 from offloadopt.transfer import Transfer
@@ -78,6 +79,7 @@ class HybridOptimizer(Stepping, Optimizer):
         max_gpu_memory: int | str | None = None,
         max_host_memory: int | str | None = None,
         activation_bytes: int | str | None = None,
+        auto_tolerance: float = 0.05,
         placement_policy: str = "state-bytes",
     ):
         if placement_policy not in ("state-bytes", "megatron"):
@@ -92,19 +94,27 @@ class HybridOptimizer(Stepping, Optimizer):
             pin_memory=pin_memory, bucket_nbytes=bucket_nbytes, flush_denormal=flush_denormal,
             cpu_threads=cpu_threads, timeout_s=timeout_s, overlap=overlap, wait=wait,
             max_grad_norm=max_grad_norm, grads_final=grads_final, release_grads=release_grads,
-            ddp=ddp,
+            ddp=ddp, auto_tolerance=auto_tolerance,
         )  # fmt: skip
         params = validate_params_arg(params)
         sizes = budget.sizes(max_gpu_memory=max_gpu_memory, max_host_memory=max_host_memory,
                              activation_bytes=activation_bytes)  # fmt: skip
-        if sizes["max_gpu_memory"] is not None and offload_fraction != 1.0:
+        auto = offload_fraction == "auto"
+        if sizes["max_gpu_memory"] is not None and not auto and offload_fraction != 1.0:
             raise ValueError(
                 f"offload_fraction={offload_fraction!r} with max_gpu_memory={max_gpu_memory!r}: "
-                "give one (the budget chooses the fraction)"
+                "give one (the budget chooses the fraction), or offload_fraction='auto'"
+            )
+        if auto and world_size() > 1:
+            raise ValueError(
+                f"offload_fraction='auto' with {world_size()} ranks: it measures one process, and "
+                "ranks choosing apart would train unevenly; give each rank the same number"
             )
         self._budget = sizes  # max_gpu_memory: the fraction is chosen at the first step()
-        self.placement_choice: dict[str, Any] | None = None  # what the budget chose, and why
-        self.offload_fraction = float(offload_fraction)
+        self.placement_choice: dict[str, Any] | None = None  # what chose the fraction, and why
+        # offload_fraction="auto" (offloadopt/auto.py): probe, choose, verify in the first steps
+        self._auto = AutoFraction(auto_tolerance, sizes["max_gpu_memory"] is not None) if auto else None
+        self.offload_fraction = PROBE_FRACTION if auto else float(offload_fraction)
         self.min_offload_numel = min_offload_numel
         self.master_weights = master_weights
         self.pin_memory = pin_memory
@@ -336,6 +346,8 @@ class HybridOptimizer(Stepping, Optimizer):
             raise ValueError(
                 f"Invalid offload_fraction: {fraction!r} (expected a number in [0, 1])"
             )
+        if self._auto is not None:
+            self._auto.cancel(f"set_offload_fraction({fraction!r}) by the caller")
         if self._budget_pending():  # the caller's fraction instead of the budget's choice
             self._budget["max_gpu_memory"] = None
             self.offload_fraction = float(fraction)
@@ -382,6 +394,19 @@ class HybridOptimizer(Stepping, Optimizer):
                 model = ref()
                 if model is not None:
                     self.watch(model)
+
+    def _device(self) -> torch.device:
+        """The device of the params (one per rank: shards.check_setup)."""
+        return local(self.param_groups[0]["params"][0]).device
+
+    def _numel_by_side(self) -> dict[bool, int]:
+        """Trainable elements (this rank's shards) whose state is offloaded (True) or on the
+        device (False)."""
+        out = {True: 0, False: 0}
+        for p, rec in self._records.items():
+            if rec.placement.reason != "frozen":
+                out[rec.offloaded] += local(p).numel()
+        return out
 
     def _infos(self, group_indices: list[int]) -> list[ParamInfo]:
         """The placement policy's view of these groups' params."""
@@ -587,7 +612,9 @@ class HybridOptimizer(Stepping, Optimizer):
         (host time launching the device-resident update), ``collect_ms`` (host time checking
         grads and state before the update), ``h2d_ms`` and ``d2h_ms`` (GPU time of the copies
         and casts on the side streams), ``d2h_nbytes`` / ``h2d_nbytes`` (bytes over the
-        link), ``step_ms`` (host wall time of ``step()``), ``cpu_threads`` (the worker's),
+        link), ``step_ms`` (host wall time of ``step()``), ``worker_ms`` (the worker's wall time from
+        the first bucket's arrival to the last H2D queued, its D2H waits included),
+        ``buckets`` (offloaded buckets updated), ``cpu_threads`` (the worker's),
         ``local_ranks`` (processes of the job on this host, sharing its cores).
 
         Reading it waits for the CUDA events of that step's copies (long done by the time the

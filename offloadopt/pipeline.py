@@ -190,12 +190,15 @@ class StepRun:
         while the oldest is updated."""
         p, stats = self.pipeline, self.stats
         pending: deque[tuple[BucketWork, Transfer, Slot, Any]] = deque()
+        started = None  # the first bucket's arrival: the worker's busy time runs from there
         try:
             while True:
                 while len(pending) < SLOTS:
                     work = self._next(block=not pending)
                     if work is None:
                         break
+                    if started is None:
+                        started = time.perf_counter()
                     pending.append((work, *p._start_d2h(work, stats)))
                     with self._cond:
                         self.launched += 1
@@ -213,6 +216,8 @@ class StepRun:
                     self._landed.append(work)
                 tr.start_h2d(work.bucket, work.idx, slot, work.ready, work.targets)
                 stats["h2d_nbytes"] += work.bucket.nbytes
+                stats["buckets"] = stats.get("buckets", 0) + 1
+                stats["worker_ms"] = (time.perf_counter() - started) * 1e3
                 with self._cond:
                     self.h2d_queued.add(work.bucket)
                     self._cond.notify_all()

@@ -166,6 +166,9 @@ class Stepping:
                 loss = closure()
         t0 = time.perf_counter()
         self.ensure_placed()  # params built on the meta device, materialized since
+        auto = self._auto if self._auto is not None and self._auto.active else None
+        if auto is not None:
+            auto.begin(self._device())
         with signals_deferred(), self._lock:
             self._raise_if_broken()
             st = self._step
@@ -217,20 +220,26 @@ class Stepping:
                 raise
             # Phase 1: device-resident params, torch's fused kernel on the compute stream.
             t = time.perf_counter()
+            if auto is not None:
+                auto.mark("dev0")
             for hyper, params, first in device_work:
                 self._device_update(hyper, params, st.scale, first)
+            if auto is not None:
+                auto.mark("dev1")
             st.stats["device_update_ms"] = (time.perf_counter() - t) * 1e3
             st.stats["collect_ms"] = (t - t0) * 1e3
             if st.run is None:
                 self._finish(st, streams)
-                return loss
-            st.run.close()
-            # Phase 3: publish. wait="step": the compute stream waits for every copy back;
-            # wait="module": each watched module waits for its own (opt.watch, _wait_for);
-            # overlap="delayed": the next step() (or synchronize()) copies the new weights in.
-            self._inflight, self._inflight_streams = st, streams
-            if self.wait == "step" and self.overlap != "delayed":
-                self.synchronize()
+            else:
+                st.run.close()
+                # Phase 3: publish. wait="step": the compute stream waits for every copy back;
+                # wait="module": each watched module waits for its own (opt.watch, _wait_for);
+                # overlap="delayed": the next step() (or synchronize()) copies the new weights in.
+                self._inflight, self._inflight_streams = st, streams
+                if self.wait == "step" and self.overlap != "delayed":
+                    self.synchronize()
+        if auto is not None:
+            auto.end(self)  # offload_fraction="auto": a sample; may move the state (between steps)
         return loss
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

@@ -63,6 +63,7 @@ def validate_options(
     grads_final=False,
     release_grads=False,
     ddp=None,
+    auto_tolerance=0.05,
 ) -> None:
     """The constructor's arguments: the rule's hyperparameters ``hyper`` and ours.
 
@@ -78,8 +79,12 @@ def validate_options(
     def count(x) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
 
-    _check(number(offload_fraction) and 0.0 <= offload_fraction <= 1.0,
-           f"Invalid offload_fraction: {offload_fraction!r} (expected a number in [0, 1])")  # fmt: skip
+    _check(offload_fraction == "auto" or (number(offload_fraction) and 0.0 <= offload_fraction <= 1.0),
+           f"Invalid offload_fraction: {offload_fraction!r} (expected a number in [0, 1], or 'auto')")  # fmt: skip
+    _check(number(auto_tolerance) and 0.0 <= auto_tolerance < float("inf"),
+           f"Invalid auto_tolerance: {auto_tolerance!r} (expected a finite number >= 0, like 0.05)")  # fmt: skip
+    _check(auto_tolerance == 0.05 or offload_fraction == "auto",
+           f"auto_tolerance={auto_tolerance!r} without offload_fraction='auto' does nothing")  # fmt: skip
     _check(count(min_offload_numel) and min_offload_numel >= 0,
            f"Invalid min_offload_numel: {min_offload_numel!r} (expected an int >= 0)")  # fmt: skip
     _check(bucket_nbytes is None or (count(bucket_nbytes) and bucket_nbytes > 0),

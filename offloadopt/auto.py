@@ -1,0 +1,241 @@
+"""``offload_fraction="auto"``: measure the first steps, predict every fraction with the cost
+model (offloadopt/costmodel.py), move to the one it picks, then measure that.
+
+Timeline (each phase is :data:`MEASURED_STEPS` steps; the optimizer calls :meth:`begin`,
+:meth:`mark` and :meth:`end` from ``step()``):
+
+1. *Probe*: the optimizer is placed at :data:`PROBE_FRACTION` (or, with ``max_gpu_memory``, at
+   the budget's choice, made at the first ``step()``). The first step pays for lazy state and
+   warm-up and is not measured. Each later step gives, on the compute stream (CUDA events; the
+   host clock without CUDA): the window from the end of the previous ``step()`` to the start of
+   this one (forward + backward), the device-resident update, and the period from end to end
+   (the whole training step). ``opt.stats`` gives the worker's kernel time and the link's bytes
+   and times.
+2. *Choose*: medians become :class:`costmodel.Measurements` (:func:`measurements`; the
+   probe's own period, measured and predicted, is kept beside them). Without a budget the choice
+   is :func:`costmodel.largest_hidden` (the largest fraction whose predicted step stays within
+   ``1 + tolerance`` of fraction 0's); with a budget it stays the budget's (the smallest
+   fraction that fits, which is also the fastest that fits: the predicted step grows with the
+   fraction). ``opt.set_offload_fraction`` moves the state, losslessly.
+3. *Verify*: the period at the chosen fraction is measured and logged beside the prediction.
+
+``opt.placement_choice`` holds the choice, its inputs and the predicted and measured step
+times (milliseconds); logger ``offloadopt`` says the same in two lines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from offloadopt import costmodel
+
+__all__ = ["AutoFraction", "PROBE_FRACTION", "MEASURED_STEPS", "measurements"]
+
+PROBE_FRACTION = 0.5  # both sides hold state, so both kernels' speeds are measured
+MEASURED_STEPS = 3  # steps per phase (medians)
+_NO_LINK_GBPS = 1e3  # without CUDA the "link" is a memcpy the worker's time already holds
+_log = logging.getLogger("offloadopt")
+
+
+def cost_mode(overlap: str, grads_final: bool, max_grad_norm: float | None) -> str:
+    """The cost model's mode for these options: backward mode whose updates wait for
+    ``step()`` (no ``grads_final``, no ``max_grad_norm``) costs what step mode does."""
+    if overlap == "backward" and not (grads_final or max_grad_norm is not None):
+        return "step"
+    return overlap
+
+
+def measurements(
+    *,
+    fwd_bwd_ms: float,
+    device_update_ms: float,
+    stats: dict[str, float],
+    device_numel: int,
+    offloaded_numel: int,
+    bucket_nbytes: int,
+) -> costmodel.Measurements:
+    """:class:`costmodel.Measurements` from one placement's figures: the medians of the
+    windows (ms), the optimizer's ``stats`` of a step there (the worker's kernel time, its busy
+    time, the buckets, the link's bytes and GPU times) and the elements on each side. The
+    per-bucket overhead is the worker's busy time (``worker_ms`` less its waits for D2H) beyond
+    the kernel, per bucket.
+
+    Raises:
+        ValueError: no offloaded elements (nothing to measure the worker on), or a figure the
+            cost model refuses (named).
+    """
+    if offloaded_numel <= 0:
+        raise ValueError("offload_fraction='auto': no param is offloaded at the probe fraction")
+
+    def gbps(key: str) -> float:
+        ms, nbytes = stats.get(f"{key}_ms", 0.0), stats.get(f"{key}_nbytes", 0.0)
+        return nbytes / (ms * 1e6) if ms > 0 and nbytes > 0 else _NO_LINK_GBPS
+
+    kernel_ms = stats.get("cpu_update_ms", 0.0)
+    busy_ms = stats.get("worker_ms", 0.0) - stats.get("d2h_wait_ms", 0.0)
+    return costmodel.Measurements(
+        params=device_numel + offloaded_numel,
+        fwd_bwd_ms=max(fwd_bwd_ms, 0.0),
+        device_ns_per_param=device_update_ms * 1e6 / device_numel if device_numel else 0.0,
+        cpu_ns_per_param=kernel_ms * 1e6 / offloaded_numel,
+        d2h_gbps=gbps("d2h"), h2d_gbps=gbps("h2d"),
+        bucket_overhead_ms=max(0.0, busy_ms - kernel_ms) / max(1, stats.get("buckets", 1)),
+        bucket_nbytes=bucket_nbytes,
+    )  # fmt: skip
+
+
+class _Clock:
+    """Marks on the compute stream of ``device`` (CUDA events), or host time without CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))  # after the work queued so far
+            return event
+        return time.perf_counter()
+
+    def ms(self, a: Any, b: Any) -> float:
+        if self.cuda:
+            b.synchronize()  # long done by the time this is read: one step later
+            return a.elapsed_time(b)
+        return (b - a) * 1e3
+
+
+class AutoFraction:
+    """The state of ``offload_fraction="auto"`` (see the module docstring).
+
+    Args:
+        tolerance: the step may grow by this share over fraction 0's prediction (0.05 = 5%).
+        budgeted: a ``max_gpu_memory`` budget chose the fraction: keep it, measure it.
+    """
+
+    def __init__(self, tolerance: float, budgeted: bool):
+        self.tolerance, self.budgeted = tolerance, budgeted
+        self.phase = "probe"  # "probe" -> "verify" -> "done"
+        self.choice: dict[str, Any] = {}
+        self._clock: _Clock | None = None
+        self._cur: dict[str, Any] = {}
+        self._prev_end: Any = None
+        self._samples: list[dict[str, float]] = []
+        self._moving = False  # our own set_offload_fraction call (the caller's cancels us)
+
+    @property
+    def active(self) -> bool:
+        return self.phase != "done"
+
+    def cancel(self, why: str) -> None:
+        """Stop (the caller placed the params itself); ``placement_choice`` says why."""
+        if self.active and not self._moving:
+            self.phase = "done"
+            self.choice["cancelled"] = why
+            self._prev_end = self._cur = None
+
+    def begin(self, device: torch.device) -> None:
+        """At the start of ``step()``."""
+        if self._clock is None:
+            self._clock = _Clock(device)
+        self._cur = {"start": self._clock.mark()}
+
+    def mark(self, key: str) -> None:
+        """Around the device-resident update (``"dev0"``, ``"dev1"``)."""
+        if self._cur:
+            self._cur[key] = self._clock.mark()
+
+    def end(self, opt) -> None:
+        """At the end of a successful ``step()``: a sample, and the phase's action once it has
+        :data:`MEASURED_STEPS`."""
+        if not self._cur:
+            return
+        cur, self._cur = self._cur, {}
+        cur["end"] = self._clock.mark()
+        prev, self._prev_end = self._prev_end, cur["end"]
+        if prev is not None:
+            self._samples.append(cur | {"prev": prev})
+        if len(self._samples) < MEASURED_STEPS:
+            return
+        samples, self._samples = self._timed(self._samples), []
+        if self.phase == "probe":
+            self._choose(opt, samples)
+        else:
+            self._verified(opt, samples)
+
+    def _timed(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        """Medians of the windows, in ms."""
+        ms = self._clock.ms
+
+        def median(a: str, b: str) -> float:
+            values = [ms(s[a], s[b]) for s in samples if a in s and b in s]
+            return statistics.median(values) if values else 0.0
+
+        return {"fwd_bwd_ms": median("prev", "start"), "period_ms": median("prev", "end"),
+                "device_update_ms": median("dev0", "dev1")}  # fmt: skip
+
+    def _choose(self, opt, timed: dict[str, float]) -> None:
+        mode = cost_mode(opt.overlap, opt.grads_final, opt.max_grad_norm)
+        probe = opt.offload_fraction
+        numel = opt._numel_by_side()
+        try:
+            m = measurements(fwd_bwd_ms=timed["fwd_bwd_ms"], stats=opt.stats,
+                             device_update_ms=timed["device_update_ms"],
+                             device_numel=numel[False], offloaded_numel=numel[True],
+                             bucket_nbytes=opt.bucket_nbytes)  # fmt: skip
+        except ValueError as e:
+            self.phase, self.choice = "done", {"fraction": probe, "set_by": "auto", "kept": str(e)}
+            _log.info("offloadopt: offload_fraction auto: kept %g (%s)", probe, e)
+            return
+        zero = costmodel.predict(m, 0.0, mode)
+        if self.budgeted:
+            chosen = costmodel.predict(m, probe, mode)
+        else:
+            chosen = costmodel.largest_hidden(m, self.tolerance, mode)
+        sweep = {round(k / 20, 2): costmodel.predict(m, k / 20, mode).step_ms for k in range(21)}
+        self.choice = {
+            "fraction": chosen.fraction, "set_by": "auto", "mode": mode,
+            "tolerance": self.tolerance, "probe_fraction": probe,
+            "probe_measured_step_ms": timed["period_ms"],
+            "probe_predicted_step_ms": costmodel.predict(m, probe, mode).step_ms,
+            "measurements": dataclasses.asdict(m), "predicted_step_ms": chosen.step_ms,
+            "predicted_step_ms_at_0": zero.step_ms, "predicted_sweep_ms": sweep,
+            "measured_step_ms": None,
+        }  # fmt: skip
+        if self.budgeted:
+            self.choice["why"] = "max_gpu_memory: the smallest fraction that fits is the fastest"
+        else:
+            self.choice["why"] = (f"the largest fraction predicted within {self.tolerance:.0%} of "
+                                  f"fraction 0's {zero.step_ms:.1f} ms")  # fmt: skip
+        _log.info(
+            "offloadopt: offload_fraction auto: probe %g measured %.1f ms/step (fwd+bwd %.1f ms, "
+            "worker %.3f ns/param, device %.3f ns/param); chose %g, predicted %.1f ms/step "
+            "(fraction 0: %.1f)", probe, timed["period_ms"], m.fwd_bwd_ms, m.cpu_ns_per_param,
+            m.device_ns_per_param, chosen.fraction, chosen.step_ms, zero.step_ms,
+        )  # fmt: skip
+        if chosen.fraction != probe:
+            self._moving = True
+            try:
+                opt.set_offload_fraction(chosen.fraction)
+            except (torch.OutOfMemoryError, RuntimeError) as e:  # the old placement stays
+                self.choice.update(fraction=probe, kept=f"{type(e).__name__}: {e}"[:300])
+                _log.warning("offloadopt: offload_fraction auto: kept %g: %s", probe, e)
+            finally:
+                self._moving = False
+        opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
+        self.phase = "verify"
+        self._prev_end = None  # the next window spans the move
+
+    def _verified(self, opt, timed: dict[str, float]) -> None:
+        self.phase = "done"
+        self.choice["measured_step_ms"] = timed["period_ms"]
+        opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
+        _log.info("offloadopt: offload_fraction auto: fraction %g measured %.1f ms/step "
+                  "(predicted %.1f)", self.choice["fraction"], timed["period_ms"],
+                  self.choice["predicted_step_ms"])  # fmt: skip
+        self._clock = self._prev_end = None

@@ -1,0 +1,190 @@
+"""offload_fraction="auto": the first steps are measured at the probe fraction, the cost model
+picks a fraction, the state moves there without loss, and the pick is measured."""
+
+import time
+
+import pytest
+import torch
+
+from offloadopt import HybridAdamW, auto, costmodel
+from offloadopt.harness.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(n_layer=3, n_head=2, n_embd=64, vocab_size=128, block_size=32)
+STEPS = 2 * auto.MEASURED_STEPS + 4  # probe (first step unmeasured), move, verify, a few more
+
+
+def model():
+    torch.manual_seed(0)
+    return GPT(CFG)
+
+
+def batches(steps):
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        seq = torch.randint(0, CFG.vocab_size, (4, CFG.block_size + 1), generator=g)
+        yield seq[:, :-1], seq[:, 1:]
+
+
+def train(m, opt, steps=STEPS, before_step=None):
+    for x, y in batches(steps):
+        m(x, y)[1].backward()
+        if before_step is not None:
+            before_step()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+@pytest.mark.parametrize("kw", [{}, dict(overlap="backward", grads_final=True)])
+def test_auto_moves_the_state_and_trains_bitwise_as_torch(kw):
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**14,
+                      offload_fraction="auto", **kw)  # fmt: skip
+    assert opt.offload_fraction == auto.PROBE_FRACTION and opt.placement_choice is None
+    got = train(m, opt)
+    ref_m = model()
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True)
+    want = train(ref_m, ref)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    choice = opt.placement_choice
+    assert choice["set_by"] == "auto" and choice["fraction"] == opt.offload_fraction
+    assert choice["measured_step_ms"] > 0 and choice["probe_measured_step_ms"] > 0
+    assert not opt._auto.active
+    # The state moved: the placement is the chosen fraction's, and the state is torch's.
+    assert {p.offloaded for p in opt.placement} <= {True, False}
+    ref_state = ref.state_dict()["state"]
+    for i, entry in opt.state_dict()["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(entry[key], ref_state[i][key]), (i, key)
+
+
+def test_the_choice_is_the_largest_fraction_the_model_predicts_within_the_tolerance():
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, offload_fraction="auto",
+                      auto_tolerance=0.5)  # fmt: skip
+    train(m, opt)
+    choice = opt.placement_choice
+    meas = costmodel.Measurements(**choice["measurements"])
+    zero = costmodel.predict(meas, 0.0, "step").step_ms
+    assert choice["predicted_step_ms"] <= 1.5 * zero + 1e-9
+    above = [f / 100 for f in range(101) if f / 100 > choice["fraction"]]
+    assert all(costmodel.predict(meas, f, "step").step_ms > 1.5 * zero for f in above)
+    # The probe's own period is kept beside its prediction from the same measurements.
+    at_probe = costmodel.predict(meas, choice["probe_fraction"], "step").step_ms
+    assert choice["probe_predicted_step_ms"] == pytest.approx(at_probe)
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a long GPU-like backward the worker can hide behind."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.08)  # releases the GIL, as a GPU's backward leaves the host free
+        return g
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+
+    def forward(self, x):
+        x = _SlowBackward.apply(x)  # its backward runs last: after every layer's grad
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("mode", ["step", "backward"])
+def test_work_that_hides_behind_backward_is_offloaded_and_work_that_shows_is_not(mode):
+    """A worker that takes 4 ms per bucket (6 buckets at fraction 1): behind an 80 ms backward
+    in backward mode it hides, so auto offloads everything; in step mode each bucket adds to
+    the step (5% of it is 4 ms), so auto keeps the state on the device."""
+    net = _Net()
+    kw = dict(overlap="backward", grads_final=True) if mode == "backward" else {}
+    opt = HybridAdamW(net.parameters(), lr=1e-3, min_offload_numel=1,
+                      bucket_nbytes=64 * 65 * 4, offload_fraction="auto", **kw)  # fmt: skip
+    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.004)
+    for _ in range(STEPS):
+        net(torch.randn(8, 64, requires_grad=True)).backward()  # the slow backward runs
+        opt.step()
+        opt.zero_grad()
+    choice = opt.placement_choice
+    if mode == "backward":
+        assert choice["fraction"] >= 0.9, choice
+    else:
+        assert choice["fraction"] <= 0.1, choice
+    assert choice["measured_step_ms"] < 1.3 * choice["probe_measured_step_ms"] or mode == "backward"
+
+
+def test_with_a_budget_auto_keeps_the_budgets_choice_and_measures_it():
+    m = model()
+    n = sum(p.numel() for p in m.parameters())
+    budget = 8 * n + 4 * 2**14 + 4 * n  # weights and grads, staging, half the state
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**14,
+                      offload_fraction="auto", max_gpu_memory=budget, activation_bytes=0)  # fmt: skip
+    train(m, opt)
+    choice = opt.placement_choice
+    assert 0.45 <= choice["fraction"] <= 0.55 and choice["predicted_gpu_bytes"] <= budget
+    assert choice["set_by"] == "auto" and choice["probe_fraction"] == choice["fraction"]
+    assert choice["measured_step_ms"] > 0 and opt.offload_fraction == choice["fraction"]
+
+
+def test_the_callers_own_fraction_ends_auto():
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, offload_fraction="auto")
+    train(m, opt, steps=2)
+    opt.set_offload_fraction(0.25)
+    train(m, opt, steps=STEPS)
+    assert opt.offload_fraction == 0.25 and not opt._auto.active
+    assert "set_offload_fraction" in opt._auto.choice["cancelled"]
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(offload_fraction="automatic"), "Invalid offload_fraction: 'automatic'"),
+        (dict(offload_fraction="auto", auto_tolerance=-0.1), "Invalid auto_tolerance: -0.1"),
+        (dict(offload_fraction="auto", auto_tolerance=float("nan")), "Invalid auto_tolerance"),
+        (dict(offload_fraction=0.5, auto_tolerance=0.1), "without offload_fraction='auto'"),
+        (dict(offload_fraction=0.5, max_gpu_memory="1GB"), "offload_fraction='auto'"),
+    ],
+)
+def test_bad_auto_arguments_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        HybridAdamW(model().parameters(), **kw)
+
+
+def test_auto_is_refused_with_several_ranks(monkeypatch):
+    import offloadopt.optim
+
+    monkeypatch.setattr(offloadopt.optim, "world_size", lambda: 2)
+    with pytest.raises(ValueError, match="'auto' with 2 ranks"):
+        HybridAdamW(model().parameters(), offload_fraction="auto")
+
+
+def test_measurements_come_from_the_step_figures():
+    stats = dict(cpu_update_ms=30.0, d2h_ms=10.0, d2h_nbytes=4e8, h2d_ms=8.0, h2d_nbytes=4e8,
+                 worker_ms=60.0, d2h_wait_ms=20.0, buckets=5)  # fmt: skip
+    m = auto.measurements(fwd_bwd_ms=100.0, device_update_ms=5.0, stats=stats,
+                          device_numel=10**8, offloaded_numel=10**8, bucket_nbytes=2**26)  # fmt: skip
+    assert m.params == 2 * 10**8 and m.fwd_bwd_ms == 100.0
+    assert m.cpu_ns_per_param == pytest.approx(0.3) and m.device_ns_per_param == pytest.approx(0.05)
+    assert m.d2h_gbps == pytest.approx(40.0) and m.h2d_gbps == pytest.approx(50.0)
+    assert m.bucket_overhead_ms == pytest.approx((60 - 20 - 30) / 5)
+    with pytest.raises(ValueError, match="no param is offloaded"):
+        auto.measurements(fwd_bwd_ms=1.0, device_update_ms=0.0, stats=stats, device_numel=10,
+                          offloaded_numel=0, bucket_nbytes=2**26)  # fmt: skip
+
+
+def test_backward_mode_without_grads_final_costs_as_step_mode():
+    assert auto.cost_mode("backward", False, None) == "step"
+    assert auto.cost_mode("backward", True, None) == "backward"
+    assert auto.cost_mode("backward", False, 1.0) == "backward"
+    assert auto.cost_mode("delayed", False, None) == "delayed"
