@@ -10,8 +10,13 @@ from typing import Any
 
 from offloadopt.costmodel import format_bytes, parse_bytes
 from offloadopt.placement import ParamInfo, Placement
+from offloadopt.transfer import SLOTS
 
-__all__ = ["sizes", "mem_available", "choose"]
+__all__ = ["sizes", "mem_available", "choose", "IN_FLIGHT_BUCKETS"]
+
+# release_grads: buckets whose grads may still be on the device at once: SLOTS fed and waiting
+# for a slot (backpressure, steps._on_grad), SLOTS in the staging slots, one filling.
+IN_FLIGHT_BUCKETS = 2 * SLOTS + 1
 
 
 def sizes(**named: int | str | None) -> dict[str, int | None]:
@@ -52,18 +57,23 @@ def choose(
     bucket_nbytes: int,
     delayed: bool,
     place_at: Callable[[float, list[ParamInfo]], list[Placement]],
+    release_grads: bool = False,
 ) -> dict[str, Any]:
     """The smallest fraction (0.01 steps) whose device bytes fit ``budget``: ``measured``
     (what the device holds without optimizer state, described by ``how``), plus the state that
     ``place_at(fraction, infos)`` leaves on the device, 4 staging slots as large as the largest
     bucket (at most ``bucket_nbytes`` of fp32) when anything is offloaded and, ``delayed``, a
-    landing buffer per offloaded param. Its host bytes (offloaded state and 2 pinned slots)
-    must fit
-    ``host_budget``, by default the host's MemAvailable.
+    landing buffer per offloaded param. With ``release_grads`` (grads freed during backward
+    as their copies land: ``grads_final`` without clipping) the offloaded params' grads leave
+    ``measured`` (a peak of the first backward, which held every grad), but for those in
+    flight: the largest offloaded param's and :data:`IN_FLIGHT_BUCKETS` buckets' worth.
+    Its host bytes (offloaded state and 2 pinned slots) must fit ``host_budget``, by default
+    the host's MemAvailable.
 
     Returns:
         The choice: ``fraction``, ``max_gpu_memory``, ``measured_bytes``, ``measured``,
-        ``predicted_gpu_bytes``, ``host_bytes``, ``host_available_bytes``.
+        ``predicted_gpu_bytes``, ``host_bytes``, ``host_available_bytes``,
+        ``released_grad_bytes`` (what ``release_grads`` takes off ``measured``).
 
     Raises:
         ValueError: no fraction fits, or the host lacks the memory (both with figures).
@@ -82,9 +92,15 @@ def choose(
         fp32 = sum(i.numel * 4 for i, pl in zip(infos, placements, strict=True) if pl.offloaded)
         slot = min(bucket_nbytes, fp32)
         staging = 4 * slot
-        need = measured + device_state + staging + landing
+        released = 0
+        if release_grads and fp32:
+            grads = [i.numel * i.dtype.itemsize for i, pl in zip(infos, placements, strict=True)
+                     if pl.offloaded]  # fmt: skip
+            in_flight = max(grads) + IN_FLIGHT_BUCKETS * slot // 2  # a bucket's bf16 grads
+            released = max(0, sum(grads) - in_flight)
+        need = measured - released + device_state + staging + landing
         if need <= budget:
-            chosen = (fraction, need, host_state + 2 * slot)
+            chosen = (fraction, need, host_state + 2 * slot, released)
             break
     if chosen is None:
         raise ValueError(
@@ -92,7 +108,7 @@ def choose(
             f"device needs {format_bytes(need)} ({how}: {format_bytes(measured)}; staging "
             f"{format_bytes(staging)}; state left on the device {format_bytes(device_state)})"
         )
-    fraction, need, host = chosen
+    fraction, need, host, released = chosen
     available = host_budget or mem_available()
     if available is not None and host > available:
         where = "(max_host_memory)" if host_budget else "available (MemAvailable)"
@@ -108,5 +124,5 @@ def choose(
     return {
         "fraction": fraction, "max_gpu_memory": budget, "measured_bytes": measured,
         "measured": how, "predicted_gpu_bytes": need, "host_bytes": host,
-        "host_available_bytes": available,
+        "host_available_bytes": available, "released_grad_bytes": released,
     }  # fmt: skip

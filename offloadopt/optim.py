@@ -317,6 +317,8 @@ class HybridOptimizer(Stepping, Optimizer):
             self._budget["max_host_memory"], self.bucket_nbytes, self.overlap == "delayed",
             lambda f, infos: place(infos, f, self.min_offload_numel, self.master_weights,
                                    self.placement_policy),
+            # grads go during backward only when no clip waits for them all (steps._on_grad)
+            release_grads=self.release_grads and self.max_grad_norm is None,
         )  # fmt: skip
         self.offload_fraction = self.placement_choice["fraction"]
 

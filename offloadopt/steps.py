@@ -207,12 +207,21 @@ class Stepping:
             elif st.scale is None and self._pending_clip is not None:
                 st.norm, st.scale = self._pending_clip
             self._pending_clip = None
-            device_work = self._prepare_device(st, with_grad)
+            # release_grads at a step that creates device-resident state (the first one, whose
+            # backward ran before any hook): the offloaded grads go before that state is
+            # allocated, so this step's peak is no higher than a later step's.
+            lazy = self.release_grads and any(
+                not self._records[p].offloaded and not self.state.get(p) for p in with_grad
+            )
+            device_work = [] if lazy else self._prepare_device(st, with_grad)
             # Phase 2 starts first (the worker copies and updates the offloaded buckets while
             # phase 1 is launched): every bucket with a grad not fed during backward.
             streams = self._streams()
             try:
                 self._feed(st, self._open_buckets(st, with_grad), st.scale)
+                if lazy:
+                    self._land_and_release(st)
+                    device_work = self._prepare_device(st, with_grad)
             except BaseException:
                 if st.run is not None:  # a bucket failed while others were fed: some updated
                     st.run.abort()
@@ -463,6 +472,18 @@ class Stepping:
                 done = [b for b in self.buckets if b in mine and b not in st.fed
                         and all(q in st.announced for q in b.params)]  # fmt: skip
                 self._feed(st, [(b, self._announced_idx(st, b)) for b in done], None, early=True)
+
+    def _land_and_release(self, st: StepState) -> None:
+        """Wait until every bucket fed so far has landed on the host, then drop its grads.
+
+        Raises:
+            TimeoutError, WorkerError: as ``step()``.
+        """
+        if st.run is None:
+            return
+        for work in list(st.run.fed):
+            st.run.wait_h2d_queued(work.bucket, self.timeout_s)  # queued after it landed
+        self._release(st)
 
     def _release(self, st: StepState) -> None:
         """Drop the device grads whose every D2H has landed (release_grads), on the thread that

@@ -248,3 +248,49 @@ def test_an_interrupt_during_set_offload_fraction_waits_for_the_move(monkeypatch
     assert len(calls) == len(kept)  # the move finished before the interrupt was raised
     moved = opt.state_dict()["state"]
     assert all(torch.equal(kept[i][k], moved[i][k]) for i in kept for k in kept[i])
+
+
+def test_with_release_grads_the_offloaded_grads_leave_the_measured_peak():
+    """grads_final + release_grads frees offloaded grads during backward: a budget counts only
+    those in flight, so it needs less offload than with the grads kept."""
+    kw = dict(lr=1e-2, min_offload_numel=1, bucket_nbytes=BUCKET, overlap="backward",
+              grads_final=True, activation_bytes=0)  # fmt: skip
+    m = model()
+    n = sum(p.numel() for p in m.parameters())
+    budget = budget_for(m, 0.5)
+    kept = HybridAdamW(m.parameters(), max_gpu_memory=budget, **kw)
+    train(m, kept, steps=1)
+    m2 = model()
+    freed = HybridAdamW(m2.parameters(), max_gpu_memory=budget, release_grads=True, **kw)
+    train(m2, freed, steps=1)
+    a, b = kept.placement_choice, freed.placement_choice
+    assert a["released_grad_bytes"] == 0 and b["released_grad_bytes"] > 0
+    assert b["fraction"] < a["fraction"] and b["predicted_gpu_bytes"] <= budget
+    offloaded_grads = sum(4 * p.numel() for p in m2.parameters() if freed.is_offloaded(p))
+    largest = max(4 * p.numel() for p in m2.parameters() if freed.is_offloaded(p))
+    slot = min(BUCKET, offloaded_grads)  # fp32 params: grads as large as their fp32 copy
+    assert b["released_grad_bytes"] == max(0, offloaded_grads - largest - 5 * slot // 2)
+    assert b["measured_bytes"] == 8 * n  # weights and every grad, as the first backward held
+
+
+def test_the_first_step_with_release_grads_drops_offloaded_grads_before_device_state(monkeypatch):
+    """The first step creates the device-resident state; with release_grads the offloaded
+    grads are gone by then, so the step's peak is a later step's."""
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=BUCKET,
+                      offload_fraction=0.5, overlap="backward", grads_final=True,
+                      release_grads=True)  # fmt: skip
+    seen = []
+    original = type(opt)._prepare_device
+
+    def spy(self, st, with_grad):
+        seen.append([p.grad is None for p in m.parameters() if self.is_offloaded(p)])
+        return original(self, st, with_grad)
+
+    monkeypatch.setattr(type(opt), "_prepare_device", spy)
+    # The first backward runs before any hook sees it (accumulating), as a deferred placement's.
+    x, y = next(iter([(torch.randint(0, 128, (4, 32)), torch.randint(0, 128, (4, 32)))]))
+    with opt.accumulating():
+        m(x, y)[1].backward()
+    opt.step()
+    assert seen and all(seen[0]), "offloaded grads still held when device state was made"
