@@ -237,3 +237,69 @@ def test_main_job_says_why_a_gpu_budget_cannot_be_met():
     r = subprocess.run([sys.executable, "-m", "offloadopt", "train", "--max-gpu-memory", "1GB",
                         "--optimizer", "adamw"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 2 and "--max-gpu-memory: HybridAdamW's option" in r.stderr
+
+
+@pytest.mark.parametrize("name", ["gpt-9b", "gpt-13b", "gpt-17.5b", "gpt-18b"])
+def test_the_width_4096_presets_count_their_params(name):
+    with torch.device("meta"):
+        model = GPT(PRESETS[name])
+    assert model.num_params() == PRESETS[name].num_params()
+    assert PRESETS[name].n_embd == 4096 and PRESETS[name].vocab_size == 256  # byte text
+
+
+def test_the_largest_preset_is_over_17_5e9_params():
+    assert PRESETS["gpt-17.5b"].num_params() >= 17.5e9
+    assert PRESETS["gpt-18b"].num_params() == pytest.approx(17.93e9, rel=1e-3)
+
+
+def test_the_model_is_built_in_its_dtype_never_in_fp32_first(monkeypatch):
+    made = []
+    original = GPT._init_weights
+
+    def spy(module):
+        made.extend(p.dtype for p in module.parameters(recurse=False))
+        original(module)
+
+    monkeypatch.setattr(GPT, "_init_weights", staticmethod(spy))
+    model, _ = make_model_and_optimizer(
+        TrainConfig(dtype="bf16", optimizer="adamw", progress=False).resolved()
+    )
+    assert made and set(made) == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32  # restored
+
+
+def test_main_job_backward_mode_with_auto_fraction_release_and_checkpointing(capsys):
+    out = train(TrainConfig(overlap="backward", release_grads=True, grad_clip=0.0,
+                            checkpointing=True, offload_fraction="auto", **SHORT))  # fmt: skip
+    choice = out["placement_choice"]
+    assert choice["set_by"] == "auto" and choice["measured_step_ms"] > 0
+    assert out["offload_fraction"] == choice["fraction"]
+    assert out["final_train_loss"] < out["first_train_loss"] - 1.0
+    assert "placement: offload fraction" in capsys.readouterr().out
+
+
+def test_main_job_backward_mode_clips_through_the_optimizer(monkeypatch):
+    """--overlap backward with --grad-clip clips inside the update: torch's clip_grad_norm_
+    is never called (it would make the updates wait for step())."""
+    calls = []
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: calls.append(a))
+    model, opt = make_model_and_optimizer(
+        TrainConfig(overlap="backward", grad_clip=1.0, progress=False).resolved()
+    )
+    assert opt.max_grad_norm == 1.0 and opt.overlap == "backward"
+    out = train(TrainConfig(overlap="backward", grad_clip=1.0, **SHORT))
+    assert not calls and out["final_train_loss"] < out["first_train_loss"] - 1.0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--release-grads"], "--release-grads: frees grads during backward, so it needs --overlap backward"),
+        (["--offload-fraction", "auto", "--optimizer", "adamw"], "--offload-fraction auto: HybridAdamW's option"),
+        (["--offload-fraction", "automatic"], "--offload-fraction: 'automatic' is not a number"),
+    ],
+)
+def test_main_job_refuses_options_that_cannot_combine(capsys, args, message):
+    assert main(["train", "--steps", "1", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -106,6 +106,11 @@ def fraction(value: Any) -> float:
     return _float(value, "in [0, 1]", lambda x: 0.0 <= x <= 1.0)
 
 
+def fraction_or_auto(value: Any) -> float | str:
+    """An offload fraction, or ``auto`` (HybridAdamW measures the first steps and chooses)."""
+    return "auto" if value == "auto" else fraction(value)
+
+
 def size(value: Any) -> int:
     """A byte size: a number of bytes, or a string like ``120GB`` or ``112GiB``."""
     from offloadopt.costmodel import parse_bytes

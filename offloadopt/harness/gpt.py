@@ -47,6 +47,12 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024, vocab_size=50304, block_size=1024),
     "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280, vocab_size=50304, block_size=1024),
     "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600, vocab_size=50304, block_size=1024),
+    # Width 4096 (32 heads of 128), byte vocabulary: the largest models one GPU trains with the
+    # host's memory (README, "The largest model"); 201.4e6 params per block.
+    "gpt-9b": GPTConfig(n_layer=45, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
+    "gpt-13b": GPTConfig(n_layer=64, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
+    "gpt-17.5b": GPTConfig(n_layer=87, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
+    "gpt-18b": GPTConfig(n_layer=89, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
 }
 
 

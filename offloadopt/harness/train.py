@@ -32,7 +32,9 @@ from offloadopt.harness.gpt import GPT, PRESETS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OPTIMIZERS = ("hybrid", "adamw")
-OVERLAPS = ("step", "delayed")  # the modes the main job offers (its clipping is torch's)
+# The modes the main job offers: step and delayed clip with torch's clip_grad_norm_; backward
+# clips through the optimizer (max_grad_norm), or declares grads final with --grad-clip 0.
+OVERLAPS = ("step", "backward", "delayed")
 PARALLELS = ("none", "fsdp", "ddp")  # under torchrun: FSDP2 (fully_shard per block) or DDP
 
 # Per-preset (batch_size, peak lr) used when --batch-size / --lr are not given. The GPT-2
@@ -45,6 +47,11 @@ RUN_DEFAULTS: dict[str, tuple[int, float]] = {
     "gpt2-medium": (8, 3e-4),
     "gpt2-large": (4, 2.5e-4),
     "gpt2-xl": (4, 2e-4),
+    # width 4096: GPT-3 13B's lr (1.0e-4), one sequence a step (activation checkpointing)
+    "gpt-9b": (1, 1e-4),
+    "gpt-13b": (1, 1e-4),
+    "gpt-17.5b": (1, 1e-4),
+    "gpt-18b": (1, 1e-4),
 }
 
 
@@ -53,9 +60,11 @@ class TrainConfig:
     device: str = "cpu"  # "cpu" or "cuda" (or "cuda:N")
     preset: str = "tiny"  # a key of gpt.PRESETS
     optimizer: str = "hybrid"  # "hybrid" (HybridAdamW) or "adamw" (torch.optim.AdamW(fused=True))
-    offload_fraction: float = 1.0  # HybridAdamW: share of optimizer-state bytes kept on the host
+    offload_fraction: float | str = 1.0  # HybridAdamW: host share of optimizer-state bytes, or "auto"
     min_offload_numel: int = 4096  # HybridAdamW: params with fewer elements stay on the device
-    overlap: str = "step"  # HybridAdamW: "step", or "delayed" (the delayed parameter update)
+    overlap: str = "step"  # HybridAdamW: "step", "backward" (updates start in backward) or "delayed"
+    release_grads: bool = False  # HybridAdamW, overlap "backward": free offloaded grads as they land
+    checkpointing: bool = False  # activation checkpointing per block (recomputed in backward)
     steps: int = 300  # optimizer steps
     batch_size: int | None = None  # sequences per step; None: RUN_DEFAULTS[preset]
     seq_len: int | None = None  # tokens per sequence; None: the preset's block_size
@@ -108,6 +117,16 @@ class TrainConfig:
                 f"--max-gpu-memory: HybridAdamW's option; --optimizer {cfg.optimizer} keeps "
                 "everything on the device"
             )
+        if cfg.release_grads and cfg.overlap != "backward":
+            raise UsageError(
+                f"--release-grads: frees grads during backward, so it needs --overlap backward "
+                f"(not {cfg.overlap!r})"
+            )
+        if cfg.offload_fraction == "auto" and cfg.optimizer != "hybrid":
+            raise UsageError(
+                f"--offload-fraction auto: HybridAdamW's option; --optimizer {cfg.optimizer} "
+                "keeps everything on the device"
+            )
         if cfg.overlap != "step" and cfg.optimizer != "hybrid":
             raise UsageError(
                 f"--overlap: {cfg.overlap!r} is HybridAdamW's mode; --optimizer {cfg.optimizer} "
@@ -130,7 +149,7 @@ class TrainConfig:
 # TrainConfig.resolved()'s check of the values a Python caller gives.
 FIELD_CHECKS = {
     "device": checks.device,
-    "offload_fraction": checks.fraction,
+    "offload_fraction": checks.fraction_or_auto,
     "max_gpu_memory": checks.size,
     "min_offload_numel": checks.nonneg_int,
     "steps": checks.positive_int,
@@ -161,14 +180,20 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
     with ``cfg.parallel`` the model is sharded by FSDP2 or wrapped in DDP (the process group
     must exist: :func:`offloadopt.harness.distributed.init_from_env`).
 
-    The model is built directly on the device (no fp32 CPU copy of a 1.5B model). ``cfg`` must
-    be resolved (``TrainConfig.resolved()``).
+    The model is built directly on the device in its dtype (no fp32 copy, on the host or the
+    device: a 17.5e9-param model in bf16 is 35 GB, in fp32 70). ``cfg`` must be resolved
+    (``TrainConfig.resolved()``).
     """
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
-    with device:
-        model = GPT(PRESETS[cfg.preset])
-    model.to(dtype=DTYPES[cfg.dtype])
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPES[cfg.dtype])  # params are created, and initialised, in it
+    try:
+        with device:
+            model = GPT(PRESETS[cfg.preset])
+    finally:
+        torch.set_default_dtype(default)
+    model.checkpointing = cfg.checkpointing
     if cfg.parallel == "fsdp":
         model = shard_fsdp(model)  # every rank built the same weights (the seed); FSDP2 shards them
     elif cfg.parallel == "ddp":
@@ -178,12 +203,19 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
         opt = torch.optim.AdamW(model.parameters(), fused=True, **kwargs)
     else:
         chosen = {"max_gpu_memory": cfg.max_gpu_memory} if cfg.max_gpu_memory else {}
+        fraction = cfg.offload_fraction if cfg.offload_fraction == "auto" or not chosen else 1.0
+        if cfg.overlap == "backward":  # clipping through the optimizer, or none
+            clip = dict(max_grad_norm=cfg.grad_clip) if cfg.grad_clip > 0 else dict(grads_final=True)
+            clip["release_grads"] = cfg.release_grads
+        else:
+            clip = {}  # torch's clip_grad_norm_ in train_step
         opt = HybridAdamW(
             model.named_parameters(),
-            offload_fraction=1.0 if chosen else cfg.offload_fraction,
+            offload_fraction=fraction,
             **chosen,
             min_offload_numel=cfg.min_offload_numel,
             overlap=cfg.overlap,
+            **clip,
             **kwargs,
         )
         if cfg.overlap == "delayed":
@@ -198,7 +230,8 @@ def train_step(
     y: torch.Tensor,
     grad_clip: float = 1.0,
 ) -> torch.Tensor:
-    """One forward, backward, optional grad clipping, ``opt.step()`` and ``zero_grad``.
+    """One forward, backward, optional grad clipping (torch's, unless the optimizer clips:
+    ``max_grad_norm``), ``opt.step()`` and ``zero_grad``.
 
     ``x``, ``y``: (batch, seq) int64 on the model's device. Returns the detached 0-dim fp32
     loss on the device: this function adds no host sync and no device-to-host copy of its own
@@ -206,7 +239,7 @@ def train_step(
     """
     _, loss = model(x, y)
     loss.backward()
-    if grad_clip > 0:
+    if grad_clip > 0 and getattr(opt, "max_grad_norm", None) is None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # stays on the device
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -290,6 +323,7 @@ def train(cfg: TrainConfig) -> dict:
         + f" | batch {cfg.batch_size} x {cfg.seq_len} = {tokens_per_step:,} tokens/step"
         + (" per rank" if ranks.initialized else "")
         + f" | {cfg.steps} steps, lr {cfg.lr:g}"
+        + (" | activation checkpointing" if cfg.checkpointing else "")
     )
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)  # peak of training, not of building
@@ -311,6 +345,7 @@ def train(cfg: TrainConfig) -> dict:
     first_loss = train_loss = val_loss = float("nan")
     gb = 1e9
     t_start = time.perf_counter()
+    said_choice = None  # the optimizer's placement choice last printed
     bar = tqdm(range(1, cfg.steps + 1), desc="train", file=sys.stderr,
                disable=not (cfg.progress and ranks.main))  # fmt: skip
     for step in bar:
@@ -343,6 +378,10 @@ def train(cfg: TrainConfig) -> dict:
                 f"pinned {pinned:6.2f} GB",
                 file=sys.stdout,
             )
+        choice = getattr(opt, "placement_choice", None)
+        if ranks.main and choice is not None and choice != said_choice:
+            said_choice = dict(choice)
+            tqdm.write(describe_choice(choice), file=sys.stdout)
         bar.set_postfix(loss=f"{train_loss:.3f}", refresh=False)
     bar.close()
 
@@ -384,6 +423,24 @@ def train(cfg: TrainConfig) -> dict:
     return summary
 
 
+def describe_choice(choice: dict) -> str:
+    """One line of what chose the offload fraction (``HybridAdamW.placement_choice``)."""
+    gb = 1e9
+    line = f"placement: offload fraction {choice['fraction']:g}"
+    if "max_gpu_memory" in choice:
+        line += (f" | max_gpu_memory {choice['max_gpu_memory'] / gb:.2f} GB: device "
+                 f"{choice['predicted_gpu_bytes'] / gb:.2f} GB predicted, host "
+                 f"{choice['host_bytes'] / gb:.2f} GB")  # fmt: skip
+    if choice.get("set_by") == "auto":
+        measured = choice.get("measured_step_ms")
+        line += (f" | auto: probe {choice['probe_fraction']:g} at "
+                 f"{choice['probe_measured_step_ms']:.1f} ms/step; predicted "
+                 f"{choice['predicted_step_ms']:.1f} ms/step (fraction 0: "
+                 f"{choice['predicted_step_ms_at_0']:.1f})")  # fmt: skip
+        line += f", measured {measured:.1f}" if measured is not None else ", measuring"
+    return line
+
+
 def per_rank(opt, summary: dict, ranks: Dist, tokens_per_step: int) -> dict:
     """Each rank's figures (gathered on every rank) and the job's totals: host bytes add up
     over ranks, tokens/s too (each rank trains on its own batches)."""
@@ -417,10 +474,10 @@ HELP = {
     "device": "cpu, cuda or cuda:N (default: %(default)s)",
     "preset": "model size (default: %(default)s)",
     "optimizer": "hybrid: HybridAdamW; adamw: torch.optim.AdamW(fused=True) (default: %(default)s)",
-    "offload_fraction": "HybridAdamW: share of optimizer-state bytes on the host, 0..1 (default: %(default)s)",
+    "offload_fraction": "HybridAdamW: share of optimizer-state bytes on the host, 0..1, or auto: measured in the first steps and chosen (default: %(default)s)",
     "min_offload_numel": "HybridAdamW: params with fewer elements stay on the device (default: %(default)s)",
     "max_gpu_memory": "HybridAdamW: a GPU budget, bytes or 120GB / 112GiB; it picks the smallest fraction that fits, at the first step (overrides --offload-fraction)",
-    "overlap": "HybridAdamW: step, or delayed: the update runs during the next forward and backward, which read weights one step old (default: %(default)s)",
+    "overlap": "HybridAdamW: step; backward: updates start during backward (clipping through the optimizer; --grad-clip 0: none, grads final); or delayed: the update runs during the next forward and backward, which read weights one step old (default: %(default)s)",
     "steps": "optimizer steps (default: %(default)s)",
     "batch_size": "sequences per step (default: per preset, 16 for tiny)",
     "seq_len": "tokens per sequence (default: the preset's block_size)",
@@ -451,6 +508,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, default=getattr(d, name), help=help_text, **kwargs, **metavar)
     a = parser.add_argument
     a("--mock-data", action="store_true", help="uniform random tokens: loss stays at ln(vocab)")
+    a("--checkpointing", action="store_true", help="activation checkpointing per block: activations are recomputed in backward")
+    a("--release-grads", action="store_true", help="HybridAdamW, --overlap backward: free each offloaded grad once its copy lands on the host")
     a("--no-progress", action="store_true", help="no tqdm progress bar on stderr")
     par = parser.add_mutually_exclusive_group()
     par.add_argument(
