@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|bench|audit|ab|overlap|delayed|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|bench|audit|ab|overlap|delayed|auto|largest|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -35,6 +35,21 @@ for part in "${@:-all}"; do
   if [[ $part == delayed || $part == all ]]; then
     timeout 420 python3 benchmarks/overlap_bench.py --batch-size 16 --no-memory --out "$OUT/delayed" \
       --only f0 "step f1" "delayed f1" "delayed f1 clip" "delayed f1 torch-clip" torchao 2>&1 | tee "$OUT/delayed.log" | tail -14
+  fi
+  if [[ $part == auto || $part == all ]]; then
+    # issue 14: offload_fraction="auto" (alone, and with a budget) against the sweep, one run
+    timeout 420 python3 benchmarks/overlap_bench.py --no-memory --no-probe --out "$OUT/auto" \
+      --only f0 "backward f0.05" "backward f0.1" "backward f0.15" "backward f0.2" "backward f0.25" \
+      "backward f0.3" "backward f1" "backward auto" "backward auto budget" 2>&1 | tee "$OUT/auto.log" | tail -16
+  fi
+  if [[ $part == largest ]]; then
+    # issue 14: the largest GPT with the automatic fraction (a budget) on one H200, 20 steps
+    grep -E "MemTotal|MemAvailable" /proc/meminfo
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 560 python3 -m offloadopt train \
+      --device cuda --preset "${LARGEST_PRESET:-gpt-17.5b}" --checkpointing --overlap backward \
+      --release-grads --grad-clip 0 --offload-fraction auto --max-gpu-memory "${LARGEST_BUDGET:-140GB}" \
+      --steps 20 --warmup-steps 5 --eval-every 20 --eval-batches 2 --log-every 1 --no-progress \
+      2>&1 | tee "$OUT/largest.log" | tail -26
   fi
   if [[ $part == conv || $part == all ]]; then
     timeout 300 python3 benchmarks/convergence.py --device cuda --out "$OUT/conv" 2>&1 | tail -6

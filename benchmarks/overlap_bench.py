@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from offloadopt import HybridAdamW
+from offloadopt import HybridAdamW, auto
 from offloadopt.harness import anchors, models
 from offloadopt.harness.data import get_batch, load_text
 from offloadopt.harness.probes import time_kernel_under_link
@@ -47,10 +47,17 @@ EXTRA = [
 ]
 
 
+# offload_fraction="auto" needs its probe, move and verify steps before the timed ones.
+AUTO_WARMUP = 2 * auto.MEASURED_STEPS + 3
+
+
 def configs(quick: bool) -> list[tuple[str, dict]]:
     sweep = SWEEP[1::2] if quick else SWEEP
     out = [("f0", dict(fraction=0.0))]
     out += [(f"backward f{f:g}", dict(fraction=f, **BEST)) for f in sweep]
+    # issue 14: auto against the sweep above; with a budget, the peak of "backward f0.2"
+    out += [("backward auto", dict(fraction="auto", **BEST)),
+            ("backward auto budget", dict(fraction="auto", budget_of="backward f0.2", **BEST))]  # fmt: skip
     out += [(f"step f{f:g}", dict(fraction=f)) for f in (0.1, 0.2)]
     out += [("f0 clip", dict(fraction=0.0, max_grad_norm=1.0))]
     out += [(f"backward f{f:g} clip", dict(fraction=f, **CLIPPED)) for f in sweep]
@@ -84,6 +91,8 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
     if switch_s is not None:
         sys.setswitchinterval(switch_s)
     fraction = cfg.pop("fraction", 1.0)
+    if fraction == "auto":
+        warmup = max(warmup, AUTO_WARMUP)
     t = time.perf_counter()
     if torchao:
         opt = anchors.torchao_offload(model, lr)["opt"]
@@ -113,7 +122,8 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
     if hasattr(opt, "synchronize"):
         opt.synchronize()
     r = {
-        "name": name, "fraction": fraction, "step_ms": statistics.median(times),
+        "name": name, "fraction": getattr(opt, "offload_fraction", fraction),
+        "choice": getattr(opt, "placement_choice", None), "step_ms": statistics.median(times),
         "step_ms_min": min(times), "step_ms_max": max(times),
         "to_backward_end_ms": statistics.median(fb),
         "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
@@ -180,7 +190,7 @@ def main() -> int:
     init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     gen = torch.Generator().manual_seed(0)
     batches = [get_batch(data, "train", args.batch_size, args.seq_len, gen, device)
-               for _ in range(args.warmup + args.steps)]  # fmt: skip
+               for _ in range(max(args.warmup, AUTO_WARMUP) + args.steps)]  # fmt: skip
     results["params"] = n
     rows = results["configs"] = []
     chosen = configs(args.quick) + EXTRA
@@ -188,6 +198,13 @@ def main() -> int:
         chosen = [(n, c) for n, c in chosen if n in args.only]
     for name, cfg in chosen:
         try:
+            if "budget_of" in cfg:  # a budget of a measured row's peak: fractions above it fit
+                cfg = dict(cfg)
+                of_name = cfg.pop("budget_of")
+                of = next(r for r in rows if r["name"] == of_name and "error" not in r)
+                if device.type != "cuda":
+                    raise anchors.Unavailable("a GPU budget needs a GPU's measured peak")
+                cfg["max_gpu_memory"] = int(of["peak_gpu_gb"] * 1e9)
             rows.append(run(model, init, batches, name, cfg, args.warmup, args.steps))
         except anchors.Unavailable as e:
             rows.append({"name": name, "error": f"skipped: {e}"})
@@ -235,6 +252,7 @@ def summarize(results: dict, n: int) -> None:
             if within:
                 best = f
         print(f"  sweep{suffix or ' (no clipping)'}: {base} {b:.1f} ms; {' '.join(line)}; largest within 1.10x: {best:g}")  # fmt: skip
+    summarize_auto(rows, results)
     kernel_ms = probe["worker_link_ns_per_param"] * n / 1e6
     fb = rows.get("f0", {}).get("to_backward_end_ms", float("nan"))
     for name in ("step f1", "backward f1", "backward f1 clip", "torchao", "delayed f1",
@@ -252,6 +270,67 @@ def summarize(results: dict, n: int) -> None:
             mem["ckpt b1 backward f1 release"]["peak_gpu_gb"],
         )
         print(f"  peak GPU, ckpt batch 1, f1: step {a:.2f} GB, release {b:.2f} GB ({b / a:.2f}x)")
+
+
+def summarize_auto(rows: dict, results: dict) -> None:
+    """issue 14's figures: auto against the sweep, the budget's choice against the fixed
+    fractions that fit, and the cost model's predicted sweep against the measured one."""
+    base, a = rows.get("f0"), rows.get("backward auto")
+    if base is None or a is None:
+        return
+    b = base["step_ms"]
+    measured = {0.0: b} | {f: rows[f"backward f{f:g}"]["step_ms"] for f in SWEEP
+                           if f"backward f{f:g}" in rows}  # fmt: skip
+    within = [f for f in measured if measured[f] <= 1.05 * b and all(
+        measured[g] <= 1.05 * b for g in measured if g <= f)]  # fmt: skip
+    print(f"  auto: chose {a['fraction']:g}, step {a['step_ms']:.1f} ms = "
+          f"{a['step_ms'] / b:.3f} x f0; largest sweep fraction within 1.05x: {max(within):g}")
+    predicted = a["choice"].get("predicted_sweep_ms", {})
+    errors = {f: predicted[round(f, 2)] / ms - 1 for f, ms in measured.items() if round(f, 2) in predicted}
+    if "backward f1" in rows and 1.0 in predicted:
+        errors[1.0] = predicted[1.0] / rows["backward f1"]["step_ms"] - 1
+    results["auto_model_errors"] = errors
+    print("  cost model from auto's probe, predicted/measured - 1: "
+          + " ".join(f"{f:g}:{e:+.1%}" for f, e in sorted(errors.items())))
+    bud = rows.get("backward auto budget")
+    if bud is not None:
+        limit = bud["choice"]["max_gpu_memory"] / 1e9
+        fits = {r["fraction"]: r["step_ms"] for r in rows.values() if r["name"].startswith("backward f")
+                and not r["name"].endswith(("clip", "torch-clip")) and r["peak_gpu_gb"] <= limit}  # fmt: skip
+        best = min(fits.values()) if fits else float("nan")
+        print(f"  auto with max_gpu_memory {limit:.2f} GB: chose {bud['fraction']:g}, peak "
+              f"{bud['peak_gpu_gb']:.2f} GB, step {bud['step_ms']:.1f} ms = {bud['step_ms'] / best:.3f} x "
+              f"the best fixed fraction that fits ({min(fits, key=fits.get) if fits else '-'}: {best:.1f} ms)")
+    plot_auto(measured, predicted, rows, results)
+
+
+def plot_auto(measured: dict, predicted: dict, rows: dict, results: dict) -> None:
+    """auto-predicted.png beside overlap.json: the cost model's sweep (from auto's probe)
+    against the measured one."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    out = Path(results["args"]["out"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = sorted(predicted)
+    ax.plot(xs, [predicted[x] for x in xs], "-", label="predicted (auto's probe at 0.5)")
+    pts = dict(measured)
+    if "backward f1" in rows:
+        pts[1.0] = rows["backward f1"]["step_ms"]
+    ax.plot(sorted(pts), [pts[x] for x in sorted(pts)], "o", label="measured")
+    a = rows["backward auto"]
+    ax.plot([a["fraction"]], [a["step_ms"]], "*", markersize=14, label=f"auto's choice ({a['fraction']:g})")
+    ax.set_xlabel("offload fraction")
+    ax.set_ylabel("step (ms)")
+    ax.set_title(f"{results['gpu']}, backward mode, grads final")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "auto-predicted.png", dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -49,3 +49,55 @@ def test_the_chosen_fraction_keeps_the_peak_within_the_budget():
     # the update's fp32 temporaries (one chunk of bucket_nbytes) are not in the prediction
     assert peak <= budget + BUCKET
     opt.close()
+
+
+def test_with_release_grads_the_first_steps_peak_stays_within_the_budget():
+    """grads_final + release_grads: the budget counts only the offloaded grads in flight, and
+    the first step drops them before it makes the device-resident state."""
+    torch.manual_seed(0)
+    m = GPT(CFG).cuda().bfloat16()
+    n = sum(p.numel() for p in m.parameters())
+    kw = dict(bucket_nbytes=BUCKET, overlap="backward", grads_final=True, release_grads=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    probe = HybridAdamW(m.parameters(), offload_fraction=1.0, **kw)
+    for seed in (0, 1):
+        step(m, probe, seed)
+    probe.close()
+    m.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.max_memory_allocated()  # a step at fraction 1 with its grads released
+    budget = base + 6 * n
+    torch.cuda.reset_peak_memory_stats()
+    opt = HybridAdamW(m.parameters(), max_gpu_memory=budget, **kw)
+    step(m, opt, 2)
+    choice = opt.placement_choice
+    for seed in (3, 4):
+        step(m, opt, seed)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()  # the first step's included
+    print(f"release_grads: budget {budget / 1e6:.1f} MB, fraction {choice['fraction']}, "
+          f"released {choice['released_grad_bytes'] / 1e6:.1f} MB, predicted "
+          f"{choice['predicted_gpu_bytes'] / 1e6:.1f} MB, peak {peak / 1e6:.1f} MB")
+    assert choice["released_grad_bytes"] > 0 and 0.1 < choice["fraction"] < 0.9, choice
+    assert peak <= budget + BUCKET
+    opt.close()
+
+
+def test_auto_measures_on_the_compute_stream_and_moves_there():
+    torch.manual_seed(0)
+    m = GPT(CFG).cuda().bfloat16()
+    opt = HybridAdamW(m.parameters(), bucket_nbytes=BUCKET, offload_fraction="auto",
+                      overlap="backward", grads_final=True)  # fmt: skip
+    for seed in range(12):
+        step(m, opt, seed)
+    choice = opt.placement_choice
+    meas = choice["measurements"]
+    print(f"auto: chose {choice['fraction']}, probe {choice['probe_measured_step_ms']:.2f} ms "
+          f"(predicted {choice['probe_predicted_step_ms']:.2f}), measured "
+          f"{choice['measured_step_ms']:.2f} ms (predicted {choice['predicted_step_ms']:.2f}); "
+          f"fwd+bwd {meas['fwd_bwd_ms']:.2f} ms, link {meas['d2h_gbps']:.1f}/{meas['h2d_gbps']:.1f} GB/s")
+    assert 0 < meas["fwd_bwd_ms"] < choice["probe_measured_step_ms"]
+    assert 1 < meas["d2h_gbps"] < 1000 and 1 < meas["h2d_gbps"] < 1000  # measured, not assumed
+    assert opt.offload_fraction == choice["fraction"] and choice["measured_step_ms"] > 0
+    opt.close()
