@@ -156,9 +156,15 @@ class AutoFraction:
         if not self._cur:
             return
         cur, self._cur = self._cur, {}
+        if self.phase == "probe" and opt.wait == "module" and opt.overlap != "delayed":
+            # The next forward must not wait for this step's copies inside the window that
+            # measures forward+backward: the probe waits for them here, as wait="step" would.
+            opt.synchronize()
         cur["end"] = self._clock.mark()
         prev, self._prev_end = self._prev_end, cur["end"]
         if prev is not None:
+            if not self._samples and opt._pipeline is not None:
+                opt._pipeline.collect_link()  # the link's copies from here on are ours
             self._samples.append(cur | {"prev": prev})
         if len(self._samples) < MEASURED_STEPS:
             return
@@ -179,12 +185,22 @@ class AutoFraction:
         return {"fwd_bwd_ms": median("prev", "start"), "period_ms": median("prev", "end"),
                 "device_update_ms": median("dev0", "dev1")}  # fmt: skip
 
+    def _link(self, opt) -> dict[str, float]:
+        """The last step's figures, with the link's GPU times and bytes of the copies since
+        the first sample (``opt.stats`` sums times over every step not yet read)."""
+        stats = dict(opt._stats)
+        if opt._pipeline is not None:
+            opt.synchronize()  # every copy of the measured steps has run
+            for key, (ms, nbytes) in opt._pipeline.collect_link().items():
+                stats[key], stats[key.replace("_ms", "_nbytes")] = ms, nbytes
+        return stats
+
     def _choose(self, opt, timed: dict[str, float]) -> None:
         mode = cost_mode(opt.overlap, opt.grads_final, opt.max_grad_norm)
         probe = opt.offload_fraction
         numel = opt._numel_by_side()
         try:
-            m = measurements(fwd_bwd_ms=timed["fwd_bwd_ms"], stats=opt.stats,
+            m = measurements(fwd_bwd_ms=timed["fwd_bwd_ms"], stats=self._link(opt),
                              device_update_ms=timed["device_update_ms"],
                              device_numel=numel[False], offloaded_numel=numel[True],
                              bucket_nbytes=opt.bucket_nbytes)  # fmt: skip

@@ -58,6 +58,7 @@ def choose(
     delayed: bool,
     place_at: Callable[[float, list[ParamInfo]], list[Placement]],
     release_grads: bool = False,
+    grads_in_flight: bool = False,
 ) -> dict[str, Any]:
     """The smallest fraction (0.01 steps) whose device bytes fit ``budget``: ``measured``
     (what the device holds without optimizer state, described by ``how``), plus the state that
@@ -66,7 +67,10 @@ def choose(
     landing buffer per offloaded param. With ``release_grads`` (grads freed during backward
     as their copies land: ``grads_final`` without clipping) the offloaded params' grads leave
     ``measured`` (a peak of the first backward, which held every grad), but for those in
-    flight: the largest offloaded param's and :data:`IN_FLIGHT_BUCKETS` buckets' worth.
+    flight: the largest offloaded param's and :data:`IN_FLIGHT_BUCKETS` buckets' worth. With
+    ``grads_in_flight`` (``wait="module"``: ``step()`` returns while copies still read the
+    offloaded grads, and ``zero_grad`` frees them to blocks the allocator reuses only once
+    those copies are done, ``record_stream``) that many buckets' grads are added.
     Its host bytes (offloaded state and 2 pinned slots) must fit ``host_budget``, by default
     the host's MemAvailable.
 
@@ -92,13 +96,17 @@ def choose(
         fp32 = sum(i.numel * 4 for i, pl in zip(infos, placements, strict=True) if pl.offloaded)
         slot = min(bucket_nbytes, fp32)
         staging = 4 * slot
-        released = 0
-        if release_grads and fp32:
-            grads = [i.numel * i.dtype.itemsize for i, pl in zip(infos, placements, strict=True)
-                     if pl.offloaded]  # fmt: skip
-            in_flight = max(grads) + IN_FLIGHT_BUCKETS * slot // 2  # a bucket's bf16 grads
-            released = max(0, sum(grads) - in_flight)
-        need = measured - released + device_state + staging + landing
+        released = pending = 0
+        if fp32:
+            offloaded = [i for i, pl in zip(infos, placements, strict=True) if pl.offloaded]
+            grads = [i.numel * i.dtype.itemsize for i in offloaded]
+            # a bucket's grads: its fp32 bytes in the params' dtype
+            buckets = IN_FLIGHT_BUCKETS * slot * max(i.dtype.itemsize for i in offloaded) // 4
+            if release_grads:
+                released = max(0, sum(grads) - max(grads) - buckets)
+            if grads_in_flight:
+                pending = min(buckets, sum(grads))
+        need = measured - released + pending + device_state + staging + landing
         if need <= budget:
             chosen = (fraction, need, host_state + 2 * slot, released)
             break

@@ -319,6 +319,7 @@ class HybridOptimizer(Stepping, Optimizer):
                                    self.placement_policy),
             # grads go during backward only when no clip waits for them all (steps._on_grad)
             release_grads=self.release_grads and self.max_grad_norm is None,
+            grads_in_flight=self.wait == "module" and self.overlap != "delayed",
         )  # fmt: skip
         self.offload_fraction = self.placement_choice["fraction"]
 

@@ -302,11 +302,18 @@ class Pipeline:
             self.transfers[device].publish(streams[device], buckets)
 
     def collect_timing(self) -> dict[str, float]:
-        totals: dict[str, float] = {}
+        """GPU ms of the copies since the last call, summed over devices (``stats``)."""
+        return {key: ms for key, (ms, _) in self.collect_link().items()}
+
+    def collect_link(self) -> dict[str, tuple[float, int]]:
+        """GPU ms and bytes of the copies since the last call, per direction (``d2h_ms``,
+        ``h2d_ms``), summed over devices."""
+        totals: dict[str, tuple[float, int]] = {}
         for tr in self.transfers.values():
             if tr.cuda:
-                for key, ms in tr.collect_timing().items():
-                    totals[key] = totals.get(key, 0.0) + ms
+                for key, (ms, n) in tr.collect_link().items():
+                    old_ms, old_n = totals.get(key, (0.0, 0))
+                    totals[key] = (old_ms + ms, old_n + n)
         return totals
 
     def close(self) -> None:

@@ -124,7 +124,8 @@ class Transfer:
         if self.cuda:
             self.d2h, self.h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
         self.h2d_done: dict[Bucket, Any] = {}  # bucket -> the event of its last H2D
-        self.timing: list[tuple[str, Any, Any]] = []  # (stats key, start event, end event)
+        # (stats key, start event, end event, bytes copied), from the worker's thread
+        self.timing: list[tuple[str, Any, Any, int]] = []
         # Test hook: called as hook("d2h" | "h2d") inside each side-stream context, before the
         # copies; the race tests queue a torch.cuda._sleep there to make the copies late.
         self.side_stream_hook: Callable[[str], None] | None = None
@@ -184,7 +185,7 @@ class Transfer:
             # the host reads the slot only after the event below (I2).
             slot.host[: b.nbytes].copy_(slot.d2h[: b.nbytes], non_blocking=True)
             done = self.d2h.record_event(torch.cuda.Event(enable_timing=True))
-        self.timing.append(("d2h_ms", start, done))
+        self.timing.append(("d2h_ms", start, done, b.nbytes))
         return done
 
     def wait_h2d_done(self, b: Bucket, timeout_s: float) -> None:
@@ -219,7 +220,7 @@ class Transfer:
             torch._foreach_copy_([targets[i] for i in idx], [views[i] for i in idx])  # downcast
             done = self.h2d.record_event(torch.cuda.Event(enable_timing=True))
         self.h2d_done[b] = done
-        self.timing.append(("h2d_ms", start, done))
+        self.timing.append(("h2d_ms", start, done, b.nbytes))
 
     def publish(self, stream: Any, buckets: list[Bucket]) -> None:
         """(I4) GPU-side wait, no host sync: ``stream`` (the consumer's, handed in) reads the
@@ -231,11 +232,16 @@ class Transfer:
     def collect_timing(self) -> dict[str, float]:
         """GPU milliseconds of the copies and casts recorded since the last call, per stream.
         Waits for those events (the last step's; long done by the next forward)."""
-        totals = {"d2h_ms": 0.0, "h2d_ms": 0.0}
-        for key, start, end in self.timing:
+        return {key: ms for key, (ms, _) in self.collect_link().items()}
+
+    def collect_link(self) -> dict[str, tuple[float, int]]:
+        """As :meth:`collect_timing`, with the bytes those copies moved: key -> (ms, bytes)."""
+        totals = {"d2h_ms": (0.0, 0), "h2d_ms": (0.0, 0)}
+        timing, self.timing = self.timing, []  # the worker appends to the new list from here
+        for key, start, end, nbytes in timing:
             end.synchronize()  # stats only: the events of a step that has returned
-            totals[key] += start.elapsed_time(end)
-        self.timing = []
+            ms, n = totals[key]
+            totals[key] = (ms + start.elapsed_time(end), n + nbytes)
         return totals
 
     def close(self) -> None:

@@ -269,7 +269,8 @@ def test_with_release_grads_the_offloaded_grads_leave_the_measured_peak():
     offloaded_grads = sum(4 * p.numel() for p in m2.parameters() if freed.is_offloaded(p))
     largest = max(4 * p.numel() for p in m2.parameters() if freed.is_offloaded(p))
     slot = min(BUCKET, offloaded_grads)  # fp32 params: grads as large as their fp32 copy
-    assert b["released_grad_bytes"] == max(0, offloaded_grads - largest - 5 * slot // 2)
+    # in flight: the largest param's grad and 5 buckets' (fp32 params: as large as the bucket)
+    assert b["released_grad_bytes"] == max(0, offloaded_grads - largest - 5 * slot)
     assert b["measured_bytes"] == 8 * n  # weights and every grad, as the first backward held
 
 
@@ -294,3 +295,23 @@ def test_the_first_step_with_release_grads_drops_offloaded_grads_before_device_s
         m(x, y)[1].backward()
     opt.step()
     assert seen and all(seen[0]), "offloaded grads still held when device state was made"
+
+
+def test_wait_module_counts_the_grads_its_copies_still_read():
+    """wait="module": step() returns while the copies read the offloaded grads; zero_grad's
+    freed blocks come back only after them, so a budget counts those buckets' grads."""
+    kw = dict(lr=1e-2, min_offload_numel=1, bucket_nbytes=BUCKET, overlap="backward",
+              grads_final=True, activation_bytes=0)  # fmt: skip
+    def choice(wait, budget):
+        m = model()
+        opt = HybridAdamW(m.parameters(), max_gpu_memory=budget, wait=wait, **kw)
+        train(m, opt, steps=1)
+        return opt.placement_choice
+
+    plain = choice("step", budget_for(model(), 0.5))
+    budget = plain["predicted_gpu_bytes"]  # just what wait="step" needs
+    module = choice("module", budget)
+    assert module["fraction"] > plain["fraction"] and module["predicted_gpu_bytes"] <= budget
+    loose = choice("module", budget_for(model(), 0.5))
+    assert loose["fraction"] == plain["fraction"]
+    assert loose["predicted_gpu_bytes"] - plain["predicted_gpu_bytes"] == 5 * BUCKET  # fp32 grads
