@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|bench|audit|ab|overlap|delayed|auto|largest|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|bench|audit|ab|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -48,8 +48,15 @@ for part in "${@:-all}"; do
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 560 python3 -m offloadopt train \
       --device cuda --preset "${LARGEST_PRESET:-gpt-17.5b}" --checkpointing --overlap backward \
       --release-grads --grad-clip 0 --offload-fraction auto --max-gpu-memory "${LARGEST_BUDGET:-140GB}" \
-      --steps 20 --warmup-steps 5 --eval-every 20 --eval-batches 2 --log-every 1 --no-progress \
+      --steps 20 --warmup-steps 10 --eval-every 20 --eval-batches 2 --log-every 1 --no-progress \
       2>&1 | tee "$OUT/largest.log" | tail -26
+  fi
+  if [[ $part == largest0 ]]; then
+    # issue 14: the largest GPT at fraction 0 (every state on the GPU), for the table
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 300 python3 -m offloadopt train \
+      --device cuda --preset "${LARGEST0_PRESET:-gpt-9b}" --checkpointing --offload-fraction 0 \
+      --steps 20 --warmup-steps 10 --eval-every 20 --eval-batches 2 --log-every 5 --no-progress \
+      2>&1 | tee "$OUT/largest0.log" | tail -8
   fi
   if [[ $part == conv || $part == all ]]; then
     timeout 300 python3 benchmarks/convergence.py --device cuda --out "$OUT/conv" 2>&1 | tail -6

@@ -5,7 +5,8 @@ Timeline (each phase is :data:`MEASURED_STEPS` steps; the optimizer calls :meth:
 :meth:`mark` and :meth:`end` from ``step()``):
 
 1. *Probe*: the optimizer is placed at :data:`PROBE_FRACTION` (or, with ``max_gpu_memory``, at
-   the budget's choice, made at the first ``step()``). The first step pays for lazy state and
+   the budget's choice, made at the first ``step()``); ``overlap="backward"``'s updates wait
+   for ``step()`` (:attr:`AutoFraction.holds`). The first step pays for lazy state and
    warm-up and is not measured. Each later step gives, on the compute stream (CUDA events; the
    host clock without CUDA): the window from the end of the previous ``step()`` to the start of
    this one (forward + backward), the device-resident update, and the period from end to end
@@ -116,10 +117,13 @@ class AutoFraction:
     Args:
         tolerance: the step may grow by this share over fraction 0's prediction (0.05 = 5%).
         budgeted: a ``max_gpu_memory`` budget chose the fraction: keep it, measure it.
+        release_grads: the optimizer frees grads during backward (the probe must not hold
+            them: its memory was counted without them).
     """
 
-    def __init__(self, tolerance: float, budgeted: bool):
+    def __init__(self, tolerance: float, budgeted: bool, release_grads: bool = False):
         self.tolerance, self.budgeted = tolerance, budgeted
+        self._may_hold = not budgeted and not release_grads
         self.phase = "probe"  # "probe" -> "verify" -> "done"
         self.choice: dict[str, Any] = {}
         self._clock: _Clock | None = None
@@ -131,6 +135,15 @@ class AutoFraction:
     @property
     def active(self) -> bool:
         return self.phase != "done"
+
+    @property
+    def holds(self) -> bool:
+        """During the probe the updates of ``overlap="backward"`` wait for ``step()`` (as in
+        step mode): the window between steps is then forward and backward alone, with no
+        hook's hand-off or worker in it, which the cost model's ``fwd_bwd_ms`` means. Not with
+        a budget (its choice needs no times) or ``release_grads`` (held grads would exceed
+        the memory it counted)."""
+        return self.phase == "probe" and self._may_hold
 
     def cancel(self, why: str) -> None:
         """Stop (the caller placed the params itself); ``placement_choice`` says why."""

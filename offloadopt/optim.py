@@ -113,7 +113,8 @@ class HybridOptimizer(Stepping, Optimizer):
         self._budget = sizes  # max_gpu_memory: the fraction is chosen at the first step()
         self.placement_choice: dict[str, Any] | None = None  # what chose the fraction, and why
         # offload_fraction="auto" (offloadopt/auto.py): probe, choose, verify in the first steps
-        self._auto = AutoFraction(auto_tolerance, sizes["max_gpu_memory"] is not None) if auto else None
+        self._auto = (AutoFraction(auto_tolerance, sizes["max_gpu_memory"] is not None, release_grads)
+                      if auto else None)  # fmt: skip
         self.offload_fraction = PROBE_FRACTION if auto else float(offload_fraction)
         self.min_offload_numel = min_offload_numel
         self.master_weights = master_weights

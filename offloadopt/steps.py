@@ -438,7 +438,7 @@ class Stepping:
             if p not in st.group_of:
                 return  # no longer in any group
             st.announced.add(p)
-            if self.max_grad_norm is None and self.grads_final:
+            if self.max_grad_norm is None and self.grads_final and not self._holding():
                 rec = self._records[p]
                 done = [b for b in rec.buckets if b not in st.fed
                         and all(q in st.announced for q in b.params)]  # fmt: skip
@@ -514,6 +514,8 @@ class Stepping:
             if st is None or st.backward_done:
                 return
             st.backward_done = True
+            if self._holding():
+                return  # offload_fraction="auto" measures this backward alone: step() feeds
             if self.max_grad_norm is not None:
                 params = [p for p in st.group_of if p.grad is not None]
                 self._clip(st, params, self.max_grad_norm)
@@ -522,6 +524,11 @@ class Stepping:
             items = [(b, self._announced_idx(st, b)) for b in self._forward_order()
                      if b not in st.fed]  # fmt: skip
             self._feed(st, [(b, idx) for b, idx in items if idx], st.scale, early=True)
+
+    def _holding(self) -> bool:
+        """offload_fraction="auto"'s probe: updates wait for ``step()``, so that its window
+        measures forward and backward alone (auto.AutoFraction.holds)."""
+        return self._auto is not None and self._auto.holds
 
     def _announced_idx(self, st: StepState, b: Bucket) -> list[int]:
         return [n for n, s in enumerate(b.segments) if b.arena.params[s.k] in st.announced]

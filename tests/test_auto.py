@@ -188,3 +188,25 @@ def test_backward_mode_without_grads_final_costs_as_step_mode():
     assert auto.cost_mode("backward", True, None) == "backward"
     assert auto.cost_mode("backward", False, 1.0) == "backward"
     assert auto.cost_mode("delayed", False, None) == "delayed"
+
+
+def test_the_probe_holds_backward_modes_updates_for_step_then_lets_them_start():
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**14,
+                      offload_fraction="auto", auto_tolerance=10.0, overlap="backward",
+                      grads_final=True)  # fmt: skip
+    fed = []
+    train(m, opt, before_step=lambda: fed.append(len(opt._step.fed) if opt._step else 0))
+    probe = 1 + auto.MEASURED_STEPS  # the first step, unmeasured, and the measured ones
+    assert fed[:probe] == [0] * probe and all(n > 0 for n in fed[probe:]), fed
+    assert opt.offload_fraction > 0  # a tolerance of 1000% offloads
+
+
+def test_with_release_grads_the_probe_does_not_hold_the_grads():
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**14,
+                      offload_fraction="auto", overlap="backward", grads_final=True,
+                      release_grads=True)  # fmt: skip
+    fed = []
+    train(m, opt, before_step=lambda: fed.append(len(opt._step.fed) if opt._step else 0))
+    assert fed[1] > 0, fed  # the second backward (placed since construction) fed its buckets
