@@ -40,7 +40,8 @@ for part in "${@:-all}"; do
     # issue 14: offload_fraction="auto" (alone, and with a budget) against the sweep, one run
     timeout 420 python3 benchmarks/overlap_bench.py --no-memory --no-probe --out "$OUT/auto" \
       --only f0 "backward f0.05" "backward f0.1" "backward f0.15" "backward f0.2" "backward f0.25" \
-      "backward f0.3" "backward f1" "backward auto" "backward auto budget" 2>&1 | tee "$OUT/auto.log" | tail -16
+      "backward f0.3" "backward f1" "backward auto" "backward auto budget" \
+      "backward f0.5 moved to f0.15" 2>&1 | tee "$OUT/auto.log" | tail -16
   fi
   if [[ $part == largest ]]; then
     # issue 14: the largest GPT with the automatic fraction (a budget) on one H200, 20 steps
@@ -48,8 +49,8 @@ for part in "${@:-all}"; do
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 560 python3 -m offloadopt train \
       --device cuda --preset "${LARGEST_PRESET:-gpt-17.5b}" --checkpointing --overlap backward \
       --release-grads --grad-clip 0 --offload-fraction auto --max-gpu-memory "${LARGEST_BUDGET:-140GB}" \
-      --steps 20 --warmup-steps 10 --eval-every 20 --eval-batches 2 --log-every 1 --no-progress \
-      2>&1 | tee "$OUT/largest.log" | tail -26
+      --steps 20 --warmup-steps 10 --eval-every 10 --eval-batches 2 --log-every 1 --no-progress \
+      2>&1 | tee "$OUT/largest.log" | grep -v '^{' | tail -26
   fi
   if [[ $part == largest0 ]]; then
     # issue 14: the largest GPT at fraction 0 (every state on the GPU), for the table

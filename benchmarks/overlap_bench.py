@@ -40,6 +40,9 @@ EXTRA = [
     ("delayed f1 bucket256", dict(fraction=1.0, overlap="delayed", bucket_nbytes=256 * 2**20)),
     ("delayed f1 bucket1024", dict(fraction=1.0, overlap="delayed", bucket_nbytes=2**30)),
     ("delayed f1 switch1ms", dict(fraction=1.0, overlap="delayed", switch_s=1e-3)),
+    # set_offload_fraction between steps, as auto does, without auto's probe: is a moved
+    # placement as fast as one made at construction?
+    ("backward f0.5 moved to f0.15", dict(fraction=0.5, move_at=4, move_to=0.15, **BEST)),
     (
         "delayed f1 bucket256 switch1ms",
         dict(fraction=1.0, overlap="delayed", bucket_nbytes=256 * 2**20, switch_s=1e-3),
@@ -91,7 +94,8 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
     if switch_s is not None:
         sys.setswitchinterval(switch_s)
     fraction = cfg.pop("fraction", 1.0)
-    if fraction == "auto":
+    move_at, move_to = cfg.pop("move_at", None), cfg.pop("move_to", None)
+    if fraction == "auto" or move_at is not None:
         warmup = max(warmup, AUTO_WARMUP)
     t = time.perf_counter()
     if torchao:
@@ -114,6 +118,8 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if i == move_at:
+            opt.set_offload_fraction(move_to)
         sync(model)
         t2 = time.perf_counter()
         if i >= warmup:

@@ -47,13 +47,14 @@ RUN_DEFAULTS: dict[str, tuple[int, float]] = {
     "gpt2-medium": (8, 3e-4),
     "gpt2-large": (4, 2.5e-4),
     "gpt2-xl": (4, 2e-4),
-    # width 4096, one sequence a step (activation checkpointing): 2e-5, a fifth of GPT-3 13B's
-    # 1e-4, which at a short warm-up spiked the loss of gpt-17.5b from 6.2 to 31 at step 2 on
-    # the GPU host (2026-12-01): Adam's first steps move every weight by about lr at once
-    "gpt-9b": (1, 2e-5),
-    "gpt-13b": (1, 2e-5),
-    "gpt-17.5b": (1, 2e-5),
-    "gpt-18b": (1, 2e-5),
+    # width 4096, one sequence a step (activation checkpointing): Adam's first steps move every
+    # weight by about lr at once, and on the GPU host (2026-12-01, 10 warm-up steps) 1e-4 and
+    # 2e-5 spiked gpt-17.5b's loss from 6.2 to 31 and 21 at step 2, 6e-6 gpt-9b's to 9.2 at
+    # step 6; at 2e-6 gpt-9b's fell from 5.2 to 3.9 in 20 steps
+    "gpt-9b": (1, 2e-6),
+    "gpt-13b": (1, 2e-6),
+    "gpt-17.5b": (1, 2e-6),
+    "gpt-18b": (1, 2e-6),
 }
 
 
