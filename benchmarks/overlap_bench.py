@@ -51,7 +51,7 @@ EXTRA = [
 
 
 # offload_fraction="auto" needs its probe, move and verify steps before the timed ones.
-AUTO_WARMUP = 3 * auto.MEASURED_STEPS + 4
+AUTO_WARMUP = 2 * auto.MEASURED_STEPS + 3
 
 
 def configs(quick: bool) -> list[tuple[str, dict]]:

@@ -12,17 +12,13 @@ Timeline (each phase is :data:`MEASURED_STEPS` steps; the optimizer calls :meth:
    this one (forward + backward), the device-resident update, and the period from end to end
    (the whole training step). ``opt.stats`` gives the worker's kernel time and the link's bytes
    and times.
-2. *Calibrate* (``overlap="backward"`` with early updates, no budget): the same fraction for
-   :data:`MEASURED_STEPS` more steps with the updates overlapping backward; their period,
-   beside the probe's figures, gives how much CPU work hides
-   (``Measurements.hidden_window_ms``).
-3. *Choose*: medians become :class:`costmodel.Measurements` (:func:`measurements`; the
+2. *Choose*: medians become :class:`costmodel.Measurements` (:func:`measurements`; the
    probe's own period, measured and predicted, is kept beside them). Without a budget the choice
    is :func:`costmodel.largest_hidden` (the largest fraction whose predicted step stays within
    ``1 + tolerance`` of fraction 0's); with a budget it stays the budget's (the smallest
    fraction that fits, which is also the fastest that fits: the predicted step grows with the
    fraction). ``opt.set_offload_fraction`` moves the state, losslessly.
-4. *Verify*: the period at the chosen fraction is measured and logged beside the prediction.
+3. *Verify*: the period at the chosen fraction is measured and logged beside the prediction.
 
 ``opt.placement_choice`` holds the choice, its inputs and the predicted and measured step
 times (milliseconds); logger ``offloadopt`` says the same in two lines.
@@ -128,8 +124,7 @@ class AutoFraction:
     def __init__(self, tolerance: float, budgeted: bool, release_grads: bool = False):
         self.tolerance, self.budgeted = tolerance, budgeted
         self._may_hold = not budgeted and not release_grads
-        self.phase = "probe"  # "probe" (-> "calibrate") -> "verify" -> "done"
-        self._probe: tuple[costmodel.Measurements, dict[str, float]] | None = None
+        self.phase = "probe"  # "probe" -> "verify" -> "done"
         self.choice: dict[str, Any] = {}
         self._clock: _Clock | None = None
         self._cur: dict[str, Any] = {}
@@ -189,8 +184,6 @@ class AutoFraction:
         samples, self._samples = self._timed(self._samples), []
         if self.phase == "probe":
             self._choose(opt, samples)
-        elif self.phase == "calibrate":
-            self._calibrated(opt, samples)
         else:
             self._verified(opt, samples)
 
@@ -228,30 +221,6 @@ class AutoFraction:
             self.phase, self.choice = "done", {"fraction": probe, "set_by": "auto", "kept": str(e)}
             _log.info("offloadopt: offload_fraction auto: kept %g (%s)", probe, e)
             return
-        if mode == "backward" and self._may_hold and self._probe is None:
-            # How much CPU work hides behind backward and the next forward: the same fraction
-            # once more, with its updates overlapping as they will (_calibrated).
-            self._probe = (m, timed)
-            self.phase, self._prev_end = "calibrate", None
-            return
-        self._decide(opt, m, timed, mode)
-
-    def _calibrated(self, opt, natural: dict[str, float]) -> None:
-        """The hidden window from a step that overlaps: its period is fwd_bwd + device +
-        the CPU work that shows (the cost model's backward mode), so the window is the CPU
-        work less what showed."""
-        m, timed = self._probe
-        at = costmodel.predict(m, opt.offload_fraction, "backward")
-        shown = natural["period_ms"] - (at.step_ms - max(0.0, at.cpu_ms - m.fwd_bwd_ms))
-        if shown <= 0.02 * natural["period_ms"]:  # all of it hid: the window is at least that
-            window = max(m.fwd_bwd_ms, at.cpu_ms)
-        else:
-            window = min(max(at.cpu_ms - shown, 0.0), natural["period_ms"])
-        m = dataclasses.replace(m, hidden_window_ms=window)
-        self._decide(opt, m, timed | {"overlapped_period_ms": natural["period_ms"]}, "backward")
-
-    def _decide(self, opt, m: costmodel.Measurements, timed: dict[str, float], mode: str) -> None:
-        probe = opt.offload_fraction
         zero = costmodel.predict(m, 0.0, mode)
         if self.budgeted:
             chosen = costmodel.predict(m, probe, mode)
@@ -261,9 +230,8 @@ class AutoFraction:
         self.choice = {
             "fraction": chosen.fraction, "set_by": "auto", "mode": mode,
             "tolerance": self.tolerance, "probe_fraction": probe,
-            "probe_measured_step_ms": timed.get("overlapped_period_ms", timed["period_ms"]),
+            "probe_measured_step_ms": timed["period_ms"],
             "probe_predicted_step_ms": costmodel.predict(m, probe, mode).step_ms,
-            "probe_held_step_ms": timed["period_ms"] if "overlapped_period_ms" in timed else None,
             "measurements": dataclasses.asdict(m), "predicted_step_ms": chosen.step_ms,
             "predicted_step_ms_at_0": zero.step_ms, "predicted_sweep_ms": sweep,
             "measured_step_ms": None,

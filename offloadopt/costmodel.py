@@ -14,7 +14,7 @@ The model (tests/test_costmodel.py checks it against the H200 runs recorded in b
 - ``overlap="step"``: forward+backward, then the device work, then the CPU work.
 - ``overlap="backward"`` (grads final, each module waiting for its own params): the CPU work
   hides behind the rest of backward and the next forward, a window of about one
-  forward+backward (``hidden_window_ms`` when measured); what is left shows.
+  forward+backward; what is left shows.
 - ``overlap="delayed"``: the CPU work of one step runs during the next forward and backward;
   the step is the longer of the two.
 
@@ -61,9 +61,6 @@ class Measurements:
     weight_bytes: int = 2  # per param on the GPU (bf16)
     grad_bytes: int = 2
     state_bytes: int = 12  # fp32 master + exp_avg + exp_avg_sq
-    # overlap="backward": the CPU work that hides behind the GPU's (None: fwd_bwd_ms); auto.py
-    # measures it from a step whose updates overlap backward
-    hidden_window_ms: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("params", "bucket_nbytes", "d2h_gbps", "h2d_gbps"):
@@ -72,10 +69,8 @@ class Measurements:
                 raise ValueError(f"Invalid {name}: {value!r} (expected a finite number > 0)")
         for name in ("fwd_bwd_ms", "device_ns_per_param", "cpu_ns_per_param",
                      "bucket_overhead_ms", "activation_bytes", "weight_bytes", "grad_bytes",
-                     "state_bytes", "hidden_window_ms"):  # fmt: skip
+                     "state_bytes"):  # fmt: skip
             value = getattr(self, name)
-            if name == "hidden_window_ms" and value is None:
-                continue
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"Invalid {name}: {value!r} (expected a finite number >= 0)")
 
@@ -118,8 +113,7 @@ def predict(m: Measurements, fraction: float, mode: str = "step") -> Prediction:
     if mode == "step":
         step = m.fwd_bwd_ms + device_ms + cpu_ms
     elif mode == "backward":
-        window = m.fwd_bwd_ms if m.hidden_window_ms is None else m.hidden_window_ms
-        step = m.fwd_bwd_ms + device_ms + max(0.0, cpu_ms - window)
+        step = m.fwd_bwd_ms + device_ms + max(0.0, cpu_ms - m.fwd_bwd_ms)
     else:
         step = max(m.fwd_bwd_ms + device_ms, cpu_ms)
     gpu = m.params * (m.weight_bytes + m.grad_bytes) + (m.params - offloaded) * m.state_bytes

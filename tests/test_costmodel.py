@@ -3,7 +3,6 @@ predictions against the H200 runs recorded in benchmarks/ (GPT-2 1.5B, bf16), ea
 from measurements taken at one fraction of the same run, within 15% at every other."""
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -180,16 +179,3 @@ def test_overlap_modes_predicted_within_15_percent_of_the_recorded_runs(run, mod
             assert predict(m, fraction, mode).step_ms == pytest.approx(r["step_ms"], rel=0.15), name
             checked += 1
     assert checked >= (7 if mode == "backward" else 1)
-
-
-def test_a_measured_hidden_window_bounds_what_backward_mode_hides():
-    m = toy()
-    full = predict(m, 0.5, "backward")
-    narrow = predict(replace(m, hidden_window_ms=0.0), 0.5, "backward")
-    assert narrow.step_ms == pytest.approx(predict(m, 0.5, "step").step_ms)  # nothing hides
-    wide = predict(replace(m, hidden_window_ms=1e6), 0.5, "backward")
-    assert wide.step_ms <= full.step_ms and wide.step_ms == pytest.approx(
-        m.fwd_bwd_ms + (m.params / 2) * m.device_ns_per_param * 1e-6
-    )
-    with pytest.raises(ValueError, match="Invalid hidden_window_ms: -1"):
-        replace(m, hidden_window_ms=-1.0)
