@@ -51,7 +51,7 @@ EXTRA = [
 
 
 # offload_fraction="auto" needs its probe, move and verify steps before the timed ones.
-AUTO_WARMUP = 2 * auto.MEASURED_STEPS + 3
+AUTO_WARMUP = (2 + auto.CORRECTIONS) * (auto.MEASURED_STEPS + 1)
 
 
 def configs(quick: bool) -> list[tuple[str, dict]]:
@@ -289,8 +289,11 @@ def summarize_auto(rows: dict, results: dict) -> None:
                            if f"backward f{f:g}" in rows}  # fmt: skip
     within = [f for f in measured if measured[f] <= 1.05 * b and all(
         measured[g] <= 1.05 * b for g in measured if g <= f)]  # fmt: skip
-    print(f"  auto: chose {a['fraction']:g}, step {a['step_ms']:.1f} ms = "
-          f"{a['step_ms'] / b:.3f} x f0; largest sweep fraction within 1.05x: {max(within):g}")
+    moves = " -> ".join(f"{c['fraction']:g} ({c['measured_step_ms']:.1f} ms)"
+                        for c in a["choice"].get("corrections", []))  # fmt: skip
+    print(f"  auto: chose {a['fraction']:g}{' after ' + moves if moves else ''}, step "
+          f"{a['step_ms']:.1f} ms = {a['step_ms'] / b:.3f} x f0; largest sweep fraction within "
+          f"1.05x: {max(within):g}")  # fmt: skip
     predicted = a["choice"].get("predicted_sweep_ms", {})
     errors = {f: predicted[round(f, 2)] / ms - 1 for f, ms in measured.items() if round(f, 2) in predicted}
     if "backward f1" in rows and 1.0 in predicted:

@@ -19,6 +19,9 @@ Timeline (each phase is :data:`MEASURED_STEPS` steps; the optimizer calls :meth:
    fraction that fits, which is also the fastest that fits: the predicted step grows with the
    fraction). ``opt.set_offload_fraction`` moves the state, losslessly.
 3. *Verify*: the period at the chosen fraction is measured and logged beside the prediction.
+   Without a budget, a period above ``1 + tolerance`` times fraction 0's prediction moves the
+   state down to the fraction the model, corrected by that error, keeps within it, and that
+   one is verified in turn (:data:`CORRECTIONS` times at most; ``choice["corrections"]``).
 
 ``opt.placement_choice`` holds the choice, its inputs and the predicted and measured step
 times (milliseconds); logger ``offloadopt`` says the same in two lines.
@@ -36,10 +39,11 @@ import torch
 
 from offloadopt import costmodel
 
-__all__ = ["AutoFraction", "PROBE_FRACTION", "MEASURED_STEPS", "measurements"]
+__all__ = ["AutoFraction", "PROBE_FRACTION", "MEASURED_STEPS", "CORRECTIONS", "measurements"]
 
 PROBE_FRACTION = 0.5  # both sides hold state, so both kernels' speeds are measured
 MEASURED_STEPS = 3  # steps per phase (medians)
+CORRECTIONS = 2  # verified periods above the limit that move the fraction down
 _NO_LINK_GBPS = 1e3  # without CUDA the "link" is a memcpy the worker's time already holds
 _log = logging.getLogger("offloadopt")
 
@@ -131,6 +135,8 @@ class AutoFraction:
         self._prev_end: Any = None
         self._samples: list[dict[str, float]] = []
         self._moving = False  # our own set_offload_fraction call (the caller's cancels us)
+        self._model: costmodel.Measurements | None = None  # the probe's, once chosen
+        self._mode = "step"
 
     @property
     def active(self) -> bool:
@@ -247,24 +253,50 @@ class AutoFraction:
             "(fraction 0: %.1f)", probe, timed["period_ms"], m.fwd_bwd_ms, m.cpu_ns_per_param,
             m.device_ns_per_param, chosen.fraction, chosen.step_ms, zero.step_ms,
         )  # fmt: skip
-        if chosen.fraction != probe:
+        self._model, self._mode = m, mode
+        self.choice["corrections"] = []
+        self._move(opt, chosen.fraction)
+
+    def _move(self, opt, fraction: float) -> None:
+        """Place at ``fraction`` (a failure keeps the placement, and says so), then verify."""
+        if fraction != opt.offload_fraction:
             self._moving = True
             try:
-                opt.set_offload_fraction(chosen.fraction)
+                opt.set_offload_fraction(fraction)
             except (torch.OutOfMemoryError, RuntimeError) as e:  # the old placement stays
-                self.choice.update(fraction=probe, kept=f"{type(e).__name__}: {e}"[:300])
-                _log.warning("offloadopt: offload_fraction auto: kept %g: %s", probe, e)
+                self.choice["kept"] = f"{type(e).__name__}: {e}"[:300]
+                _log.warning("offloadopt: offload_fraction auto: kept %g: %s",
+                             opt.offload_fraction, e)  # fmt: skip
             finally:
                 self._moving = False
+        self.choice["fraction"] = opt.offload_fraction
+        self.choice["predicted_step_ms"] = costmodel.predict(
+            self._model, opt.offload_fraction, self._mode).step_ms
         opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
         self.phase = "verify"
         self._prev_end = None  # the next window spans the move
 
     def _verified(self, opt, timed: dict[str, float]) -> None:
-        self.phase = "done"
-        self.choice["measured_step_ms"] = timed["period_ms"]
-        opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
+        """The period at the placed fraction, measured. Without a budget, a period above the
+        limit (``1 + tolerance`` times fraction 0's prediction) moves to the largest fraction
+        below whose prediction, raised by the error just measured, stays within it; at most
+        :data:`CORRECTIONS` times (the CPU's speed varies from run to run, and the model
+        leaves out the contention between the worker and the training thread)."""
+        fraction, measured = opt.offload_fraction, timed["period_ms"]
+        self.choice["measured_step_ms"] = measured
         _log.info("offloadopt: offload_fraction auto: fraction %g measured %.1f ms/step "
-                  "(predicted %.1f)", self.choice["fraction"], timed["period_ms"],
-                  self.choice["predicted_step_ms"])  # fmt: skip
+                  "(predicted %.1f)", fraction, measured, self.choice["predicted_step_ms"])  # fmt: skip
+        limit = (1 + self.tolerance) * self.choice["predicted_step_ms_at_0"]
+        corrections = self.choice["corrections"]
+        if (not self.budgeted and measured > limit and fraction > 0
+                and len(corrections) < CORRECTIONS and "kept" not in self.choice):  # fmt: skip
+            error = measured - self.choice["predicted_step_ms"]
+            lower = [k / 100 for k in range(101) if k / 100 < fraction and
+                     costmodel.predict(self._model, k / 100, self._mode).step_ms + error <= limit]  # fmt: skip
+            corrections.append({"fraction": fraction, "measured_step_ms": measured,
+                                "predicted_step_ms": self.choice["predicted_step_ms"]})  # fmt: skip
+            self._move(opt, max(lower, default=0.0))
+            return
+        self.phase = "done"
+        opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
         self._clock = self._prev_end = None

@@ -10,7 +10,8 @@ from offloadopt import HybridAdamW, auto, costmodel
 from offloadopt.harness.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(n_layer=3, n_head=2, n_embd=64, vocab_size=128, block_size=32)
-STEPS = 2 * auto.MEASURED_STEPS + 4  # probe (first step unmeasured), move, verify, a few more
+# probe (the first step unmeasured), move, verify, the corrections', a few more
+STEPS = (2 + auto.CORRECTIONS) * (auto.MEASURED_STEPS + 1) + 2
 
 
 def model():
@@ -210,3 +211,23 @@ def test_with_release_grads_the_probe_does_not_hold_the_grads():
     fed = []
     train(m, opt, before_step=lambda: fed.append(len(opt._step.fed) if opt._step else 0))
     assert fed[1] > 0, fed  # the second backward (placed since construction) fed its buckets
+
+
+def test_a_verified_step_over_the_limit_moves_the_fraction_down(monkeypatch):
+    """A model that promised too much (here: told to pick fraction 1 whatever it predicts)
+    is corrected by the measured period: the state moves down, bitwise as ever."""
+    monkeypatch.setattr(auto.costmodel, "largest_hidden",
+                        lambda m, tol, mode: costmodel.predict(m, 1.0, mode))  # fmt: skip
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**12,
+                      offload_fraction="auto")  # fmt: skip
+    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.002)  # each bucket costs 2 ms
+    got = train(m, opt)
+    choice = opt.placement_choice
+    first = choice["corrections"][0]
+    assert first["fraction"] == 1.0 and first["measured_step_ms"] > first["predicted_step_ms"]
+    assert choice["fraction"] < 1.0 and not opt._auto.active
+    ref_m = model()
+    want = train(ref_m, torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True))
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
