@@ -278,10 +278,12 @@ class AutoFraction:
 
     def _verified(self, opt, timed: dict[str, float]) -> None:
         """The period at the placed fraction, measured. Without a budget, a period above the
-        limit (``1 + tolerance`` times fraction 0's prediction) moves to the largest fraction
-        below whose prediction, raised by the error just measured, stays within it; at most
-        :data:`CORRECTIONS` times (the CPU's speed varies from run to run, and the model
-        leaves out the contention between the worker and the training thread)."""
+        limit (``1 + tolerance`` times fraction 0's prediction) moves down: to the largest
+        fraction whose prediction, raised by the error just measured, stays within it, but at
+        least 0.05 down and no lower than the fractions the model predicts fully hidden
+        (unless 0.05 down is lower); at most :data:`CORRECTIONS` times (the CPU's speed varies
+        from run to run, and the model leaves out the contention between the worker and the
+        training thread)."""
         fraction, measured = opt.offload_fraction, timed["period_ms"]
         self.choice["measured_step_ms"] = measured
         _log.info("offloadopt: offload_fraction auto: fraction %g measured %.1f ms/step "
@@ -291,11 +293,16 @@ class AutoFraction:
         if (not self.budgeted and measured > limit and fraction > 0
                 and len(corrections) < CORRECTIONS and "kept" not in self.choice):  # fmt: skip
             error = measured - self.choice["predicted_step_ms"]
-            lower = [k / 100 for k in range(101) if k / 100 < fraction and
-                     costmodel.predict(self._model, k / 100, self._mode).step_ms + error <= limit]  # fmt: skip
+            fits = [k / 100 for k in range(101) if k / 100 < fraction and
+                    costmodel.predict(self._model, k / 100, self._mode).step_ms + error <= limit]  # fmt: skip
             corrections.append({"fraction": fraction, "measured_step_ms": measured,
                                 "predicted_step_ms": self.choice["predicted_step_ms"]})  # fmt: skip
-            self._move(opt, max(lower, default=0.0))
+            # At least one sweep step (0.05) down; no lower than the model's hidden fractions
+            # (the error of a fraction whose CPU work shows says nothing of those that hide).
+            hidden = [k / 100 for k in range(101) if costmodel.predict(
+                self._model, k / 100, self._mode).step_ms <= self.choice["predicted_step_ms_at_0"]]  # fmt: skip
+            down = min(max(fits, default=0.0), round(fraction - 0.05, 2))
+            self._move(opt, max(0.0, min(max(down, max(hidden, default=0.0)), round(fraction - 0.05, 2))))
             return
         self.phase = "done"
         opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}

@@ -107,15 +107,22 @@ def test_work_that_hides_behind_backward_is_offloaded_and_work_that_shows_is_not
     """A worker that takes 4 ms per bucket (6 buckets at fraction 1): behind an 80 ms backward
     in backward mode it hides, so auto offloads everything; in step mode each bucket adds to
     the step (5% of it is 4 ms), so auto keeps the state on the device."""
+    # One OpenMP thread each: on 2 cores the training thread's "device" update (torch's CPU
+    # kernel standing in for the GPU's) otherwise waits up to 10 ms for the worker's threads.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     net = _Net()
     kw = dict(overlap="backward", grads_final=True) if mode == "backward" else {}
-    opt = HybridAdamW(net.parameters(), lr=1e-3, min_offload_numel=1,
+    opt = HybridAdamW(net.parameters(), lr=1e-3, min_offload_numel=1, cpu_threads=1,
                       bucket_nbytes=64 * 65 * 4, offload_fraction="auto", **kw)  # fmt: skip
     opt._pipeline.worker_hook = lambda bucket: time.sleep(0.004)
-    for _ in range(STEPS):
-        net(torch.randn(8, 64, requires_grad=True)).backward()  # the slow backward runs
-        opt.step()
-        opt.zero_grad()
+    try:
+        for _ in range(STEPS):
+            net(torch.randn(8, 64, requires_grad=True)).backward()  # the slow backward runs
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
     choice = opt.placement_choice
     if mode == "backward":
         assert choice["fraction"] >= 0.9, choice
