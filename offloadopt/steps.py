@@ -214,19 +214,27 @@ class Stepping:
                 not self._records[p].offloaded and not self.state.get(p) for p in with_grad
             )
             device_work = [] if lazy else self._prepare_device(st, with_grad)
-            # Phase 2 starts first (the worker copies and updates the offloaded buckets while
-            # phase 1 is launched): every bucket with a grad not fed during backward.
             streams = self._streams()
-            try:
-                self._feed(st, self._open_buckets(st, with_grad), st.scale)
-                if lazy:
-                    self._land_and_release(st)
-                    device_work = self._prepare_device(st, with_grad)
-            except BaseException:
-                if st.run is not None:  # a bucket failed while others were fed: some updated
-                    st.run.abort()
-                    self._broken = "an offloaded update failed"
-                raise
+
+            def feed() -> None:
+                try:
+                    self._feed(st, self._open_buckets(st, with_grad), st.scale)
+                    if lazy:
+                        self._land_and_release(st)
+                        device_work.extend(self._prepare_device(st, with_grad))
+                except BaseException:
+                    if st.run is not None:  # a bucket failed while others were fed
+                        st.run.abort()
+                        self._broken = "an offloaded update failed"
+                    raise
+
+            # Phase 2 starts first (the worker copies and updates the offloaded buckets while
+            # phase 1 is launched): every bucket with a grad not fed during backward. Not in
+            # offload_fraction="auto"'s probe: there phase 1 is timed alone (the D2H waits for
+            # it on its stream), as fraction 0 would run it.
+            alone = auto is not None and auto.phase == "probe" and not lazy
+            if not alone:
+                feed()
             # Phase 1: device-resident params, torch's fused kernel on the compute stream.
             t = time.perf_counter()
             if auto is not None:
@@ -235,6 +243,8 @@ class Stepping:
                 self._device_update(hyper, params, st.scale, first)
             if auto is not None:
                 auto.mark("dev1")
+            if alone:
+                feed()
             st.stats["device_update_ms"] = (time.perf_counter() - t) * 1e3
             st.stats["collect_ms"] = (t - t0) * 1e3
             if st.run is None:
@@ -417,8 +427,8 @@ class Stepping:
     def _on_grad(self, p: torch.Tensor) -> None:
         """A grad hook (autograd's thread): ``p``'s grad is final for this backward (with
         ``ddp=``: accumulated locally; it is announced once reduced, by :meth:`_on_reduced`)."""
-        if self._accumulating:
-            return
+        if self._accumulating or self._holding():
+            return  # auto's probe: step() feeds everything, as in step mode
         task = torch._C._current_graph_task_id()
         with self._lock:
             st = self._step

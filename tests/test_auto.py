@@ -238,3 +238,30 @@ def test_a_verified_step_over_the_limit_moves_the_fraction_down(monkeypatch):
     want = train(ref_m, torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True))
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def test_the_probe_times_the_device_update_alone_then_overlaps_it_again(monkeypatch):
+    """In the probe the device-resident update is launched before any bucket is fed (on a
+    GPU the D2H then waits for it on its stream), so its time is fraction 0's; afterwards
+    phase 2 starts first again."""
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**14,
+                      offload_fraction="auto", auto_tolerance=10.0)  # fmt: skip
+    calls = []
+    cls = type(opt)
+    feed, update = cls._feed, cls._device_update
+    monkeypatch.setattr(cls, "_feed", lambda self, *a, **k: (calls.append("feed"), feed(self, *a, **k))[1])
+    monkeypatch.setattr(cls, "_device_update",
+                        lambda self, *a, **k: (calls.append("device"), update(self, *a, **k))[1])  # fmt: skip
+    orders = []
+
+    def mark():
+        orders.append(tuple(dict.fromkeys(calls)))
+        calls.clear()
+
+    train(m, opt, before_step=mark)
+    mark()
+    orders = orders[1:]  # each entry: the step before it
+    probe = 1 + auto.MEASURED_STEPS
+    assert all(o == ("device", "feed") for o in orders[:probe]), orders
+    assert all(o[0] == "feed" for o in orders[probe:]), orders  # then device, if any is left
