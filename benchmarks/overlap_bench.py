@@ -295,21 +295,27 @@ def summarize_auto(rows: dict, results: dict) -> None:
           f"{a['step_ms']:.1f} ms = {a['step_ms'] / b:.3f} x f0; largest sweep fraction within "
           f"1.05x: {max(within):g}")  # fmt: skip
     predicted = a["choice"].get("predicted_sweep_ms", {})
-    errors = {f: predicted[round(f, 2)] / ms - 1 for f, ms in measured.items() if round(f, 2) in predicted}
+    errors = {
+        f: predicted[round(f, 2)] / ms - 1 for f, ms in measured.items() if round(f, 2) in predicted
+    }
     if "backward f1" in rows and 1.0 in predicted:
         errors[1.0] = predicted[1.0] / rows["backward f1"]["step_ms"] - 1
     results["auto_model_errors"] = errors
-    print("  cost model from auto's probe, predicted/measured - 1: "
-          + " ".join(f"{f:g}:{e:+.1%}" for f, e in sorted(errors.items())))
+    print(
+        "  cost model from auto's probe, predicted/measured - 1: "
+        + " ".join(f"{f:g}:{e:+.1%}" for f, e in sorted(errors.items()))
+    )
     bud = rows.get("backward auto budget")
     if bud is not None:
         limit = bud["choice"]["max_gpu_memory"] / 1e9
         fits = {r["fraction"]: r["step_ms"] for r in rows.values() if r["name"].startswith("backward f")
                 and not r["name"].endswith(("clip", "torch-clip")) and r["peak_gpu_gb"] <= limit}  # fmt: skip
         best = min(fits.values()) if fits else float("nan")
-        print(f"  auto with max_gpu_memory {limit:.2f} GB: chose {bud['fraction']:g}, peak "
-              f"{bud['peak_gpu_gb']:.2f} GB, step {bud['step_ms']:.1f} ms = {bud['step_ms'] / best:.3f} x "
-              f"the best fixed fraction that fits ({min(fits, key=fits.get) if fits else '-'}: {best:.1f} ms)")
+        print(
+            f"  auto with max_gpu_memory {limit:.2f} GB: chose {bud['fraction']:g}, peak "
+            f"{bud['peak_gpu_gb']:.2f} GB, step {bud['step_ms']:.1f} ms = {bud['step_ms'] / best:.3f} x "
+            f"the best fixed fraction that fits ({min(fits, key=fits.get) if fits else '-'}: {best:.1f} ms)"
+        )
     plot_auto(measured, predicted, rows, results)
 
 
@@ -332,7 +338,13 @@ def plot_auto(measured: dict, predicted: dict, rows: dict, results: dict) -> Non
         pts[1.0] = rows["backward f1"]["step_ms"]
     ax.plot(sorted(pts), [pts[x] for x in sorted(pts)], "o", label="measured")
     a = rows["backward auto"]
-    ax.plot([a["fraction"]], [a["step_ms"]], "*", markersize=14, label=f"auto's choice ({a['fraction']:g})")
+    ax.plot(
+        [a["fraction"]],
+        [a["step_ms"]],
+        "*",
+        markersize=14,
+        label=f"auto's choice ({a['fraction']:g})",
+    )
     ax.set_xlabel("offload fraction")
     ax.set_ylabel("step (ms)")
     ax.set_title(f"{results['gpu']}, backward mode, grads final")

@@ -271,7 +271,8 @@ class AutoFraction:
                 self._moving = False
         self.choice["fraction"] = opt.offload_fraction
         self.choice["predicted_step_ms"] = costmodel.predict(
-            self._model, opt.offload_fraction, self._mode).step_ms
+            self._model, opt.offload_fraction, self._mode
+        ).step_ms
         opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
         self.phase = "verify"
         self._prev_end = None  # the next window spans the move
@@ -302,7 +303,9 @@ class AutoFraction:
             hidden = [k / 100 for k in range(101) if costmodel.predict(
                 self._model, k / 100, self._mode).step_ms <= self.choice["predicted_step_ms_at_0"]]  # fmt: skip
             down = min(max(fits, default=0.0), round(fraction - 0.05, 2))
-            self._move(opt, max(0.0, min(max(down, max(hidden, default=0.0)), round(fraction - 0.05, 2))))
+            self._move(
+                opt, max(0.0, min(max(down, max(hidden, default=0.0)), round(fraction - 0.05, 2)))
+            )
             return
         self.phase = "done"
         opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}

@@ -302,6 +302,7 @@ def test_wait_module_counts_the_grads_its_copies_still_read():
     freed blocks come back only after them, so a budget counts those buckets' grads."""
     kw = dict(lr=1e-2, min_offload_numel=1, bucket_nbytes=BUCKET, overlap="backward",
               grads_final=True, activation_bytes=0)  # fmt: skip
+
     def choice(wait, budget):
         m = model()
         opt = HybridAdamW(m.parameters(), max_gpu_memory=budget, wait=wait, **kw)

@@ -295,8 +295,14 @@ def test_main_job_backward_mode_clips_through_the_optimizer(monkeypatch):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--release-grads"], "--release-grads: frees grads during backward, so it needs --overlap backward"),
-        (["--offload-fraction", "auto", "--optimizer", "adamw"], "--offload-fraction auto: HybridAdamW's option"),
+        (
+            ["--release-grads"],
+            "--release-grads: frees grads during backward, so it needs --overlap backward",
+        ),
+        (
+            ["--offload-fraction", "auto", "--optimizer", "adamw"],
+            "--offload-fraction auto: HybridAdamW's option",
+        ),
         (["--offload-fraction", "automatic"], "--offload-fraction: 'automatic' is not a number"),
     ],
 )

@@ -63,10 +63,16 @@ class TrainConfig:
     device: str = "cpu"  # "cpu" or "cuda" (or "cuda:N")
     preset: str = "tiny"  # a key of gpt.PRESETS
     optimizer: str = "hybrid"  # "hybrid" (HybridAdamW) or "adamw" (torch.optim.AdamW(fused=True))
-    offload_fraction: float | str = 1.0  # HybridAdamW: host share of optimizer-state bytes, or "auto"
+    offload_fraction: float | str = (
+        1.0  # HybridAdamW: host share of optimizer-state bytes, or "auto"
+    )
     min_offload_numel: int = 4096  # HybridAdamW: params with fewer elements stay on the device
-    overlap: str = "step"  # HybridAdamW: "step", "backward" (updates start in backward) or "delayed"
-    release_grads: bool = False  # HybridAdamW, overlap "backward": free offloaded grads as they land
+    overlap: str = (
+        "step"  # HybridAdamW: "step", "backward" (updates start in backward) or "delayed"
+    )
+    release_grads: bool = (
+        False  # HybridAdamW, overlap "backward": free offloaded grads as they land
+    )
     checkpointing: bool = False  # activation checkpointing per block (recomputed in backward)
     steps: int = 300  # optimizer steps
     batch_size: int | None = None  # sequences per step; None: RUN_DEFAULTS[preset]
@@ -208,7 +214,9 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
         chosen = {"max_gpu_memory": cfg.max_gpu_memory} if cfg.max_gpu_memory else {}
         fraction = cfg.offload_fraction if cfg.offload_fraction == "auto" or not chosen else 1.0
         if cfg.overlap == "backward":  # clipping through the optimizer, or none
-            clip = dict(max_grad_norm=cfg.grad_clip) if cfg.grad_clip > 0 else dict(grads_final=True)
+            clip = (
+                dict(max_grad_norm=cfg.grad_clip) if cfg.grad_clip > 0 else dict(grads_final=True)
+            )
             clip["release_grads"] = cfg.release_grads
         else:
             clip = {}  # torch's clip_grad_norm_ in train_step
@@ -511,8 +519,16 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, default=getattr(d, name), help=help_text, **kwargs, **metavar)
     a = parser.add_argument
     a("--mock-data", action="store_true", help="uniform random tokens: loss stays at ln(vocab)")
-    a("--checkpointing", action="store_true", help="activation checkpointing per block: activations are recomputed in backward")
-    a("--release-grads", action="store_true", help="HybridAdamW, --overlap backward: free each offloaded grad once its copy lands on the host")
+    a(
+        "--checkpointing",
+        action="store_true",
+        help="activation checkpointing per block: activations are recomputed in backward",
+    )
+    a(
+        "--release-grads",
+        action="store_true",
+        help="HybridAdamW, --overlap backward: free each offloaded grad once its copy lands on the host",
+    )
     a("--no-progress", action="store_true", help="no tqdm progress bar on stderr")
     par = parser.add_mutually_exclusive_group()
     par.add_argument(

@@ -76,9 +76,11 @@ def test_with_release_grads_the_first_steps_peak_stays_within_the_budget():
         step(m, opt, seed)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()  # the first step's included
-    print(f"release_grads: budget {budget / 1e6:.1f} MB, fraction {choice['fraction']}, "
-          f"released {choice['released_grad_bytes'] / 1e6:.1f} MB, predicted "
-          f"{choice['predicted_gpu_bytes'] / 1e6:.1f} MB, peak {peak / 1e6:.1f} MB")
+    print(
+        f"release_grads: budget {budget / 1e6:.1f} MB, fraction {choice['fraction']}, "
+        f"released {choice['released_grad_bytes'] / 1e6:.1f} MB, predicted "
+        f"{choice['predicted_gpu_bytes'] / 1e6:.1f} MB, peak {peak / 1e6:.1f} MB"
+    )
     assert choice["released_grad_bytes"] > 0 and 0.1 < choice["fraction"] < 0.9, choice
     assert peak <= budget + BUCKET
     opt.close()
@@ -93,10 +95,12 @@ def test_auto_measures_on_the_compute_stream_and_moves_there():
         step(m, opt, seed)
     choice = opt.placement_choice
     meas = choice["measurements"]
-    print(f"auto: chose {choice['fraction']}, probe {choice['probe_measured_step_ms']:.2f} ms "
-          f"(predicted {choice['probe_predicted_step_ms']:.2f}), measured "
-          f"{choice['measured_step_ms']:.2f} ms (predicted {choice['predicted_step_ms']:.2f}); "
-          f"fwd+bwd {meas['fwd_bwd_ms']:.2f} ms, link {meas['d2h_gbps']:.1f}/{meas['h2d_gbps']:.1f} GB/s")
+    print(
+        f"auto: chose {choice['fraction']}, probe {choice['probe_measured_step_ms']:.2f} ms "
+        f"(predicted {choice['probe_predicted_step_ms']:.2f}), measured "
+        f"{choice['measured_step_ms']:.2f} ms (predicted {choice['predicted_step_ms']:.2f}); "
+        f"fwd+bwd {meas['fwd_bwd_ms']:.2f} ms, link {meas['d2h_gbps']:.1f}/{meas['h2d_gbps']:.1f} GB/s"
+    )
     assert 0 < meas["fwd_bwd_ms"] < choice["probe_measured_step_ms"]
     assert 1 < meas["d2h_gbps"] < 1000 and 1 < meas["h2d_gbps"] < 1000  # measured, not assumed
     assert opt.offload_fraction == choice["fraction"] and choice["measured_step_ms"] > 0
