@@ -148,3 +148,41 @@ def test_the_new_anchors_are_cleanly_unavailable_on_a_cpu_only_machine(tmp_path,
     results = run_bench(tiny(tmp_path, anchors=new, fractions=[0.0], kernel=False))
     assert [r["name"] for r in results] == [*new, "hybrid:0", "hybrid:0 (repeat)"]
     assert all(r["status"] == "skipped: needs a CUDA device" for r in results[:2])
+
+
+def test_modes_run_a_sweep_each_and_the_summary_names_the_largest_fraction(tmp_path, capsys):
+    results = run_bench(tiny(tmp_path, fractions=[0.0, 1.0], modes=["step", "backward", "delayed"],
+                             kernel=False))  # fmt: skip
+    by = {r["name"]: r for r in results}
+    assert {
+        "hybrid-backward:0",
+        "hybrid-backward:1",
+        "hybrid-delayed:0",
+        "hybrid-delayed:1",
+    } <= set(by)
+    # grads_final in backward mode is step mode's math: checked against the baseline
+    assert (
+        by["hybrid-backward:1"]["status"] == "ok" and by["hybrid-backward:1"]["mode"] == "backward"
+    )
+    assert by["hybrid-delayed:1"]["status"].startswith("other numerics (delayed")
+    out = capsys.readouterr().out
+    assert "backward: 0:" in out and "largest within 1.10x of hybrid:0:" in out
+
+
+def test_sweep_summary_stops_at_the_first_fraction_over_the_limit():
+    from offloadopt.harness.report import sweep_summary
+
+    rows = [{"name": "hybrid:0", "kind": "hybrid", "fraction": 0.0, "step_ms": 100.0}]
+    rows += [{"name": f"hybrid-backward:{f}", "kind": "hybrid", "mode": "backward",
+              "fraction": f, "step_ms": ms} for f, ms in ((0.1, 104.0), (0.2, 120.0), (0.3, 105.0))]  # fmt: skip
+    assert sweep_summary(rows) == [
+        "step: 0:1.00x; largest within 1.10x of hybrid:0: 0",
+        "backward: 0.1:1.04x 0.2:1.20x 0.3:1.05x; largest within 1.10x of hybrid:0: 0.1",
+    ]
+
+
+def test_an_unknown_mode_is_named_before_anything_runs(tmp_path):
+    from offloadopt.harness.checks import UsageError
+
+    with pytest.raises(UsageError, match="--modes: 'sideways' is not one of step, backward"):
+        run_bench(tiny(tmp_path, modes=["sideways"]))

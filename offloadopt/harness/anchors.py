@@ -103,16 +103,31 @@ def torchao_offload(model: torch.nn.Module, lr: float) -> dict[str, Any]:
     return {"opt": opt, "fraction": 1.0, "kind": "anchor", "numerics": numerics}
 
 
-def hybrid(fraction: float, **kwargs):
-    """HybridAdamW at ``fraction`` (fraction 0 is the benchmark's baseline)."""
+# The overlap modes the bench runs beside step mode (``offloadopt bench --modes``): the
+# HybridAdamW options of each, and what its weights are compared as (README, "Overlap modes").
+MODES: dict[str, tuple[dict[str, Any], str]] = {
+    "step": ({}, "same"),
+    "backward": (dict(overlap="backward", grads_final=True, wait="module"), "same"),
+    "backward-clip": (dict(overlap="backward", max_grad_norm=1.0, wait="module"),
+                      "clipped in the optimizer (max_grad_norm=1.0)"),
+    "delayed": (dict(overlap="delayed"), "delayed (the weights one step stale)"),
+}  # fmt: skip
+
+
+def hybrid(fraction: float, mode: str = "step", **kwargs):
+    """HybridAdamW at ``fraction`` in ``mode`` (a key of :data:`MODES`; fraction 0 in step
+    mode is the benchmark's baseline). Modes other than step watch the model."""
+    options, numerics = MODES[mode]
 
     def build(model: torch.nn.Module, lr: float) -> dict[str, Any]:
         from offloadopt import HybridAdamW
 
-        opt = HybridAdamW(
-            model.named_parameters(), offload_fraction=fraction, **adamw_kwargs(lr), **kwargs
-        )
-        return {"opt": opt, "fraction": fraction, "kind": "hybrid", "numerics": "same"}
+        opt = HybridAdamW(model.named_parameters(), offload_fraction=fraction,
+                          **adamw_kwargs(lr), **options, **kwargs)  # fmt: skip
+        if mode != "step":
+            opt.watch(model)  # per-module waits; delayed: model.state_dict() sees the masters
+        return {"opt": opt, "fraction": fraction, "kind": "hybrid", "mode": mode,
+                "numerics": numerics, "close": opt.close}  # fmt: skip
 
     return build
 

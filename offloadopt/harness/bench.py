@@ -31,7 +31,7 @@ from offloadopt.harness.checks import UsageError
 from offloadopt.harness.data import get_batch, mock_data
 from offloadopt.harness.distributed import Dist, init_from_env, teardown
 from offloadopt.harness.probes import time_kernel, time_link
-from offloadopt.harness.report import format_table, plot
+from offloadopt.harness.report import format_table, plot, sweep_summary
 from offloadopt.harness.train import host_rss_nbytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -55,6 +55,7 @@ class BenchConfig:
     slow_steps: int = 3  # timed steps for anchors known to take seconds per step
     lr: float = 6e-4  # AdamW learning rate
     fractions: list[float] = field(default_factory=lambda: [0.0, 0.1, 0.25, 0.5, 1.0])
+    modes: list[str] = field(default_factory=lambda: ["step"])  # anchors.MODES: each a sweep
     anchors: list[str] = field(default_factory=lambda: list(anchors.ANCHORS))  # see anchors.ANCHORS
     kernel: bool = True  # also time torch's fused AdamW kernel alone on the host
     mock_data: bool = False  # uniform random tokens instead of the real text
@@ -84,6 +85,7 @@ def resolved(cfg: BenchConfig) -> BenchConfig:
     """
     for flag, value, known in (("--preset", cfg.preset, models.MODEL_PRESETS),
                                ("--dtype", cfg.dtype, DTYPES),
+                               *(("--modes", m, anchors.MODES) for m in cfg.modes),
                                *(("--anchors", a, anchors.ANCHORS) for a in cfg.anchors)):  # fmt: skip
         if value not in known:
             raise UsageError(f"{flag}: {value!r} is not one of {', '.join(known)}")
@@ -98,7 +100,8 @@ def resolved(cfg: BenchConfig) -> BenchConfig:
     seq_len = checked.setdefault("seq_len", min(longest, 1024))
     if seq_len > longest:
         raise UsageError(f"--seq-len: {seq_len} is more than the {cfg.preset} preset's {longest}")
-    return replace(cfg, **checked, fractions=fractions, anchors=list(cfg.anchors))
+    return replace(cfg, **checked, fractions=fractions, anchors=list(cfg.anchors),
+                   modes=list(dict.fromkeys(cfg.modes)))  # fmt: skip
 
 
 def _sync(device: torch.device) -> None:
@@ -218,6 +221,7 @@ class Bench:
                 snapshots[i + 1] = weights(model)  # to check the slow anchors against
         result: dict[str, Any] = {
             "name": name, "kind": built.get("kind", "hybrid"), "fraction": built.get("fraction"),
+            "mode": built.get("mode", "step"),
             "numerics": built.get("numerics", "same"), "construct_s": construct_s,
             "step_ms": statistics.median(total), "step_ms_min": min(total), "step_ms_max": max(total),
             "fwd_bwd_ms": statistics.median(fb),
@@ -347,6 +351,11 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     jobs = [(f"{tag}:0", _tagged(base(0.0), baseline=True), False),
             (f"{tag}:0 (repeat)", _tagged(base(0.0), repeat=True), False)]  # fmt: skip
     jobs += [(f"{tag}:{f:g}", base(f), False) for f in sorted(set(cfg.fractions) - {0.0})]
+    if cfg.fsdp and set(cfg.modes) - {"step"}:
+        raise UsageError("--modes: with --fsdp the bench runs step mode only (its FSDP2 "
+                         "anchors name their own modes)")  # fmt: skip
+    jobs += [(f"hybrid-{mode}:{f:g}", anchors.hybrid(f, mode), False)
+             for mode in cfg.modes if mode != "step" for f in sorted(set(cfg.fractions))]  # fmt: skip
     results: list[dict[str, Any]] = []
     for name in cfg.anchors:
         if cfg.fsdp and name not in FSDP2_ANCHORS:
@@ -392,6 +401,8 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
         cfg = replace(cfg, fsdp=False)
         write()
     print(format_table(results))
+    for line in sweep_summary(results):
+        print(line)
     plot(results, out / "bench.png")
     return results
 
@@ -446,6 +457,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     a("--lr", type=t["lr"], default=d.lr, help="AdamW learning rate, >= 0")
     a("--fractions", type=checks.fraction, nargs="+", default=d.fractions,
       help="HybridAdamW offload fractions, each in [0, 1]")
+    a("--modes", nargs="+", default=d.modes, choices=list(anchors.MODES), metavar="MODE",
+      help=f"overlap modes, each a sweep of --fractions: any of {list(anchors.MODES)} "
+           "(backward: grads_final, wait='module'; backward-clip: max_grad_norm=1.0)")
     a("--anchors", nargs="*", default=d.anchors, choices=list(anchors.ANCHORS), metavar="ANCHOR",
       help=f"any of {sorted(anchors.ANCHORS)}; none: --anchors")
     a("--no-kernel", action="store_true", help="skip timing the fused kernel alone")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["format_table", "plot", "markdown"]
+__all__ = ["format_table", "plot", "markdown", "sweep_summary"]
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
@@ -33,6 +33,28 @@ def format_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def sweep_summary(results: list[dict[str, Any]], within: float = 1.10) -> list[str]:
+    """Per overlap mode: each fraction's step over the baseline's (``hybrid:0``) and the
+    largest fraction within ``within`` x it (every smaller one within too)."""
+    rows = [r for r in results if r.get("kind") == "hybrid" and "step_ms" in r]
+    base = next((r["step_ms"] for r in rows if r["name"] == "hybrid:0"), None)
+    if base is None:
+        return []
+    lines = []
+    for mode in dict.fromkeys(r.get("mode", "step") for r in rows):
+        sweep = sorted((r["fraction"], r["step_ms"] / base) for r in rows
+                       if r.get("mode", "step") == mode and "(repeat)" not in r["name"])  # fmt: skip
+        best = None
+        for f, ratio in sweep:
+            if ratio > within:
+                break
+            best = f
+        shown = " ".join(f"{f:g}:{ratio:.2f}x" for f, ratio in sweep)
+        lines.append(f"{mode}: {shown}; largest within {within:.2f}x of hybrid:0: "
+                     f"{'none' if best is None else f'{best:g}'}")  # fmt: skip
+    return lines
+
+
 def plot(results: list[dict[str, Any]], path: Path) -> None:
     """Step time and peak GPU memory against offload fraction; anchors as marked points."""
     try:
@@ -44,16 +66,19 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         print("matplotlib is not installed: no plot (pip install offloadopt[bench])")
         return
     ok = [r for r in results if "step_ms" in r]
-    hybrid = sorted((r for r in ok if r["kind"] == "hybrid"), key=lambda r: r["fraction"])
+    hybrid = sorted((r for r in ok if r["kind"] == "hybrid" and "(repeat)" not in r["name"]),
+                    key=lambda r: r["fraction"])  # fmt: skip
+    modes = list(dict.fromkeys(r.get("mode", "step") for r in hybrid))
     others = [r for r in ok if r["kind"] != "hybrid" and r.get("fraction") is not None]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, label in (
         (axes[0], "step_ms", "step time (ms, median)"),
         (axes[1], "peak_gpu_gb", "peak GPU memory (GB)"),
     ):
-        ax.plot(
-            [r["fraction"] for r in hybrid], [r[key] for r in hybrid], "o-", label="HybridAdamW"
-        )
+        for mode in modes:
+            line = [r for r in hybrid if r.get("mode", "step") == mode]
+            label = "HybridAdamW" if mode == "step" else f"HybridAdamW, {mode}"
+            ax.plot([r["fraction"] for r in line], [r[key] for r in line], "o-", label=label)
         for r in others:
             ax.scatter([r["fraction"]], [r[key]], marker="x", s=60)
             ax.annotate(
