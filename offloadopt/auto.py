@@ -44,6 +44,7 @@ __all__ = ["AutoFraction", "PROBE_FRACTION", "MEASURED_STEPS", "CORRECTIONS", "m
 PROBE_FRACTION = 0.5  # both sides hold state, so both kernels' speeds are measured
 MEASURED_STEPS = 3  # steps per phase (medians)
 CORRECTIONS = 2  # verified periods above the limit that move the fraction down
+SMALLEST_SIDE = 0.05  # the probe's device share below which its update is not timed
 _NO_LINK_GBPS = 1e3  # without CUDA the "link" is a memcpy the worker's time already holds
 _log = logging.getLogger("offloadopt")
 
@@ -134,8 +135,9 @@ class AutoFraction:
         self._cur: dict[str, Any] = {}
         self._prev_end: Any = None
         self._samples: list[dict[str, float]] = []
-        self._moving = False  # our own set_offload_fraction call (the caller's cancels us)
+        self.moving = False  # our own set_offload_fraction call (the caller's cancels us)
         self._model: costmodel.Measurements | None = None  # the probe's, once chosen
+        self._stats: dict[str, float] = {}  # the figures of the last step that updated buckets
         self._mode = "step"
 
     @property
@@ -153,7 +155,7 @@ class AutoFraction:
 
     def cancel(self, why: str) -> None:
         """Stop (the caller placed the params itself); ``placement_choice`` says why."""
-        if self.active and not self._moving:
+        if self.active and not self.moving:
             self.phase = "done"
             self.choice["cancelled"] = why
             self._prev_end = self._cur = None
@@ -169,16 +171,21 @@ class AutoFraction:
         if self._cur:
             self._cur[key] = self._clock.mark()
 
-    def end(self, opt) -> None:
+    def end(self, opt, worked: bool = True) -> None:
         """At the end of a successful ``step()``: a sample, and the phase's action once it has
-        :data:`MEASURED_STEPS`."""
+        :data:`MEASURED_STEPS`. A step that updated nothing (no grads) is no sample, and the
+        window of the next one runs from the last step that did."""
         if not self._cur:
             return
         cur, self._cur = self._cur, {}
-        if self.phase == "probe" and opt.wait == "module" and opt.overlap != "delayed":
+        if not worked:
+            return
+        if self.phase == "probe" and opt.wait == "module":
             # The next forward must not wait for this step's copies inside the window that
             # measures forward+backward: the probe waits for them here, as wait="step" would.
             opt.synchronize()
+        if opt._stats.get("buckets"):
+            self._stats = dict(opt._stats)  # this step's figures (complete: it was waited for)
         cur["end"] = self._clock.mark()
         prev, self._prev_end = self._prev_end, cur["end"]
         if prev is not None:
@@ -192,6 +199,14 @@ class AutoFraction:
             self._choose(opt, samples)
         else:
             self._verified(opt, samples)
+
+    def _keep(self, opt, why: str) -> None:
+        """No choice can be made: the placement stays, and ``placement_choice`` says why."""
+        self.phase = "done"
+        self.choice = {"fraction": opt.offload_fraction, "set_by": "auto", "kept": why}
+        opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
+        _log.info("offloadopt: offload_fraction auto: kept %g (%s)", opt.offload_fraction, why)
+        self._clock = self._prev_end = None
 
     def _timed(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         """Medians of the windows, in ms."""
@@ -207,7 +222,7 @@ class AutoFraction:
     def _link(self, opt) -> dict[str, float]:
         """The last step's figures, with the link's GPU times and bytes of the copies since
         the first sample (``opt.stats`` sums times over every step not yet read)."""
-        stats = dict(opt._stats)
+        stats = dict(self._stats)
         if opt._pipeline is not None:
             opt.synchronize()  # every copy of the measured steps has run
             for key, (ms, nbytes) in opt._pipeline.collect_link().items():
@@ -224,8 +239,12 @@ class AutoFraction:
                              device_numel=numel[False], offloaded_numel=numel[True],
                              bucket_nbytes=opt.bucket_nbytes)  # fmt: skip
         except ValueError as e:
-            self.phase, self.choice = "done", {"fraction": probe, "set_by": "auto", "kept": str(e)}
-            _log.info("offloadopt: offload_fraction auto: kept %g (%s)", probe, e)
+            self._keep(opt, str(e))
+            return
+        if numel[False] < SMALLEST_SIDE * (numel[False] + numel[True]) and not self.budgeted:
+            self._keep(opt, f"offload_fraction='auto': {numel[False]:,} of "
+                       f"{numel[False] + numel[True]:,} trainable elements are on the device "
+                       "at the probe, too few to time its update")  # fmt: skip
             return
         zero = costmodel.predict(m, 0.0, mode)
         if self.budgeted:
@@ -259,23 +278,25 @@ class AutoFraction:
 
     def _move(self, opt, fraction: float) -> None:
         """Place at ``fraction`` (a failure keeps the placement, and says so), then verify."""
-        if fraction != opt.offload_fraction:
-            self._moving = True
-            try:
+        try:
+            if fraction != opt.offload_fraction:
+                self.moving = True
                 opt.set_offload_fraction(fraction)
-            except (torch.OutOfMemoryError, RuntimeError) as e:  # the old placement stays
-                self.choice["kept"] = f"{type(e).__name__}: {e}"[:300]
-                _log.warning("offloadopt: offload_fraction auto: kept %g: %s",
-                             opt.offload_fraction, e)  # fmt: skip
-            finally:
-                self._moving = False
-        self.choice["fraction"] = opt.offload_fraction
-        self.choice["predicted_step_ms"] = costmodel.predict(
-            self._model, opt.offload_fraction, self._mode
-        ).step_ms
-        opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
-        self.phase = "verify"
-        self._prev_end = None  # the next window spans the move
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # the old placement stays
+            self.choice["kept"] = f"{type(e).__name__}: {e}"[:300]
+            _log.warning("offloadopt: offload_fraction auto: kept %g: %s",
+                         opt.offload_fraction, e)  # fmt: skip
+        finally:
+            # Also when Ctrl-C reaches its handler at the end of the move (signals_deferred):
+            # the choice records where the state is, and the next steps verify it.
+            self.moving = False
+            self.choice["fraction"] = opt.offload_fraction
+            self.choice["predicted_step_ms"] = costmodel.predict(
+                self._model, opt.offload_fraction, self._mode
+            ).step_ms
+            opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
+            self.phase, self._samples = "verify", []
+            self._prev_end = None  # the next window spans the move
 
     def _verified(self, opt, timed: dict[str, float]) -> None:
         """The period at the placed fraction, measured. Without a budget, a period above the
@@ -308,5 +329,9 @@ class AutoFraction:
             )
             return
         self.phase = "done"
+        self.choice["within_tolerance"] = self.budgeted or measured <= limit
+        if not self.choice["within_tolerance"]:
+            self.choice["why"] += (f"; measured {measured:.1f} ms, above the limit {limit:.1f} "
+                                   f"after {len(corrections)} corrections")  # fmt: skip
         opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
         self._clock = self._prev_end = None

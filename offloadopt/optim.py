@@ -5,6 +5,7 @@ is AdamW's signature on it (offloadopt/rules.py holds the rule), adam.py and sgd
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import threading
 import warnings
@@ -105,6 +106,19 @@ class HybridOptimizer(Stepping, Optimizer):
                 f"offload_fraction={offload_fraction!r} with max_gpu_memory={max_gpu_memory!r}: "
                 "give one (the budget chooses the fraction), or offload_fraction='auto'"
             )
+        if auto and overlap == "delayed" and sizes["max_gpu_memory"] is None:
+            raise ValueError(
+                "offload_fraction='auto' with overlap='delayed': the fraction decides which "
+                "params train on weights one step old, so a fraction chosen from timings would "
+                "make the results depend on them; give a number (1.0 is the delayed update's "
+                "usual one), or max_gpu_memory="
+            )
+        for name, value in (
+            ("max_host_memory", max_host_memory),
+            ("activation_bytes", activation_bytes),
+        ):
+            if value is not None and sizes["max_gpu_memory"] is None:
+                raise ValueError(f"{name}={value!r} without max_gpu_memory does nothing")
         if auto and world_size() > 1:
             raise ValueError(
                 f"offload_fraction='auto' with {world_size()} ranks: it measures one process, and "
@@ -160,6 +174,8 @@ class HybridOptimizer(Stepping, Optimizer):
         self._unplaced: list[int] = []  # groups waiting for their meta params (ensure_placed)
         super().__init__(params, defaults)
         self.state = OptimizerState(self)  # assignments copy into the buffers (state.py)
+        for g in self.param_groups:
+            self._check_auto_group(g)
         if ddp is not None:
             check_ddp(ddp, self.param_groups, self._name)
         self._place_or_defer(list(range(len(self.param_groups))))
@@ -190,6 +206,8 @@ class HybridOptimizer(Stepping, Optimizer):
             self.synchronize()  # staging may be replaced: no copy of the last step still runs
         super().add_param_group(param_group)
         try:
+            if self._ready:
+                self._check_auto_group(self.param_groups[-1])
             self._check_group(self.param_groups[-1])
             if (
                 self._ready
@@ -202,6 +220,16 @@ class HybridOptimizer(Stepping, Optimizer):
         except BaseException:
             self.param_groups.pop()  # nothing half built: the group goes with its failure
             raise
+
+    def _check_auto_group(self, group: dict[str, Any]) -> None:
+        """offload_fraction="auto" chooses a share of every param: a group that forces its
+        placement (``"offload": True`` or ``False``) would not move with it."""
+        if self._auto is not None and not self._auto.budgeted and group.get("offload") is not None:
+            raise ValueError(
+                f"a param group with 'offload': {group['offload']!r} and "
+                "offload_fraction='auto': the cost model predicts a share of every param, and "
+                "this group's stays where it is forced; give a number, or drop the key"
+            )
 
     def _check_group(self, group: dict[str, Any]) -> None:
         """A subclass's own refusals for a group about to be placed (its params are tensors);
@@ -344,26 +372,26 @@ class HybridOptimizer(Stepping, Optimizer):
         """
         if (
             isinstance(fraction, bool)
-            or not isinstance(fraction, (int, float))
+            or not isinstance(fraction, numbers.Real)
             or not 0 <= fraction <= 1
         ):
             raise ValueError(
-                f"Invalid offload_fraction: {fraction!r} (expected a number in [0, 1])"
+                f"Invalid offload_fraction: {fraction!r} (expected a number in [0, 1]; "
+                "offload_fraction='auto' is a constructor option)"
             )
-        if self._auto is not None:
-            self._auto.cancel(f"set_offload_fraction({fraction!r}) by the caller")
+        fraction = float(fraction)
+        ours = self._auto is not None and self._auto.moving  # auto's own move
         if self._budget_pending():  # the caller's fraction instead of the budget's choice
+            if self._auto is not None:
+                self._auto.cancel(f"set_offload_fraction({fraction!r}) by the caller")
             self._budget["max_gpu_memory"] = None
-            self.offload_fraction = float(fraction)
+            self.offload_fraction = fraction
             self.ensure_placed()
             return
         self.ensure_placed()
         self.synchronize()
         self._raise_if_broken()
         self._check_worker([])
-        if self.placement_choice is not None:  # the budget's choice no longer holds
-            self.placement_choice = {**self.placement_choice, "fraction": float(fraction),
-                                     "set_by": "set_offload_fraction (the budget is not checked)"}  # fmt: skip
         # Ctrl-C or SIGTERM in the middle would leave state half copied in: they reach their
         # handler once the move is done (steps.signals_deferred).
         with signals_deferred(), self._lock:
@@ -385,6 +413,15 @@ class HybridOptimizer(Stepping, Optimizer):
                 (self.placement, self.arenas, self.buckets, self._records, self.state,
                  self._grad_hooks, self._module_waits, self.offload_fraction) = old  # fmt: skip
                 raise
+            if not ours:  # placed: from here the caller's fraction holds, not a choice
+                if self._auto is not None:
+                    self._auto.cancel(f"set_offload_fraction({fraction!r}) by the caller")
+                if self.placement_choice is not None:
+                    budget = "max_gpu_memory" in self.placement_choice
+                    self.placement_choice = {
+                        "fraction": fraction, "replaced": self.placement_choice,
+                        "set_by": "set_offload_fraction" + (" (the budget is not checked)" if budget else ""),
+                    }  # fmt: skip
             for hooks in (*old[5], *old[6]):
                 hooks.remove()  # the old placement's grad hooks and module waits
             for arena in old[1]:

@@ -257,8 +257,17 @@ class Stepping:
                 self._inflight, self._inflight_streams = st, streams
                 if self.wait == "step" and self.overlap != "delayed":
                     self.synchronize()
+                elif self.overlap != "delayed" and not (self._watched or self._watch_later):
+                    self._warn_once(
+                        "module-unwatched",
+                        "wait='module' with no model given to opt.watch(): nothing makes the "
+                        "next forward wait for the weights being copied back; call "
+                        "opt.watch(model), or opt.synchronize() before the next forward",
+                    )
         if auto is not None:
-            auto.end(self)  # offload_fraction="auto": a sample; may move the state (between steps)
+            # offload_fraction="auto": a sample (a step that updated nothing is none); may move
+            # the state, between steps
+            auto.end(self, worked=bool(st.prepared))
         return loss
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

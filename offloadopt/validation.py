@@ -5,6 +5,7 @@ the value. The rule's own hyperparameters are checked by the rule (offloadopt/ru
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -73,8 +74,8 @@ def validate_options(
     """
     rule.validate(hyper)
 
-    def number(x) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
+    def number(x) -> bool:  # numpy's scalars too (numbers.Real), not a bool or a tensor
+        return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
     def count(x) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
