@@ -48,8 +48,10 @@ class HybridAdamW(HybridOptimizer):
     Without CUDA every param is a CPU tensor and the same path runs with the CPU standing in
     for the device: separate host state, plain copies, no pinning, no streams.
 
-    Caveats: a param's placement is fixed when it is added (construction or
-    ``add_param_group``); grads are copied out inside ``step()`` (not during backward); weights
+    Caveats: a param's placement is made when it is added (construction or
+    ``add_param_group``) and changes only through :meth:`set_offload_fraction` or
+    ``offload_fraction="auto"``; in step mode grads are copied out inside ``step()``
+    (``overlap="backward"`` copies them during backward); weights
     changed outside the optimizer are detected through ``param._version`` (edits through
     ``param.data`` are not seen); ``amsgrad``, ``capturable`` and ``differentiable`` are not
     supported; ``fused`` and ``foreach`` are accepted and ignored (torch's fused kernel always runs).
@@ -67,7 +69,14 @@ class HybridAdamW(HybridOptimizer):
             0's step; with ``max_gpu_memory`` the budget's choice stays (the smallest fraction
             that fits is the fastest that fits) and is measured. ``opt.placement_choice``
             holds the inputs and the predicted and measured step times (ms); see
-            :mod:`offloadopt.auto`. One process only (``ValueError`` with several ranks).
+            :mod:`offloadopt.auto`. One process only (``ValueError`` with several ranks); not
+            with ``overlap="delayed"`` unless ``max_gpu_memory`` is given (the fraction decides
+            which params are stale), nor with groups that force ``"offload"``. During the probe
+            ``overlap="backward"``'s updates wait for ``step()``, so what backward mode refuses
+            (a grad edited with ``grads_final=True``, a second backward without
+            ``accumulating()``) is refused from the first step after it. A resumed run probes
+            again (the state moves without loss); pass ``placement_choice["fraction"]`` to
+            skip that.
         min_offload_numel: params with fewer elements keep their state on the device.
         master_weights: keep an fp32 master for bf16/fp16 params (on the host for offloaded
             params, on the device otherwise); with False they update in their own dtype.

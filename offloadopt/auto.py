@@ -24,7 +24,10 @@ Timeline (each phase is :data:`MEASURED_STEPS` steps; the optimizer calls :meth:
    one is verified in turn (:data:`CORRECTIONS` times at most; ``choice["corrections"]``).
 
 ``opt.placement_choice`` holds the choice, its inputs and the predicted and measured step
-times (milliseconds); logger ``offloadopt`` says the same in two lines.
+times (milliseconds); logger ``offloadopt`` says the same in two lines. When no choice can be
+made (nothing offloaded at the probe, or too few elements left on the device to time its
+update) the placement stays and ``placement_choice["kept"]`` says why. A step that updates
+nothing is no sample.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ def measurements(
     device_numel: int,
     offloaded_numel: int,
     bucket_nbytes: int,
+    weight_bytes: int = 2,
+    state_bytes: int = 12,
 ) -> costmodel.Measurements:
     """:class:`costmodel.Measurements` from one placement's figures: the medians of the
     windows (ms), the optimizer's ``stats`` of a step there (the worker's kernel time, its busy
@@ -92,7 +97,8 @@ def measurements(
         cpu_ns_per_param=kernel_ms * 1e6 / offloaded_numel,
         d2h_gbps=gbps("d2h"), h2d_gbps=gbps("h2d"),
         bucket_overhead_ms=max(0.0, busy_ms - kernel_ms) / max(1, stats.get("buckets", 1)),
-        bucket_nbytes=bucket_nbytes,
+        bucket_nbytes=bucket_nbytes, weight_bytes=weight_bytes, grad_bytes=weight_bytes,
+        state_bytes=state_bytes,
     )  # fmt: skip
 
 
@@ -237,7 +243,7 @@ class AutoFraction:
             m = measurements(fwd_bwd_ms=timed["fwd_bwd_ms"], stats=self._link(opt),
                              device_update_ms=timed["device_update_ms"],
                              device_numel=numel[False], offloaded_numel=numel[True],
-                             bucket_nbytes=opt.bucket_nbytes)  # fmt: skip
+                             bucket_nbytes=opt.bucket_nbytes, **opt._bytes_per_param())  # fmt: skip
         except ValueError as e:
             self._keep(opt, str(e))
             return

@@ -82,7 +82,7 @@ def choose(
     Raises:
         ValueError: no fraction fits, or the host lacks the memory (both with figures).
     """
-    chosen = None
+    chosen = least = None  # least: the fraction that needs the fewest device bytes, its parts
     for k in range(101):
         fraction = k / 100
         placements = place_at(fraction, infos)
@@ -107,14 +107,23 @@ def choose(
             if grads_in_flight:
                 pending = min(buckets, sum(grads))
         need = measured - released + pending + device_state + staging + landing
+        if least is None or need < least[1]:
+            least = (fraction, need, dict(staging=staging, device_state=device_state,
+                                          landing=landing, released=released, pending=pending))  # fmt: skip
         if need <= budget:
             chosen = (fraction, need, host_state + 2 * slot, released)
             break
     if chosen is None:
+        fraction, need, parts = least
+        named = {"staging": "staging", "device_state": "state left on the device",
+                 "landing": "+ delayed landing buffers", "pending": "+ grads the copies still read",
+                 "released": "- grads freed in backward"}  # fmt: skip
+        shown = "; ".join(f"{named[k]} {format_bytes(v)}" for k, v in parts.items()
+                          if v or k in ("staging", "device_state"))  # fmt: skip
         raise ValueError(
-            f"max_gpu_memory={format_bytes(budget)} cannot be met: at offload fraction 1 the "
-            f"device needs {format_bytes(need)} ({how}: {format_bytes(measured)}; staging "
-            f"{format_bytes(staging)}; state left on the device {format_bytes(device_state)})"
+            f"max_gpu_memory={format_bytes(budget)} cannot be met: the fewest device bytes, at "
+            f"offload fraction {fraction:g}, are {format_bytes(need)} ({how}: "
+            f"{format_bytes(measured)}; {shown})"
         )
     fraction, need, host, released = chosen
     available = host_budget or mem_available()

@@ -440,6 +440,19 @@ class HybridOptimizer(Stepping, Optimizer):
         """The device of the params (one per rank: shards.check_setup)."""
         return local(self.param_groups[0]["params"][0]).device
 
+    def _bytes_per_param(self) -> dict[str, int]:
+        """The cost model's bytes per trainable param: its weight (and grad) in the dtype of
+        most of the elements, and the state (the rule's, and an fp32 master when kept)."""
+        by_dtype: dict[torch.dtype, int] = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.requires_grad:
+                    by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + local(p).numel()
+        dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.float32
+        master = update_dtype(dtype, self.master_weights) != dtype
+        n_states = len(self.rule.state_keys_for(self.param_groups[0]))
+        return {"weight_bytes": dtype.itemsize, "state_bytes": 4 * n_states + 4 * master}
+
     def _numel_by_side(self) -> dict[bool, int]:
         """Trainable elements (this rank's shards) whose state is offloaded (True) or on the
         device (False)."""

@@ -77,7 +77,8 @@ def test_a_budget_that_cannot_be_met_raises_with_figures_and_changes_nothing():
     m(seq[:, :-1], seq[:, 1:])[1].backward()
     with pytest.raises(
         ValueError,
-        match=r"max_gpu_memory=100.00 KB \(97.66 KiB\) cannot be met: at offload fraction 1",
+        match=r"max_gpu_memory=100.00 KB \(97.66 KiB\) cannot be met: the fewest device bytes, at "
+        r"offload fraction [0-9.]+, are",
     ):
         opt.step()
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
@@ -316,3 +317,15 @@ def test_wait_module_counts_the_grads_its_copies_still_read():
     loose = choice("module", budget_for(model(), 0.5))
     assert loose["fraction"] == plain["fraction"]
     assert loose["predicted_gpu_bytes"] - plain["predicted_gpu_bytes"] == 5 * BUCKET  # fp32 grads
+
+
+def test_an_unmet_budget_names_every_part_of_what_the_device_needs():
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, bucket_nbytes=BUCKET, max_gpu_memory="100KB",
+                      activation_bytes="1MB", overlap="delayed", min_offload_numel=1)  # fmt: skip
+    seq = torch.randint(0, CFG.vocab_size, (4, CFG.block_size + 1))
+    m(seq[:, :-1], seq[:, 1:])[1].backward()
+    with pytest.raises(ValueError) as e:
+        opt.step()
+    said = str(e.value)
+    assert "staging" in said and "+ delayed landing buffers" in said, said

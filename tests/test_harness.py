@@ -230,7 +230,7 @@ def test_main_job_says_why_a_gpu_budget_cannot_be_met():
     r = subprocess.run([sys.executable, "-m", "offloadopt", "train", "--max-gpu-memory", "8MB",
                         "--steps", "1", "--no-progress"], capture_output=True, text=True,
                        timeout=120)  # fmt: skip
-    assert r.returncode == 1 and "cannot be met: at offload fraction 1" in r.stderr
+    assert r.returncode == 1 and "cannot be met: the fewest device bytes" in r.stderr
     r = subprocess.run([sys.executable, "-m", "offloadopt", "train", "--max-gpu-memory", "lots"],
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 2 and "--max-gpu-memory: Invalid size: 'lots'" in r.stderr
@@ -303,7 +303,14 @@ def test_main_job_backward_mode_clips_through_the_optimizer(monkeypatch):
             ["--offload-fraction", "auto", "--optimizer", "adamw"],
             "--offload-fraction auto: HybridAdamW's option",
         ),
-        (["--offload-fraction", "automatic"], "--offload-fraction: 'automatic' is not a number"),
+        (
+            ["--offload-fraction", "automatic"],
+            "'automatic' is not a number (a number in [0, 1], or auto)",
+        ),
+        (
+            ["--max-gpu-memory", "10MB", "--offload-fraction", "0.3"],
+            "--offload-fraction 0.3 with --max-gpu-memory",
+        ),
     ],
 )
 def test_main_job_refuses_options_that_cannot_combine(capsys, args, message):

@@ -108,7 +108,12 @@ def fraction(value: Any) -> float:
 
 def fraction_or_auto(value: Any) -> float | str:
     """An offload fraction, or ``auto`` (HybridAdamW measures the first steps and chooses)."""
-    return "auto" if value == "auto" else fraction(value)
+    if value == "auto":
+        return "auto"
+    try:
+        return fraction(value)
+    except UsageError as e:
+        raise UsageError(f"{e} (a number in [0, 1], or auto)") from None
 
 
 def size(value: Any) -> int:

@@ -121,6 +121,11 @@ class TrainConfig:
             lr=lr if cfg.lr is None else cfg.lr,
             warmup_steps=cfg.steps // 20 if cfg.warmup_steps is None else cfg.warmup_steps,
         )
+        if cfg.max_gpu_memory is not None and cfg.offload_fraction not in ("auto", 1.0):
+            raise UsageError(
+                f"--offload-fraction {cfg.offload_fraction:g} with --max-gpu-memory: the budget "
+                "chooses the fraction; give one, or --offload-fraction auto"
+            )
         if cfg.max_gpu_memory is not None and cfg.optimizer != "hybrid":
             raise UsageError(
                 f"--max-gpu-memory: HybridAdamW's option; --optimizer {cfg.optimizer} keeps "
@@ -442,13 +447,20 @@ def describe_choice(choice: dict) -> str:
         line += (f" | max_gpu_memory {choice['max_gpu_memory'] / gb:.2f} GB: device "
                  f"{choice['predicted_gpu_bytes'] / gb:.2f} GB predicted, host "
                  f"{choice['host_bytes'] / gb:.2f} GB")  # fmt: skip
-    if choice.get("set_by") == "auto":
+    if "kept" in choice:
+        line += f" | auto kept it: {choice['kept']}"
+    elif choice.get("set_by") == "auto":
         measured = choice.get("measured_step_ms")
         line += (f" | auto: probe {choice['probe_fraction']:g} at "
                  f"{choice['probe_measured_step_ms']:.1f} ms/step; predicted "
                  f"{choice['predicted_step_ms']:.1f} ms/step (fraction 0: "
                  f"{choice['predicted_step_ms_at_0']:.1f})")  # fmt: skip
         line += f", measured {measured:.1f}" if measured is not None else ", measuring"
+        moves = choice.get("corrections") or []
+        if moves:
+            line += " | corrected from " + ", ".join(
+                f"{c['fraction']:g} ({c['measured_step_ms']:.1f} ms)" for c in moves
+            )
     return line
 
 
@@ -487,7 +499,7 @@ HELP = {
     "optimizer": "hybrid: HybridAdamW; adamw: torch.optim.AdamW(fused=True) (default: %(default)s)",
     "offload_fraction": "HybridAdamW: share of optimizer-state bytes on the host, 0..1, or auto: measured in the first steps and chosen (default: %(default)s)",
     "min_offload_numel": "HybridAdamW: params with fewer elements stay on the device (default: %(default)s)",
-    "max_gpu_memory": "HybridAdamW: a GPU budget, bytes or 120GB / 112GiB; it picks the smallest fraction that fits, at the first step (overrides --offload-fraction)",
+    "max_gpu_memory": "HybridAdamW: a GPU budget, bytes or 120GB / 112GiB; it picks the smallest fraction that fits, at the first step (with --offload-fraction auto: measured too)",
     "overlap": "HybridAdamW: step; backward: updates start during backward (clipping through the optimizer; --grad-clip 0: none, grads final); or delayed: the update runs during the next forward and backward, which read weights one step old (default: %(default)s)",
     "steps": "optimizer steps (default: %(default)s)",
     "batch_size": "sequences per step (default: per preset, 16 for tiny)",
