@@ -180,16 +180,27 @@ def test_refused_setups_and_threads_per_rank(tmp_path):
         assert sum("OMP_NUM_THREADS=1" in m for m in r["log"]) == 1
 
 
+def _exit_abort(r) -> bool:
+    """A rank aborted in the interpreter's shutdown after the job printed its last line: once
+    in about 20 CI runs, from torch's C++ teardown ("terminate called without an active
+    exception"; cf. pytorch/pytorch#190489), after our summary was out."""
+    done = r.stdout.strip().splitlines()[-1:] and r.stdout.strip().splitlines()[-1].startswith("{")
+    return bool(done) and "terminate called without an active exception" in r.stderr
+
+
 def test_main_job_under_torchrun_fsdp_and_ddp():
     results = {}
     for parallel in ("fsdp", "ddp"):
-        r = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run",  # torchrun, from this interpreter
-             "--standalone", "--nproc-per-node", "2", "-m", "offloadopt", "train",
-             f"--{parallel}", "--steps", "30", "--eval-every", "30", "--eval-batches", "2",
-             "--batch-size", "8", "--seq-len", "64", "--offload-fraction", "0.5", "--no-progress"],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        for attempt in range(2):  # a second run only for an abort at shutdown (_exit_abort)
+            r = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run",  # torchrun, from this interpreter
+                 "--standalone", "--nproc-per-node", "2", "-m", "offloadopt", "train",
+                 f"--{parallel}", "--steps", "30", "--eval-every", "30", "--eval-batches", "2",
+                 "--batch-size", "8", "--seq-len", "64", "--offload-fraction", "0.5", "--no-progress"],
+                capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            if r.returncode == 0 or attempt or not _exit_abort(r):
+                break
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         result = results[parallel] = json.loads(r.stdout.strip().splitlines()[-1])  # rank 0's
         assert r.stdout.count("model: tiny") == 1  # one rank speaks for the job

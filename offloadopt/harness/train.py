@@ -436,6 +436,8 @@ def train(cfg: TrainConfig) -> dict:
     }
     if ranks.initialized:
         summary.update(per_rank(opt, summary, ranks, tokens_per_step))
+    if hasattr(opt, "close"):
+        opt.close()  # the worker thread ends here, not in the interpreter's shutdown
     return summary
 
 
