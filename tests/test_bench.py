@@ -186,3 +186,36 @@ def test_an_unknown_mode_is_named_before_anything_runs(tmp_path):
 
     with pytest.raises(UsageError, match="--modes: 'sideways' is not one of step, backward"):
         run_bench(tiny(tmp_path, modes=["sideways"]))
+
+
+def test_a_failed_fraction_stops_the_sweep_summary_and_is_named():
+    from offloadopt.harness.report import sweep_summary
+
+    rows = [{"name": "hybrid:0", "kind": "hybrid", "fraction": 0.0, "step_ms": 100.0},
+            {"name": "hybrid-backward:0.5", "kind": "anchor", "status": "error: RuntimeError: x"},
+            {"name": "hybrid-backward:1", "kind": "hybrid", "mode": "backward", "fraction": 1.0,
+             "step_ms": 101.0}]  # fmt: skip
+    assert sweep_summary(rows)[1] == (
+        "backward: 0.5:failed 1:1.01x; largest within 1.10x of hybrid:0: none"
+    )
+
+
+def test_the_plot_keeps_its_axis_labels_with_several_modes(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from offloadopt.harness.report import plot
+
+    labels = []
+    real = Figure.savefig
+
+    def keep(fig, *a, **k):
+        labels.extend(ax.get_ylabel() for ax in fig.axes)
+        return real(fig, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    rows = [{"name": f"hybrid{'-' + m if m != 'step' else ''}:{f:g}", "kind": "hybrid", "mode": m,
+             "fraction": f, "step_ms": 100.0 + f, "peak_gpu_gb": 1.0 - f / 2}
+            for m in ("step", "delayed") for f in (0.0, 1.0)]  # fmt: skip
+    plot(rows, tmp_path / "bench.png")
+    assert labels == ["step time (ms, median)", "peak GPU memory (GB)"]

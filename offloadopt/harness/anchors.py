@@ -126,8 +126,10 @@ def hybrid(fraction: float, mode: str = "step", **kwargs):
                           **adamw_kwargs(lr), **options, **kwargs)  # fmt: skip
         if mode != "step":
             opt.watch(model)  # per-module waits; delayed: model.state_dict() sees the masters
+        stale = mode == "delayed" and fraction > 0  # at fraction 0 nothing is a step old
         return {"opt": opt, "fraction": fraction, "kind": "hybrid", "mode": mode,
-                "numerics": numerics, "close": opt.close}  # fmt: skip
+                "numerics": numerics if stale or mode != "delayed" else "same",
+                "close": opt.close}  # fmt: skip
 
     return build
 

@@ -458,8 +458,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     a("--fractions", type=checks.fraction, nargs="+", default=d.fractions,
       help="HybridAdamW offload fractions, each in [0, 1]")
     a("--modes", nargs="+", default=d.modes, choices=list(anchors.MODES), metavar="MODE",
-      help=f"overlap modes, each a sweep of --fractions: any of {list(anchors.MODES)} "
-           "(backward: grads_final, wait='module'; backward-clip: max_grad_norm=1.0)")
+      help=f"overlap modes, each a sweep of --fractions beside step mode's (the baseline): any "
+           f"of {list(anchors.MODES)} (backward: grads_final, wait='module'; backward-clip: "
+           "max_grad_norm=1.0)")
     a("--anchors", nargs="*", default=d.anchors, choices=list(anchors.ANCHORS), metavar="ANCHOR",
       help=f"any of {sorted(anchors.ANCHORS)}; none: --anchors")
     a("--no-kernel", action="store_true", help="skip timing the fused kernel alone")

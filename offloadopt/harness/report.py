@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,20 +37,27 @@ def format_table(results: list[dict[str, Any]]) -> str:
 def sweep_summary(results: list[dict[str, Any]], within: float = 1.10) -> list[str]:
     """Per overlap mode: each fraction's step over the baseline's (``hybrid:0``) and the
     largest fraction within ``within`` x it (every smaller one within too)."""
-    rows = [r for r in results if r.get("kind") == "hybrid" and "step_ms" in r]
-    base = next((r["step_ms"] for r in rows if r["name"] == "hybrid:0"), None)
+    points: dict[str, list[tuple[float, float | None]]] = {}  # mode -> (fraction, ratio or None)
+    base = next((r["step_ms"] for r in results if r["name"] == "hybrid:0" and "step_ms" in r), None)
     if base is None:
         return []
+    for r in results:
+        named = re.fullmatch(r"hybrid(?:-([a-z-]+))?:([0-9.]+)", r["name"])
+        if named is None:
+            continue
+        ratio = r["step_ms"] / base if "step_ms" in r else None  # None: the configuration failed
+        points.setdefault(named.group(1) or "step", []).append((float(named.group(2)), ratio))
     lines = []
-    for mode in dict.fromkeys(r.get("mode", "step") for r in rows):
-        sweep = sorted((r["fraction"], r["step_ms"] / base) for r in rows
-                       if r.get("mode", "step") == mode and "(repeat)" not in r["name"])  # fmt: skip
+    for mode, sweep in points.items():
+        sweep.sort()
         best = None
         for f, ratio in sweep:
-            if ratio > within:
+            if ratio is None or ratio > within:
                 break
             best = f
-        shown = " ".join(f"{f:g}:{ratio:.2f}x" for f, ratio in sweep)
+        shown = " ".join(
+            f"{f:g}:{'failed' if ratio is None else f'{ratio:.2f}x'}" for f, ratio in sweep
+        )
         lines.append(f"{mode}: {shown}; largest within {within:.2f}x of hybrid:0: "
                      f"{'none' if best is None else f'{best:g}'}")  # fmt: skip
     return lines
@@ -77,8 +85,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     ):
         for mode in modes:
             line = [r for r in hybrid if r.get("mode", "step") == mode]
-            label = "HybridAdamW" if mode == "step" else f"HybridAdamW, {mode}"
-            ax.plot([r["fraction"] for r in line], [r[key] for r in line], "o-", label=label)
+            legend = "HybridAdamW" if mode == "step" else f"HybridAdamW, {mode}"
+            ax.plot([r["fraction"] for r in line], [r[key] for r in line], "o-", label=legend)
         for r in others:
             ax.scatter([r["fraction"]], [r[key]], marker="x", s=60)
             ax.annotate(
