@@ -321,18 +321,15 @@ class AutoFraction:
         if (not self.budgeted and measured > limit and fraction > 0
                 and len(corrections) < CORRECTIONS and "kept" not in self.choice):  # fmt: skip
             error = measured - self.choice["predicted_step_ms"]
-            fits = [k / 100 for k in range(101) if k / 100 < fraction and
-                    costmodel.predict(self._model, k / 100, self._mode).step_ms + error <= limit]  # fmt: skip
+            step = {f: costmodel.predict(self._model, f, self._mode).step_ms
+                    for f in costmodel._grid(0.01)}  # fmt: skip
+            fits = max(f for f in step if f < fraction and step[f] + error <= limit or f == 0)
+            # no lower than the model's fully hidden fractions (the error of a fraction whose
+            # CPU work shows says nothing of those that hide), and at least 0.05 down
+            hidden = max(f for f in step if step[f] <= self.choice["predicted_step_ms_at_0"])
             corrections.append({"fraction": fraction, "measured_step_ms": measured,
                                 "predicted_step_ms": self.choice["predicted_step_ms"]})  # fmt: skip
-            # At least one sweep step (0.05) down; no lower than the model's hidden fractions
-            # (the error of a fraction whose CPU work shows says nothing of those that hide).
-            hidden = [k / 100 for k in range(101) if costmodel.predict(
-                self._model, k / 100, self._mode).step_ms <= self.choice["predicted_step_ms_at_0"]]  # fmt: skip
-            down = min(max(fits, default=0.0), round(fraction - 0.05, 2))
-            self._move(
-                opt, max(0.0, min(max(down, max(hidden, default=0.0)), round(fraction - 0.05, 2)))
-            )
+            self._move(opt, max(0.0, min(max(fits, hidden), round(fraction - 0.05, 2))))
             return
         self.phase = "done"
         self.choice["within_tolerance"] = self.budgeted or measured <= limit

@@ -457,7 +457,7 @@ class Stepping:
             if p not in st.group_of:
                 return  # no longer in any group
             st.announced.add(p)
-            if self.max_grad_norm is None and self.grads_final and not self._holding():
+            if self.max_grad_norm is None and self.grads_final:
                 rec = self._records[p]
                 done = [b for b in rec.buckets if b not in st.fed
                         and all(q in st.announced for q in b.params)]  # fmt: skip
@@ -533,8 +533,6 @@ class Stepping:
             if st is None or st.backward_done:
                 return
             st.backward_done = True
-            if self._holding():
-                return  # offload_fraction="auto" measures this backward alone: step() feeds
             if self.max_grad_norm is not None:
                 params = [p for p in st.group_of if p.grad is not None]
                 self._clip(st, params, self.max_grad_norm)

@@ -229,13 +229,10 @@ class Transfer:
         if self.cuda and buckets:
             stream.wait_event(self.h2d_done[buckets[-1]])
 
-    def collect_timing(self) -> dict[str, float]:
-        """GPU milliseconds of the copies and casts recorded since the last call, per stream.
-        Waits for those events (the last step's; long done by the next forward)."""
-        return {key: ms for key, (ms, _) in self.collect_link().items()}
-
     def collect_link(self) -> dict[str, tuple[float, int]]:
-        """As :meth:`collect_timing`, with the bytes those copies moved: key -> (ms, bytes)."""
+        """GPU milliseconds of the copies and casts recorded since the last call, per stream,
+        with the bytes they moved: key -> (ms, bytes). Waits for those events (the last
+        step's; long done by the next forward)."""
         totals = {"d2h_ms": (0.0, 0), "h2d_ms": (0.0, 0)}
         timing, self.timing = self.timing, []  # the worker appends to the new list from here
         for key, start, end, nbytes in timing:
