@@ -110,7 +110,19 @@ class HybridAdamW(HybridOptimizer):
             a bucket's update starts as soon as its grads are complete.
         release_grads: free the device grads of offloaded params as soon as their copy has
             landed on the host (``p.grad`` is then None after ``step()``); needs
-            ``overlap="backward"`` with ``grads_final`` or ``max_grad_norm``.
+            ``overlap="backward"`` with ``grads_final``, ``max_grad_norm`` or ``grad_scaler``.
+        grad_scaler: the ``torch.amp.GradScaler`` that scales this model's loss, attached so
+            that ``overlap="backward"`` can start the updates at the end of backward: there
+            the optimizer checks every grad for infs and NaNs itself (on the device, no
+            ``.item()``), the worker's kernel divides by the scale, and ``scaler.step(opt)``
+            then gets that found_inf into its ``update()`` (offloadopt/amp.py). Without it a
+            GradScaler still works in every mode, as with ``torch.optim.AdamW(fused=True)``:
+            ``scaler.step(opt)`` hands its scale and found_inf to ``step()``, and backward
+            mode's updates wait for ``step()`` (with ``grads_final=True`` an unattached
+            scaler is a ``RuntimeError`` at ``step()``: the updates read scaled grads). With
+            ``max_grad_norm`` the grads are unscaled on the device before the clip, as
+            ``scaler.unscale_(opt)`` then ``clip_grad_norm_`` would. One process, or DDP with
+            ``ddp=`` (``ValueError`` otherwise: an FSDP2 rank sees its own shard only).
         ddp: the ``DistributedDataParallel`` model (built with ``gradient_as_bucket_view=True``)
             whose grads ``overlap="backward"`` reads: a comm hook (torch's all-reduce, then an
             announcement) starts each offloaded bucket once DDP's all-reduce of its grads is
@@ -169,6 +181,7 @@ class HybridAdamW(HybridOptimizer):
         grads_final: bool = False,
         release_grads: bool = False,
         ddp: Any = None,
+        grad_scaler: Any = None,
         max_gpu_memory: int | str | None = None,
         max_host_memory: int | str | None = None,
         activation_bytes: int | str | None = None,
@@ -181,7 +194,8 @@ class HybridAdamW(HybridOptimizer):
             master_weights=master_weights, pin_memory=pin_memory, bucket_nbytes=bucket_nbytes,
             flush_denormal=flush_denormal, cpu_threads=cpu_threads, timeout_s=timeout_s,
             overlap=overlap, wait=wait, max_grad_norm=max_grad_norm, grads_final=grads_final,
-            release_grads=release_grads, ddp=ddp, max_gpu_memory=max_gpu_memory,
+            release_grads=release_grads, ddp=ddp, grad_scaler=grad_scaler,
+            max_gpu_memory=max_gpu_memory,
             max_host_memory=max_host_memory, activation_bytes=activation_bytes,
             auto_tolerance=auto_tolerance,
         )  # fmt: skip

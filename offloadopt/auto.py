@@ -236,7 +236,8 @@ class AutoFraction:
         return stats
 
     def _choose(self, opt, timed: dict[str, float]) -> None:
-        mode = cost_mode(opt.overlap, opt.grads_final, opt.max_grad_norm)
+        mode = cost_mode(opt.overlap, opt.grads_final or opt.grad_scaler is not None,
+                         opt.max_grad_norm)  # fmt: skip
         probe = opt.offload_fraction
         numel = opt._numel_by_side()
         try:

@@ -53,6 +53,10 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
     # state_dict()'s copies of device-resident state: on the host (False), or on their device
     # (True: Megatron's HybridDeviceOptimizer layout, which its tests check).
     _snapshot_on_device = False
+    # torch.amp.GradScaler.step() sets opt.grad_scale and opt.found_inf and calls step(), which
+    # hands them to the kernels (offloadopt/amp.py), instead of unscaling grads on the device
+    # and reading found_inf with .item().
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -76,6 +80,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         grads_final: bool = False,
         release_grads: bool = False,
         ddp: Any = None,
+        grad_scaler: Any = None,
         max_gpu_memory: int | str | None = None,
         max_host_memory: int | str | None = None,
         activation_bytes: int | str | None = None,
@@ -94,7 +99,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
             pin_memory=pin_memory, bucket_nbytes=bucket_nbytes, flush_denormal=flush_denormal,
             cpu_threads=cpu_threads, timeout_s=timeout_s, overlap=overlap, wait=wait,
             max_grad_norm=max_grad_norm, grads_final=grads_final, release_grads=release_grads,
-            ddp=ddp, auto_tolerance=auto_tolerance,
+            ddp=ddp, auto_tolerance=auto_tolerance, grad_scaler=grad_scaler,
         )  # fmt: skip
         params = validate_params_arg(params)
         sizes = budget.sizes(max_gpu_memory=max_gpu_memory, max_host_memory=max_host_memory,
@@ -118,6 +123,12 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         ):
             if value is not None and sizes["max_gpu_memory"] is None:
                 raise ValueError(f"{name}={value!r} without max_gpu_memory does nothing")
+        if grad_scaler is not None and world_size() > 1 and ddp is None:
+            raise ValueError(
+                f"grad_scaler= with {world_size()} ranks and no ddp=: the check for infs would "
+                "see this rank's shard alone; leave it out (step() takes the scaler's values, as "
+                "torch's fused AdamW does)"
+            )
         if auto and world_size() > 1:
             raise ValueError(
                 f"offload_fraction='auto' with {world_size()} ranks: it measures one process, and "
@@ -137,6 +148,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         self.overlap, self.wait = overlap, wait
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.grads_final, self.release_grads = grads_final, release_grads
+        self.grad_scaler = grad_scaler  # attached: backward mode checks found_inf (amp.py)
         # Step mode: the training thread waits in step() while the worker runs; when updates
         # overlap backward or the next forward, it needs a core of its own.
         busy = overlap != "step" or wait != "step"

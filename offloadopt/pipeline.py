@@ -44,24 +44,27 @@ class BucketWork:
     ``idx``: the segments whose param has a grad; ``grads``: their flat grad ranges on the
     device, in ``idx`` order, captured when the bucket was fed; ``ready``: the event after which
     those grads are final and no queued kernel reads the bucket's old weights (None without
-    CUDA); ``scale``: a clip coefficient (0-dim fp32 on the device) the upcast grads are
-    multiplied by before D2H, or None; ``release``: ``(param, weakref to the grad fed)`` pairs
+    CUDA); ``scale``: a clip coefficient (0-dim fp32 on the device), or a tuple of such factors
+    applied in order (a GradScaler's inverse scale, then the clip coefficient), that the upcast
+    grads are multiplied by before D2H, or None; ``release``: ``(param, weakref to the grad fed)`` pairs
     whose grad the grads' owner drops once this D2H has landed (see StepRun.take_landed);
     ``payload``: the optimizer's (frozen hyperparameters, steps); ``targets``: where the new
     weights go, one flat view per segment of the bucket (None: the params themselves);
     ``drop_grads``: the grads were taken from their params (overlap="delayed"), so the worker
-    drops ``grads`` once the D2H has landed and their device memory goes back at once.
+    drops ``grads`` once the D2H has landed and their device memory goes back at once;
+    ``amp``: the step's GradScaler inputs (offloadopt/amp.py ``AmpInputs``), or None.
     """
 
     bucket: Bucket
     idx: list[int]
     grads: list[torch.Tensor]
     ready: Any = None
-    scale: torch.Tensor | None = None
+    scale: torch.Tensor | tuple[torch.Tensor, ...] | None = None
     release: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
     payload: Any = None
     targets: list[torch.Tensor] | None = None
     drop_grads: bool = False
+    amp: Any = None
 
 
 class StepRun:

@@ -152,7 +152,8 @@ class Placing:
             lambda f, infos: place(infos, f, self.min_offload_numel, self.master_weights,
                                    self.placement_policy),
             # grads go during backward only when no clip waits for them all (steps._on_grad)
-            release_grads=self.release_grads and self.max_grad_norm is None,
+            release_grads=self.release_grads and self.max_grad_norm is None
+            and self.grad_scaler is None,
             grads_in_flight=self.wait == "module" and self.overlap != "delayed",
         )  # fmt: skip
         self.offload_fraction = self.placement_choice["fraction"]
@@ -363,7 +364,9 @@ class Placing:
                 rec = self._records[b.arena.params[seg.k]]
                 if not rec.buckets or rec.buckets[-1] is not b:
                     rec.buckets.append(b)
-        if self.overlap == "backward" and (self.grads_final or self.max_grad_norm is not None):
+        if self.overlap == "backward" and (
+            self.grads_final or self.max_grad_norm is not None or self.grad_scaler is not None
+        ):
             offloaded = [p for a in arenas for p in a.params]
             self._grad_hooks.append(GradHooks(self, offloaded))
         odd = [pl.name for pl in placements if pl.reason == "non-contiguous"]

@@ -98,10 +98,14 @@ class Rule:
             lr_host = lr if lr.device.type == "cpu" else lr.to("cpu")  # synchronous copy
         return Hyper(MappingProxyType(values), lr_host)
 
-    def update(self, hyper: Hyper, weights, grads, states, steps, host: bool, first=False) -> None:
+    def update(
+        self, hyper: Hyper, weights, grads, states, steps, host: bool, first=False, amp=None
+    ) -> None:
         """One update over lists of same-device tensors (``states`` in :meth:`state_keys_for`
         order, ``steps`` already advanced); ``host`` selects :attr:`Hyper.lr_host`; ``first``:
-        these params' first update (for :attr:`lazy_state` rules)."""
+        these params' first update (for :attr:`lazy_state` rules); ``amp``: a GradScaler's
+        ``grad_scale`` and ``found_inf`` for the kernel, on the tensors' device
+        (offloadopt/amp.py), or None."""
         raise NotImplementedError  # pragma: no cover - abstract
 
 
@@ -144,7 +148,9 @@ class AdamWRule(Rule):
 
     kernel = staticmethod(torch._fused_adamw_)
 
-    def update(self, hyper: Hyper, weights, grads, states, steps, host: bool, first=False) -> None:
+    def update(
+        self, hyper: Hyper, weights, grads, states, steps, host: bool, first=False, amp=None
+    ) -> None:
         if not weights:
             return
         exp_avgs, exp_avg_sqs = states
@@ -163,6 +169,7 @@ class AdamWRule(Rule):
             weight_decay=hyper["weight_decay"],
             eps=hyper["eps"],
             maximize=hyper["maximize"],
+            **(amp or {}),
         )
 
 
@@ -204,7 +211,9 @@ class SGDRule(Rule):
         """Raise ``ValueError`` naming the bad value, as ``torch.optim.SGD``."""
         _validate_sgd_values(values)
 
-    def update(self, hyper: Hyper, weights, grads, states, steps, host: bool, first=False) -> None:
+    def update(
+        self, hyper: Hyper, weights, grads, states, steps, host: bool, first=False, amp=None
+    ) -> None:
         if not weights:
             return
         torch._fused_sgd_(
@@ -218,6 +227,7 @@ class SGDRule(Rule):
             nesterov=hyper["nesterov"],
             maximize=hyper["maximize"],
             is_first_step=bool(first and states),
+            **(amp or {}),
         )
 
 

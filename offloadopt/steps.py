@@ -10,8 +10,10 @@
     backward;
   - ``max_grad_norm=`` (clipping through the optimizer): at the end of backward, once the
     global norm is known (the coefficient multiplies the fp32 grads on the device before D2H);
-  - otherwise (torch's ``clip_grad_norm_``, a GradScaler, a hand edit may follow): inside
-    ``step()``, as in step mode.
+  - ``grad_scaler=`` (a GradScaler attached): at the end of backward, once every grad has
+    been checked for infs (offloadopt/amp.py's note);
+  - otherwise (torch's ``clip_grad_norm_``, an unattached GradScaler, a hand edit may
+    follow): inside ``step()``, as in step mode.
   Non-final micro-steps of gradient accumulation run under ``with opt.accumulating():`` and
   announce nothing; the last micro-step is never inferred from counts. An update that started
   from a grad changed afterwards (``grad._version`` moved) is an error naming the param.
@@ -45,6 +47,7 @@ from typing import Any
 
 import torch
 
+from offloadopt.amp import AmpInputs, found_inf, inverse, scaler_inputs
 from offloadopt.layout import Bucket
 from offloadopt.pipeline import BucketWork, StepRun
 from offloadopt.placement import update_dtype
@@ -137,7 +140,8 @@ class StepState:
     backward_done: bool = False
     task_id: int = -1  # autograd graph task that announced grads
     norm: torch.Tensor | None = None
-    scale: torch.Tensor | None = None
+    scale: torch.Tensor | tuple[torch.Tensor, ...] | None = None  # clip factors (BucketWork)
+    amp: AmpInputs | None = None  # a GradScaler's scale and found_inf (offloadopt/amp.py)
     waited: set[Bucket] = field(default_factory=set)  # wait="module": buckets waited for
     first: set[torch.Tensor] = field(default_factory=set)  # lazy-state params' first update
     t0: float = 0.0
@@ -202,10 +206,22 @@ class Stepping:
                         "micro-steps with opt.accumulating())"
                     )
             self._check_worker(with_grad)  # a closed optimizer changes nothing
-            if st.scale is None and self.max_grad_norm is not None:
-                self._clip(st, with_grad, self.max_grad_norm)
-            elif st.scale is None and self._pending_clip is not None:
-                st.norm, st.scale = self._pending_clip
+            # A GradScaler's step() set these (offloadopt/amp.py's note); None otherwise.
+            grad_scale, scaler_inf = scaler_inputs(self)
+            if st.amp is None and grad_scale is not None and st.fed:
+                self._broken = "its updates started from grads a GradScaler had scaled"
+                raise RuntimeError(
+                    "updates of this step started during backward from the scaled grads, and "
+                    "a GradScaler's step() came after them: attach the scaler, "
+                    f"{type(self).__name__}(..., grad_scaler=scaler), or leave grads_final=False"
+                )
+            scaled = grad_scale is not None or scaler_inf is not None
+            # Nothing decided at the end of backward (or decided there without the scaler's
+            # values, and nothing started): this step's clip factors and scaling, now.
+            if st.amp is None and (st.scale is None or (scaled and not st.fed)):
+                if self.max_grad_norm is None and self._pending_clip is not None:
+                    st.norm, st.scale = self._pending_clip
+                self._scaling(st, with_grad, grad_scale, scaler_inf)
             self._pending_clip = None
             # release_grads at a step that creates device-resident state (the first one, whose
             # backward ran before any hook): the offloaded grads go before that state is
@@ -240,7 +256,7 @@ class Stepping:
             if auto is not None:
                 auto.mark("dev0")
             for hyper, params, first in device_work:
-                self._device_update(hyper, params, st.scale, first)
+                self._device_update(hyper, params, st.scale, first, st.amp)
             if auto is not None:
                 auto.mark("dev1")
             if alone:
@@ -457,7 +473,7 @@ class Stepping:
             if p not in st.group_of:
                 return  # no longer in any group
             st.announced.add(p)
-            if self.max_grad_norm is None and self.grads_final:
+            if self.grads_final and not self._starts_at_end():
                 rec = self._records[p]
                 done = [b for b in rec.buckets if b not in st.fed
                         and all(q in st.announced for q in b.params)]  # fmt: skip
@@ -486,7 +502,7 @@ class Stepping:
             # find_unused_parameters=True) keeps grad None: it is not announced, as in torch.
             params = [p for p in params if p in st.group_of and p.grad is not None]
             st.announced.update(params)
-            if self.max_grad_norm is None and self.grads_final:
+            if self.grads_final and not self._starts_at_end():
                 mine = {b for p in params for b in self._records[p].buckets}
                 done = [b for b in self.buckets if b in mine and b not in st.fed
                         and all(q in st.announced for q in b.params)]  # fmt: skip
@@ -533,14 +549,30 @@ class Stepping:
             if st is None or st.backward_done:
                 return
             st.backward_done = True
-            if self.max_grad_norm is not None:
+            scale = self._attached_scale()
+            if self.max_grad_norm is not None or scale is not None:
                 params = [p for p in st.group_of if p.grad is not None]
-                self._clip(st, params, self.max_grad_norm)
+                inf = None
+                if scale is not None:  # the scaler's check, made here (offloadopt/amp.py)
+                    inf = found_inf([local(p.grad) for p in params], scale.device)
+                self._scaling(st, params, scale, inf)
             elif not self.grads_final:
                 return
             items = [(b, self._announced_idx(st, b)) for b in self._forward_order()
                      if b not in st.fed]  # fmt: skip
             self._feed(st, [(b, idx) for b, idx in items if idx], st.scale, early=True)
+
+    def _attached_scale(self) -> torch.Tensor | None:
+        """The scale of the attached GradScaler (``grad_scaler=``) while it scales losses."""
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        return getattr(scaler, "_scale", None)  # None before its first scale()
+
+    def _starts_at_end(self) -> bool:
+        """Backward mode's updates start at the end of backward, all at once: a clip or a
+        GradScaler's found_inf needs every grad (steps.py's note)."""
+        return self.max_grad_norm is not None or self._attached_scale() is not None
 
     def _holding(self) -> bool:
         """offload_fraction="auto"'s probe: updates wait for ``step()``, so that its window
@@ -617,7 +649,8 @@ class Stepping:
             return set()
         now = torch.stack(_norms([local(moved[p]) for p in have])).cpu()
         then = torch.stack([st.fingerprints[p] for p in have]).cpu()
-        same = (now == then).tolist()
+        # NaN == NaN here: GradScaler's own check rewrites a grad holding a NaN unchanged
+        same = ((now == then) | (now.isnan() & then.isnan())).tolist()
         return {p for p, ok in zip(have, same, strict=True) if ok}
 
     def _check_single_process(self) -> None:
@@ -758,10 +791,12 @@ class Stepping:
                     zip(new_prints, _norms([local(q.grad) for q in new_prints]), strict=True)
                 )
                 new_prints = []
+            if st.amp is not None:
+                st.amp.to_host(self.pin_memory)  # queued before `ready`, on the same stream
             tr = self._pipeline.transfers[b.arena.device]
             ready = tr.mark(torch.cuda.current_stream(b.arena.device) if tr.cuda else None)
             work = BucketWork(b, idx, grads, ready, scale, release, list(calls.values()),
-                              targets, drop_grads=delayed)  # fmt: skip
+                              targets, drop_grads=delayed, amp=st.amp)  # fmt: skip
             st.fed[b] = work
             st.run.feed(work)
             if delayed:
@@ -779,6 +814,14 @@ class Stepping:
                 self._release(st)
             else:
                 st.run.take_landed()
+        amp = st.amp
+        if amp is not None and amp.host_inf is not None and self.rule.has_step:
+            # torch's fused AdamW takes its step increment back when found_inf is 1.0; the
+            # worker has read the host copy, so it holds the value
+            amp.wait(self.timeout_s)
+            steps = [self.state[p]["step"] for p in st.prepared if self._records[p].offloaded]
+            if steps:
+                torch._foreach_sub_(steps, [amp.host_inf] * len(steps))
         if self.overlap != "delayed":  # delayed: marked when the weights are copied in
             for p in st.prepared:
                 if self._records[p].offloaded:
@@ -810,8 +853,9 @@ class Stepping:
             )
 
     # ------------------------------------------------------------------ clipping
-    def _norm_and_scale(self, params: list[torch.Tensor], max_norm: float):
-        """Global L2 norm of ``params``' grads and torch's clip coefficient, on the device."""
+    def _norm_and_scale(self, params: list[torch.Tensor], max_norm: float, inv=None):
+        """Global L2 norm of ``params``' grads (times ``inv``, a GradScaler's inverse scale,
+        when given) and torch's clip coefficient, on the device."""
         if not params:
             zero = torch.zeros((), dtype=torch.float32)
             return zero, torch.ones((), dtype=torch.float32)
@@ -831,14 +875,27 @@ class Stepping:
         else:
             norms = torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32)
             norm = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+        if inv is not None:
+            norm = norm * inv.to(norm.device)  # the unscaled grads' norm (amp.py's note)
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grad_norm_
         return norm, scale
 
-    def _clip(self, st: StepState, params: list[torch.Tensor], max_norm: float) -> None:
+    def _clip(self, st: StepState, params: list[torch.Tensor], max_norm: float, inv=None) -> None:
         have = set(params)
         order = [p for p in st.group_of if p in have]  # group order: fixed
-        st.norm, st.scale = self._norm_and_scale(order, max_norm)
+        st.norm, coef = self._norm_and_scale(order, max_norm, inv)
+        st.scale = coef if inv is None else (inv, coef)  # unscale first, as torch's order
         self.last_grad_norm = st.norm
+
+    def _scaling(self, st: StepState, params: list[torch.Tensor], grad_scale, inf) -> None:
+        """This step's clip factors (``st.scale``: ``max_grad_norm``'s coefficient, after the
+        inverse scale with a GradScaler) and GradScaler inputs (``st.amp``); amp.py's note."""
+        if self.max_grad_norm is not None:
+            inv = None if grad_scale is None else inverse(grad_scale)
+            self._clip(st, params, self.max_grad_norm, inv)
+            grad_scale = None  # unscaled on the device, before the coefficient
+        if grad_scale is not None or inf is not None:
+            st.amp = AmpInputs(grad_scale, inf)
 
     # ------------------------------------------------------------------ updates
     def _update_bucket(self, work: BucketWork, grads: list[torch.Tensor]) -> None:
@@ -847,11 +904,15 @@ class Stepping:
         b = work.bucket
         masters = b.state_views(b.arena.master)
         states = [b.state_views(flat) for flat in b.arena.states.values()]  # the rule's order
+        amp = None
+        if work.amp is not None:
+            work.amp.wait(self.timeout_s)  # the scale and found_inf have landed (amp.py)
+            amp = work.amp.kernel_args(host=True)
         for hyper, positions, steps, first in work.payload:
             segs = [work.idx[j] for j in positions]
             self.rule.update(hyper, [masters[i] for i in segs], [grads[j] for j in positions],
                              [[s[i] for i in segs] for s in states], steps, host=True,
-                             first=first)  # fmt: skip
+                             first=first, amp=amp)  # fmt: skip
 
     def _init_state(self, p: torch.Tensor, rec: ParamRecord) -> None:
         """Lazily create ``p``'s state at its first grad, as torch does."""
@@ -906,10 +967,12 @@ class Stepping:
             master.copy_(torch.where(changed, current.to(master.dtype), master))
         rec.mark_written(p)
 
-    def _device_update(self, hyper: Hyper, params: list[torch.Tensor], scale, first=False) -> None:
+    def _device_update(
+        self, hyper: Hyper, params: list[torch.Tensor], scale, first=False, amp=None
+    ) -> None:
         """The rule on the device, on the compute stream; fp32 masters where they exist, fed
-        grads upcast (and multiplied by the clip coefficient) chunk by chunk so the fp32
-        temporaries stay under ``bucket_nbytes``."""
+        grads upcast (and multiplied by the clip factors ``scale``) chunk by chunk so the fp32
+        temporaries stay under ``bucket_nbytes``; ``amp``: a GradScaler's inputs or None."""
         plain = [p for p in params if "master" not in self.state[p] and _dense(local(p))]
         # torch's fused kernels walk a tensor's memory flat: a strided view (Parameter(base[..., 0]))
         # is updated through a contiguous copy (tests/test_state_contract.py).
@@ -918,7 +981,7 @@ class Stepping:
         if scale is None:
             weights = [local(p) for p in plain]
             grads = [_matching(local(p.grad), w) for p, w in zip(plain, weights, strict=True)]
-            self._device_rule(hyper, plain, weights, grads, first)
+            self._device_rule(hyper, plain, weights, grads, first, amp)
             plain = []
         for kind in (plain, strided, mastered):
             chunk: list[torch.Tensor] = []
@@ -939,11 +1002,14 @@ class Stepping:
                     targets = [local(q) for q in chunk]
                 grads = [_matching(local(q.grad), t) for q, t in zip(chunk, targets, strict=True)]
                 if scale is not None:
-                    # The clip coefficient on fp32 grads, as the offloaded path applies it; the
+                    # The clip factors on fp32 grads, as the offloaded path applies them; the
                     # user's grads are left as they are.
-                    grads = [g * scale if g is local(q.grad) else g.mul_(scale)
+                    factors = scale if isinstance(scale, tuple) else (scale,)
+                    grads = [g * factors[0] if g is local(q.grad) else g.mul_(factors[0])
                              for g, q in zip(grads, chunk, strict=True)]  # fmt: skip
-                self._device_rule(hyper, chunk, targets, grads, first)
+                    for f in factors[1:]:
+                        torch._foreach_mul_(grads, f)
+                self._device_rule(hyper, chunk, targets, grads, first, amp)
                 if kind is not plain:
                     # weights = round(master), or strided
                     torch._foreach_copy_([local(q) for q in chunk], targets)
@@ -951,7 +1017,7 @@ class Stepping:
                     self._records[q].mark_written(q)
                 chunk, nbytes = [], 0
 
-    def _device_rule(self, hyper: Hyper, params, weights, grads, first=False) -> None:
+    def _device_rule(self, hyper: Hyper, params, weights, grads, first=False, amp=None) -> None:
         if not params:
             return
         keys = self._records[params[0]].state_keys  # one group: the same keys
@@ -959,4 +1025,8 @@ class Stepping:
         steps = [self.state[p]["step"] for p in params] if self.rule.has_step else []
         if steps:
             torch._foreach_add_(steps, 1)
-        self.rule.update(hyper, weights, grads, states, steps, host=False, first=first)
+        args = None if amp is None else amp.kernel_args(host=False)
+        self.rule.update(hyper, weights, grads, states, steps, host=False, first=first, amp=args)
+        if steps and amp is not None and amp.found_inf is not None:
+            # as torch.optim.AdamW(fused=True): a skipped step does not count
+            torch._foreach_sub_(steps, [amp.found_inf.to(steps[0].device)] * len(steps))

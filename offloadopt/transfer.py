@@ -159,16 +159,18 @@ class Transfer:
         grads: list[torch.Tensor],
         slot: Slot,
         grads_ready: Any,
-        scale: torch.Tensor | None = None,
+        scale: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
     ) -> Any:
         """Copy ``grads`` (the flat grad ranges of bucket ``b``'s segments ``idx``) into
-        ``slot.host``, multiplied by ``scale`` (a clip coefficient) in the update dtype when
-        given; returns the D2H-done event to wait on (None without CUDA: done on return)."""
+        ``slot.host``, multiplied by ``scale`` (a clip coefficient, or a tuple of factors in
+        order) in the update dtype when given; returns the D2H-done event to wait on (None
+        without CUDA: done on return)."""
+        factors = () if scale is None else scale if isinstance(scale, tuple) else (scale,)
         if not self.cuda:
             views = [b.slot_views(slot.host)[i] for i in idx]
             torch._foreach_copy_(views, grads)
-            if scale is not None:
-                torch._foreach_mul_(views, scale)
+            for f in factors:
+                torch._foreach_mul_(views, f)
             return None
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(grads_ready)  # (I1) grads final: backward and edits queued before
@@ -179,8 +181,8 @@ class Transfer:
                 g.record_stream(self.d2h)
             views = [b.slot_views(slot.d2h)[i] for i in idx]
             torch._foreach_copy_(views, grads)  # upcast on the GPU
-            if scale is not None:
-                torch._foreach_mul_(views, scale)  # the clip coefficient, in the update dtype
+            for f in factors:  # the inverse scale, the clip coefficient: in the update dtype
+                torch._foreach_mul_(views, f)
             # non_blocking: same dtype, both contiguous, host side pinned -> a true async DMA;
             # the host reads the slot only after the event below (I2).
             slot.host[: b.nbytes].copy_(slot.d2h[: b.nbytes], non_blocking=True)

@@ -65,6 +65,7 @@ def validate_options(
     release_grads=False,
     ddp=None,
     auto_tolerance=0.05,
+    grad_scaler=None,
 ) -> None:
     """The constructor's arguments: the rule's hyperparameters ``hyper`` and ours.
 
@@ -107,10 +108,18 @@ def validate_options(
         ("release_grads", release_grads),
     ]:
         _check(isinstance(value, bool), f"Invalid {flag}: {value!r} (expected a bool)", TypeError)
+    if grad_scaler is not None:
+        _check(
+            isinstance(grad_scaler, torch.amp.GradScaler),
+            f"Invalid grad_scaler: {type(grad_scaler).__name__} (expected a torch.amp.GradScaler)",
+            TypeError,
+        )
+    through = grads_final or max_grad_norm is not None or grad_scaler is not None
     _check(
-        not release_grads or (overlap == "backward" and (grads_final or max_grad_norm is not None)),
+        not release_grads or (overlap == "backward" and through),
         "release_grads=True frees grads once their copy lands during backward: it needs "
-        "overlap='backward' and grads_final=True or max_grad_norm= (clipping through the optimizer)",
+        "overlap='backward' and grads_final=True, max_grad_norm= (clipping through the "
+        "optimizer) or grad_scaler= (a GradScaler attached)",
     )
     if ddp is not None:
         from torch.nn.parallel import DistributedDataParallel
@@ -122,9 +131,10 @@ def validate_options(
             TypeError,
         )
         _check(
-            overlap == "backward" and (grads_final or max_grad_norm is not None),
-            "ddp= is the grad source of overlap='backward' with grads_final=True or "
-            f"max_grad_norm= (got overlap={overlap!r}); without it step() reads DDP's reduced "
+            overlap == "backward" and through,
+            "ddp= is the grad source of overlap='backward' with grads_final=True, "
+            f"max_grad_norm= or grad_scaler= (got overlap={overlap!r}); without them step() "
+            "reads DDP's reduced "
             "grads, and needs no ddp=",
         )
         _check(

@@ -1,0 +1,241 @@
+"""A GradScaler in every mode against torch.optim.AdamW(fused=True) with the same scaler flow,
+bitwise (CPU stands in for the GPU; offloadopt/amp.py's note): the scale reaches both kernels,
+a step with an inf or a NaN is skipped and not counted, and the scaler backs off and grows
+exactly as with torch's optimizer."""
+
+import pytest
+import torch
+from oracle import FRACTIONS, assert_bitwise
+
+from offloadopt import HybridAdamW, HybridSGD
+
+INIT_SCALE, GROWTH_INTERVAL = 2.0**12, 2
+BAD_STEPS = {2: "inf", 4: "nan"}  # step -> what one param's grad gets there
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(48, 48), torch.nn.Tanh(), torch.nn.Linear(48, 48), torch.nn.Linear(48, 48)
+    )
+
+
+def scaler():
+    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+
+
+def batch(step):
+    return torch.randn(8, 48, generator=torch.Generator().manual_seed(step))
+
+
+def train(model, opt, scaler, steps=7, clip=None, bad_param=0, opt_clips=False):
+    """The usual AMP loop; at BAD_STEPS one param's grad gets an inf or a NaN (a tensor hook, so
+    it happens inside backward, before any update can start). Returns the params, the
+    scales after each update() and the steps skipped."""
+    params = list(model.parameters())
+    scales = []
+    for step in range(steps):
+        handle = None
+        if step in BAD_STEPS:
+            bad = float(BAD_STEPS[step])
+            handle = params[bad_param].register_hook(lambda g, bad=bad: g.index_fill(0, torch.tensor([1]), bad))  # fmt: skip
+        loss = model(batch(step)).pow(2).mean()
+        scaler.scale(loss).backward()
+        if handle is not None:
+            handle.remove()
+        if clip is not None and not opt_clips:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        opt.zero_grad()
+    getattr(opt, "synchronize", lambda: None)()
+    return [p.detach().clone() for p in params], scales
+
+
+def reference(clip=None, bad_param=0, sgd=False):
+    model = mlp()
+    if sgd:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, fused=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    s = scaler()
+    got = train(model, opt, s, clip=clip, bad_param=bad_param)
+    return got, opt
+
+
+MODES = {
+    "step": dict(overlap="step"),
+    "step-module": dict(overlap="step", wait="module"),
+    "backward-unattached": dict(overlap="backward"),  # updates wait for step()
+    "backward-attached": dict(overlap="backward", attach=True),
+    "backward-attached-final": dict(overlap="backward", grads_final=True, attach=True),
+    "backward-attached-release": dict(overlap="backward", release_grads=True, attach=True),
+    "backward-attached-module": dict(overlap="backward", wait="module", attach=True),
+}
+
+
+def build(model, fraction, mode, s, cls=HybridAdamW, **extra):
+    kw = dict(MODES[mode], **extra)
+    if kw.pop("attach", False):
+        kw["grad_scaler"] = s
+    hyper = dict(momentum=0.9) if cls is HybridSGD else {}
+    opt = cls(model.parameters(), lr=1e-2, offload_fraction=fraction, min_offload_numel=1,
+              bucket_nbytes=4 * 1000, **hyper, **kw)  # fmt: skip
+    if kw.get("wait") == "module":
+        opt.watch(model)
+    return opt
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_grad_scaler_matches_torch_fused_adamw_bitwise(mode, fraction):
+    (ref, ref_scales), ref_opt = reference()
+    model, s = mlp(), scaler()
+    opt = build(model, fraction, mode, s)
+    got, scales = train(model, opt, s)
+    assert_bitwise(got, ref, f"{mode} at {fraction}")
+    assert scales == ref_scales, (mode, scales, ref_scales)
+    assert scales[2] < scales[1], "the inf step backed the scale off"
+    want = [int(ref_opt.state[p]["step"]) for p in ref_opt.param_groups[0]["params"]]
+    have = [int(opt.state[p]["step"]) for p in opt.param_groups[0]["params"]]
+    assert have == want == [7 - len(BAD_STEPS)] * len(want), "skipped steps are not counted"
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("bad_param", [0, 5])  # the first param (offloaded first) and the last
+def test_grad_scaler_with_clipping_through_the_optimizer(fraction, bad_param):
+    """max_grad_norm= with a scaler is torch's unscale_, clip_grad_norm_, step."""
+    (ref, ref_scales), _ = reference(clip=1.0, bad_param=bad_param)
+    for mode in ("step", "backward-attached", "backward-attached-release"):
+        model, s = mlp(), scaler()
+        opt = build(model, fraction, mode, s, max_grad_norm=1.0)
+        got, scales = train(model, opt, s, clip=1.0, bad_param=bad_param, opt_clips=True)
+        assert_bitwise(got, ref, f"{mode} at {fraction}")
+        assert scales == ref_scales, mode
+
+
+def test_grad_scaler_with_torch_clipping_after_unscale():
+    """scaler.unscale_(opt), then torch's clip: step() gets found_inf and no scale."""
+    (ref, ref_scales), _ = reference(clip=1.0)
+    for mode in ("step", "backward-unattached"):
+        model, s = mlp(), scaler()
+        got, scales = train(model, build(model, 0.5, mode, s), s, clip=1.0)
+        assert_bitwise(got, ref, mode)
+        assert scales == ref_scales, mode
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_grad_scaler_with_sgd(fraction):
+    (ref, ref_scales), _ = reference(sgd=True, bad_param=5)
+    model, s = mlp(), scaler()
+    got, scales = train(model, build(model, fraction, "step", s, cls=HybridSGD), s, bad_param=5)
+    assert_bitwise(got, ref, f"SGD at {fraction}")
+    assert scales == ref_scales
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_attached_scaler_starts_the_updates_at_the_end_of_backward(clip):
+    """Attached, every offloaded bucket is queued to the worker once backward ends, before
+    scaler.step(); unattached, backward mode's updates wait for step(). An inf step with
+    release_grads: the grads are gone after step(), the scale backed off, nothing changed."""
+    for attach in (True, False):
+        model, s = mlp(), scaler()
+        kw = dict(grad_scaler=s, release_grads=True) if attach else {}
+        opt = HybridAdamW(model.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=4000,
+                          overlap="backward", max_grad_norm=clip, **kw)  # fmt: skip
+        params = list(model.parameters())
+        s.scale(model(batch(0)).pow(2).mean()).backward()
+        fed = opt._step is not None and len(opt._step.fed)
+        # unattached, max_grad_norm starts them too, from the scaled grads: refused below
+        want = len(opt.buckets) if attach or clip else 0
+        assert fed == want and len(opt.buckets) > 2, (attach, fed)
+        if attach:
+            assert opt._step.amp.found_inf.item() == 0.0
+        elif clip:
+            with pytest.raises(RuntimeError, match="grad_scaler=scaler"):
+                s.step(opt)
+    model, s = mlp(), scaler()
+    opt = build(model, 1.0, "backward-attached-release", s, max_grad_norm=clip)
+    params = list(model.parameters())
+    handle = params[0].register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("inf")))
+    s.scale(model(batch(0)).pow(2).mean()).backward()
+    handle.remove()
+    assert opt._step.amp.found_inf.item() == 1.0, "the optimizer's own check saw the inf"
+    before = [p.detach().clone() for p in params]
+    s.step(opt)
+    s.update()
+    assert all(p.grad is None for p in params), "released in step()"
+    assert s.get_scale() == INIT_SCALE * s.get_backoff_factor()
+    assert_bitwise([p.detach() for p in params], before, "the inf step changed nothing")
+    assert all(int(opt.state[p]["step"]) == 0 for p in params), "and is not counted"
+
+
+def test_unattached_scaler_after_early_updates_is_refused():
+    """grads_final=True started the updates from scaled grads: the scaler's step() must not
+    pass silently."""
+    model, s = mlp(), scaler()
+    opt = build(model, 1.0, "backward-attached-final", s)
+    opt.grad_scaler = None  # as if built without grad_scaler=
+    s.scale(model(batch(0)).pow(2).mean()).backward()
+    with pytest.raises(RuntimeError, match="grad_scaler=scaler"):
+        s.step(opt)
+    with pytest.raises(RuntimeError, match="inconsistent"):
+        opt.state_dict()
+
+
+def test_grad_scaler_bad_values():
+    model = mlp()
+    with pytest.raises(TypeError, match="Invalid grad_scaler: float"):
+        HybridAdamW(model.parameters(), grad_scaler=1.0)
+    with pytest.raises(ValueError, match="grad_scaler="):
+        HybridAdamW(model.parameters(), release_grads=True, overlap="step", grad_scaler=scaler())
+    # release_grads with an attached scaler alone is enough (its updates start at the end)
+    HybridAdamW(model.parameters(), overlap="backward", release_grads=True, grad_scaler=scaler())
+
+
+def test_disabled_scaler_changes_nothing():
+    """GradScaler(enabled=False) calls step() plainly: the same as no scaler."""
+    ref_model, model = mlp(), mlp()
+    ref = HybridAdamW(ref_model.parameters(), lr=1e-2, min_offload_numel=1)
+    off = torch.amp.GradScaler("cpu", enabled=False)
+    opt = HybridAdamW(model.parameters(), lr=1e-2, min_offload_numel=1, overlap="backward",
+                      grads_final=True, grad_scaler=off)  # fmt: skip
+    for step in range(3):
+        for m, o in ((ref_model, ref), (model, opt)):
+            off.scale(m(batch(step)).pow(2).mean()).backward()
+            off.step(o) if o is opt else o.step()
+            o.zero_grad()
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_grad_scaler_with_the_delayed_update(fraction):
+    """overlap="delayed" reads the scale in step(): without bad steps it trains bitwise as the
+    unscaled delayed run (the default scale is a power of two); a bad step is skipped on both
+    sides of the link and not counted, and the scaler backs off as with torch's optimizer."""
+    ref_model, model = mlp(), mlp()
+    ref = HybridAdamW(ref_model.parameters(), lr=1e-2, offload_fraction=fraction,
+                      min_offload_numel=1, overlap="delayed")  # fmt: skip
+    opt = HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=fraction,
+                      min_offload_numel=1, overlap="delayed")  # fmt: skip
+    s = scaler()
+    for step in range(4):
+        ref_model(batch(step)).pow(2).mean().backward()
+        ref.step()
+        ref.zero_grad()
+        s.scale(model(batch(step)).pow(2).mean()).backward()
+        s.step(opt)
+        s.update()
+        opt.zero_grad()
+    for o in (ref, opt):
+        o.synchronize()
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "delayed, scaled")
+    (_, ref_scales), ref_opt = reference()
+    model, s = mlp(), scaler()
+    opt = HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=fraction,
+                      min_offload_numel=1, overlap="delayed")  # fmt: skip
+    _, scales = train(model, opt, s)
+    assert scales == ref_scales
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [7 - len(BAD_STEPS)] * 6
