@@ -70,6 +70,9 @@ class CopyRow:
     nbytes: int = 0
     time_us: float = 0.0  # sum of copy durations
     overlap_us: float = 0.0  # part of time_us with a compute kernel running on the same device
+    # part of time_us with a backward kernel running on the same device: one launched inside a
+    # BACKWARD_RANGE annotation (torch.profiler.record_function), on any thread
+    overlap_backward_us: float = 0.0
     names: list[str] = field(default_factory=list)
     call_sites: list[CallSite] = field(default_factory=list)
 
@@ -100,12 +103,20 @@ class CopyRow:
     def overlap_pct(self) -> float:
         return 100.0 * self.overlap_us / self.time_us if self.time_us > 0 else 0.0
 
+    @property
+    def overlap_backward_pct(self) -> float:
+        return 100.0 * self.overlap_backward_us / self.time_us if self.time_us > 0 else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self) | {k: getattr(self, k) for k in _ROW_DERIVED}
         return d | {"call_sites": [asdict(c) | {"str": str(c)} for c in self.call_sites]}
 
 
-_ROW_DERIVED = ("label", "is_pageable", "time_ms", "avg_us", "bandwidth_gbps", "overlap_pct")
+_ROW_DERIVED = ("label", "is_pageable", "time_ms", "avg_us", "bandwidth_gbps", "overlap_pct",
+                "overlap_backward_pct")  # fmt: skip
+# The record_function name that marks backward on the host (offloadopt audit wraps each
+# loss.backward() in it): kernels launched while one is open are backward's.
+BACKWARD_RANGE = "offloadopt.backward"
 
 
 @dataclass
@@ -138,16 +149,18 @@ class AuditReport:
         """Fixed-width summary in the spirit of Nsight's ``cuda_gpu_mem_time_sum``.
 
         MB is 1e6 bytes, GB/s 1e9 bytes/s; overlap is the share of copy time during which a
-        compute kernel ran on the same GPU. Pageable rows list their call sites beneath.
+        compute kernel ran on the same GPU, "w/ bwd" the share with a backward kernel (one
+        launched inside a :data:`BACKWARD_RANGE` annotation). Pageable rows list their call
+        sites beneath.
         """
-        head = "  Count   Total MB   Total ms     Avg us     GB/s Overlap %  Operation"
+        head = "  Count   Total MB   Total ms     Avg us     GB/s Overlap %  w/ bwd %  Operation"
         out = [head, "-" * len(head)]
         for r in sorted(self.rows, key=lambda r: -r.time_us):
             bw = f"{r.bandwidth_gbps:8.2f}" if r.bandwidth_gbps is not None else f"{'-':>8}"
             flag = ("  <- PAGEABLE" if r.is_pageable else "") + "".join(f"  {n!r}" for n in r.names)
             out.append(
                 f"{r.count:>7} {r.nbytes / 1e6:>10.2f} {r.time_ms:>10.3f} {r.avg_us:>10.1f} "
-                f"{bw} {r.overlap_pct:>9.1f}  {r.label}{flag}"
+                f"{bw} {r.overlap_pct:>9.1f} {r.overlap_backward_pct:>9.1f}  {r.label}{flag}"
             )
             for s in r.call_sites if r.is_pageable else []:
                 out.append(f"{'':>7} {s.count:>6} x {s.nbytes / 1e6:.2f} MB  {s}")
@@ -251,7 +264,8 @@ def summarize(
             int >= 1; ``internal`` not a tuple of regexes), before any event is read.
     """
     trace_events, internal_re = _summarize_args(trace_events, depth, internal)
-    copies, kernels = [], defaultdict(list)
+    copies, kernels, launched = [], defaultdict(list), defaultdict(list)
+    backward_ranges: list[tuple[float, float]] = []
     runtime, cpu_ops, flow_src, flow_dst = {}, {}, {}, {}
     py: dict[tuple, list[dict]] = defaultdict(list)
     # Every id below goes through key(): a dict key must be hashable, and a trace may hold a
@@ -267,6 +281,10 @@ def summarize(
         elif ph == "X" and cat == "kernel":
             s = num(e.get("ts"))
             kernels[where[0]].append((s, s + max(num(e.get("dur")), 0.0)))
+            launched[where[0]].append((s, s + max(num(e.get("dur")), 0.0), key(args.get("correlation"))))  # fmt: skip
+        elif ph == "X" and cat == "user_annotation" and e.get("name") == BACKWARD_RANGE:
+            s = num(e.get("ts"))
+            backward_ranges.append((s, s + max(num(e.get("dur")), 0.0)))
         elif ph == "X" and cat in ("cuda_runtime", "cuda_driver") and "correlation" in args:
             runtime[key(args["correlation"])] = e
         elif ph == "X" and cat == "cpu_op" and "External id" in args:
@@ -280,6 +298,22 @@ def summarize(
 
     merged = {dev: _merge(iv) for dev, iv in kernels.items()}
     starts = {dev: [s for s, _ in iv] for dev, iv in merged.items()}
+    # backward's kernels: launched (their runtime call) inside a backward range
+    ranges = _merge(backward_ranges)
+    range_starts = [s for s, _ in ranges]
+
+    def in_backward(correlation) -> bool:
+        launch = runtime.get(correlation)
+        if launch is None or not ranges:
+            return False
+        t = num(launch.get("ts"))
+        i = bisect.bisect_right(range_starts, t) - 1
+        return i >= 0 and t < ranges[i][1]
+
+    bwd = {
+        dev: _merge([(s, e) for s, e, c in iv if in_backward(c)]) for dev, iv in launched.items()
+    }
+    bwd_starts = {dev: [s for s, _ in iv] for dev, iv in bwd.items()}
     stacks = {k: Stacks(v) for k, v in py.items()}
     rows: dict[tuple[str, str, str], CopyRow] = {}
     sites: dict[tuple, CallSite] = {}
@@ -319,6 +353,7 @@ def summarize(
         dev = key(e.get("pid"))
         if dev in merged:
             row.overlap_us += _covered(merged[dev], starts[dev], s, s + dur)
+            row.overlap_backward_us += _covered(bwd[dev], bwd_starts[dev], s, s + dur)
         frames, callee, tokens = call_site(e, args)
         site = sites.get((row_key, frames, callee))
         if site is None:

@@ -120,6 +120,26 @@ def test_overlap_counts_the_union_of_kernels_on_the_same_device_only():
     assert r.overlap_pct == pytest.approx(45.0)
 
 
+def test_overlap_with_backward_counts_kernels_launched_inside_a_backward_range():
+    """A kernel is backward's when its runtime launch (on any thread: autograd's) falls inside
+    an offloadopt.backward annotation; the copy's overlap with those alone is "w/ bwd"."""
+    from offloadopt.audit import BACKWARD_RANGE
+
+    backward = {"ph": "X", "cat": "user_annotation", "name": BACKWARD_RANGE, "pid": PID,
+                "tid": TID, "ts": 100, "dur": 50, "args": {}}  # fmt: skip
+    other = dict(backward, name="offloadopt.forward", ts=0, dur=100)
+    copy = memcpy("Memcpy DtoH (Device -> Pinned)", 0, 100, 100, stream=20)
+    fwd_k, bwd_k, late_k = kernel(0, 30), kernel(40, 20), kernel(90, 20)
+    for k, corr in ((fwd_k, 1), (bwd_k, 2), (late_k, 3)):
+        k["args"]["correlation"] = corr
+    launches = [runtime(1, 10), runtime(2, 120, tid=TID + 1), runtime(3, 160)]
+    r = row(summarize([backward, other, copy, fwd_k, bwd_k, late_k, *launches],
+                      resolve_lines=False), "DtoH (Device -> Pinned)")  # fmt: skip
+    assert r.overlap_us == 60  # [0, 30), [40, 60), [90, 100)
+    assert r.overlap_backward_us == 20 and r.overlap_backward_pct == pytest.approx(20.0)
+    assert "w/ bwd %" in summarize([copy]).table()
+
+
 def test_pageable_copy_is_attributed_to_the_innermost_user_frame():
     events = [
         py("train.py(3): <module>", 0, 1000),

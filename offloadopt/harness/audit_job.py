@@ -3,7 +3,10 @@
 Builds the preset's model, warms up, then records N full iterations (batch transfer, forward,
 backward, optimizer step; logging outside) with :func:`offloadopt.audit.audit` and prints the
 memcpy table (in the spirit of Nsight Systems' memcpy summary) and one JSON line, per
-iteration where it says so. Works for HybridAdamW and, when importable, for the anchors.
+iteration where it says so. Works for HybridAdamW (in any overlap mode, ``--mode``) and, when
+importable, for the anchors. Each ``loss.backward()`` runs inside an
+:data:`offloadopt.audit.BACKWARD_RANGE` annotation, so the table's "w/ bwd %" is the share of
+each copy kind's time that ran beside backward's kernels (backward mode's D2H).
 """
 
 from __future__ import annotations
@@ -25,16 +28,18 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def make_optimizer(
-    name: str, model: torch.nn.Module, lr: float, fraction: float, pin_memory: bool
-) -> dict[str, Any]:
-    """Build optimizer ``name`` (one of :data:`OPTIMIZERS`) over ``model``'s params.
+    name: str, model: torch.nn.Module, lr: float, fraction: float, pin_memory: bool,
+    mode: str = "step",
+) -> dict[str, Any]:  # fmt: skip
+    """Build optimizer ``name`` (one of :data:`OPTIMIZERS`) over ``model``'s params; ``mode``
+    (a key of ``anchors.MODES``) applies to ``"hybrid"``.
 
     Raises:
         ValueError: an unknown name.
         anchors.Unavailable: the anchor's package is not importable.
     """
     if name == "hybrid":
-        return anchors.hybrid(fraction, pin_memory=pin_memory)(model, lr)
+        return anchors.hybrid(fraction, mode, pin_memory=pin_memory)(model, lr)
     if name == "adamw":
         return anchors.torch_adamw(model, lr)
     if name == "megatron":
@@ -54,6 +59,8 @@ def check_args(args: argparse.Namespace) -> None:
             f"--seq-len: {args.seq_len} is more than the {args.preset} preset's block_size "
             f"{block_size}"
         )
+    if args.mode != "step" and args.optimizer != "hybrid":
+        raise UsageError(f"--mode {args.mode}: HybridAdamW's overlap modes need --optimizer hybrid")
     if args.trace is not None and args.json is not None:
         if os.path.abspath(args.trace) == os.path.abspath(args.json):
             raise UsageError(f"--trace and --json: both {args.json!r}; give two files")
@@ -65,7 +72,7 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
     Checks its input first (``UsageError``), the data file included, before a model is built;
     ``--trace`` and ``--json`` are each written whole at the end.
     """
-    from offloadopt.audit import audit
+    from offloadopt.audit import BACKWARD_RANGE, audit
 
     check_args(args)
     cfg = PRESETS[args.preset]
@@ -77,7 +84,7 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
     with device:
         model = GPT(cfg).to(DTYPES[args.dtype])
     built = make_optimizer(
-        args.optimizer, model, args.lr, args.offload_fraction, not args.no_pin_memory
+        args.optimizer, model, args.lr, args.offload_fraction, not args.no_pin_memory, args.mode
     )
     opt = built["opt"]
     gen = torch.Generator().manual_seed(args.seed)
@@ -85,19 +92,24 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
     def iteration() -> torch.Tensor:
         x, y = get_batch(data, "train", args.batch_size, args.seq_len, gen, device)
         _, loss = model(x, y)
-        loss.backward()
+        with torch.profiler.record_function(BACKWARD_RANGE):
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    sync = getattr(opt, "synchronize", lambda: None)  # wait="module", delayed: copies in flight
     for _ in range(args.warmup):
         iteration()
+    sync()
     with audit(trace_path=args.trace) as a:
         for _ in range(args.steps):
             iteration()
+        sync()
     report = a.report
-    print(f"memcpy audit: {args.optimizer} (fraction {args.offload_fraction}), preset {args.preset}, "
-          f"{args.steps} iteration(s) after {args.warmup} warm-up, {device}")  # fmt: skip
+    mode = f", {args.mode} mode" if args.optimizer == "hybrid" else ""
+    print(f"memcpy audit: {args.optimizer} (fraction {args.offload_fraction}{mode}), preset "
+          f"{args.preset}, {args.steps} iteration(s) after {args.warmup} warm-up, {device}")  # fmt: skip
     print(report.table())
     per = max(args.steps, 1)
     link = [r for r in report.rows if r.direction in ("HtoD", "DtoH")]
@@ -109,6 +121,11 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
         "pageable_h2d_per_iteration": sum(r.count for r in pageable_h2d) / per,
         "pageable_h2d_avg_us": (sum(r.time_us for r in pageable_h2d) / max(1, sum(r.count for r in pageable_h2d))),
         "link_nbytes_per_iteration": sum(r.nbytes for r in link) / per,
+        "mode": args.mode if args.optimizer == "hybrid" else None,
+        # the share of the link's copy time (D2H, H2D) with a backward kernel running beside it
+        **{f"{d.lower()}_beside_backward_pct": (
+            100.0 * sum(r.overlap_backward_us for r in link if r.direction == d)
+            / max(sum(r.time_us for r in link if r.direction == d), 1e-9)) for d in ("DtoH", "HtoD")},
         "trace": args.trace, "report": report.to_dict(),
     }  # fmt: skip
     print(json.dumps({k: v for k, v in summary.items() if k != "report"}))
@@ -127,6 +144,9 @@ def add_audit_args(p: argparse.ArgumentParser) -> None:
     a("--dtype", default="bf16", choices=sorted(DTYPES))
     a("--optimizer", default="hybrid", choices=OPTIMIZERS)
     a("--offload-fraction", type=checks.fraction, default=1.0, help="for hybrid and megatron")
+    a("--mode", default="step", choices=tuple(anchors.MODES),
+      help="HybridAdamW's overlap mode (backward: grads_final, wait='module'; backward-clip: "
+           "max_grad_norm=1.0; delayed: the delayed update)")
     a("--no-pin-memory", action="store_true",
       help="HybridAdamW(pin_memory=False): the pageable path")
     a("--steps", type=checks.positive_int, default=1, help="audited training iterations")

@@ -116,3 +116,21 @@ def test_check_pinned_on_a_torch_optimizer_with_state_moved_to_the_host():
     opt.state[p]["exp_avg_sq"] = opt.state[p]["exp_avg_sq"].cpu().pin_memory()
     (problem,) = check_pinned(opt)
     assert problem.startswith("param_groups[0].params[0] state['exp_avg']: shape (256,)")
+
+
+def test_the_audit_shows_backward_modes_d2h_beside_backward_kernels():
+    """offloadopt audit --mode backward: the D2H runs while backward's kernels do; in step
+    mode it comes after backward (issue 8 item 7)."""
+    import argparse
+
+    from offloadopt.harness import audit_job
+
+    p = argparse.ArgumentParser()
+    audit_job.add_audit_args(p)
+    beside = {}
+    for mode in ("step", "backward"):
+        args = p.parse_args(["--device", "cuda", "--preset", "gpt2", "--mock-data", "--mode", mode,
+                             "--batch-size", "8", "--seq-len", "512"])  # fmt: skip
+        beside[mode] = audit_job.run_audit(args)["dtoh_beside_backward_pct"]
+    print(f"D2H time beside backward kernels: {beside}")
+    assert beside["backward"] > 20.0 > beside["step"], beside
