@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|bench|audit|ab|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|amp|auditmodes|modes|bench|audit|ab|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -76,6 +76,26 @@ for part in "${@:-all}"; do
       --anchors fsdp2-cpuoffload hybrid-fsdp2:1 hybrid-fsdp2-backward:1 hybrid-fsdp2-delayed:1 hybrid-fsdp2:0.5 2>&1 | tee "$OUT/fsdp.log" | tail -14
     timeout 150 torchrun --standalone --nproc-per-node 1 -m offloadopt train --fsdp --device cuda \
       --preset gpt2 --steps 30 --eval-every 30 --log-every 10 --no-progress 2>&1 | tee "$OUT/train_fsdp.log" | tail -4
+  fi
+  if [[ $part == amp ]]; then
+    # issue 8: the GradScaler on the GPU and the audit's backward view (new tests only)
+    timeout 300 python3 -m pytest tests/cuda/test_amp_cuda.py \
+      "tests/cuda/test_audit_cuda.py::test_the_audit_shows_backward_modes_d2h_beside_backward_kernels" \
+      -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest_amp.log" | tail -12
+  fi
+  if [[ $part == auditmodes ]]; then
+    # issue 8 item 7: the audit's view of each overlap mode, GPT-2 1.5B, fraction 1
+    for mode in step backward; do
+      timeout 200 python3 -m offloadopt audit --device cuda --preset gpt2-xl --batch-size 4 --seq-len 1024 \
+        --offload-fraction 1.0 --mode $mode 2>&1 | tee -a "$OUT/auditmodes.log" | tail -6
+    done
+  fi
+  if [[ $part == modes ]]; then
+    # issue 8 item 7: bench --modes, the issue's sweep, each mode against its own fraction 0
+    timeout 560 python3 -m offloadopt bench --preset gpt2-xl --batch-size 4 --seq-len 1024 \
+      --warmup 3 --steps 6 --no-kernel --no-audit --no-progress --anchors \
+      --modes step backward backward-clip backward-torch-clip \
+      --fractions 0 0.05 0.1 0.15 0.2 0.25 0.3 --out "$OUT/modes" 2>&1 | tee "$OUT/modes.log" | tail -12
   fi
   if [[ $part == audit || $part == all ]]; then
     for opt in "hybrid" "hybrid --no-pin-memory" "megatron"; do

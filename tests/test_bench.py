@@ -151,8 +151,8 @@ def test_the_new_anchors_are_cleanly_unavailable_on_a_cpu_only_machine(tmp_path,
 
 
 def test_modes_run_a_sweep_each_and_the_summary_names_the_largest_fraction(tmp_path, capsys):
-    results = run_bench(tiny(tmp_path, fractions=[0.0, 1.0], modes=["step", "backward", "delayed"],
-                             kernel=False))  # fmt: skip
+    modes = ["step", "backward", "backward-torch-clip", "delayed"]
+    results = run_bench(tiny(tmp_path, fractions=[0.0, 1.0], modes=modes, kernel=False))
     by = {r["name"]: r for r in results}
     assert {
         "hybrid-backward:0",
@@ -165,6 +165,10 @@ def test_modes_run_a_sweep_each_and_the_summary_names_the_largest_fraction(tmp_p
         by["hybrid-backward:1"]["status"] == "ok" and by["hybrid-backward:1"]["mode"] == "backward"
     )
     assert by["hybrid-delayed:1"]["status"].startswith("other numerics (delayed")
+    # torch's clip after backward: the updates wait for step(), and the weights are clipped ones
+    assert by["hybrid-backward-torch-clip:1"]["status"].startswith(
+        "other numerics (clipped by torch"
+    )
     out = capsys.readouterr().out
     assert "backward: 0:" in out and "largest within 1.10x of hybrid:0:" in out
 
@@ -179,6 +183,13 @@ def test_sweep_summary_stops_at_the_first_fraction_over_the_limit():
         "step: 0:1.00x; largest within 1.10x of hybrid:0: 0",
         "backward: 0.1:1.04x 0.2:1.20x 0.3:1.05x; largest within 1.10x of hybrid:0: 0.1",
     ]
+    # a clipped mode with its own fraction 0 is measured against it (clipped the same way)
+    rows += [{"name": f"hybrid-backward-clip:{f:g}", "kind": "hybrid", "mode": "backward-clip",
+              "fraction": f, "step_ms": ms} for f, ms in ((0.0, 110.0), (0.1, 120.0), (0.2, 125.0))]  # fmt: skip
+    assert sweep_summary(rows)[2] == (
+        "backward-clip: 0:1.00x 0.1:1.09x 0.2:1.14x; largest within 1.10x of "
+        "hybrid-backward-clip:0: 0.1"
+    )
 
 
 def test_an_unknown_mode_is_named_before_anything_runs(tmp_path):

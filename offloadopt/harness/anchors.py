@@ -110,6 +110,10 @@ MODES: dict[str, tuple[dict[str, Any], str]] = {
     "backward": (dict(overlap="backward", grads_final=True, wait="module"), "same"),
     "backward-clip": (dict(overlap="backward", max_grad_norm=1.0, wait="module"),
                       "clipped in the optimizer (max_grad_norm=1.0)"),
+    # torch's clip_grad_norm_(params, 1.0) after backward: nothing declared, so the updates
+    # wait for step() (README, "Overlap modes")
+    "backward-torch-clip": (dict(overlap="backward", wait="module"),
+                            "clipped by torch (clip_grad_norm_ 1.0)"),
     "delayed": (dict(overlap="delayed"), "delayed (the weights one step stale)"),
 }  # fmt: skip
 
@@ -127,9 +131,17 @@ def hybrid(fraction: float, mode: str = "step", **kwargs):
         if mode != "step":
             opt.watch(model)  # per-module waits; delayed: model.state_dict() sees the masters
         stale = mode == "delayed" and fraction > 0  # at fraction 0 nothing is a step old
-        return {"opt": opt, "fraction": fraction, "kind": "hybrid", "mode": mode,
-                "numerics": numerics if stale or mode != "delayed" else "same",
-                "close": opt.close}  # fmt: skip
+        built = {"opt": opt, "fraction": fraction, "kind": "hybrid", "mode": mode,
+                 "numerics": numerics if stale or mode != "delayed" else "same",
+                 "close": opt.close}  # fmt: skip
+        if mode == "backward-torch-clip":
+
+            def backward(loss: torch.Tensor) -> None:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+            built["backward"] = backward
+        return built
 
     return build
 

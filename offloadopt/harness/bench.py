@@ -459,7 +459,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
       help="HybridAdamW offload fractions, each in [0, 1]")
     a("--modes", nargs="+", default=d.modes, choices=list(anchors.MODES), metavar="MODE",
       help=f"overlap modes, each a sweep of --fractions beside step mode's (the baseline): any "
-           f"of {list(anchors.MODES)} (backward: grads_final, wait='module'; backward-clip: "
+           f"of {list(anchors.MODES)} (backward: grads_final, wait='module'; backward-torch-clip: torch's clip_grad_norm_ 1.0 "
+           "before step(), wait='module'; backward-clip: "
            "max_grad_norm=1.0)")
     a("--anchors", nargs="*", default=d.anchors, choices=list(anchors.ANCHORS), metavar="ANCHOR",
       help=f"any of {sorted(anchors.ANCHORS)}; none: --anchors")

@@ -35,21 +35,24 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 
 def sweep_summary(results: list[dict[str, Any]], within: float = 1.10) -> list[str]:
-    """Per overlap mode: each fraction's step over the baseline's (``hybrid:0``) and the
-    largest fraction within ``within`` x it (every smaller one within too)."""
-    points: dict[str, list[tuple[float, float | None]]] = {}  # mode -> (fraction, ratio or None)
-    base = next((r["step_ms"] for r in results if r["name"] == "hybrid:0" and "step_ms" in r), None)
-    if base is None:
-        return []
+    """Per overlap mode: each fraction's step over its baseline's and the largest fraction
+    within ``within`` x it (every smaller one within too). The baseline is the mode's own
+    fraction 0 when the sweep has it (a clipped mode against fraction 0 clipped the same
+    way), else step mode's ``hybrid:0``."""
+    steps: dict[str, dict[float, float | None]] = {}  # mode -> fraction -> ms (None: failed)
     for r in results:
         named = re.fullmatch(r"hybrid(?:-([a-z-]+))?:([0-9.]+)", r["name"])
-        if named is None:
-            continue
-        ratio = r["step_ms"] / base if "step_ms" in r else None  # None: the configuration failed
-        points.setdefault(named.group(1) or "step", []).append((float(named.group(2)), ratio))
+        if named is not None:
+            sweep = steps.setdefault(named.group(1) or "step", {})
+            sweep[float(named.group(2))] = r.get("step_ms")
+    base = steps.get("step", {}).get(0.0)
+    if base is None:
+        return []
     lines = []
-    for mode, sweep in points.items():
-        sweep.sort()
+    for mode, by_fraction in steps.items():
+        own = by_fraction.get(0.0) if mode != "step" else None
+        ref, ref_name = (own, f"hybrid-{mode}:0") if own is not None else (base, "hybrid:0")
+        sweep = sorted((f, None if ms is None else ms / ref) for f, ms in by_fraction.items())
         best = None
         for f, ratio in sweep:
             if ratio is None or ratio > within:
@@ -58,7 +61,7 @@ def sweep_summary(results: list[dict[str, Any]], within: float = 1.10) -> list[s
         shown = " ".join(
             f"{f:g}:{'failed' if ratio is None else f'{ratio:.2f}x'}" for f, ratio in sweep
         )
-        lines.append(f"{mode}: {shown}; largest within {within:.2f}x of hybrid:0: "
+        lines.append(f"{mode}: {shown}; largest within {within:.2f}x of {ref_name}: "
                      f"{'none' if best is None else f'{best:g}'}")  # fmt: skip
     return lines
 
