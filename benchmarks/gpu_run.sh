@@ -85,9 +85,10 @@ for part in "${@:-all}"; do
   fi
   if [[ $part == auditmodes ]]; then
     # issue 8 item 7: the audit's view of each overlap mode, GPT-2 1.5B, fraction 1
-    for mode in step backward; do
+    for run in "step 1.0" "backward 1.0" "backward 0.2" "backward-clip 0.2"; do
+      set -- $run
       timeout 200 python3 -m offloadopt audit --device cuda --preset gpt2-xl --batch-size 4 --seq-len 1024 \
-        --offload-fraction 1.0 --mode $mode 2>&1 | tee -a "$OUT/auditmodes.log" | tail -6
+        --offload-fraction $2 --mode $1 2>&1 | tee -a "$OUT/auditmodes.log" | tail -6
     done
   fi
   if [[ $part == modes ]]; then

@@ -13,7 +13,13 @@ from offloadopt import HybridAdamW
 from offloadopt.amp import found_inf
 
 BAD = {3: float("inf"), 5: float("nan")}  # step -> the value one element of a grad gets
-GPU_VS_CPU_KERNEL_ATOL = 1e-5  # tests/cuda/test_optim_cuda.py: the two kernels' rounding
+LR = 1e-3
+# Max |HybridAdamW - torch.optim.AdamW(fused=True)| after these 8 steps (fp16 autocast, the
+# model's own grads, so a rounding difference of the CPU kernel feeds back into the next
+# grads): 8.53e-5 at fraction 0.5 and 2.05e-4 at fraction 1, with or without clipping (H200,
+# torch 2.11, 2026-12-01); 0 at fraction 0. An element whose grad is near zero moves by up to
+# lr per step whichever way its sign falls, so the bound is in units of lr.
+FOLLOWS_TORCH_ATOL = 0.5 * LR
 
 
 def model_of(seed=0):
@@ -62,13 +68,13 @@ def slow(opt):
 def test_attached_scaler_in_backward_mode_equals_step_mode_and_follows_torch(fraction, clip):
     scaler = lambda: torch.amp.GradScaler("cuda", init_scale=2.0**14, growth_interval=2)  # noqa: E731
     ref_model = model_of()
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, fused=True)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, fused=True)
     _, ref_scales, ref_params = run(ref_model, ref, scaler(), clip=clip)
     got = {}
     for mode in ("step", "backward"):
         model, s = model_of(), scaler()
         kw = dict(overlap="backward", wait="module", release_grads=True, grad_scaler=s) if mode == "backward" else {}  # fmt: skip
-        opt = HybridAdamW(model.parameters(), lr=1e-3, offload_fraction=fraction,
+        opt = HybridAdamW(model.parameters(), lr=LR, offload_fraction=fraction,
                           bucket_nbytes=8 * 2**20, flush_denormal=False, max_grad_norm=clip,
                           **kw)  # fmt: skip
         if mode == "backward":
@@ -84,9 +90,9 @@ def test_attached_scaler_in_backward_mode_equals_step_mode_and_follows_torch(fra
     err = max((a - b).abs().max().item() for a, b in zip(got["step"][2], ref_params, strict=True))
     print(f"scaler, clip {clip}, fraction {fraction}: max |hybrid - torch fused| = {err:.3g}, "
           f"scales {ref_scales}")  # fmt: skip
-    if fraction == 0.0 and clip is None:
-        assert err == 0.0
-    assert err <= GPU_VS_CPU_KERNEL_ATOL * 10
+    if fraction == 0.0:
+        assert err == 0.0  # the same CUDA kernel, unscaled and clipped in torch's order
+    assert err <= FOLLOWS_TORCH_ATOL
 
 
 def test_found_inf_sees_a_nan_and_an_inf_on_the_gpu():
