@@ -183,13 +183,19 @@ def test_sweep_summary_stops_at_the_first_fraction_over_the_limit():
         "step: 0:1.00x; largest within 1.10x of hybrid:0: 0",
         "backward: 0.1:1.04x 0.2:1.20x 0.3:1.05x; largest within 1.10x of hybrid:0: 0.1",
     ]
-    # a clipped mode with its own fraction 0 is measured against it (clipped the same way)
+    # a clipped mode with its own fraction 0 is measured against it (clipped the same way); a
+    # mode with step mode's math against hybrid:0, even with a fraction 0 of its own
+    clipped = "other numerics (clipped in the optimizer)"
     rows += [{"name": f"hybrid-backward-clip:{f:g}", "kind": "hybrid", "mode": "backward-clip",
-              "fraction": f, "step_ms": ms} for f, ms in ((0.0, 110.0), (0.1, 120.0), (0.2, 125.0))]  # fmt: skip
-    assert sweep_summary(rows)[2] == (
+              "fraction": f, "step_ms": ms, "status": clipped}
+             for f, ms in ((0.0, 110.0), (0.1, 120.0), (0.2, 125.0))]  # fmt: skip
+    rows.append({"name": "hybrid-backward:0", "kind": "hybrid", "mode": "backward",
+                 "fraction": 0.0, "step_ms": 130.0, "status": "ok"})  # fmt: skip
+    assert sweep_summary(rows)[1:] == [
+        "backward: 0:1.30x 0.1:1.04x 0.2:1.20x 0.3:1.05x; largest within 1.10x of hybrid:0: none",
         "backward-clip: 0:1.00x 0.1:1.09x 0.2:1.14x; largest within 1.10x of "
-        "hybrid-backward-clip:0: 0.1"
-    )
+        "hybrid-backward-clip:0: 0.1",
+    ]
 
 
 def test_an_unknown_mode_is_named_before_anything_runs(tmp_path):

@@ -36,21 +36,25 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 def sweep_summary(results: list[dict[str, Any]], within: float = 1.10) -> list[str]:
     """Per overlap mode: each fraction's step over its baseline's and the largest fraction
-    within ``within`` x it (every smaller one within too). The baseline is the mode's own
-    fraction 0 when the sweep has it (a clipped mode against fraction 0 clipped the same
-    way), else step mode's ``hybrid:0``."""
+    within ``within`` x it (every smaller one within too). The baseline is step mode's
+    ``hybrid:0``, or the mode's own fraction 0 where its math differs (a clipped mode against
+    fraction 0 clipped the same way: its status says "other numerics")."""
     steps: dict[str, dict[float, float | None]] = {}  # mode -> fraction -> ms (None: failed)
+    own_math: dict[str, float] = {}  # mode -> its fraction 0's ms, where its math differs
     for r in results:
         named = re.fullmatch(r"hybrid(?:-([a-z-]+))?:([0-9.]+)", r["name"])
         if named is not None:
-            sweep = steps.setdefault(named.group(1) or "step", {})
-            sweep[float(named.group(2))] = r.get("step_ms")
+            mode, fraction = named.group(1) or "step", float(named.group(2))
+            steps.setdefault(mode, {})[fraction] = r.get("step_ms")
+            other = str(r.get("status", "")).startswith("other numerics")
+            if fraction == 0.0 and other and r.get("step_ms") is not None:
+                own_math[mode] = r["step_ms"]
     base = steps.get("step", {}).get(0.0)
     if base is None:
         return []
     lines = []
     for mode, by_fraction in steps.items():
-        own = by_fraction.get(0.0) if mode != "step" else None
+        own = own_math.get(mode)
         ref, ref_name = (own, f"hybrid-{mode}:0") if own is not None else (base, "hybrid:0")
         sweep = sorted((f, None if ms is None else ms / ref) for f, ms in by_fraction.items())
         best = None
