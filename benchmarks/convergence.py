@@ -1,7 +1,10 @@
 """The delayed parameter update against the synchronous one on the main job: three seeds each,
 the held-out loss after the same number of steps. Writes convergence.json and prints a table.
 
-    python benchmarks/convergence.py [--device cpu|cuda] [--steps 300] [--out DIR]
+    python benchmarks/convergence.py [--device cpu|cuda] [--steps 300] [--delay-after N] [--out DIR]
+
+``--delay-after N``: the delayed runs take N synchronous steps first (HybridAdamW's
+``delay_after``).
 
 Exit status 1 when a delayed seed's final held-out loss lies outside [min, max] of the
 synchronous seeds' (widened by nothing).
@@ -25,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--offload-fraction", type=float, default=1.0)
+    ap.add_argument("--delay-after", type=int, default=0)
     ap.add_argument("--out", default="convergence-out")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -34,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         for seed in args.seeds:
             cfg = TrainConfig(device=args.device, preset=args.preset, steps=args.steps, seed=seed,
                               overlap=overlap, offload_fraction=args.offload_fraction,
+                              delay_after=args.delay_after if overlap == "delayed" else 0,
                               eval_every=args.steps, log_every=args.steps, progress=False)  # fmt: skip
             s = train(cfg)
             runs.append({"overlap": overlap, "seed": seed, **s})

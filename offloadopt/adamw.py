@@ -123,6 +123,13 @@ class HybridAdamW(HybridOptimizer):
             ``max_grad_norm`` the grads are unscaled on the device before the clip, as
             ``scaler.unscale_(opt)`` then ``clip_grad_norm_`` would. One process, or DDP with
             ``ddp=`` (``ValueError`` otherwise: an FSDP2 rank sees its own shard only).
+        delay_after: with ``overlap="delayed"``, the number of synchronous updates (step mode's,
+            the new weights in place when ``step()`` returns) before the delay begins, as
+            ZeRO-Offload starts its delayed parameter update only after the first steps, when
+            the weights change fastest (arXiv 2101.06840, section 5). Counted by the offloaded
+            params' ``step``, so a resumed run goes on where it left off; default 0 (delayed
+            from the first step). The README's "The delayed parameter update" has what it does
+            to the held-out loss.
         ddp: the ``DistributedDataParallel`` model (built with ``gradient_as_bucket_view=True``)
             whose grads ``overlap="backward"`` reads: a comm hook (torch's all-reduce, then an
             announcement) starts each offloaded bucket once DDP's all-reduce of its grads is
@@ -182,6 +189,7 @@ class HybridAdamW(HybridOptimizer):
         release_grads: bool = False,
         ddp: Any = None,
         grad_scaler: Any = None,
+        delay_after: int = 0,
         max_gpu_memory: int | str | None = None,
         max_host_memory: int | str | None = None,
         activation_bytes: int | str | None = None,
@@ -194,7 +202,7 @@ class HybridAdamW(HybridOptimizer):
             master_weights=master_weights, pin_memory=pin_memory, bucket_nbytes=bucket_nbytes,
             flush_denormal=flush_denormal, cpu_threads=cpu_threads, timeout_s=timeout_s,
             overlap=overlap, wait=wait, max_grad_norm=max_grad_norm, grads_final=grads_final,
-            release_grads=release_grads, ddp=ddp, grad_scaler=grad_scaler,
+            release_grads=release_grads, ddp=ddp, grad_scaler=grad_scaler, delay_after=delay_after,
             max_gpu_memory=max_gpu_memory,
             max_host_memory=max_host_memory, activation_bytes=activation_bytes,
             auto_tolerance=auto_tolerance,

@@ -81,6 +81,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         release_grads: bool = False,
         ddp: Any = None,
         grad_scaler: Any = None,
+        delay_after: int = 0,
         max_gpu_memory: int | str | None = None,
         max_host_memory: int | str | None = None,
         activation_bytes: int | str | None = None,
@@ -100,6 +101,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
             cpu_threads=cpu_threads, timeout_s=timeout_s, overlap=overlap, wait=wait,
             max_grad_norm=max_grad_norm, grads_final=grads_final, release_grads=release_grads,
             ddp=ddp, auto_tolerance=auto_tolerance, grad_scaler=grad_scaler,
+            delay_after=delay_after,
         )  # fmt: skip
         params = validate_params_arg(params)
         sizes = budget.sizes(max_gpu_memory=max_gpu_memory, max_host_memory=max_host_memory,
@@ -149,6 +151,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.grads_final, self.release_grads = grads_final, release_grads
         self.grad_scaler = grad_scaler  # attached: backward mode checks found_inf (amp.py)
+        self.delay_after = int(delay_after)  # overlap="delayed": synchronous steps first
         # Step mode: the training thread waits in step() while the worker runs; when updates
         # overlap backward or the next forward, it needs a core of its own.
         busy = overlap != "step" or wait != "step"

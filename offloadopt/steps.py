@@ -145,6 +145,7 @@ class StepState:
     waited: set[Bucket] = field(default_factory=set)  # wait="module": buckets waited for
     first: set[torch.Tensor] = field(default_factory=set)  # lazy-state params' first update
     t0: float = 0.0
+    delayed: bool = False  # overlap="delayed", past delay_after: the update lands one step late
 
 
 class Stepping:
@@ -271,9 +272,9 @@ class Stepping:
                 # wait="module": each watched module waits for its own (opt.watch, _wait_for);
                 # overlap="delayed": the next step() (or synchronize()) copies the new weights in.
                 self._inflight, self._inflight_streams = st, streams
-                if self.wait == "step" and self.overlap != "delayed":
+                if self.wait == "step" and not st.delayed:
                     self.synchronize()
-                elif self.overlap != "delayed" and not (self._watched or self._watch_later):
+                elif not st.delayed and not (self._watched or self._watch_later):
                     self._warn_once(
                         "module-unwatched",
                         "wait='module' with no model given to opt.watch(): nothing makes the "
@@ -355,7 +356,7 @@ class Stepping:
             raise
         finally:
             self._pipeline.publish(streams, st.run)  # (I4) whatever landed is waited for
-        if self.overlap == "delayed":
+        if st.delayed:
             self._publish_delayed(st, streams)
         self._finish(st, streams)
 
@@ -368,7 +369,7 @@ class Stepping:
             WorkerError, TimeoutError: as ``synchronize()`` (which then handles the failure).
         """
         st = self._inflight
-        if st is not None and self.overlap == "delayed":
+        if st is not None and st.delayed:
             try:
                 st.run.wait(self.timeout_s)
                 return
@@ -591,7 +592,7 @@ class Stepping:
         streams), wait for the copies back of ``params`` (overlap="delayed": none; the forward
         reads the weights of the step before)."""
         st = self._inflight
-        if st is None or self.overlap == "delayed":
+        if st is None or st.delayed:
             return
         streams = self._inflight_streams
         for p in params:
@@ -639,7 +640,19 @@ class Stepping:
                 self._record(p, group, gi, i)
         stats = dict.fromkeys(("d2h_wait_ms", "cpu_update_ms", "h2d_ms", "d2h_ms"), 0.0)
         stats.update(d2h_nbytes=0, h2d_nbytes=0)
-        return StepState(hypers, group_of, stats)
+        st = StepState(hypers, group_of, stats)
+        st.delayed = self.overlap == "delayed" and self._steps_taken() >= self.delay_after
+        return st
+
+    def _steps_taken(self) -> int:
+        """The updates the offloaded params have had: the largest ``step`` among them (host
+        tensors: no device sync), so a resume from a checkpoint counts on where it left off.
+        Read at each step's start when ``delay_after`` > 0."""
+        if self.delay_after == 0:
+            return 0
+        steps = (self.state.get(p, {}).get("step") for p, rec in self._records.items()
+                 if rec.offloaded)  # fmt: skip
+        return max((int(s) for s in steps if s is not None), default=0)
 
     def _same_values(self, st: StepState, moved: dict[torch.Tensor, torch.Tensor]) -> set:
         """Of the params in ``moved`` (param -> its grad now, whose version moved after its
@@ -761,7 +774,7 @@ class Stepping:
         if st.run is None:
             st.run = self._pipeline.begin(self._update_bucket, st.stats)
         new_prints: list[torch.Tensor] = []  # grads fed before step(): their norms, below
-        delayed = self.overlap == "delayed"  # the H2D lands in ParamRecord.landing
+        delayed = st.delayed  # the H2D lands in ParamRecord.landing
         for b, idx in items:
             params = b.arena.params
             calls: dict[tuple, tuple[Hyper, list[int], list[torch.Tensor], bool]] = {}
@@ -822,7 +835,7 @@ class Stepping:
             steps = [self.state[p]["step"] for p in st.prepared if self._records[p].offloaded]
             if steps:
                 torch._foreach_sub_(steps, [amp.host_inf] * len(steps))
-        if self.overlap != "delayed":  # delayed: marked when the weights are copied in
+        if not st.delayed:  # delayed: marked when the weights are copied in
             for p in st.prepared:
                 if self._records[p].offloaded:
                     self._records[p].mark_written(p)

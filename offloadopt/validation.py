@@ -66,6 +66,7 @@ def validate_options(
     ddp=None,
     auto_tolerance=0.05,
     grad_scaler=None,
+    delay_after=0,
 ) -> None:
     """The constructor's arguments: the rule's hyperparameters ``hyper`` and ours.
 
@@ -147,6 +148,19 @@ def validate_options(
             not release_grads,
             "release_grads=True with ddp=: DDP owns its grad buckets (their memory stays)",
         )
+    _check(
+        isinstance(delay_after, numbers.Integral) and not isinstance(delay_after, bool) and delay_after >= 0,
+        f"Invalid delay_after: {delay_after!r} (expected an int >= 0: synchronous steps before the delay)",
+    )  # fmt: skip
+    _check(
+        delay_after == 0 or overlap == "delayed",
+        f"delay_after={delay_after} applies to overlap='delayed' (got overlap={overlap!r})",
+    )
+    _check(
+        delay_after == 0 or rule.has_step,
+        f"delay_after={delay_after}: {rule.name} keeps no step count to tell the synchronous "
+        "steps by (it resumes from a checkpoint by the params' step); use delay_after=0",
+    )
     if overlap == "delayed":
         _check(
             wait == "step",

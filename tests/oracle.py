@@ -48,10 +48,12 @@ class DelayedReference:
     over fp32 masters, fed each step's grads at once; the new weights of the params in
     ``delayed`` (indices) reach them only at the next ``step()`` or ``synchronize()``, the
     others at once. With ``max_grad_norm`` the fp32 grads are multiplied by torch's clip
-    coefficient of their global norm (the norm of the per-param fp32 norms, in param order)."""
+    coefficient of their global norm (the norm of the per-param fp32 norms, in param order).
+    The first ``after`` steps every param gets its new weights at once (``delay_after``)."""
 
-    def __init__(self, params, groups, delayed, max_grad_norm=None):
+    def __init__(self, params, groups, delayed, max_grad_norm=None, after=0):
         self.params, self.delayed, self.max_grad_norm = list(params), set(delayed), max_grad_norm
+        self.after, self.taken = after, 0
         self.masters = [p.detach().float().clone() for p in self.params]
         index = {id(p): i for i, p in enumerate(self.params)}
         self.opt = torch.optim.AdamW(
@@ -73,9 +75,11 @@ class DelayedReference:
         for i, m in enumerate(self.masters):
             m.grad = grads.get(i)
         self.opt.step()
+        late = self.taken >= self.after
+        self.taken += 1
         for i in have:
             p, m = self.params[i], self.masters[i]
-            if i in self.delayed:
+            if i in self.delayed and late:
                 self.pending.append((p, m.to(p.dtype)))
                 p.grad = None  # the update took it
             else:

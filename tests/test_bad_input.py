@@ -86,6 +86,8 @@ CASES = [
     (["bench", "--preset", "tiny", "--seq-len", "129"],
      "--seq-len: 129 is more than the tiny preset's 128"),
     (["audit", "--steps", "0"], "--steps: 0 is not an integer >= 1"),
+    (["train", "--delay-after", "3"], "--delay-after: the synchronous steps before the delayed update, so it needs --overlap delayed (not 'step')"),
+    (["train", "--delay-after", "-1"], "--delay-after: -1 is not an integer >= 0"),
     (["audit", "--mode", "backward", "--optimizer", "adamw"], "--mode backward: HybridAdamW's overlap modes need --optimizer hybrid"),
     (["audit", "--steps", "-1"], "--steps: -1 is not an integer >= 1"),
     (["train", "--grad-clip", "-1"], "--grad-clip: -1.0 is not a finite number >= 0"),

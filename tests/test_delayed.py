@@ -56,7 +56,8 @@ def twins(fraction, dtype, **kw):
     opt = hybrid(model, fraction, **kw)
     delayed = [i for i, p in enumerate(model.parameters()) if opt.is_offloaded(p)]
     ref = DelayedReference(ref_model.parameters(), groups(ref_model), delayed,
-                           max_grad_norm=kw.get("max_grad_norm"))  # fmt: skip
+                           max_grad_norm=kw.get("max_grad_norm"),
+                           after=kw.get("delay_after", 0))  # fmt: skip
     return model, opt, ref_model, ref
 
 
@@ -279,3 +280,57 @@ def test_the_main_job_refuses_delayed_for_torchs_adamw():
 
     with pytest.raises(UsageError, match="--overlap: 'delayed'"):
         TrainConfig(optimizer="adamw", overlap="delayed").resolved()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_delay_after_takes_synchronous_steps_first_and_resumes_bitwise(fraction, dtype):
+    """delay_after=3: steps 1-3 land at once (the next forward reads them), then the delay;
+    a checkpoint inside the synchronous steps resumes into the same schedule."""
+    model, opt, ref_model, ref = twins(fraction, dtype, delay_after=3)
+    first = [p.detach().clone() for p in model.parameters()]
+    for step in range(6):
+        for m in (model, ref_model):
+            backward(m, step)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref_model.zero_grad()
+        assert_bitwise(list(model.parameters()), list(ref_model.parameters()), f"step {step}")
+        if step == 0:  # synchronous: the offloaded params changed when step() returned
+            moved = [not torch.equal(a, b) for a, b in zip(model.parameters(), first, strict=True)]
+            assert all(moved[i] for i in ref.delayed)
+    assert opt._inflight is not None and opt._inflight.delayed, "delayed from step 4 on"
+    opt.synchronize()
+    # a checkpoint after step 2 (synchronous) resumes with one more synchronous step
+    model = model_of(dtype)
+    opt = hybrid(model, fraction, delay_after=3)
+    opt.watch(model)
+    weights, state = run(model, opt, 6, save_at=2)
+    opt.synchronize()
+    resumed = model_of(dtype, seed=1)
+    resumed.load_state_dict(weights)
+    opt2 = hybrid(resumed, fraction, delay_after=3)
+    opt2.load_state_dict(state)
+    run(resumed, opt2, 6, start=2)
+    opt2.synchronize()
+    assert_bitwise(list(resumed.parameters()), list(model.parameters()), "resumed")
+    for o in (opt, opt2):
+        o.close()
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [({"delay_after": -1}, "Invalid delay_after: -1"),
+     ({"delay_after": 2.5}, "Invalid delay_after: 2.5"),
+     ({"delay_after": 3, "overlap": "step"}, "applies to overlap='delayed'")],
+)  # fmt: skip
+def test_bad_delay_after_is_refused(kw, match):
+    model = model_of(torch.float32)
+    kw = {"overlap": "delayed", **kw}
+    with pytest.raises(ValueError, match=match):
+        HybridAdamW(groups(model), **kw)
+    from offloadopt import HybridSGD
+
+    with pytest.raises(ValueError, match="keeps no step count"):
+        HybridSGD(model.parameters(), lr=0.1, overlap="delayed", delay_after=3)

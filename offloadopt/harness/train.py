@@ -73,6 +73,7 @@ class TrainConfig:
     release_grads: bool = (
         False  # HybridAdamW, overlap "backward": free offloaded grads as they land
     )
+    delay_after: int = 0  # HybridAdamW, overlap "delayed": synchronous steps before the delay
     checkpointing: bool = False  # activation checkpointing per block (recomputed in backward)
     steps: int = 300  # optimizer steps
     batch_size: int | None = None  # sequences per step; None: RUN_DEFAULTS[preset]
@@ -131,6 +132,11 @@ class TrainConfig:
                 f"--max-gpu-memory: HybridAdamW's option; --optimizer {cfg.optimizer} keeps "
                 "everything on the device"
             )
+        if cfg.delay_after and cfg.overlap != "delayed":
+            raise UsageError(
+                f"--delay-after: the synchronous steps before the delayed update, so it needs "
+                f"--overlap delayed (not {cfg.overlap!r})"
+            )
         if cfg.release_grads and cfg.overlap != "backward":
             raise UsageError(
                 f"--release-grads: frees grads during backward, so it needs --overlap backward "
@@ -166,6 +172,7 @@ FIELD_CHECKS = {
     "offload_fraction": checks.fraction_or_auto,
     "max_gpu_memory": checks.size,
     "min_offload_numel": checks.nonneg_int,
+    "delay_after": checks.nonneg_int,
     "steps": checks.positive_int,
     "batch_size": checks.positive_int,
     "seq_len": checks.positive_int,
@@ -225,6 +232,8 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
             clip["release_grads"] = cfg.release_grads
         else:
             clip = {}  # torch's clip_grad_norm_ in train_step
+        if cfg.overlap == "delayed":
+            clip["delay_after"] = cfg.delay_after
         opt = HybridAdamW(
             model.named_parameters(),
             offload_fraction=fraction,
@@ -413,6 +422,7 @@ def train(cfg: TrainConfig) -> dict:
         "offload_fraction": opt.offload_fraction if cfg.optimizer == "hybrid" else 0.0,
         "placement_choice": getattr(opt, "placement_choice", None),
         "overlap": cfg.overlap if cfg.optimizer == "hybrid" else "step",
+        "delay_after": cfg.delay_after,
         "steps": cfg.steps,
         "batch_size": cfg.batch_size,
         "seq_len": cfg.seq_len,
@@ -503,6 +513,7 @@ HELP = {
     "min_offload_numel": "HybridAdamW: params with fewer elements stay on the device (default: %(default)s)",
     "max_gpu_memory": "HybridAdamW: a GPU budget, bytes or 120GB / 112GiB; it picks the smallest fraction that fits, at the first step (with --offload-fraction auto: measured too)",
     "overlap": "HybridAdamW: step; backward: updates start during backward (clipping through the optimizer; --grad-clip 0: none, grads final); or delayed: the update runs during the next forward and backward, which read weights one step old (default: %(default)s)",
+    "delay_after": "HybridAdamW, --overlap delayed: synchronous steps before the delay begins, as ZeRO-Offload does (default: %(default)s)",
     "steps": "optimizer steps (default: %(default)s)",
     "batch_size": "sequences per step (default: per preset, 16 for tiny)",
     "seq_len": "tokens per sequence (default: the preset's block_size)",
