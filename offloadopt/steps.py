@@ -200,22 +200,19 @@ class Stepping:
             for p in moved:
                 if p not in same:
                     self._broken = f"the grad of {self._records[p].name} changed after its update"
+                    hint = ("with grad_scaler= attached, leave out scaler.unscale_(opt) and "
+                            "clip with max_grad_norm=" if self.grad_scaler is not None else
+                            "clip or scale through the optimizer: max_grad_norm=, grad_scaler=, "
+                            "or leave grads_final=False")  # fmt: skip
                     raise RuntimeError(
                         f"the grad of {self._records[p].name} changed after its bucket's update "
-                        "started during backward (clip or scale through the optimizer: "
-                        "max_grad_norm=, or leave grads_final=False; mark non-final "
-                        "micro-steps with opt.accumulating())"
+                        f"started during backward ({hint}; mark non-final micro-steps with "
+                        "opt.accumulating())"
                     )
             self._check_worker(with_grad)  # a closed optimizer changes nothing
             # A GradScaler's step() set these (offloadopt/amp.py's note); None otherwise.
             grad_scale, scaler_inf = scaler_inputs(self)
-            if st.amp is None and grad_scale is not None and st.fed:
-                self._broken = "its updates started from grads a GradScaler had scaled"
-                raise RuntimeError(
-                    "updates of this step started during backward from the scaled grads, and "
-                    "a GradScaler's step() came after them: attach the scaler, "
-                    f"{type(self).__name__}(..., grad_scaler=scaler), or leave grads_final=False"
-                )
+            self._check_scaler(st, grad_scale, scaler_inf)
             scaled = grad_scale is not None or scaler_inf is not None
             # Nothing decided at the end of backward (or decided there without the scaler's
             # values, and nothing started): this step's clip factors and scaling, now.
@@ -563,6 +560,40 @@ class Stepping:
                      if b not in st.fed]  # fmt: skip
             self._feed(st, [(b, idx) for b, idx in items if idx], st.scale, early=True)
 
+    def _check_scaler(self, st: StepState, grad_scale, scaler_inf) -> None:
+        """Updates begun before ``step()`` must have used the scale of the GradScaler that is
+        stepping this optimizer now (amp.py's note); otherwise the step is refused.
+
+        Raises:
+            RuntimeError: an unattached scaler after updates started (grads_final or
+                max_grad_norm in backward mode), or a scaler other than the attached one.
+        """
+        if not st.fed or (grad_scale is None and scaler_inf is None):
+            return
+        if st.amp is None and grad_scale is not None:
+            self._broken = "its updates started from grads a GradScaler had scaled"
+            why = (
+                "max_grad_norm= clipped them"
+                if self.max_grad_norm is not None
+                else "grads_final=True"
+            )
+            other = ("or clip with torch after scaler.unscale_(opt) and leave max_grad_norm out"
+                     if self.max_grad_norm is not None else "or leave grads_final=False")  # fmt: skip
+            raise RuntimeError(
+                f"updates of this step started during backward ({why}) from the scaled grads, "
+                "and a GradScaler's step() came after them: attach the scaler, "
+                f"{type(self).__name__}(..., grad_scaler=scaler), {other}"
+            )
+        records = getattr(self.grad_scaler, "_per_optimizer_states", None)
+        if st.amp is not None and hasattr(records, "get") and records.get(id(self)) is None:
+            # the attached scaler keeps a record of this optimizer while it steps it
+            self._broken = "its updates started with the attached GradScaler's scale"
+            raise RuntimeError(
+                "a GradScaler other than the attached one (grad_scaler=) is stepping this "
+                "optimizer, whose updates already started with the attached one's scale: "
+                "attach the scaler that scales the loss and calls step()"
+            )
+
     def _attached_scale(self) -> torch.Tensor | None:
         """The scale of the attached GradScaler (``grad_scaler=``) while it scales losses."""
         scaler = self.grad_scaler
@@ -835,6 +866,17 @@ class Stepping:
             steps = [self.state[p]["step"] for p in st.prepared if self._records[p].offloaded]
             if steps:
                 torch._foreach_sub_(steps, [amp.host_inf] * len(steps))
+        if amp is not None and amp.found_inf is not None and st.first and self.rule.lazy_state:
+            # A skipped first update leaves no state, as torch's SGD that GradScaler does not
+            # step (its fused kernel would leave the buffer uninitialised): the next update is
+            # the first. One host read, at a param's first step only.
+            amp.wait(self.timeout_s)
+            inf = amp.host_inf if amp.host_inf is not None else amp.found_inf
+            if float(inf) == 1.0:
+                for p in st.first:
+                    entry = self.state[p]
+                    for key in self._records[p].state_keys:
+                        dict.pop(entry, key, None)
         if not st.delayed:  # delayed: marked when the weights are copied in
             for p in st.prepared:
                 if self._records[p].offloaded:

@@ -239,3 +239,66 @@ def test_grad_scaler_with_the_delayed_update(fraction):
     _, scales = train(model, opt, s)
     assert scales == ref_scales
     assert [int(opt.state[p]["step"]) for p in model.parameters()] == [7 - len(BAD_STEPS)] * 6
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_a_skipped_first_sgd_step_leaves_no_momentum_buffer(fraction):
+    """With dampening the first update differs from the others (buf = g): a first step the
+    scaler skips must leave it for the next one, as torch's SGD that GradScaler does not step
+    (a fresh user's finding; the fused kernel of torch leaves the buffer uninitialised)."""
+    kw = dict(lr=0.1, momentum=0.9, dampening=0.5)
+    got = {}
+    for name in ("torch", "hybrid"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(48, 48)
+        if name == "torch":
+            opt = torch.optim.SGD(model.parameters(), foreach=False, **kw)
+        else:
+            opt = HybridSGD(
+                model.parameters(), offload_fraction=fraction, min_offload_numel=1, **kw
+            )
+        s = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for step in range(3):
+            handle = None
+            if step == 0:
+                handle = model.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))  # fmt: skip
+            s.scale(model(batch(step)).pow(2).mean()).backward()
+            if handle is not None:
+                handle.remove()
+            s.step(opt)
+            s.update()
+            opt.zero_grad()
+            if step == 0:
+                assert "momentum_buffer" not in opt.state.get(model.weight, {}), name
+        got[name] = [p.detach().clone() for p in model.parameters()]
+    assert_bitwise(got["hybrid"], got["torch"], f"SGD, dampening, fraction {fraction}")
+
+
+def test_a_scaler_other_than_the_attached_one_is_refused():
+    """The updates that started at the end of backward divided by the attached scaler's scale:
+    a different scaler stepping the optimizer is an error, not a silent mismatch."""
+    model, s, other = mlp(), scaler(), scaler()
+    other.scale(torch.ones(()))
+    opt = build(model, 1.0, "backward-attached", other)
+    s.scale(model(batch(0)).pow(2).mean()).backward()
+    with pytest.raises(RuntimeError, match="other than the attached one"):
+        s.step(opt)
+
+
+@pytest.mark.parametrize(
+    "kw,user_clip,match",
+    [(dict(max_grad_norm=1.0), False, "max_grad_norm= clipped them.*leave max_grad_norm out"),
+     (dict(grads_final=True), False, r"grads_final=True\).*or leave grads_final=False"),
+     (dict(attach=True), True, r"leave out scaler.unscale_\(opt\)")],
+)  # fmt: skip
+def test_scaler_misuse_errors_name_the_fix(kw, user_clip, match):
+    model, s = mlp(), scaler()
+    if kw.pop("attach", False):
+        kw["grad_scaler"] = s
+    opt = HybridAdamW(model.parameters(), min_offload_numel=1, overlap="backward", **kw)
+    s.scale(model(batch(0)).pow(2).mean()).backward()
+    if user_clip:
+        s.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match=match):
+        s.step(opt)
