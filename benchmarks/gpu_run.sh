@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|amp|auditmodes|modes|bench|audit|ab|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|amp|auditmodes|modes|modes2|bench|audit|ab|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -97,6 +97,13 @@ for part in "${@:-all}"; do
       --warmup 3 --steps 6 --no-kernel --no-audit --no-progress --anchors \
       --modes step backward backward-clip backward-torch-clip \
       --fractions 0 0.05 0.1 0.15 0.2 0.25 0.3 --out "$OUT/modes" 2>&1 | tee "$OUT/modes.log" | tail -12
+  fi
+  if [[ $part == modes2 ]]; then
+    # issue 8: the same sweep again with 10 timed steps, no torch-clip, to 0.25
+    timeout 560 python3 -m offloadopt bench --preset gpt2-xl --batch-size 4 --seq-len 1024 \
+      --warmup 3 --steps 10 --no-kernel --no-audit --no-progress --anchors \
+      --modes step backward backward-clip --fractions 0 0.05 0.1 0.15 0.2 0.25 \
+      --out "$OUT/modes2" 2>&1 | tee "$OUT/modes2.log" | tail -8
   fi
   if [[ $part == audit || $part == all ]]; then
     for opt in "hybrid" "hybrid --no-pin-memory" "megatron"; do
