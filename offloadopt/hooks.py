@@ -59,16 +59,36 @@ class GradHooks:
         self.handles = []
 
 
+class Compiled:
+    """Whether a watched module runs inside a ``torch.compile``d region: its forward pre-hook
+    was traced (dynamo replays the hook's store of ``seen`` at every call of the region), or
+    the module was compiled before ``watch()``. Its per-module waits do not run there."""
+
+    seen = False
+
+
+def _compiled(model: torch.nn.Module) -> bool:
+    """``model`` is torch.compile's wrapper, or holds a module compiled in place."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(model, OptimizedModule) or any(
+        getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()
+    )
+
+
 class ModuleWaits:
     """Forward pre-hooks (run before any other pre-hook of the module) that make the module's
     stream wait for the copies back of its own params only: ``owner._wait_for(params)``; and a
     state-dict pre-hook on every module of the model that waits for everything
-    (``owner.synchronize()``)."""
+    (``owner.synchronize()``). Traced by ``torch.compile``, a pre-hook is a no-op that sets
+    ``compiled.seen``: the owner then waits for everything before ``step()`` returns."""
 
     def __init__(self, owner: Any, model: torch.nn.Module, offloaded: set[torch.Tensor]):
         ref = weakref.ref(owner)
         self.handles = []
         self.modules = 0
+        self.compiled = compiled = Compiled()
+        compiled.seen = _compiled(model)
         fsdp = _fsdp_modules(model)
         if fsdp is None and any(is_dtensor(p) for p in model.parameters()):
             raise ValueError(
@@ -81,6 +101,9 @@ class ModuleWaits:
                 _fsdp_shards(module)  # FSDP2's state is readable on this torch, or it raises
 
                 def pre_hook(mod, args) -> None:
+                    if torch.compiler.is_compiling():
+                        compiled.seen = True
+                        return
                     opt = ref()
                     if opt is not None and opt._inflight is not None:  # copies back to wait for
                         # FSDP2 all-gathers these shards next, on its streams
@@ -93,6 +116,9 @@ class ModuleWaits:
                     continue
 
                 def pre_hook(mod, args, mine=mine) -> None:
+                    if torch.compiler.is_compiling():
+                        compiled.seen = True  # the region waits once, in step() (steps.py)
+                        return
                     opt = ref()
                     if opt is not None:
                         opt._wait_for(mine)

@@ -269,8 +269,8 @@ class Stepping:
                 # wait="module": each watched module waits for its own (opt.watch, _wait_for);
                 # overlap="delayed": the next step() (or synchronize()) copies the new weights in.
                 self._inflight, self._inflight_streams = st, streams
-                if self.wait == "step" and not st.delayed:
-                    self.synchronize()
+                if (self.wait == "step" or self._compiled_region()) and not st.delayed:
+                    self.synchronize()  # compiled: one full wait for the region's modules
                 elif not st.delayed and not (self._watched or self._watch_later):
                     self._warn_once(
                         "module-unwatched",
@@ -409,8 +409,12 @@ class Stepping:
     def watch(self, model: torch.nn.Module) -> None:
         """Register forward pre-hooks on the modules of ``model`` that own offloaded params;
         with ``wait="module"`` each waits only for its own params' copies back. Modules inside
-        a ``torch.compile``d region are not waited for one by one: call ``opt.synchronize()``
-        before such a forward. Removed by ``close()``.
+        a ``torch.compile``d region are not waited for one by one (their pre-hooks trace as
+        nothing, ``fullgraph=True`` included): once one has run compiled, or the model was
+        compiled before this call, ``step()`` waits for every copy back before it returns (one
+        full wait, as ``wait="step"``). A region first compiled while a step's copies are in
+        flight (after ``step()``, before the next forward): call ``opt.synchronize()`` before
+        its first forward. Removed by ``close()``.
 
         Under FSDP2 call it after ``fully_shard``: the waits go on the FSDP2 modules, before
         FSDP2's own pre-forward (which all-gathers the module's shards on FSDP2's streams, and
@@ -593,6 +597,11 @@ class Stepping:
                 "optimizer, whose updates already started with the attached one's scale: "
                 "attach the scaler that scales the loss and calls step()"
             )
+
+    def _compiled_region(self) -> bool:
+        """A watched module ran inside a ``torch.compile``d region, where its per-module wait
+        does not run (hooks.Compiled): ``step()`` waits for every copy back instead."""
+        return any(w.compiled.seen for w in self._module_waits)
 
     def _attached_scale(self) -> torch.Tensor | None:
         """The scale of the attached GradScaler (``grad_scaler=``) while it scales losses."""

@@ -323,3 +323,45 @@ def test_closed_optimizer_refuses_to_step_at_any_fraction():
     model(batch(0)).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match="is closed"):
         opt.step()
+
+
+@pytest.mark.parametrize("how", ["compiled-then-watched", "watched-then-compiled", "in-place"])
+def test_a_compiled_model_traces_whole_and_step_waits_once(how):
+    """Under torch.compile (fullgraph=True: no graph break) the per-module waits trace as
+    nothing; step() then waits for every copy back before it returns (wait="module" eager
+    returns with them in flight), and training is step mode's, bitwise."""
+    ref_model, model = mlp(), mlp()
+    ref = train(ref_model, make_opt(ref_model, 1.0))
+    opt = HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=1.0, min_offload_numel=1,
+                      bucket_nbytes=4 * 1000, overlap="backward", grads_final=True,
+                      wait="module")  # fmt: skip
+    kw = dict(backend="eager", fullgraph=True)
+    if how == "compiled-then-watched":
+        run = torch.compile(model, **kw)
+        opt.watch(run)
+        assert opt._compiled_region()  # seen at watch(): the wrapper
+    else:
+        opt.watch(model)
+        assert not opt._compiled_region()
+        run = torch.compile(model, **kw) if how == "watched-then-compiled" else model
+        if how == "in-place":
+            model.compile(**kw)
+    for step in range(4):
+        run(batch(step)).float().pow(2).mean().backward()
+        opt.step()
+        assert opt._compiled_region() and opt._inflight is None, "one full wait in step()"
+        opt.zero_grad()
+    assert_bitwise([p.detach() for p in model.parameters()], ref, how)
+    opt.close()
+
+
+def test_an_eager_watched_model_keeps_its_copies_in_flight_after_step():
+    """The other side of the compiled case: eager, step() returns before the copies back."""
+    model = mlp()
+    opt = make_opt(model, 1.0, overlap="backward", grads_final=True, wait="module")
+    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.01)
+    model(batch(0)).pow(2).mean().backward()
+    opt.step()
+    assert not opt._compiled_region() and opt._inflight is not None
+    opt.synchronize()
+    opt.close()
