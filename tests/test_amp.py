@@ -11,6 +11,7 @@ from offloadopt import HybridAdamW, HybridSGD
 
 INIT_SCALE, GROWTH_INTERVAL = 2.0**12, 2
 BAD_STEPS = {2: "inf", 4: "nan"}  # step -> what one param's grad gets there
+CLIP = 0.01  # below the unscaled grad norm of every step here (0.04-0.09): the clip bites
 
 
 def mlp(seed=0):
@@ -107,21 +108,22 @@ def test_grad_scaler_matches_torch_fused_adamw_bitwise(mode, fraction):
 @pytest.mark.parametrize("bad_param", [0, 5])  # the first param (offloaded first) and the last
 def test_grad_scaler_with_clipping_through_the_optimizer(fraction, bad_param):
     """max_grad_norm= with a scaler is torch's unscale_, clip_grad_norm_, step."""
-    (ref, ref_scales), _ = reference(clip=1.0, bad_param=bad_param)
+    (ref, ref_scales), _ = reference(clip=CLIP, bad_param=bad_param)
     for mode in ("step", "backward-attached", "backward-attached-release"):
         model, s = mlp(), scaler()
-        opt = build(model, fraction, mode, s, max_grad_norm=1.0)
-        got, scales = train(model, opt, s, clip=1.0, bad_param=bad_param, opt_clips=True)
+        opt = build(model, fraction, mode, s, max_grad_norm=CLIP)
+        got, scales = train(model, opt, s, clip=CLIP, bad_param=bad_param, opt_clips=True)
+        assert CLIP < opt.last_grad_norm < float("inf"), "the clip bites (unscaled norm)"
         assert_bitwise(got, ref, f"{mode} at {fraction}")
         assert scales == ref_scales, mode
 
 
 def test_grad_scaler_with_torch_clipping_after_unscale():
     """scaler.unscale_(opt), then torch's clip: step() gets found_inf and no scale."""
-    (ref, ref_scales), _ = reference(clip=1.0)
+    (ref, ref_scales), _ = reference(clip=CLIP)
     for mode in ("step", "backward-unattached"):
         model, s = mlp(), scaler()
-        got, scales = train(model, build(model, 0.5, mode, s), s, clip=1.0)
+        got, scales = train(model, build(model, 0.5, mode, s), s, clip=CLIP)
         assert_bitwise(got, ref, mode)
         assert scales == ref_scales, mode
 
