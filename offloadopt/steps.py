@@ -1069,8 +1069,16 @@ class Stepping:
                     # The clip factors on fp32 grads, as the offloaded path applies them; the
                     # user's grads are left as they are.
                     factors = scale if isinstance(scale, tuple) else (scale,)
-                    grads = [g * factors[0] if g is local(q.grad) else g.mul_(factors[0])
-                             for g, q in zip(grads, chunk, strict=True)]  # fmt: skip
+                    theirs = [n for n, (g, q) in enumerate(zip(grads, chunk, strict=True))
+                              if g is local(q.grad)]  # fmt: skip
+                    skip = set(theirs)
+                    mine = [g for n, g in enumerate(grads) if n not in skip]
+                    if mine:  # upcast copies: in place, one launch per list
+                        torch._foreach_mul_(mine, factors[0])
+                    if theirs:
+                        scaled = torch._foreach_mul([grads[n] for n in theirs], factors[0])
+                        for n, g in zip(theirs, scaled, strict=True):
+                            grads[n] = g
                     for f in factors[1:]:
                         torch._foreach_mul_(grads, f)
                 self._device_rule(hyper, chunk, targets, grads, first, amp)
