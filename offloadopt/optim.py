@@ -169,6 +169,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         self._grad_hooks: list[GradHooks] = []
         self._closed = False
         self._module_waits: list = []
+        self._unwaited = False  # a forward ran past its waits (steps._begin): wait in step()
         self._watched: list = []  # weak references to the models given to watch()
         self._watch_later: list = []  # watch() before a budget's choice: registered after it
         self._ddp = ddp  # the DDP model whose all-reduced buckets announce grads (hooks.DDPGrads)

@@ -412,9 +412,12 @@ class Stepping:
         a ``torch.compile``d region are not waited for one by one (their pre-hooks trace as
         nothing, ``fullgraph=True`` included): once one has run compiled, or the model was
         compiled before this call, ``step()`` waits for every copy back before it returns (one
-        full wait, as ``wait="step"``). A region first compiled while a step's copies are in
-        flight (after ``step()``, before the next forward): call ``opt.synchronize()`` before
-        its first forward. Removed by ``close()``.
+        full wait, as ``wait="step"``). Call it before the model's first compiled forward:
+        torch.compile ignores hooks added after a region first ran (then the step after the
+        first forward that waited for nothing warns, and ``step()`` waits for everything from
+        there on). A region first compiled while a step's copies are in flight (after
+        ``step()``, before the next forward): call ``opt.synchronize()`` before its first
+        forward. Removed by ``close()``.
 
         Under FSDP2 call it after ``fully_shard``: the waits go on the FSDP2 modules, before
         FSDP2's own pre-forward (which all-gathers the module's shards on FSDP2's streams, and
@@ -601,7 +604,7 @@ class Stepping:
     def _compiled_region(self) -> bool:
         """A watched module ran inside a ``torch.compile``d region, where its per-module wait
         does not run (hooks.Compiled): ``step()`` waits for every copy back instead."""
-        return any(w.compiled.seen for w in self._module_waits)
+        return self._unwaited or any(w.compiled.seen for w in self._module_waits)
 
     def _attached_scale(self) -> torch.Tensor | None:
         """The scale of the attached GradScaler (``grad_scaler=``) while it scales losses."""
@@ -653,6 +656,20 @@ class Stepping:
     # ------------------------------------------------------------------ phases
     def _begin(self) -> StepState:
         """Freeze and validate every group, find each param's group by identity."""
+        prev = self._inflight
+        if prev is not None and prev.fed and not prev.waited and not prev.delayed and self._module_waits:  # fmt: skip
+            # A forward and backward ran since step() and no watched module waited: their
+            # pre-hooks did not run (torch.compile ignores hooks added after a region first
+            # ran compiled), so that forward may have read weights being copied back.
+            self._unwaited = True
+            self._warn_once(
+                "unwaited-forward",
+                "a forward ran after step() and no module watched with opt.watch() waited for "
+                "the weights being copied back (a model that ran under torch.compile before "
+                "watch(): torch.compile ignores hooks added after that); from now on step() "
+                "waits for every copy back before it returns. Call opt.watch(model) before the "
+                "model's first compiled forward",
+            )
         self.synchronize()  # the previous step's copies back (wait="module") are done
         hypers: dict[int, Hyper] = {}
         group_of: dict[torch.Tensor, dict] = {}

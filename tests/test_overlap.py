@@ -365,3 +365,25 @@ def test_an_eager_watched_model_keeps_its_copies_in_flight_after_step():
     assert not opt._compiled_region() and opt._inflight is not None
     opt.synchronize()
     opt.close()
+
+
+def test_a_model_compiled_and_run_before_watch_is_caught_after_one_step():
+    """torch.compile ignores hooks added after a region first ran compiled, so watch() after
+    that adds waits that never run (a fresh user's finding). The next step sees that no watched
+    module waited, warns, and from then on step() waits for every copy back."""
+    model = mlp()
+    opt = HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=1.0, min_offload_numel=1,
+                      bucket_nbytes=4 * 1000, wait="module")  # fmt: skip
+    run = torch.compile(model, backend="eager", fullgraph=True)
+    run(batch(0))  # a warm-up forward, compiled, before watch()
+    opt.watch(model)
+    assert not opt._compiled_region()
+    run(batch(1)).pow(2).mean().backward()
+    opt.step()
+    assert opt._inflight is not None  # nothing known yet: the copies are in flight
+    opt.zero_grad()
+    run(batch(2)).pow(2).mean().backward()
+    with pytest.warns(UserWarning, match="no module watched with opt.watch"):
+        opt.step()
+    assert opt._compiled_region() and opt._inflight is None
+    opt.close()
