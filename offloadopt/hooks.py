@@ -117,7 +117,7 @@ class ModuleWaits:
 
                 def pre_hook(mod, args, mine=mine) -> None:
                     if torch.compiler.is_compiling():
-                        compiled.seen = True  # the region waits once, in step() (steps.py)
+                        compiled.seen = True  # the region waits once, in step() (waits.py)
                         return
                     opt = ref()
                     if opt is not None:

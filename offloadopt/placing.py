@@ -151,7 +151,7 @@ class Placing:
             self._budget["max_host_memory"], self.bucket_nbytes, self.overlap == "delayed",
             lambda f, infos: place(infos, f, self.min_offload_numel, self.master_weights,
                                    self.placement_policy),
-            # grads go during backward only when no clip waits for them all (steps._on_grad)
+            # grads go during backward only when no clip waits for them all (backward._on_grad)
             release_grads=self.release_grads and self.max_grad_norm is None
             and self.grad_scaler is None,
             grads_in_flight=self.wait == "module" and self.overlap != "delayed",

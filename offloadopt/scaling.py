@@ -1,0 +1,141 @@
+"""What multiplies the grads before the update: clipping through the optimizer
+(``max_grad_norm``, ``clip_grad_norm_``) and a GradScaler's scale and found_inf (offloadopt/amp.py's
+note); a mixin of :class:`offloadopt.optim.HybridOptimizer`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from offloadopt.amp import AmpInputs, inverse
+from offloadopt.shards import is_dtensor
+
+if TYPE_CHECKING:  # annotations only: steps.py imports this module
+    from offloadopt.steps import StepState
+
+__all__ = ["Scaling"]
+
+
+class Scaling:
+    """Clipping and scaling of :class:`offloadopt.optim.HybridOptimizer` (a mixin)."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip this step's grads by their global L2 norm, inside the update: the next
+        ``step()`` multiplies every fp32 grad by ``min(1, max_norm / (norm + 1e-6))`` (torch's
+        ``clip_grad_norm_`` coefficient) on the device, before the update; ``p.grad`` is left
+        as it is. Returns the norm, a 0-dim fp32 tensor on the params' device.
+
+        The norm is the L2 norm of the per-param norms in group order (each computed in fp32),
+        the same at every fraction and in every mode.
+
+        Raises:
+            ValueError: ``max_norm`` is not a finite number > 0.
+            RuntimeError: the optimizer was built with ``max_grad_norm`` (it clips every step).
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < float("inf"):  # fmt: skip
+            raise ValueError(f"Invalid max_norm: {max_norm!r} (expected a finite number > 0)")
+        if self.max_grad_norm is not None:
+            raise RuntimeError(
+                f"built with max_grad_norm={self.max_grad_norm}: it clips every step already"
+            )
+        with self._lock:
+            if self._step is not None and self._step.fed:
+                raise RuntimeError(
+                    "updates of this step already started from the unclipped grads "
+                    "(grads_final=True): clip with max_grad_norm= instead"
+                )
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            norm, scale = self._norm_and_scale(params, float(max_norm))
+            self._pending_clip = (norm, scale)
+            return norm
+
+    def _check_scaler(self, st: StepState, grad_scale, scaler_inf) -> None:
+        """Updates begun before ``step()`` must have used the scale of the GradScaler that is
+        stepping this optimizer now (amp.py's note); otherwise the step is refused.
+
+        Raises:
+            RuntimeError: an unattached scaler after updates started (grads_final or
+                max_grad_norm in backward mode), or a scaler other than the attached one.
+        """
+        if not st.fed or (grad_scale is None and scaler_inf is None):
+            return
+        if st.amp is None and grad_scale is not None:
+            self._broken = "its updates started from grads a GradScaler had scaled"
+            why = (
+                "max_grad_norm= clipped them"
+                if self.max_grad_norm is not None
+                else "grads_final=True"
+            )
+            other = ("or clip with torch after scaler.unscale_(opt) and leave max_grad_norm out"
+                     if self.max_grad_norm is not None else "or leave grads_final=False")  # fmt: skip
+            raise RuntimeError(
+                f"updates of this step started during backward ({why}) from the scaled grads, "
+                "and a GradScaler's step() came after them: attach the scaler, "
+                f"{type(self).__name__}(..., grad_scaler=scaler), {other}"
+            )
+        records = getattr(self.grad_scaler, "_per_optimizer_states", None)
+        if st.amp is not None and hasattr(records, "get") and records.get(id(self)) is None:
+            # the attached scaler keeps a record of this optimizer while it steps it
+            self._broken = "its updates started with the attached GradScaler's scale"
+            raise RuntimeError(
+                "a GradScaler other than the attached one (grad_scaler=) is stepping this "
+                "optimizer, whose updates already started with the attached one's scale: "
+                "attach the scaler that scales the loss and calls step()"
+            )
+
+    def _attached_scale(self) -> torch.Tensor | None:
+        """The scale of the attached GradScaler (``grad_scaler=``) while it scales losses."""
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        return getattr(scaler, "_scale", None)  # None before its first scale()
+
+    def _starts_at_end(self) -> bool:
+        """Backward mode's updates start at the end of backward, all at once: a clip or a
+        GradScaler's found_inf needs every grad (steps.py's note)."""
+        return self.max_grad_norm is not None or self._attached_scale() is not None
+
+    def _norm_and_scale(self, params: list[torch.Tensor], max_norm: float, inv=None):
+        """Global L2 norm of ``params``' grads (times ``inv``, a GradScaler's inverse scale,
+        when given) and torch's clip coefficient, on the device."""
+        if not params:
+            zero = torch.zeros((), dtype=torch.float32)
+            return zero, torch.ones((), dtype=torch.float32)
+        device = params[0].grad.device
+        sharded = [p.grad for p in params if is_dtensor(p.grad)]
+        if sharded:
+            # FSDP2: the same DTensor arithmetic as torch's clip_grad_norm_ (per-shard norms,
+            # their norm, then one all-reduce over the mesh in full_tensor()): every rank gets
+            # the global norm. Params outside FSDP2 (plain) join through one more norm.
+            norms = torch._foreach_norm(sharded, 2, dtype=torch.float32)
+            norm = torch.linalg.vector_norm(torch.stack(list(norms))).full_tensor().to(device)
+            plain = [p.grad for p in params if not is_dtensor(p.grad)]
+            if plain:
+                rest = torch._foreach_norm(plain, 2, dtype=torch.float32)
+                rest = torch.linalg.vector_norm(torch.stack([n.to(device) for n in rest]))
+                norm = torch.linalg.vector_norm(torch.stack([norm, rest]))
+        else:
+            norms = torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32)
+            norm = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+        if inv is not None:
+            norm = norm * inv.to(norm.device)  # the unscaled grads' norm (amp.py's note)
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grad_norm_
+        return norm, scale
+
+    def _clip(self, st: StepState, params: list[torch.Tensor], max_norm: float, inv=None) -> None:
+        have = set(params)
+        order = [p for p in st.group_of if p in have]  # group order: fixed
+        st.norm, coef = self._norm_and_scale(order, max_norm, inv)
+        st.scale = coef if inv is None else (inv, coef)  # unscale first, as torch's order
+        self.last_grad_norm = st.norm
+
+    def _scaling(self, st: StepState, params: list[torch.Tensor], grad_scale, inf) -> None:
+        """This step's clip factors (``st.scale``: ``max_grad_norm``'s coefficient, after the
+        inverse scale with a GradScaler) and GradScaler inputs (``st.amp``); amp.py's note."""
+        if self.max_grad_norm is not None:
+            inv = None if grad_scale is None else inverse(grad_scale)
+            self._clip(st, params, self.max_grad_norm, inv)
+            grad_scale = None  # unscaled on the device, before the coefficient
+        if grad_scale is not None or inf is not None:
+            st.amp = AmpInputs(grad_scale, inf)

@@ -1,0 +1,172 @@
+"""When the new weights are visible: ``synchronize()``, per-module waits (``watch``), the
+delayed update's publication, ``zero_grad``; a mixin of :class:`offloadopt.optim.HybridOptimizer`
+(steps.py's note has the rules: ``wait="step"``, ``wait="module"``, ``overlap="delayed"``)."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from offloadopt.shards import local
+from offloadopt.warn import warn
+from offloadopt.worker import WaitTimeout
+
+if TYPE_CHECKING:  # annotations only: steps.py imports this module
+    from offloadopt.steps import StepState
+
+__all__ = ["Waits"]
+
+
+class Waits:
+    """The waits of :class:`offloadopt.optim.HybridOptimizer` (a mixin)."""
+
+    def synchronize(self) -> None:
+        """Wait for this optimizer's work in flight (host side), and make the current stream
+        wait for every copy back (GPU side). A no-op when nothing is in flight.
+
+        Raises:
+            WorkerError, TimeoutError: as ``step()``.
+        """
+        st = self._inflight
+        if st is None:
+            return
+        self._inflight = None
+        streams = self._inflight_streams
+        try:
+            st.run.wait(self.timeout_s)
+        except BaseException as e:
+            # Nothing of this step may still write params or state once the caller sees the
+            # error (a load_state_dict right after it must stay loaded): drop the buckets not
+            # started, wait for the one in hand; a wait that timed out cannot be trusted.
+            st.run.abort()
+            timed_out = isinstance(e, WaitTimeout)  # ours; not one a signal handler raised
+            if not timed_out:
+                st.run.job.done.wait(self.timeout_s)
+            if timed_out or not st.run.job.done.is_set() or st.run.job.error is not None:
+                self._broken = "an offloaded update failed or was interrupted"
+            raise
+        finally:
+            self._pipeline.publish(streams, st.run)  # (I4) whatever landed is waited for
+        if st.delayed:
+            self._publish_delayed(st, streams)
+        self._finish(st, streams)
+
+    def _wait_update(self) -> None:
+        """Wait until the update in flight has written the host state (a read of
+        ``opt.state``). Delayed, its weights are not copied in: reading must not end the
+        staleness; otherwise (wait="module") this is :meth:`synchronize`.
+
+        Raises:
+            WorkerError, TimeoutError: as ``synchronize()`` (which then handles the failure).
+        """
+        st = self._inflight
+        if st is not None and st.delayed:
+            try:
+                st.run.wait(self.timeout_s)
+                return
+            except BaseException:  # noqa: BLE001 - synchronize() raises it, marking the step
+                pass
+        self.synchronize()
+
+    @torch.no_grad()
+    def _publish_delayed(self, st: StepState, streams) -> None:
+        """overlap="delayed": copy the landed new weights into the params, on the stream that
+        reads them (after its wait on their H2D, in synchronize). A param written outside the
+        optimizer since the update started keeps that write: the next step refreshes its
+        master from it (the outside write wins, as in every mode), with a warning."""
+        by_device: dict[torch.device, tuple[list, list]] = {}
+        kept = []
+        for p in st.versions:
+            rec = self._records[p]
+            if rec.landing is None:
+                continue
+            if rec.is_stale(p):
+                kept.append(rec.name)
+                continue
+            params, landed = by_device.setdefault(p.device, ([], []))
+            params.append(p)
+            landed.append(rec.landing)
+        for device, (params, landed) in by_device.items():
+            stream = streams.get(device)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                torch._foreach_copy_([local(p) for p in params], landed)
+            for p in params:
+                self._records[p].mark_written(p)
+        if kept:
+            warn(
+                f"{len(kept)} params were written or moved outside the optimizer while their "
+                f"delayed update was in flight (e.g. {', '.join(kept[:3])}): they keep that "
+                "write, not the update (a framework moving the model at the end of training: "
+                "call opt.synchronize() before it)"
+            )
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Register forward pre-hooks on the modules of ``model`` that own offloaded params;
+        with ``wait="module"`` each waits only for its own params' copies back. Modules inside
+        a ``torch.compile``d region are not waited for one by one (their pre-hooks trace as
+        nothing, ``fullgraph=True`` included): once one has run compiled, or the model was
+        compiled before this call, ``step()`` waits for every copy back before it returns (one
+        full wait, as ``wait="step"``). Call it before the model's first compiled forward:
+        torch.compile ignores hooks added after a region first ran (then the step after the
+        first forward that waited for nothing warns, and ``step()`` waits for everything from
+        there on). A region first compiled while a step's copies are in flight (after
+        ``step()``, before the next forward): call ``opt.synchronize()`` before its first
+        forward. Removed by ``close()``.
+
+        Under FSDP2 call it after ``fully_shard``: the waits go on the FSDP2 modules, before
+        FSDP2's own pre-forward (which all-gathers the module's shards on FSDP2's streams, and
+        those of the modules it prefetches), and those streams wait too.
+
+        Raises:
+            ValueError: FSDP2 params (DTensors) in a model with no FSDP2 module (``watch()``
+                before ``fully_shard``).
+        """
+        from offloadopt.hooks import ModuleWaits
+
+        if self._budget_pending():  # placed at the first step(): the waits are registered then
+            self._watch_later.append(weakref.ref(model))
+            return
+        self.ensure_placed()
+        offloaded = {p for p, rec in self._records.items() if rec.offloaded}
+        self._module_waits.append(ModuleWaits(self, model, offloaded))
+        self._watched.append(weakref.ref(model))  # set_offload_fraction watches it again
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; with ``set_to_none=False`` the grads are zeroed in place, so this first
+        waits for copies that may still read them (``set_to_none=True`` does not wait: the
+        copies hold their grads and ``record_stream`` protects the memory; with
+        ``overlap="delayed"`` the update already took the offloaded params' grads)."""
+        if not set_to_none and self.overlap != "delayed":
+            self.synchronize()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def _compiled_region(self) -> bool:
+        """A watched module ran inside a ``torch.compile``d region, where its per-module wait
+        does not run (hooks.Compiled): ``step()`` waits for every copy back instead."""
+        return self._unwaited or any(w.compiled.seen for w in self._module_waits)
+
+    def _wait_for(self, params: list[torch.Tensor], streams_too: tuple = ()) -> None:
+        """A module's forward pre-hook: its stream, and ``streams_too`` (FSDP2's all-gather
+        streams), wait for the copies back of ``params`` (overlap="delayed": none; the forward
+        reads the weights of the step before)."""
+        st = self._inflight
+        if st is None or st.delayed:
+            return
+        streams = self._inflight_streams
+        for p in params:
+            for b in self._records[p].buckets:
+                if b in st.fed and b not in st.waited:
+                    st.run.wait_h2d_queued(b, self.timeout_s)
+                    tr = self._pipeline.transfers[b.arena.device]
+                    if tr.cuda:
+                        # (I4) the forward reads these params only after their H2D.
+                        torch.cuda.current_stream(b.arena.device).wait_event(tr.h2d_done[b])
+                        for stream in streams_too:
+                            stream.wait_event(tr.h2d_done[b])
+                    st.waited.add(b)
+        if len(st.waited) == len(st.fed):
+            self.synchronize()  # every copy back is waited for: the step is over
+        del streams
