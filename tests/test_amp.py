@@ -3,6 +3,8 @@ bitwise (CPU stands in for the GPU; offloadopt/amp.py's note): the scale reaches
 a step with an inf or a NaN is skipped and not counted, and the scaler backs off and grows
 exactly as with torch's optimizer."""
 
+import copy
+
 import pytest
 import torch
 from oracle import FRACTIONS, assert_bitwise
@@ -304,3 +306,41 @@ def test_scaler_misuse_errors_name_the_fix(kw, user_clip, match):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     with pytest.raises(RuntimeError, match=match):
         s.step(opt)
+
+
+@pytest.mark.parametrize("mode", ["step", "backward-attached-release", "backward-attached-module"])
+def test_a_scaled_run_resumes_bitwise_from_opt_and_scaler_state(mode):
+    """A checkpoint of the model, the optimizer and the scaler after step 3 (an inf step is
+    among the first 3 and one after) resumes into the uninterrupted run's weights and scales."""
+    model, s = mlp(), scaler()
+    opt = build(model, 0.5, mode, s)
+    full, scales = train(model, opt, s, steps=3)
+    saved = (copy.deepcopy(model.state_dict()), opt.state_dict(), s.state_dict())
+    rest = {}
+
+    def go(model, opt, s, start):
+        out = []
+        for step in range(start, 7):
+            bad = BAD_STEPS.get(step)
+            handle = None
+            if bad:
+                handle = next(model.parameters()).register_hook(lambda g, v=float(bad): g.index_fill(0, torch.tensor([1]), v))  # fmt: skip
+            s.scale(model(batch(step)).pow(2).mean()).backward()
+            if handle is not None:
+                handle.remove()
+            s.step(opt)
+            s.update()
+            out.append(s.get_scale())
+            opt.zero_grad()
+        opt.synchronize()
+        return [p.detach().clone() for p in model.parameters()], out
+
+    rest["full"] = go(model, opt, s, 3)
+    model2, s2 = mlp(seed=1), scaler()
+    model2.load_state_dict(saved[0])
+    opt2 = build(model2, 0.5, mode, s2)
+    opt2.load_state_dict(saved[1])
+    s2.load_state_dict(saved[2])
+    rest["resumed"] = go(model2, opt2, s2, 3)
+    assert_bitwise(rest["resumed"][0], rest["full"][0], f"{mode}: resumed")
+    assert rest["resumed"][1] == rest["full"][1]
