@@ -70,9 +70,15 @@ def validate(
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("state_dict must be a dict with 'state' and 'param_groups' keys")
     saved_groups = sd["param_groups"]
-    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(groups):
-        n = len(saved_groups) if isinstance(saved_groups, (list, tuple)) else saved_groups
-        raise ValueError(f"loaded state dict has {n} parameter groups, the optimizer {len(groups)}")
+    if not isinstance(saved_groups, (list, tuple)):
+        raise ValueError(
+            f"state_dict['param_groups'] is a {type(saved_groups).__name__}, not a list of groups"
+        )
+    if len(saved_groups) != len(groups):
+        raise ValueError(
+            f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer "
+            f"{len(groups)}"
+        )
     ids: dict[Any, int] = {}
     for gi, (g, s) in enumerate(zip(groups, saved_groups, strict=True)):
         if not isinstance(s, dict) or not isinstance(s.get("params"), (list, tuple)):

@@ -247,7 +247,8 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
             log.warning(
                 "offloadopt: OMP_NUM_THREADS=1 (torchrun sets it when it starts several "
                 "processes); the CPU update runs on its own %d threads (cores %d // local ranks "
-                "%d - 1); pass cpu_threads= to choose", self.cpu_threads, cores, ranks,
+                "%d, less one when updates overlap the training thread); pass cpu_threads= to "
+                "choose", self.cpu_threads, cores, ranks,
             )  # fmt: skip
         if self.cpu_threads > cores:
             self._warn_once(

@@ -337,3 +337,15 @@ def test_any_malformed_value_of_any_flag_is_one_line_and_status_2(files, command
     finally:
         os.chdir(cwd)
     assert line.startswith(flag) and "Traceback" not in line, line
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.parametrize(
+    "argv", [["bench", "--out", "/proc/x"], ["audit", "--json", "/proc/x.json"],
+             ["audit", "--trace", "/proc/x.json"]],
+)  # fmt: skip
+def test_a_folder_nobody_can_write_in_is_a_usage_error_before_anything_runs(argv):
+    """/proc passes os.access() for root but takes no new file: the check tries one (it used
+    to fail after the run, with status 1; a fresh user's finding)."""
+    err = one_error_line(argv)
+    assert err.startswith(f"{argv[1]}: '{argv[2]}': cannot write in '/proc'"), err

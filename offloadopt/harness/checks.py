@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import math
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -171,6 +172,11 @@ def _writable_folder(folder: Path, what: str) -> None:
         raise UsageError(f"{what}: {str(folder)!r} is not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"{what}: cannot write in {str(folder)!r} (permission denied)")
+    try:  # what access() cannot tell: /proc, a read-only mount, root's permission bypass
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UsageError(f"{what}: cannot write in {str(folder)!r} ({e.strerror or e})") from None
 
 
 def out_dir(value: Any) -> str:
