@@ -149,6 +149,12 @@ def test_a_second_backward_without_the_marker_is_an_error_and_the_optimizer_refu
     model = mlp()
     opt = make_opt(model, 1.0, **MODES["backward"])
     model(batch(0)).pow(2).mean().backward()
+    # The worker writes the updated weights into the params: let it finish, or the second
+    # forward may save a param it then writes, and autograd's in-place check fires before our
+    # first grad hook can (seen once in a CI replica).
+    run = opt._step.run
+    for work in list(run.fed):
+        run.wait_h2d_queued(work.bucket, 60)
     with pytest.raises(RuntimeError, match="a backward came before step"):
         model(batch(1)).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match="inconsistent.*discard_failed_step"):
