@@ -86,6 +86,8 @@ CASES = [
     (["bench", "--preset", "tiny", "--seq-len", "129"],
      "--seq-len: 129 is more than the tiny preset's 128"),
     (["audit", "--steps", "0"], "--steps: 0 is not an integer >= 1"),
+    (["train", "--optimizer", "adamw", "--offload-fraction", "0.5"], "--offload-fraction 0.5: HybridAdamW's option; --optimizer adamw keeps everything on the device (it would be ignored)"),
+    (["train", "--optimizer", "adamw", "--min-offload-numel", "5"], "--min-offload-numel 5: HybridAdamW's option; --optimizer adamw keeps everything on the device (it would be ignored)"),
     (["train", "--delay-after", "3"], "--delay-after: the synchronous steps before the delayed update, so it needs --overlap delayed (not 'step')"),
     (["train", "--delay-after", "-1"], "--delay-after: -1 is not an integer >= 0"),
     (["audit", "--mode", "backward", "--optimizer", "adamw"], "--mode backward: HybridAdamW's overlap modes need --optimizer hybrid"),

@@ -165,7 +165,7 @@ def test_train_returns_summary_and_loss_decreases():
 def test_hybrid_trains_bitwise_like_fused_adamw():
     # fp32 on the CPU: HybridAdamW at fraction 1 runs torch's fused kernel on its own state,
     # so the whole run must match torch.optim.AdamW(fused=True) exactly (README, "How it works")
-    ref = train(TrainConfig(optimizer="adamw", min_offload_numel=1, **SHORT))
+    ref = train(TrainConfig(optimizer="adamw", **SHORT))
     hyb = train(TrainConfig(optimizer="hybrid", min_offload_numel=1, **SHORT))
     for key in ("first_train_loss", "final_train_loss", "final_heldout_loss"):
         assert hyb[key] == ref[key], key

@@ -147,6 +147,16 @@ class TrainConfig:
                 f"--offload-fraction auto: HybridAdamW's option; --optimizer {cfg.optimizer} "
                 "keeps everything on the device"
             )
+        d = TrainConfig()
+        for flag, value, default in (
+            ("--offload-fraction", cfg.offload_fraction, d.offload_fraction),
+            ("--min-offload-numel", cfg.min_offload_numel, d.min_offload_numel),
+        ):
+            if cfg.optimizer != "hybrid" and value != default:
+                raise UsageError(
+                    f"{flag} {value}: HybridAdamW's option; --optimizer {cfg.optimizer} keeps "
+                    "everything on the device (it would be ignored)"
+                )
         if cfg.overlap != "step" and cfg.optimizer != "hybrid":
             raise UsageError(
                 f"--overlap: {cfg.overlap!r} is HybridAdamW's mode; --optimizer {cfg.optimizer} "
