@@ -108,7 +108,8 @@ for part in "${@:-all}"; do
   if [[ $part == audit || $part == all ]]; then
     for opt in "hybrid" "hybrid --no-pin-memory" "megatron"; do
       timeout 200 python3 -m offloadopt audit --device cuda --preset gpt2-xl --batch-size 4 --seq-len 1024 \
-        --offload-fraction 1.0 --optimizer $opt 2>&1 | tee -a "$OUT/audit.log" | tail -12
+        --offload-fraction 1.0 --optimizer $opt 2>&1 | tee -a "$OUT/audit.log" | tail -12 \
+        || echo "AUDIT FAILED: --optimizer $opt (see audit.log)" | tee -a "$OUT/audit.log"
     done
   fi
 done
