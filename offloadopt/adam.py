@@ -25,7 +25,8 @@ class HybridAdam(HybridOptimizer):
         **options: the offloading options of :class:`~offloadopt.HybridAdamW`
             (``offload_fraction``, ``min_offload_numel``, ``master_weights``, ``pin_memory``,
             ``bucket_nbytes``, ``flush_denormal``, ``cpu_threads``, ``timeout_s``, ``overlap``,
-            ``wait``, ``max_grad_norm``, ``grads_final``, ``release_grads``).
+            ``wait``, ``max_grad_norm``, ``grads_final``, ``release_grads``, ``grad_scaler``,
+            ``delay_after``).
 
     Raises:
         ValueError, TypeError: a bad argument, named; ``decoupled_weight_decay=True`` (use

@@ -41,7 +41,8 @@ class HybridSGD(HybridOptimizer):
     Args:
         params, lr, momentum, dampening, weight_decay, nesterov, maximize: as
             ``torch.optim.SGD``.
-        **options: the offloading options of :class:`~offloadopt.HybridAdamW`.
+        **options: the offloading options of :class:`~offloadopt.HybridAdamW`, but
+            ``delay_after`` > 0 (``ValueError``: SGD keeps no ``step`` to count by).
 
     Raises:
         ValueError, TypeError: a bad argument, named (Nesterov needs momentum and zero
