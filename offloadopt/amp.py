@@ -56,13 +56,11 @@ class AmpInputs:
     host_scale: torch.Tensor | None = None
     host_inf: torch.Tensor | None = None
     ready: Any = None
-    copied: bool = False
 
     def to_host(self, pin: bool) -> None:
         """Queue the host copies on the current stream of the tensors' device (idempotent)."""
-        if self.copied:
-            return
-        self.copied = True
+        if self.host_scale is not None or self.host_inf is not None:
+            return  # copied for an earlier bucket of this step
         like = self.grad_scale if self.grad_scale is not None else self.found_inf
         cuda = like is not None and like.device.type == "cuda"
         for name in ("grad_scale", "found_inf"):

@@ -264,7 +264,7 @@ def summarize(
             int >= 1; ``internal`` not a tuple of regexes), before any event is read.
     """
     trace_events, internal_re = _summarize_args(trace_events, depth, internal)
-    copies, kernels, launched = [], defaultdict(list), defaultdict(list)
+    copies, kernels = [], defaultdict(list)  # device -> (start, end, correlation) per kernel
     backward_ranges: list[tuple[float, float]] = []
     runtime, cpu_ops, flow_src, flow_dst = {}, {}, {}, {}
     py: dict[tuple, list[dict]] = defaultdict(list)
@@ -280,8 +280,7 @@ def summarize(
             copies.append(e)
         elif ph == "X" and cat == "kernel":
             s = num(e.get("ts"))
-            kernels[where[0]].append((s, s + max(num(e.get("dur")), 0.0)))
-            launched[where[0]].append((s, s + max(num(e.get("dur")), 0.0), key(args.get("correlation"))))  # fmt: skip
+            kernels[where[0]].append((s, s + max(num(e.get("dur")), 0.0), key(args.get("correlation"))))  # fmt: skip
         elif ph == "X" and cat == "user_annotation" and e.get("name") == BACKWARD_RANGE:
             s = num(e.get("ts"))
             backward_ranges.append((s, s + max(num(e.get("dur")), 0.0)))
@@ -296,7 +295,7 @@ def summarize(
         elif ph == "f" and cat == "ac2g":
             flow_dst[(*where, key(e.get("ts")))] = key(e.get("id"))
 
-    merged = {dev: _merge(iv) for dev, iv in kernels.items()}
+    merged = {dev: _merge([(s, e) for s, e, _ in iv]) for dev, iv in kernels.items()}
     starts = {dev: [s for s, _ in iv] for dev, iv in merged.items()}
     # backward's kernels: launched (their runtime call) inside a backward range
     ranges = _merge(backward_ranges)
@@ -310,9 +309,7 @@ def summarize(
         i = bisect.bisect_right(range_starts, t) - 1
         return i >= 0 and t < ranges[i][1]
 
-    bwd = {
-        dev: _merge([(s, e) for s, e, c in iv if in_backward(c)]) for dev, iv in launched.items()
-    }
+    bwd = {dev: _merge([(s, e) for s, e, c in iv if in_backward(c)]) for dev, iv in kernels.items()}
     bwd_starts = {dev: [s for s, _ in iv] for dev, iv in bwd.items()}
     stacks = {k: Stacks(v) for k, v in py.items()}
     rows: dict[tuple[str, str, str], CopyRow] = {}
