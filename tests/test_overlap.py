@@ -387,6 +387,10 @@ def test_a_model_compiled_and_run_before_watch_is_caught_after_one_step():
     run(batch(1)).pow(2).mean().backward()
     opt.step()
     assert opt._inflight is not None  # nothing known yet: the copies are in flight
+    # Let the worker finish its writes (without a wait that counts as one), so the unwaited
+    # forward below does not race them here: the race is what the detection is for, and
+    # autograd's in-place check could fire first (seen once in a CI replica).
+    opt._inflight.run.wait(60)
     opt.zero_grad()
     run(batch(2)).pow(2).mean().backward()
     with pytest.warns(UserWarning, match="no module watched with opt.watch"):
