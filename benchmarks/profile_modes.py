@@ -1,0 +1,219 @@
+"""Where the time of one training iteration goes, per overlap mode: torch.profiler over a few
+steps of the bench's model and batches (offloadopt/harness/bench.py), printed as the phases'
+wall times (forward+backward, step) and the top CUDA kernels and CPU ops of each mode.
+
+    python benchmarks/profile_modes.py --configs step:0 backward:0 backward-clip:0 \
+        backward-torch-clip:0 --out prof-out
+
+Each config is ``MODE:FRACTION`` (a key of offloadopt.harness.anchors.MODES). Writes
+``profile.json`` (the tables' numbers) under ``--out``; prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from offloadopt.harness import anchors
+from offloadopt.harness.bench import Bench, BenchConfig
+
+
+def _config(text: str) -> tuple[str, float, dict]:
+    """``MODE:FRACTION[:key=value,...]``: HybridAdamW options after the second colon."""
+    mode, _, rest = text.partition(":")
+    fraction, _, extra = rest.partition(":")
+    if mode not in anchors.MODES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: mode {mode!r} is not one of {list(anchors.MODES)}"
+        )
+    try:
+        options = {
+            k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in extra.split(",") if kv)
+        }
+        return mode, float(fraction or 0), options
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected MODE:FRACTION[:key=value,...]"
+        ) from None
+
+
+def _top(events, key: str, n: int) -> list[dict]:
+    rows = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:n]
+    return [{"name": e.key[:70], "count": e.count, "ms": getattr(e, key) / 1e3} for e in rows]
+
+
+def compute_gaps(trace: dict, window: str = "## forward+backward", min_us: float = 20.0):
+    """The compute stream's idle time inside ``window`` (a record_function range, on the GPU
+    timeline) of a Chrome trace from torch.profiler: gaps longer than ``min_us`` between its
+    kernels, split into launch-bound ones (the next kernel was launched after the gap began:
+    the launching thread was busy) and waits (launched earlier: the stream waited for an event
+    or a copy); for launch-bound gaps, the Python functions and ops the launching thread ran
+    between the two launches (their own time, µs, summed over every gap)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if not kernels:
+        return {}
+    streams: dict = {}
+    for k in kernels:
+        streams[k["args"].get("stream")] = streams.get(k["args"].get("stream"), 0) + 1
+    compute = max(streams, key=streams.get)
+    kernels = sorted(
+        (k for k in kernels if k["args"].get("stream") == compute), key=lambda k: k["ts"]
+    )
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}  # fmt: skip
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events
+               if e.get("cat") == "gpu_user_annotation" and e.get("name") == window]  # fmt: skip
+    cpu = [e for e in events if e.get("cat") in ("python_function", "cpu_op", "user_annotation")]
+    by_tid: dict = {}
+    for e in cpu:
+        by_tid.setdefault(e["tid"], []).append(e)
+    for evs in by_tid.values():
+        evs.sort(key=lambda e: e["ts"])
+    busy = launch_bound = waits = 0.0
+    blame: dict[str, float] = {}
+    for lo, hi in windows:
+        inside = [k for k in kernels if lo <= k["ts"] < hi]
+        busy += sum(k["dur"] for k in inside)
+        for a, b in zip(inside, inside[1:], strict=False):
+            gap = b["ts"] - (a["ts"] + a["dur"])
+            if gap < min_us:
+                continue
+            la, lb = (
+                launches.get(a["args"].get("correlation")),
+                launches.get(b["args"].get("correlation")),
+            )
+            if lb is None or la is None or lb["ts"] < a["ts"] + a["dur"]:
+                waits += gap
+                continue
+            launch_bound += gap
+            # what the launching thread ran between the two launches: each event's own time
+            span = [
+                e
+                for e in by_tid.get(lb["tid"], ())
+                if la["ts"] <= e["ts"] and e["ts"] + e["dur"] <= lb["ts"]
+            ]
+            for e in span:
+                own = e["dur"] - sum(c["dur"] for c in span if c is not e and e["ts"] <= c["ts"]
+                                     and c["ts"] + c["dur"] <= e["ts"] + e["dur"] and c["dur"] < e["dur"])  # fmt: skip
+                blame[e["name"][:90]] = blame.get(e["name"][:90], 0.0) + max(own, 0.0)
+    n = max(len(windows), 1)
+    top = sorted(blame.items(), key=lambda kv: -kv[1])[:15]
+    return {"iterations": len(windows), "compute_busy_ms": busy / 1e3 / n,
+            "launch_bound_gap_ms": launch_bound / 1e3 / n, "wait_gap_ms": waits / 1e3 / n,
+            "launching_thread_ms": [(name, us / 1e3 / n) for name, us in top]}  # fmt: skip
+
+
+def profile_one(bench: Bench, mode: str, fraction: float, warmup: int, steps: int, top: int,
+                gaps: bool = False, **options):  # fmt: skip
+    model = bench.reset_model()
+    built = anchors.hybrid(fraction, mode, **options)(model, bench.cfg.lr)
+    opt = built["opt"]
+    backward = built.get("backward", lambda loss: loss.backward())
+    batches = bench.batches
+
+    def iteration(i: int) -> tuple[float, float]:
+        x, y = batches[i % len(batches)]
+        bench.sync()
+        t0 = time.perf_counter()
+        with torch.profiler.record_function("## forward+backward"):
+            backward(bench.loss(model, x, y))
+        bench.sync()
+        t1 = time.perf_counter()
+        with torch.profiler.record_function("## step"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        bench.sync()
+        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+
+    for i in range(warmup):
+        iteration(i)
+    plain = [iteration(warmup + i) for i in range(steps)]
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
+    with profile(activities=activities, with_stack=gaps) as prof:
+        timed = [iteration(warmup + steps + i) for i in range(steps)]
+    gap_report = {}
+    if gaps:
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(f"{tmp}/trace.json")
+            gap_report = compute_gaps(json.loads(Path(f"{tmp}/trace.json").read_text()))
+    avg = prof.key_averages()
+    kernels = [e for e in avg if e.device_type == torch.autograd.DeviceType.CUDA]
+    cuda_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    result = {
+        "config": f"{mode}:{fraction}",
+        "fwd_bwd_ms": statistics.median(a for a, _ in plain),
+        "step_ms": statistics.median(b for _, b in plain),
+        "profiled_fwd_bwd_ms": statistics.median(a for a, _ in timed),
+        "profiled_step_ms": statistics.median(b for _, b in timed),
+        "cuda_busy_ms_per_iter": cuda_ms,
+        "gaps": gap_report,
+        "kernels": [{**r, "ms": r["ms"] / steps} for r in _top(kernels, "self_device_time_total", top)],
+        "cpu_ops": [{**r, "ms": r["ms"] / steps} for r in _top(
+            [e for e in avg if e.device_type == torch.autograd.DeviceType.CPU], "self_cpu_time_total", top)],
+        "ranges": [{**r, "ms": r["ms"] / steps} for r in _top(
+            [e for e in avg if e.key.startswith(("offloadopt", "##"))], "cpu_time_total", 2 * top)],
+    }  # fmt: skip
+    if built.get("close"):
+        built["close"]()
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", type=_config, default=[("step", 0.0)])
+    p.add_argument("--preset", default="gpt2-xl")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="plain timed steps, then as many profiled")
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument(
+        "--gaps",
+        action="store_true",
+        help="the compute stream's idle time in forward+backward, and who caused it (with_stack)",
+    )
+    p.add_argument("--out", default="prof-out")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test")
+    args = p.parse_args()
+    n = args.warmup + 2 * args.steps
+    bench = Bench(BenchConfig(preset=args.preset, batch_size=args.batch_size, warmup=n, steps=1,
+                              mock_data=True, progress=False, audit=False, device=args.device))  # fmt: skip
+    bench.sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    results = []
+    for mode, fraction, options in args.configs:
+        r = profile_one(
+            bench, mode, fraction, args.warmup, args.steps, args.top, args.gaps, **options
+        )
+        r["config"] += "".join(f":{k}={v}" for k, v in options.items())
+        results.append(r)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "profile.json").write_text(json.dumps(results, indent=1))
+        print(f"\n== {r['config']}: fwd+bwd {r['fwd_bwd_ms']:.1f} ms, step {r['step_ms']:.1f} ms "
+              f"(profiled {r['profiled_fwd_bwd_ms']:.1f} / {r['profiled_step_ms']:.1f}); "
+              f"CUDA busy {r['cuda_busy_ms_per_iter']:.1f} ms/iter")  # fmt: skip
+        if g := r["gaps"]:
+            print(f"  compute stream in fwd+bwd: busy {g['compute_busy_ms']:.1f} ms, launch-bound gaps "
+                  f"{g['launch_bound_gap_ms']:.1f} ms, waits {g['wait_gap_ms']:.1f} ms; launching thread:")  # fmt: skip
+            for name, ms in g["launching_thread_ms"]:
+                print(f"    {ms:8.2f}  {name}")
+        for title, rows in (("kernels (self CUDA ms/iter)", r["kernels"]),
+                            ("CPU ops (self CPU ms/iter, every thread)", r["cpu_ops"]),
+                            ("ranges (CPU ms/iter, every thread)", r["ranges"])):  # fmt: skip
+            print(f"  {title}")
+            for row in rows:
+                print(f"    {row['ms']:8.2f}  x{row['count']:<6d} {row['name']}")
+
+
+if __name__ == "__main__":
+    main()
