@@ -50,6 +50,21 @@ EXTRA = [
 ]
 
 
+def derived(name: str, known: dict[str, dict]) -> dict:
+    """The configuration called ``name``: a known one, or a known one followed by variants,
+    each a word: ``threadsN`` (cpu_threads=N), ``bucketN`` (N MiB buckets), ``switchN``
+    (sys.setswitchinterval of N ms), e.g. "backward f0.2 threads8 switch1"."""
+    if name in known:
+        return known[name]
+    base, _, last = name.rpartition(" ")
+    for prefix, key, unit in (("threads", "cpu_threads", 1), ("bucket", "bucket_nbytes", 2**20),
+                              ("switch", "switch_s", 1e-3)):  # fmt: skip
+        if base and last.startswith(prefix) and last[len(prefix) :].replace(".", "", 1).isdigit():
+            value = float(last[len(prefix) :]) * unit
+            return {**derived(base, known), key: value if key == "switch_s" else int(value)}
+    raise SystemExit(f"--only: {name!r} is no configuration (known: {', '.join(known)})")
+
+
 # offload_fraction="auto" needs its probe, move and verify steps before the timed ones.
 AUTO_WARMUP = (2 + auto.CORRECTIONS) * (auto.MEASURED_STEPS + 1)
 
@@ -201,7 +216,8 @@ def main() -> int:
     rows = results["configs"] = []
     chosen = configs(args.quick) + EXTRA
     if args.only is not None:
-        chosen = [(n, c) for n, c in chosen if n in args.only]
+        known = dict(chosen)
+        chosen = [(n, derived(n, known)) for n in args.only]
     for name, cfg in chosen:
         try:
             if "budget_of" in cfg:  # a budget of a measured row's peak: fractions above it fit
