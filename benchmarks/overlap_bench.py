@@ -23,6 +23,7 @@ from offloadopt import HybridAdamW, auto
 from offloadopt.harness import anchors, models
 from offloadopt.harness.data import get_batch, load_text
 from offloadopt.harness.probes import time_kernel_under_link
+from offloadopt.pipeline import StepRun
 
 SWEEP = [0.05, 0.1, 0.15, 0.2, 0.25, 0.3]
 BEST = dict(overlap="backward", wait="module", grads_final=True)  # nothing edits grads
@@ -53,10 +54,14 @@ EXTRA = [
 def derived(name: str, known: dict[str, dict]) -> dict:
     """The configuration called ``name``: a known one, or a known one followed by variants,
     each a word: ``threadsN`` (cpu_threads=N), ``bucketN`` (N MiB buckets), ``switchN``
-    (sys.setswitchinterval of N ms), e.g. "backward f0.2 threads8 switch1"."""
+    (sys.setswitchinterval of N ms), ``fifo`` (the worker takes queued buckets in the order
+    they were fed, as before pipeline.StepRun took the forward's first), e.g.
+    "backward f0.2 threads8 switch1"."""
     if name in known:
         return known[name]
     base, _, last = name.rpartition(" ")
+    if base and last == "fifo":  # the worker takes queued buckets in feed order (before 2026-12-01)
+        return {**derived(base, known), "fifo": True}
     for prefix, key, unit in (("threads", "cpu_threads", 1), ("bucket", "bucket_nbytes", 2**20),
                               ("switch", "switch_s", 1e-3)):  # fmt: skip
         if base and last.startswith(prefix) and last[len(prefix) :].replace(".", "", 1).isdigit():
@@ -109,6 +114,8 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
     if switch_s is not None:
         sys.setswitchinterval(switch_s)
     fraction = cfg.pop("fraction", 1.0)
+    if cfg.pop("fifo", False):  # main() puts the method back after each configuration
+        StepRun._take = lambda run: run._queue.popleft()
     move_at, move_to = cfg.pop("move_at", None), cfg.pop("move_to", None)
     if fraction == "auto" or move_at is not None:
         warmup = max(warmup, AUTO_WARMUP)
@@ -218,6 +225,7 @@ def main() -> int:
     if args.only is not None:
         known = dict(chosen)
         chosen = [(n, derived(n, known)) for n in args.only]
+    take = StepRun._take
     for name, cfg in chosen:
         try:
             if "budget_of" in cfg:  # a budget of a measured row's peak: fractions above it fit
@@ -227,7 +235,10 @@ def main() -> int:
                 if device.type != "cuda":
                     raise anchors.Unavailable("a GPU budget needs a GPU's measured peak")
                 cfg["max_gpu_memory"] = int(of["peak_gpu_gb"] * 1e9)
-            rows.append(run(model, init, batches, name, cfg, args.warmup, args.steps))
+            try:
+                rows.append(run(model, init, batches, name, cfg, args.warmup, args.steps))
+            finally:
+                StepRun._take = take  # a "fifo" variant replaced it
         except anchors.Unavailable as e:
             rows.append({"name": name, "error": f"skipped: {e}"})
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the rest

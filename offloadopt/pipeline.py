@@ -68,8 +68,12 @@ class BucketWork:
 
 
 class StepRun:
-    """One step's offloaded buckets in flight: fed from any thread, run in feed order by one
-    job on the worker until :meth:`close` and the queue is drained.
+    """One step's offloaded buckets in flight: fed from any thread, run by one job on the
+    worker until :meth:`close` and the queue is drained. Of the buckets queued when the worker
+    takes the next one, it takes the one the next forward reads first (the highest
+    ``Bucket.index``: buckets run in reverse registration order), so that with ``wait="module"``
+    the forward waits least: in backward mode the grads of the last layers arrive first, and
+    their updates would otherwise finish first although the forward needs them last.
 
     Args:
         pipeline: the transfers and the worker.
@@ -186,7 +190,14 @@ class StepRun:
                 if stopping.is_set():  # the optimizer closed or went with this step open
                     return None
                 self._cond.wait(0.5)  # a feed, close or abort wakes it at once
-            return self._queue.popleft() if self._queue else None
+            return self._take() if self._queue else None
+
+    def _take(self) -> BucketWork:
+        """Remove and return the queued bucket the next forward reads first (under the lock)."""
+        first = max(range(len(self._queue)), key=lambda n: self._queue[n].bucket.index)
+        work = self._queue[first]
+        del self._queue[first]
+        return work
 
     def _serve(self) -> None:
         """On the worker: at most :data:`SLOTS` buckets hold a slot at once; their D2H runs

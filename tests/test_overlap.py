@@ -1,6 +1,7 @@
 """overlap="backward" and wait="module" against step mode, bitwise (CPU stands in for the GPU):
 grads announced by hooks, clipping through the optimizer, accumulation, waits, failures."""
 
+import threading
 import time
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from oracle import FRACTIONS, assert_bitwise
 
 from offloadopt import HybridAdamW
+from offloadopt.transfer import SLOTS
 
 MODES = {
     "step": dict(overlap="step"),
@@ -397,3 +399,32 @@ def test_a_model_compiled_and_run_before_watch_is_caught_after_one_step():
         opt.step()
     assert opt._compiled_region() and opt._inflight is None
     opt.close()
+
+
+def test_queued_buckets_are_updated_in_the_order_the_next_forward_reads_them():
+    """In backward mode the last layers' grads arrive first; of the buckets queued when the
+    worker takes its next one, it takes the one the next forward reads first (the highest
+    index), so with wait="module" the forward's first modules wait least. The worker is held
+    at its first bucket until backward has fed them all (pipeline.StepRun)."""
+    model = mlp()
+    opt = make_opt(model, 1.0, **MODES["backward-module"])
+    assert len(opt.buckets) >= 4
+    order, fed_all = [], threading.Event()
+
+    def hook(bucket):
+        order.append(bucket.index)
+        if len(order) == 1:
+            assert fed_all.wait(10.0), "backward never fed the other buckets"
+
+    opt._pipeline.worker_hook = hook
+    model(batch(0)).pow(2).mean().backward()
+    fed_all.set()  # every bucket was fed by the grad hooks during that backward
+    opt.step()
+    opt.synchronize()
+    n = len(opt.buckets)
+    # The worker had taken at most SLOTS buckets (each holds a staging slot) before backward
+    # had fed them all (on this CPU, often none yet); every one it took after that ran from
+    # the highest index down (FIFO would run them upwards, in the order backward fed them).
+    rest = order[SLOTS:]
+    assert sorted(order) == list(range(n)), order
+    assert len(rest) >= 3 and rest == sorted(rest, reverse=True), order
