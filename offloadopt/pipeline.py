@@ -89,6 +89,7 @@ class StepRun:
         self.fed: list[BucketWork] = []  # in feed order
         self.launched = 0  # buckets whose D2H the worker has started
         self.h2d_queued: set[Bucket] = set()  # buckets whose H2D the worker has queued
+        self.h2d_order: list[Bucket] = []  # the same, in the order it queued them (publish)
         self._landed: list[BucketWork] = []  # buckets whose D2H has landed, not yet taken
         self.job = pipeline.worker.submit(self._serve, "the offloaded update of this step")
 
@@ -234,6 +235,7 @@ class StepRun:
                 stats["worker_ms"] = (time.perf_counter() - started) * 1e3
                 with self._cond:
                     self.h2d_queued.add(work.bucket)
+                    self.h2d_order.append(work.bucket)
                     self._cond.notify_all()
         finally:
             for _, tr, slot, _ in pending:  # started, never updated: wait, then free (I5)
@@ -308,10 +310,13 @@ class Pipeline:
 
     def publish(self, streams: dict[torch.device, Any], run: StepRun) -> None:
         """(I4) Each device's consumer stream (handed in) waits for the H2D of the run's
-        buckets (after :meth:`StepRun.wait`: every H2D is queued)."""
+        buckets (after :meth:`StepRun.wait`: every H2D is queued), in the order the worker
+        queued them, which is not the feed order (:class:`StepRun` takes the forward's first)."""
         by_device: dict[torch.device, list[Bucket]] = {}
-        for work in run.fed:
-            by_device.setdefault(work.bucket.arena.device, []).append(work.bucket)
+        with run._cond:
+            queued = list(run.h2d_order)
+        for b in queued:
+            by_device.setdefault(b.arena.device, []).append(b)
         for device, buckets in by_device.items():
             self.transfers[device].publish(streams[device], buckets)
 

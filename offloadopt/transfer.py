@@ -226,8 +226,9 @@ class Transfer:
 
     def publish(self, stream: Any, buckets: list[Bucket]) -> None:
         """(I4) GPU-side wait, no host sync: ``stream`` (the consumer's, handed in) reads the
-        params of ``buckets`` only after their H2D. The H2D stream runs its copies in order, so
-        the event of the bucket whose H2D was queued last covers every earlier one."""
+        params of ``buckets`` (in the order their H2D was queued) only after their H2D. The H2D
+        stream runs its copies in order, so the event of the bucket whose H2D was queued last
+        covers every earlier one."""
         if self.cuda and buckets:
             stream.wait_event(self.h2d_done[buckets[-1]])
 

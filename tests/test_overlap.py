@@ -417,6 +417,9 @@ def test_queued_buckets_are_updated_in_the_order_the_next_forward_reads_them():
             assert fed_all.wait(10.0), "backward never fed the other buckets"
 
     opt._pipeline.worker_hook = hook
+    published = []
+    transfer = next(iter(opt._pipeline.transfers.values()))
+    transfer.publish = lambda stream, buckets: published.append([b.index for b in buckets])
     model(batch(0)).pow(2).mean().backward()
     fed_all.set()  # every bucket was fed by the grad hooks during that backward
     opt.step()
@@ -428,3 +431,6 @@ def test_queued_buckets_are_updated_in_the_order_the_next_forward_reads_them():
     rest = order[SLOTS:]
     assert sorted(order) == list(range(n)), order
     assert len(rest) >= 3 and rest == sorted(rest, reverse=True), order
+    # The consumer stream waits on the event of the H2D queued last, which covers the others
+    # (one H2D stream runs them in order): the last one updated, not the last one fed.
+    assert published == [order], (published, order)
