@@ -47,7 +47,7 @@ def _config(text: str) -> tuple[str, float, dict]:
 
 def _top(events, key: str, n: int) -> list[dict]:
     rows = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:n]
-    return [{"name": e.key[:70], "count": e.count, "ms": getattr(e, key) / 1e3} for e in rows]
+    return [{"name": e.key[:150], "count": e.count, "ms": getattr(e, key) / 1e3} for e in rows]
 
 
 def compute_gaps(trace: dict, window: str = "## forward+backward", min_us: float = 20.0):
