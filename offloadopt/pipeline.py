@@ -8,9 +8,10 @@ those grads are final after (captured on the thread that knew it: no thread look
 run hands each bucket to an ``update(work, grads)`` callable on the worker. The whole schedule
 runs on the worker, D2H launches included (a training thread launching copies while the
 worker's OpenMP pool runs the kernel preempts one of its threads and stalls the whole parallel
-region): per bucket, in feed order, it starts the D2H while a staging slot is free, waits for
-the oldest bucket's D2H, runs the update, gives the slot back and queues the H2D. So the D2H
-of bucket k+2 and the H2D of bucket k run while the CPU updates bucket k+1. The invariants
+region): per bucket, taking of those queued the one the next forward reads first (not the feed
+order: :class:`StepRun`), it starts the D2H while a staging slot is free, waits for the oldest
+started bucket's D2H, runs the update, gives the slot back and queues the H2D. So the D2H of
+one bucket and the H2D of the one before run while the CPU updates the one between. The invariants
 (I1)-(I5) cited below are in transfer.py's note.
 """
 
