@@ -89,8 +89,8 @@ class StepRun:
         self._closed = False
         self.fed: list[BucketWork] = []  # in feed order
         self.launched = 0  # buckets whose D2H the worker has started
-        self.h2d_queued: set[Bucket] = set()  # buckets whose H2D the worker has queued
-        self.h2d_order: list[Bucket] = []  # the same, in the order it queued them (publish)
+        # buckets whose H2D the worker has queued, in the order it queued them (publish)
+        self.h2d_queued: dict[Bucket, None] = {}
         self._landed: list[BucketWork] = []  # buckets whose D2H has landed, not yet taken
         self.job = pipeline.worker.submit(self._serve, "the offloaded update of this step")
 
@@ -235,8 +235,7 @@ class StepRun:
                 stats["buckets"] = stats.get("buckets", 0) + 1
                 stats["worker_ms"] = (time.perf_counter() - started) * 1e3
                 with self._cond:
-                    self.h2d_queued.add(work.bucket)
-                    self.h2d_order.append(work.bucket)
+                    self.h2d_queued[work.bucket] = None
                     self._cond.notify_all()
         finally:
             for _, tr, slot, _ in pending:  # started, never updated: wait, then free (I5)
@@ -315,7 +314,7 @@ class Pipeline:
         queued them, which is not the feed order (:class:`StepRun` takes the forward's first)."""
         by_device: dict[torch.device, list[Bucket]] = {}
         with run._cond:
-            queued = list(run.h2d_order)
+            queued = list(run.h2d_queued)
         for b in queued:
             by_device.setdefault(b.arena.device, []).append(b)
         for device, buckets in by_device.items():
