@@ -52,6 +52,8 @@ class FromBackward:
                 if st.fed:  # its updates used grads that this backward now adds to
                     what = "did not finish" if not st.backward_done else "came before step()"
                     self._abandon(st, f"a backward {what}, and another one started")
+                if st.run is not None:  # begun, nothing queued: the worker must not wait on it
+                    st.run.abort()
                 self._step = st = None
             if st is None:
                 self._check_single_process()
@@ -133,11 +135,19 @@ class FromBackward:
                     if self._step is not None:
                         self._step.backward_done = True
                 return
+        if self._accumulating:
+            return  # a marked micro-step: its grads are not final
         with self._lock:
             st = self._step
             if st is None or st.backward_done:
                 return
             st.backward_done = True
+            # Every grad that exists now is final, hooked in this backward or not: one that
+            # only earlier micro-steps accumulated (their hooks returned under
+            # accumulating()), or a zero grad that zero_grad(set_to_none=False) left on a
+            # param this backward did not reach. torch updates both; so do we
+            # (tests/test_overlap.py, test_grads_no_hook_announced_are_updated_at_backward_end).
+            st.announced.update(p for p in st.group_of if p.grad is not None)
             scale = self._attached_scale()
             if self.max_grad_norm is not None or scale is not None:
                 params = [p for p in st.group_of if p.grad is not None]

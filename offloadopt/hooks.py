@@ -105,7 +105,9 @@ class ModuleWaits:
                         compiled.seen = True
                         return
                     opt = ref()
-                    if opt is not None and opt._inflight is not None:  # copies back to wait for
+                    if opt is not None and (opt._inflight is not None or opt._updates_started()):
+                        # copies back to wait for (of the step before, or of this one's
+                        # updates started before step())
                         # FSDP2 all-gathers these shards next, on its streams
                         params, streams = _fsdp_shards(mod)
                         opt._wait_for([p for p in params if p in offloaded], streams)

@@ -383,6 +383,14 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
             )
         self.synchronize()
         self._raise_if_broken()
+        if self._updates_started():
+            # Some offloaded params hold this step's update, the others not yet: no
+            # checkpoint of that resumes as any run would.
+            raise RuntimeError(
+                f"{type(self).__name__}.state_dict() between backward and step(): this step's "
+                "updates started during backward (grads_final, max_grad_norm or grad_scaler "
+                "with overlap='backward') and end in step(); call state_dict() after step()"
+            )
         sd = checkpoint.pack(super().state_dict(), on_device=self._snapshot_on_device)
         params = [p for g in self.param_groups for p in g["params"]]
         for index, entry in sd["state"].items():
@@ -427,7 +435,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         sd = local_state(sd, self.param_groups, lambda p: self._records[p].name)
         saved_groups, saved_state = checkpoint.validate(sd, self.rule, specs)
         if self._step is not None and self._step.run is not None:
-            self._step.run.abort()
+            self._stop_run(self._step.run)  # the worker's bucket in hand lands before the load
         self._step, self._broken, self._pending_clip = None, None, None
         for g, s in zip(groups, saved_groups, strict=True):
             g.update(checkpoint.merge_group(g, s, self.rule))
@@ -496,7 +504,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
                 self._ddp_hook.remove()  # DDP keeps the hook: a plain all-reduce from now on
             self._grad_hooks, self._module_waits = [], []
             if self._step is not None and self._step.run is not None:
-                self._step.run.abort()
+                self._stop_run(self._step.run)
             if self._pipeline is not None:
                 self._pipeline.close()
 

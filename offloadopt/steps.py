@@ -163,6 +163,17 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
             with_grad = [p for p in st.group_of if p not in st.versions and p.grad is not None]
             for p in with_grad:
                 self._check_grad(p)
+            # A grad that appeared after its bucket's update started (set by hand after
+            # backward): that update ran without it, and it cannot be fed again.
+            for p in with_grad:
+                if any(b in st.fed for b in self._records[p].buckets):
+                    self._broken = f"the grad of {self._records[p].name} came after its update"
+                    raise RuntimeError(
+                        f"the grad of {self._records[p].name} was set after its bucket's update "
+                        "started (at the end of backward, or during it with grads_final=True); "
+                        "set grads before backward ends, or leave grads_final and "
+                        "max_grad_norm unset so that updates wait for step()"
+                    )
             # Each grad is read once: with release_grads the worker sets p.grad to None at any
             # moment (tests/test_overlap.py ran into a None between two reads).
             moved = {}
@@ -262,8 +273,15 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
         """Accept the state a failed step left (some params updated, others not) and go on."""
         with self._lock:
             if self._step is not None and self._step.run is not None:
-                self._step.run.abort()
+                self._stop_run(self._step.run)
             self._step, self._broken = None, None
+
+    def _stop_run(self, run: StepRun) -> None:
+        """Drop the buckets ``run`` has not started and wait until the worker is done with
+        the one in hand (an abort alone lets it write that bucket's state and weights after a
+        load_state_dict that follows; bounded by ``timeout_s``)."""
+        run.abort()
+        run.job.done.wait(self.timeout_s)
 
     # ------------------------------------------------------------------ phases
     def _begin(self) -> StepState:
@@ -422,6 +440,22 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
         for p in params:
             if p not in st.prepared:
                 self._check_grad(p)
+        # All or nothing: a signal (Ctrl-C landing in a grad hook, whose autograd thread is the
+        # main one on the CPU) waits for its handler until the buckets are queued; any other
+        # failure part-way leaves the step refused, not an open run the worker waits on (a
+        # fresh user's finding: step() then hung until timeout_s; tests/test_overlap.py,
+        # test_an_interrupt_in_a_grad_hook_...).
+        with signals_deferred():
+            try:
+                self._feed_checked(st, items, scale, early, params)
+            except BaseException:
+                if st.run is not None:
+                    st.run.abort()
+                if self._broken is None:
+                    self._broken = "queuing this step's offloaded updates failed part-way"
+                raise
+
+    def _feed_checked(self, st: StepState, items, scale, early: bool, params: list) -> None:
         self._prepare(st, params)
         if st.run is None:
             st.run = self._pipeline.begin(self._update_bucket, st.stats)

@@ -32,6 +32,7 @@ class Waits:
         """
         st = self._inflight
         if st is None:
+            self._wait_started()
             return
         self._inflight = None
         streams = self._inflight_streams
@@ -148,10 +149,48 @@ class Waits:
         does not run (hooks.Compiled): ``step()`` waits for every copy back instead."""
         return self._unwaited or any(w.compiled.seen for w in self._module_waits)
 
+    def _updates_started(self) -> bool:
+        """Updates began before ``step()`` (backward mode, declared): from then until
+        ``step()`` returns the worker writes the params of the buckets fed so far."""
+        st = self._step
+        return st is not None and st.run is not None and bool(st.fed) and not st.delayed
+
+    def _wait_started(self, params: list[torch.Tensor] | None = None, streams_too=()) -> None:
+        """Between backward and ``step()`` (declared backward mode): wait until the updates
+        started so far (of ``params``' buckets, or all) have queued their copies back, and
+        make the current stream (and ``streams_too``) wait for them (I4), so that a forward
+        or a read in that window (an evaluation, a second forward) sees whole new weights, not
+        weights being written (a fresh user's finding: five different losses in 15 runs of
+        one eval forward; tests/test_overlap.py, test_a_read_between_backward_and_step_...).
+
+        Raises:
+            WorkerError, TimeoutError: as ``step()``.
+        """
+        if not self._updates_started():
+            return
+        st = self._step
+        fed = list(st.fed)  # autograd's thread may feed more (a recompute in backward)
+        if params is not None:
+            mine = {b for p in params for b in self._records[p].buckets}
+            fed = [b for b in fed if b in mine]
+        for b in fed:
+            if b in st.waited:
+                continue
+            st.run.wait_h2d_queued(b, self.timeout_s)
+            tr = self._pipeline.transfers[b.arena.device]
+            if tr.cuda:
+                # (I4) what runs next on this stream reads these params only after their H2D.
+                torch.cuda.current_stream(b.arena.device).wait_event(tr.h2d_done[b])
+                for stream in streams_too:
+                    stream.wait_event(tr.h2d_done[b])
+            st.waited.add(b)
+
     def _wait_for(self, params: list[torch.Tensor], streams_too: tuple = ()) -> None:
         """A module's forward pre-hook: its stream, and ``streams_too`` (FSDP2's all-gather
         streams), wait for the copies back of ``params`` (overlap="delayed": none; the forward
-        reads the weights of the step before)."""
+        reads the weights of the step before), and for the updates of the step in progress
+        that started before ``step()`` (:meth:`_wait_started`)."""
+        self._wait_started(params, streams_too)
         st = self._inflight
         if st is None or st.delayed:
             return

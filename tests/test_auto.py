@@ -235,7 +235,11 @@ def test_a_verified_step_over_the_limit_moves_the_fraction_down(monkeypatch):
     got = train(m, opt)
     choice = opt.placement_choice
     first = choice["corrections"][0]
-    assert first["fraction"] == 1.0 and first["measured_step_ms"] > first["predicted_step_ms"]
+    # What moves it down is the measured step above the limit (the prediction may be right:
+    # the worker's 2 ms a bucket are measured in the probe; a loaded CI core once measured
+    # 386 ms against a prediction of 390, above the limit all the same)
+    limit = (1 + opt._auto.tolerance) * choice["predicted_step_ms_at_0"]
+    assert first["fraction"] == 1.0 and first["measured_step_ms"] > limit
     assert choice["fraction"] < 1.0 and not opt._auto.active and "within_tolerance" in choice
     ref_m = model()
     want = train(ref_m, torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True))

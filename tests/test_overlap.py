@@ -1,6 +1,8 @@
 """overlap="backward" and wait="module" against step mode, bitwise (CPU stands in for the GPU):
 grads announced by hooks, clipping through the optimizer, accumulation, waits, failures."""
 
+import contextlib
+import signal
 import threading
 import time
 
@@ -434,3 +436,185 @@ def test_queued_buckets_are_updated_in_the_order_the_next_forward_reads_them():
     # The consumer stream waits on the event of the H2D queued last, which covers the others
     # (one H2D stream runs them in order): the last one updated, not the last one fed.
     assert published == [order], (published, order)
+
+
+class Branchy(torch.nn.Module):
+    """``side`` is used only when asked: by the accumulation micro-steps, not the final one."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a, self.side, self.b = (torch.nn.Linear(48, 48) for _ in range(3))
+
+    def forward(self, x, use_side):
+        h = self.a(x) + (self.side(x) if use_side else 0)
+        return self.b(torch.tanh(h)).pow(2).mean()
+
+
+def train_branchy(opt_of, side_in_final: bool, set_to_none=True, steps=3):
+    """Two micro-steps a step; ``side`` is in the first only (or in neither when
+    ``side_in_final`` is False and set_to_none=False: its grad stays a zero tensor)."""
+    model = Branchy()
+    opt = opt_of(model)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        xs = [torch.randn(8, 48, generator=g) for _ in range(2)]
+        if side_in_final:  # accumulation: side's grad comes only from the marked micro-step
+            with getattr(opt, "accumulating", contextlib.nullcontext)():
+                model(xs[0], True).backward()
+            model(xs[1], False).backward()
+        else:  # no accumulation: side gets no grad, and keeps the zero one zero_grad left
+            model(xs[1], step == 0).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    getattr(opt, "synchronize", lambda: None)()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+DECLARED = {
+    "grads_final": dict(overlap="backward", grads_final=True),
+    "max_grad_norm": dict(overlap="backward", max_grad_norm=1e9),  # a coefficient of 1
+    "release": dict(overlap="backward", grads_final=True, release_grads=True),
+    "module": dict(overlap="backward", grads_final=True, wait="module"),
+}
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("mode", list(DECLARED))
+@pytest.mark.parametrize("case", ["accumulated-only", "zero-grad-kept"])
+def test_grads_no_hook_announced_are_updated_at_backward_end(case, mode, fraction):
+    """A fresh user's finding: in declared backward mode a grad whose hook did not fire in the
+    final backward was never updated, silently: one accumulated only under accumulating(), or
+    the zero grad that zero_grad(set_to_none=False) leaves on a param the backward does not
+    reach (torch updates it: weight decay and the moments). With small buckets ``side``'s
+    weight was split, and part of it updated while its state said otherwise."""
+    if mode == "release" and case == "zero-grad-kept":
+        pytest.skip("grad release sets grads to None: no zero grad is left to keep")
+    side_in_final, set_to_none = case == "accumulated-only", case == "accumulated-only"
+
+    def torch_adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+
+    ref = train_branchy(torch_adamw, side_in_final, set_to_none)
+    for kw in (dict(), DECLARED[mode]):
+        got = train_branchy(
+            lambda m, kw=kw: make_opt(m, fraction, **kw), side_in_final, set_to_none
+        )
+        assert_bitwise(got, ref, f"{kw or 'step mode'}")
+
+
+def test_a_grad_set_after_its_bucket_started_is_named():
+    """A grad set by hand after backward, on a param whose bucket's update started without it
+    (it shares a bucket with the layer that got grads): an error naming it, not a skip."""
+    model = mlp()
+    opt = make_opt(model, 1.0, **MODES["backward"])
+    model[4](batch(0)).pow(2).mean().backward()  # only the last layer gets grads
+    late = [p for p in model.parameters() if p.grad is None
+            and any(b in opt._step.fed for b in opt._records[p].buckets)]  # fmt: skip
+    assert late, "no param without a grad shares a fed bucket at this bucket size"
+    late[0].grad = torch.ones_like(late[0])  # by hand, after its bucket's update started
+    name = opt._records[late[0]].name
+    with pytest.raises(RuntimeError, match=rf"grad of {name} was set after its bucket's update"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="inconsistent"):
+        opt.step()
+    opt.discard_failed_step()
+
+
+def test_an_interrupt_in_a_grad_hook_leaves_no_half_fed_step(monkeypatch):
+    """A fresh user's finding: Ctrl-C landing in a grad hook while it queued a bucket (on the
+    CPU the hook runs on the main thread, where Python raises KeyboardInterrupt) left a step
+    begun with nothing queued; the next backward was accepted, and step() then waited for
+    that step until timeout_s. Now the hook queues its buckets whole and the interrupt
+    arrives after: the interrupted step is refused at once, and discarding it goes on."""
+    from offloadopt.layout import Bucket
+
+    model = mlp()
+    opt = make_opt(model, 1.0, **MODES["backward"], timeout_s=5.0)
+    views, calls = Bucket.grad_views, []
+
+    def interrupted(self, idx):
+        calls.append(self.index)
+        if len(calls) == 1:  # the first bucket the hooks queue
+            signal.raise_signal(signal.SIGINT)  # the handler runs at the next bytecode
+        return views(self, idx)
+
+    monkeypatch.setattr(Bucket, "grad_views", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model(batch(0)).pow(2).mean().backward()
+    monkeypatch.setattr(Bucket, "grad_views", views)
+    t = time.perf_counter()
+    with pytest.raises(RuntimeError, match="another one started|inconsistent"):
+        model(batch(1)).pow(2).mean().backward()
+        opt.step()
+    assert time.perf_counter() - t < 4.0, "it waited for the interrupted step"
+    opt.discard_failed_step()
+    opt.zero_grad()
+    model(batch(2)).pow(2).mean().backward()
+    opt.step()  # the worker serves this step: nothing left open holds it back
+    opt.close()
+
+
+@pytest.mark.parametrize("how", ["watch", "synchronize"])
+@pytest.mark.parametrize("declared", ["grads_final", "max_grad_norm"])
+def test_a_read_between_backward_and_step_sees_whole_new_weights(declared, how):
+    """A fresh user's finding: declared updates start during or at the end of backward and the
+    worker writes the params until step(); an evaluation forward in between read weights being
+    written (five losses in 15 identical runs). A watched model's forward, or any read after
+    opt.synchronize(), now waits for the updates started, and sees their new weights (every
+    param is offloaded here: step mode's weights after step()). state_dict() there is
+    refused: some params hold the step's update, others not yet."""
+    kw = DECLARED[declared]
+    clip = {"max_grad_norm": kw["max_grad_norm"]} if declared == "max_grad_norm" else {}
+    ref_model, model = mlp(), mlp()
+    ref = make_opt(ref_model, 1.0, **clip)
+    opt = make_opt(model, 1.0, **kw)
+    if how == "watch":
+        opt.watch(model)
+    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.005)
+    for step in range(3):
+        ref_model(batch(step)).pow(2).mean().backward()
+        ref.step()
+        ref.zero_grad()
+        model(batch(step)).pow(2).mean().backward()
+        if how == "synchronize":
+            opt.synchronize()
+        with torch.no_grad():
+            got, want = model(batch(9)), ref_model(batch(9))
+        assert_bitwise([got], [want], f"eval forward between backward and step {step}")
+        with pytest.raises(RuntimeError, match=r"state_dict\(\) between backward and step"):
+            opt.state_dict()
+        opt.step()
+        opt.zero_grad()
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "after the steps")
+    opt.state_dict()  # after step(): a checkpoint
+
+
+def test_a_watched_second_backward_before_step_is_refused_by_the_optimizer():
+    """With the model watched the second forward waits for the first backward's updates, so
+    autograd's in-place check cannot fire first (the fresh user saw it in 8 of 20 runs with
+    max_grad_norm, and the optimizer then did not refuse step()). Here the worker is held at
+    its first bucket for up to 1 s: an unwaited second forward saves params the worker then
+    writes, which autograd's check catches before any grad hook; a waited one cannot."""
+    model = mlp()
+    opt = make_opt(model, 1.0, overlap="backward", max_grad_norm=1e9)
+    opt.watch(model)
+    held, taken = threading.Event(), []
+
+    def hook(bucket):
+        taken.append(bucket)
+        if len(taken) == 1:
+            held.wait(1.0)
+
+    opt._pipeline.worker_hook = hook
+    model(batch(0)).pow(2).mean().backward()  # the clipped updates start as it ends
+    loss = model(batch(1)).pow(2).mean()  # waits (watched) for the H2Ds; the worker goes on
+    held.set()
+    run = opt._step.run
+    for work in list(run.fed):  # every write into the params is done before backward
+        run.wait_h2d_queued(work.bucket, 60)
+    with pytest.raises(RuntimeError, match="a backward came before step"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="inconsistent"):
+        opt.step()
+    opt.discard_failed_step()

@@ -362,3 +362,41 @@ def test_delayed_frees_the_taken_grads_and_a_watched_state_dict_sees_the_new_wei
     for i, p in enumerate(model.parameters()):
         assert torch.equal(sd["state"][i]["master"].to(p.dtype), weights[list(weights)[i]].cpu())
     opt.close()
+
+
+@pytest.mark.parametrize("how", ["watch", "synchronize"])
+@pytest.mark.parametrize(
+    "hook", [("d2h", "h2d"), ("worker",)], ids=["slow-copies", "slow-worker"]
+)  # fmt: skip
+def test_a_read_between_backward_and_step_waits_for_the_started_updates_on_the_gpu(how, hook):
+    """Declared backward mode: the updates start during backward and write the params until
+    step(). An evaluation forward between backward and step() of a watched model (or after
+    opt.synchronize()) reads whole new weights: every param is offloaded here, so they are the
+    lockstep oracle's weights after its step (tests/test_overlap.py has the CPU side)."""
+    x = torch.randn(1, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    ref_model = big_cheap_model()
+    ref = Lockstep(ref_model.parameters())
+    model = big_cheap_model()
+    opt = HybridAdamW(model.parameters(), offload_fraction=1.0, bucket_nbytes=16 * 2**20,
+                      flush_denormal=False, **OVERLAP_MODES["backward"])  # fmt: skip
+    if how == "watch":
+        opt.watch(model)
+    for transfer in opt._pipeline.transfers.values():
+        transfer.side_stream_hook = sleep_on(hook) if "worker" not in hook else None
+    if "worker" in hook:
+        opt._pipeline.worker_hook = lambda bucket: time.sleep(0.01)
+    got, want = [], []
+    for _ in range(6):
+        for m, o in ((ref_model, ref), (model, opt)):
+            m(x.bfloat16()).float().pow(2).mean().backward()
+            if o is opt:
+                if how == "synchronize":
+                    opt.synchronize()
+                with torch.no_grad():
+                    got.append(model(x.bfloat16()).float())  # issued at once, no host sync
+            o.step()
+            o.zero_grad()
+        with torch.no_grad():
+            want.append(ref_model(x.bfloat16()).float())
+    assert_same_outputs(got, want)
+    opt.close()
