@@ -169,10 +169,10 @@ class Waits:
         if not self._updates_started():
             return
         st = self._step
-        fed = list(st.fed)  # autograd's thread may feed more (a recompute in backward)
-        if params is not None:
-            mine = {b for p in params for b in self._records[p].buckets}
-            fed = [b for b in fed if b in mine]
+        if params is None:
+            fed = list(st.fed)  # a copy: autograd's thread may feed more meanwhile
+        else:  # a module's few buckets, not a scan of all (its pre-hook runs every forward)
+            fed = [b for p in params for b in self._records[p].buckets if b in st.fed]
         for b in fed:
             if b in st.waited:
                 continue
