@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import statistics
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from offloadopt import HybridAdamW, auto
-from offloadopt.harness import anchors, models
+from offloadopt.harness import anchors, checks, models
 from offloadopt.harness.data import get_batch, load_text
 from offloadopt.harness.probes import time_kernel_under_link
 from offloadopt.pipeline import StepRun
@@ -32,6 +33,11 @@ CLIPPED = dict(overlap="backward", wait="module", max_grad_norm=1.0)  # clipping
 
 # Variants run only when named in --only: what the thread count and bucket size change.
 EXTRA = [
+    # Backward mode clipped at fraction 0 (nothing offloaded: the same work as "f0 clip") was
+    # 12-18 ms slower in a profile: which option, if any, costs it.
+    ("backward f0 clip", dict(fraction=0.0, **CLIPPED)),
+    ("f0 clip wait-module", dict(fraction=0.0, max_grad_norm=1.0, wait="module")),
+    ("backward f0 clip wait-step", dict(fraction=0.0, overlap="backward", max_grad_norm=1.0)),
     ("backward f1 threads16", dict(fraction=1.0, cpu_threads=16, **BEST)),
     ("backward f1 bucket256", dict(fraction=1.0, bucket_nbytes=256 * 2**20, **BEST)),
     ("backward f0.2 threads16", dict(fraction=0.2, cpu_threads=16, **BEST)),
@@ -56,7 +62,7 @@ def derived(name: str, known: dict[str, dict]) -> dict:
     each a word: ``threadsN`` (cpu_threads=N), ``bucketN`` (N MiB buckets), ``switchN``
     (sys.setswitchinterval of N ms), ``fifo`` (the worker takes queued buckets in the order
     they were fed, as before pipeline.StepRun took the forward's first), e.g.
-    "backward f0.2 threads8 switch1"."""
+    "backward f0.2 threads8 switch1". Raises ValueError for a name that is none of these."""
     if name in known:
         return known[name]
     base, _, last = name.rpartition(" ")
@@ -67,7 +73,8 @@ def derived(name: str, known: dict[str, dict]) -> dict:
         if base and last.startswith(prefix) and last[len(prefix) :].replace(".", "", 1).isdigit():
             value = float(last[len(prefix) :]) * unit
             return {**derived(base, known), key: value if key == "switch_s" else int(value)}
-    raise SystemExit(f"--only: {name!r} is no configuration (known: {', '.join(known)})")
+    raise ValueError(f"--only: {name!r} is no configuration, nor one followed by variant words "
+                     "(threadsN, bucketN, switchN, fifo); --help lists the names")  # fmt: skip
 
 
 # offload_fraction="auto" needs its probe, move and verify steps before the timed ones.
@@ -94,6 +101,14 @@ def configs(quick: bool) -> list[tuple[str, dict]]:
             ("delayed f1 clip", dict(fraction=1.0, overlap="delayed", max_grad_norm=1.0)),
             ("delayed f1 torch-clip", dict(fraction=1.0, overlap="delayed", torch_clip=True))]  # fmt: skip
     return out
+
+
+def selected(only: list[str] | None, quick: bool) -> list[tuple[str, dict]]:
+    """Every configuration (``quick``: half the sweep), or those ``only`` names (``derived``)."""
+    if only is None:
+        return configs(quick) + EXTRA
+    known = dict(configs(False) + EXTRA)
+    return [(name, derived(name, known)) for name in only]
 
 
 def sync(model) -> None:
@@ -187,20 +202,38 @@ def memory_runs(preset, device, data, warmup, steps):
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="gpt2-xl")
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=6)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked before anything is loaded or built: a bad value is argparse's
+    usage error (status 2) naming the flag and the value."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", type=checks.preset, default="gpt2-xl", help="a model preset")
+    ap.add_argument("--batch-size", type=checks.positive_int, default=4, help="sequences, >= 1")
+    ap.add_argument("--seq-len", type=checks.positive_int, default=1024, help="tokens, >= 1")
+    ap.add_argument("--warmup", type=checks.nonneg_int, default=3, help="untimed steps, >= 0")
+    ap.add_argument("--steps", type=checks.positive_int, default=6, help="timed steps, >= 1")
     ap.add_argument("--quick", action="store_true", help="half the sweep")
-    ap.add_argument("--only", nargs="*", default=None, help="run only these configurations")
+    ap.add_argument("--only", nargs="*", default=None, metavar="NAME", help=(
+        "run only these configurations, each one quoted argument: a configuration's name, "
+        "optionally followed by variant words: threadsN (cpu_threads=N), bucketN (N MiB buckets), "
+        "switchN (sys.setswitchinterval of N ms), fifo (the worker takes queued buckets in feed "
+        "order); e.g. --only f0 'backward f0.2 threads8 switch1' 'delayed f1 bucket256 fifo'. "
+        "Names: " + ", ".join(repr(n) for n, _ in configs(False) + EXTRA)))  # fmt: skip
     ap.add_argument("--no-probe", action="store_true", help="skip the kernel probe")
     ap.add_argument("--no-memory", action="store_true", help="skip the grad-release memory runs")
-    ap.add_argument("--out", default="overlap-out")
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script")
-    args = ap.parse_args()
+    ap.add_argument("--out", type=checks.out_dir, default="overlap-out")
+    ap.add_argument("--device", type=checks.device, default="cuda", help="cpu: a smoke test")
+    args = ap.parse_args(argv)
+    if args.seq_len > (longest := models.max_seq_len(args.preset)):
+        ap.error(f"--seq-len: {args.seq_len} is more than the {args.preset} preset's {longest}")
+    try:
+        selected(args.only, args.quick)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
@@ -221,12 +254,8 @@ def main() -> int:
                for _ in range(max(args.warmup, AUTO_WARMUP) + args.steps)]  # fmt: skip
     results["params"] = n
     rows = results["configs"] = []
-    chosen = configs(args.quick) + EXTRA
-    if args.only is not None:
-        known = dict(chosen)
-        chosen = [(n, derived(n, known)) for n in args.only]
     take = StepRun._take
-    for name, cfg in chosen:
+    for name, cfg in selected(args.only, args.quick):
         try:
             if "budget_of" in cfg:  # a budget of a measured row's peak: fractions above it fit
                 cfg = dict(cfg)
@@ -263,11 +292,15 @@ def main() -> int:
     return 0
 
 
+def _f(x: float | None, spec: str) -> str:
+    """``x`` in ``spec``, or n/a for a figure that is missing (None or nan: a row not run)."""
+    return "n/a" if x is None or not math.isfinite(x) else format(x, spec)
+
+
 def summarize(results: dict, n: int) -> None:
+    """The findings; a figure of a missing row (--only, failed, --no-probe) reads n/a."""
     rows = {r["name"]: r for r in results["configs"] if "error" not in r}
-    probe = results.get("kernel_probe", dict.fromkeys(
-        ("main_alone_ns_per_param", "main_link_ns_per_param", "worker_alone_ns_per_param",
-         "worker_link_ns_per_param"), float("nan")))  # fmt: skip
+    probe = results.get("kernel_probe", {})
     print(f"\n{results['gpu']}, torch {results['torch']}, {n / 1e9:.2f}e9 params, batch "
           f"{results['args']['batch_size']}x{results['args']['seq_len']}; medians")  # fmt: skip
     for base, suffix in (("f0", ""), ("f0 clip", " clip"), ("f0 torch-clip", " torch-clip")):
@@ -284,24 +317,24 @@ def summarize(results: dict, n: int) -> None:
             within = within and ratio <= 1.10
             if within:
                 best = f
-        print(f"  sweep{suffix or ' (no clipping)'}: {base} {b:.1f} ms; {' '.join(line)}; largest within 1.10x: {best:g}")  # fmt: skip
+        print(f"  sweep{suffix or ' (no clipping)'}: {base} {b:.1f} ms; {' '.join(line) or 'n/a'}; "
+              f"largest within 1.10x: {f'{best:g}' if line else 'n/a'}")  # fmt: skip
     summarize_auto(rows, results)
-    kernel_ms = probe["worker_link_ns_per_param"] * n / 1e6
-    fb = rows.get("f0", {}).get("to_backward_end_ms", float("nan"))
+    kernel_ms = probe.get("worker_link_ns_per_param", math.nan) * n / 1e6
+    fb = rows.get("f0", {}).get("to_backward_end_ms", math.nan)
+    bound = max((x for x in (fb, kernel_ms) if math.isfinite(x)), default=math.nan)
     for name in ("step f1", "backward f1", "backward f1 clip", "torchao", "delayed f1",
                  "delayed f1 clip", "delayed f1 torch-clip"):  # fmt: skip
         if name in rows:
-            print(f"  {name:18} {rows[name]['step_ms']:7.1f} ms; / max(fwd+bwd {fb:.0f}, CPU pass "
-                  f"{kernel_ms:.0f}) = {rows[name]['step_ms'] / max(fb, kernel_ms):.2f}")  # fmt: skip
-    print(f"  CPU pass, ns/param: main {probe['main_alone_ns_per_param']:.3f} alone, "
-          f"{probe['main_link_ns_per_param']:.3f} with link; worker {probe['worker_alone_ns_per_param']:.3f}, "
-          f"{probe['worker_link_ns_per_param']:.3f}")  # fmt: skip
+            print(f"  {name:18} {rows[name]['step_ms']:7.1f} ms; / max(fwd+bwd {_f(fb, '.0f')}, CPU "
+                  f"pass {_f(kernel_ms, '.0f')}) = {_f(rows[name]['step_ms'] / bound, '.2f')}")  # fmt: skip
+    if probe:
+        print(f"  CPU pass, ns/param: main {probe['main_alone_ns_per_param']:.3f} alone, "
+              f"{probe['main_link_ns_per_param']:.3f} with link; worker {probe['worker_alone_ns_per_param']:.3f}, "
+              f"{probe['worker_link_ns_per_param']:.3f}")  # fmt: skip
     mem = {r["name"]: r for r in results.get("memory", [])}
     if "ckpt b1 step f1" in mem and "ckpt b1 backward f1 release" in mem:
-        a, b = (
-            mem["ckpt b1 step f1"]["peak_gpu_gb"],
-            mem["ckpt b1 backward f1 release"]["peak_gpu_gb"],
-        )
+        a, b = mem["ckpt b1 step f1"]["peak_gpu_gb"], mem["ckpt b1 backward f1 release"]["peak_gpu_gb"]  # fmt: skip
         print(f"  peak GPU, ckpt batch 1, f1: step {a:.2f} GB, release {b:.2f} GB ({b / a:.2f}x)")
 
 
@@ -316,33 +349,31 @@ def summarize_auto(rows: dict, results: dict) -> None:
                            if f"backward f{f:g}" in rows}  # fmt: skip
     within = [f for f in measured if measured[f] <= 1.05 * b and all(
         measured[g] <= 1.05 * b for g in measured if g <= f)]  # fmt: skip
+    choice = a.get("choice") or {}
     moves = " -> ".join(f"{c['fraction']:g} ({c['measured_step_ms']:.1f} ms)"
-                        for c in a["choice"].get("corrections", []))  # fmt: skip
+                        for c in choice.get("corrections", []))  # fmt: skip
     print(f"  auto: chose {a['fraction']:g}{' after ' + moves if moves else ''}, step "
           f"{a['step_ms']:.1f} ms = {a['step_ms'] / b:.3f} x f0; largest sweep fraction within "
           f"1.05x: {max(within):g}")  # fmt: skip
-    predicted = a["choice"].get("predicted_sweep_ms", {})
+    predicted = choice.get("predicted_sweep_ms", {})
     errors = {
         f: predicted[round(f, 2)] / ms - 1 for f, ms in measured.items() if round(f, 2) in predicted
     }
     if "backward f1" in rows and 1.0 in predicted:
         errors[1.0] = predicted[1.0] / rows["backward f1"]["step_ms"] - 1
     results["auto_model_errors"] = errors
-    print(
-        "  cost model from auto's probe, predicted/measured - 1: "
-        + " ".join(f"{f:g}:{e:+.1%}" for f, e in sorted(errors.items()))
-    )
+    print("  cost model from auto's probe, predicted/measured - 1: "
+          + (" ".join(f"{f:g}:{e:+.1%}" for f, e in sorted(errors.items())) or "n/a"))  # fmt: skip
     bud = rows.get("backward auto budget")
     if bud is not None:
         limit = bud["choice"]["max_gpu_memory"] / 1e9
         fits = {r["fraction"]: r["step_ms"] for r in rows.values() if r["name"].startswith("backward f")
                 and not r["name"].endswith(("clip", "torch-clip")) and r["peak_gpu_gb"] <= limit}  # fmt: skip
-        best = min(fits.values()) if fits else float("nan")
-        print(
-            f"  auto with max_gpu_memory {limit:.2f} GB: chose {bud['fraction']:g}, peak "
-            f"{bud['peak_gpu_gb']:.2f} GB, step {bud['step_ms']:.1f} ms = {bud['step_ms'] / best:.3f} x "
-            f"the best fixed fraction that fits ({min(fits, key=fits.get) if fits else '-'}: {best:.1f} ms)"
-        )
+        best = min(fits, key=fits.get) if fits else math.nan
+        best_ms = fits.get(best, math.nan)
+        print(f"  auto with max_gpu_memory {limit:.2f} GB: chose {bud['fraction']:g}, peak "
+              f"{bud['peak_gpu_gb']:.2f} GB, step {bud['step_ms']:.1f} ms = {_f(bud['step_ms'] / best_ms, '.3f')} x "
+              f"the best fixed fraction that fits ({_f(best, 'g')}: {_f(best_ms, '.1f')} ms)")  # fmt: skip
     plot_auto(measured, predicted, rows, results)
 
 
@@ -365,13 +396,7 @@ def plot_auto(measured: dict, predicted: dict, rows: dict, results: dict) -> Non
         pts[1.0] = rows["backward f1"]["step_ms"]
     ax.plot(sorted(pts), [pts[x] for x in sorted(pts)], "o", label="measured")
     a = rows["backward auto"]
-    ax.plot(
-        [a["fraction"]],
-        [a["step_ms"]],
-        "*",
-        markersize=14,
-        label=f"auto's choice ({a['fraction']:g})",
-    )
+    ax.plot([a["fraction"]], [a["step_ms"]], "*", markersize=14, label=f"auto's choice ({a['fraction']:g})")  # fmt: skip
     ax.set_xlabel("offload fraction")
     ax.set_ylabel("step (ms)")
     ax.set_title(f"{results['gpu']}, backward mode, grads final")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from offloadopt.harness import anchors
+from offloadopt.harness import anchors, checks
 from offloadopt.harness.bench import Bench, BenchConfig
 
 
@@ -35,10 +35,14 @@ def _config(text: str) -> tuple[str, float, dict]:
             f"{text!r}: mode {mode!r} is not one of {list(anchors.MODES)}"
         )
     try:
+        value = checks.fraction(fraction or "0")
+    except checks.UsageError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: fraction {e}") from None
+    try:
         options = {
             k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in extra.split(",") if kv)
         }
-        return mode, float(fraction or 0), options
+        return mode, value, options
     except (ValueError, SyntaxError):
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected MODE:FRACTION[:key=value,...]"
@@ -169,22 +173,30 @@ def profile_one(bench: Bench, mode: str, fraction: float, warmup: int, steps: in
     return result
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked before the bench builds anything: a bad value is argparse's usage
+    error (status 2) naming the flag and the value."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", nargs="+", type=_config, default=[("step", 0.0)])
-    p.add_argument("--preset", default="gpt2-xl")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=3, help="plain timed steps, then as many profiled")
-    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--configs", nargs="+", type=_config, default=[("step", 0.0, {})],
+                   metavar="MODE:FRACTION", help="each MODE:FRACTION[:key=value,...]")  # fmt: skip
+    p.add_argument("--preset", type=checks.preset, default="gpt2-xl", help="a model preset")
+    p.add_argument("--batch-size", type=checks.positive_int, default=4, help="sequences, >= 1")
+    p.add_argument("--warmup", type=checks.nonneg_int, default=3, help="untimed steps, >= 0")
+    p.add_argument("--steps", type=checks.positive_int, default=3,
+                   help="plain timed steps, then as many profiled, >= 1")  # fmt: skip
+    p.add_argument("--top", type=checks.positive_int, default=12, help="rows per table, >= 1")
     p.add_argument(
         "--gaps",
         action="store_true",
         help="the compute stream's idle time in forward+backward, and who caused it (with_stack)",
     )
-    p.add_argument("--out", default="prof-out")
-    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test")
-    args = p.parse_args()
+    p.add_argument("--out", type=checks.out_dir, default="prof-out")
+    p.add_argument("--device", type=checks.device, default="cuda", help="cuda; cpu: a smoke test")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     n = args.warmup + 2 * args.steps
     bench = Bench(BenchConfig(preset=args.preset, batch_size=args.batch_size, warmup=n, steps=1,
                               mock_data=True, progress=False, audit=False, device=args.device))  # fmt: skip

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 
@@ -48,9 +49,43 @@ EPILOG = (
 )
 
 
+# The start of a negative number (-5GB, -1e-3, -.5): never an option of these commands, so
+# after an option that takes one value it is that value.
+_DASH_VALUE = re.compile(r"-\.?[0-9]")
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: ``offloadopt: error: --steps: 0 is not an integer >= 1``
-    and status 2, without the usage block (``--help`` shows it)."""
+    and status 2, without the usage block (``--help`` shows it).
+
+    An option that takes one value takes one that starts like a negative number too, and its
+    check names it (``--max-gpu-memory -5GB``: "Invalid size: '-5GB'"); argparse alone reads
+    ``-5GB`` as an unknown option and says only "expected one argument"."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        # before super().__init__, which adds --help through add_argument
+        self._one_value: set[str] = set()
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        if action.option_strings and action.nargs is None:  # exactly one value
+            self._one_value.update(action.option_strings)
+        return action
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        # a subcommand's parser is called here too, with the arguments after the command's name
+        args = list(sys.argv[1:] if args is None else args)
+        joined: list[str] = []
+        for i, arg in enumerate(args):
+            if arg == "--":  # what follows is positional: left as it is
+                joined += args[i:]
+                break
+            if joined and joined[-1] in self._one_value and _DASH_VALUE.match(arg):
+                joined[-1] = f"{joined[-1]}={arg}"  # "--flag=-5GB" is argparse's own spelling
+            else:
+                joined.append(arg)
+        return super().parse_known_args(joined, namespace)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         # argparse writes "argument --steps: ..."; the flag alone reads as the other errors do

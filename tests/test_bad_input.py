@@ -109,6 +109,22 @@ CASES = [
     (["audit", "--trace", "fulldir"], "--trace: 'fulldir' is a folder, not a file name"),
     (["train", "--device", "cuda:99"],
      NO_CUDA if not torch.cuda.is_available() else f"torch sees {torch.cuda.device_count()}"),
+    (["train", "--offload-fraction", "auto", "--overlap", "delayed"],
+     "--offload-fraction auto with --overlap delayed: the fraction decides which params train on "
+     "weights one step old, so one chosen from timings would make the results depend on them; "
+     "give a number (1.0 is the delayed update's usual one), or a --max-gpu-memory budget"),
+    (["train", "--warmup-steps", "50", "--steps", "10"],
+     "--warmup-steps: 50 is more than --steps 10 (the warm-up would never reach the peak --lr)"),
+    (["audit", "--trace", "x.txt"],
+     "--trace: 'x.txt' is not a .json or .json.gz file name (a Chrome trace is JSON)"),
+    (["audit", "--trace", "x.json.txt"],
+     "--trace: 'x.json.txt' is not a .json or .json.gz file name (a Chrome trace is JSON)"),
+    (["train", "--max-gpu-memory", "-5GB"],  # not argparse's "expected one argument"
+     "--max-gpu-memory: Invalid size: '-5GB' (expected bytes, or a number with one of B, KB, MB, "
+     "GB, TB, KiB, MiB, GiB, TiB, like '120GB' or '112GiB')"),
+    (["train", "--lr", "-1e-3"], "--lr: -0.001 is not a finite number >= 0"),
+    (["train", "--max-gpu-memory"], "--max-gpu-memory: expected one argument"),
+    (["train", "--max-gpu-memory", "--steps", "3"], "--max-gpu-memory: expected one argument"),
 ]  # fmt: skip
 
 
@@ -217,6 +233,33 @@ def test_configs_built_in_python_are_checked_like_the_flags(tmp_path):
     with pytest.raises(UsageError, match="--fractions: none given"):
         bench.resolved(BenchConfig(preset="tiny", device="cpu", fractions=[], out=str(tmp_path)))
     assert not (tmp_path / "o").exists()
+
+
+def test_train_combinations_are_refused_before_the_data_is_loaded(monkeypatch):
+    boom = AssertionError("got past the checks: the data was loaded")
+    monkeypatch.setattr(checks, "text_data", mock.Mock(side_effect=boom))
+    monkeypatch.setattr(train, "mock_data", mock.Mock(side_effect=boom))
+    for argv in (["--offload-fraction", "auto", "--overlap", "delayed"],
+                 ["--warmup-steps", "11", "--steps", "10", "--mock-data"]):  # fmt: skip
+        assert one_error_line(["train", *argv]).startswith(argv[0])
+
+
+def test_a_value_that_starts_like_a_negative_number_is_the_options_value(tmp_path, monkeypatch):
+    from offloadopt.cli import build_parser
+
+    monkeypatch.chdir(tmp_path)
+    parse = build_parser().parse_args
+    assert parse(["audit", "--trace", "x.json.gz"]).trace == "x.json.gz"
+    assert parse(["audit", "--trace", "x.json"]).trace == "x.json"
+    assert one_error_line(["train", "--data", "-1.txt"]) == "--data: '-1.txt': no such file"
+    (tmp_path / "-1.txt").write_text("text " * 100)
+    assert parse(["train", "--data", "-1.txt", "--steps", "2"]).data == "-1.txt"
+    # an option of several values keeps argparse's reading; "--" too
+    assert one_error_line(["bench", "--fractions", "0", "-.5", "1"]) == (
+        "--fractions: -0.5 is not in [0, 1]"
+    )
+    assert parse(["bench", "--fractions", "0", "0.5"]).fractions == [0.0, 0.5]
+    assert one_error_line(["train", "--", "--max-gpu-memory", "-5GB"]).startswith("unrecognized")
 
 
 def test_bench_json_is_written_whole(tmp_path):

@@ -1,8 +1,11 @@
 """The logic of the GPU-host scripts in benchmarks/ that CPU can check: overlap_bench.py's
-configuration variants and profile_modes.py's reading of a torch.profiler trace."""
+configuration variants, its summary and both scripts' checks of their options;
+profile_modes.py's reading of a torch.profiler trace."""
 
+import math
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -18,9 +21,9 @@ def test_overlap_bench_variants_add_options_to_a_known_configuration():
     assert got == {**known["backward f0.2"], "cpu_threads": 8, "switch_s": 0.0005, "fifo": True}
     assert overlap_bench.derived("delayed f1 bucket256", known)["bucket_nbytes"] == 256 * 2**20
     assert overlap_bench.derived("f0", known) is known["f0"]
-    with pytest.raises(SystemExit, match="'backward f0.2 threads'"):
+    with pytest.raises(ValueError, match="'backward f0.2 threads'"):
         overlap_bench.derived("backward f0.2 threads", known)  # no number: not a variant
-    with pytest.raises(SystemExit, match="'nonsense f9'"):
+    with pytest.raises(ValueError, match="'nonsense f9'"):
         overlap_bench.derived("nonsense f9 threads4", known)
 
 
@@ -59,3 +62,119 @@ def test_profile_modes_gaps_split_launch_bound_from_waits_and_blame_the_launchin
     assert g["wait_gap_ms"] == pytest.approx(0.1)
     assert dict(g["launching_thread_ms"]) == pytest.approx({"hook": 0.2, "inner": 0.1})
     assert profile_modes.compute_gaps({"traceEvents": []}) == {}
+
+
+# --- the scripts' options: a usage error (status 2) naming the value, before anything is built --
+
+CPU = ["--device", "cpu"]
+OVERLAP_BAD = [
+    (["--steps", "0"], "argument --steps: 0 is not an integer >= 1"),
+    (["--warmup", "-1"], "argument --warmup: -1 is not an integer >= 0"),
+    (["--batch-size", "0"], "argument --batch-size: 0 is not an integer >= 1"),
+    (["--seq-len", "0"], "argument --seq-len: 0 is not an integer >= 1"),
+    (["--preset", "nope"], "argument --preset: 'nope' is not one of tiny, small,"),
+    (["--preset", "tiny", "--seq-len", "129"], "--seq-len: 129 is more than the tiny preset's 128"),
+    (["--only", "f0", "nope"], "--only: 'nope' is no configuration"),
+    (["--only", "backward f0.2 threads"], "--only: 'backward f0.2 threads' is no configuration"),
+]  # fmt: skip
+PROFILE_BAD = [
+    (["--steps", "-1"], "argument --steps: -1 is not an integer >= 1"),  # was "--warmup"'s
+    (["--steps", "0"], "argument --steps: 0 is not an integer >= 1"),
+    (["--warmup", "-1"], "argument --warmup: -1 is not an integer >= 0"),
+    (["--batch-size", "0"], "argument --batch-size: 0 is not an integer >= 1"),
+    (["--top", "0"], "argument --top: 0 is not an integer >= 1"),
+    (["--preset", "nope"], "argument --preset: 'nope' is not one of tiny, small,"),
+    (["--configs", "step:1.5"], "argument --configs: 'step:1.5': fraction 1.5 is not in [0, 1]"),
+]  # fmt: skip
+
+
+def _usage_error(parse, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, message", OVERLAP_BAD, ids=[" ".join(a) for a, _ in OVERLAP_BAD])
+def test_overlap_bench_checks_its_options_before_anything_is_built(argv, message, capsys, tmp_path):
+    boom = AssertionError("got past the checks")
+    with mock.patch.object(overlap_bench, "load_text", side_effect=boom), \
+         mock.patch.object(overlap_bench.models, "build_model", side_effect=boom):  # fmt: skip
+        line = _usage_error(overlap_bench.main, [*argv, *CPU, "--out", str(tmp_path / "o")], capsys)
+    assert line.startswith(f"error: {message}", line.index("error: ")), line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv, message", PROFILE_BAD, ids=[" ".join(a) for a, _ in PROFILE_BAD])
+def test_profile_modes_checks_its_options_before_anything_is_built(argv, message, capsys, tmp_path):
+    with mock.patch.object(profile_modes, "Bench", side_effect=AssertionError("built")):
+        line = _usage_error(profile_modes.main, [*argv, *CPU, "--out", str(tmp_path)], capsys)
+    assert line.startswith(f"error: {message}", line.index("error: ")), line
+
+
+def test_the_scripts_take_good_options_and_variants():
+    args = overlap_bench.parse_args(
+        ["--only", "f0", "backward f0.05 threads8 fifo", "--quick", *CPU]
+    )
+    assert args.only == ["f0", "backward f0.05 threads8 fifo"]  # --only is not limited by --quick
+    assert profile_modes.parse_args(CPU).configs == [("step", 0.0, {})]  # main() unpacks three
+
+
+def test_overlap_bench_help_says_what_only_takes(capsys):
+    with pytest.raises(SystemExit):
+        overlap_bench.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for word in ("threadsN", "bucketN", "switchN", "fifo", "'backward f0.2 threads8 switch1'",
+                 "'delayed f1 clip'"):  # fmt: skip
+        assert word in text, word
+
+
+def _row(name, step_ms, fraction=0.0, **extra):
+    return {"name": name, "fraction": fraction, "choice": None, "step_ms": step_ms,
+            "step_ms_min": step_ms, "step_ms_max": step_ms, "to_backward_end_ms": step_ms / 2,
+            "peak_gpu_gb": 1.0, **extra}  # fmt: skip
+
+
+PROBE = {"main_alone_ns_per_param": 1.0, "main_link_ns_per_param": 1.5,
+         "worker_alone_ns_per_param": 2.0, "worker_link_ns_per_param": 2.5}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "rows, probe",
+    [
+        ([_row("delayed f1", 30.0)], None),  # --only "delayed f1": no f0, --no-probe
+        ([_row("f0", 10.0), _row("step f1", 40.0)], None),  # no sweep rows, no probe
+        ([_row("f0 clip", 10.0), {"name": "backward f0.1 clip", "error": "boom"}], PROBE),
+        ([_row("f0", 10.0), _row("backward auto", 10.5, 0.1, choice={}),
+          _row("backward auto budget", 11.0, 0.3, choice={"max_gpu_memory": 0.5e9})], None),
+        ([_row("f0", 10.0), _row("backward f0.1", 10.5, 0.1, grads_final=True),
+          _row("backward f1", 20.0, 1.0)], PROBE),
+    ],
+)  # fmt: skip
+def test_overlap_bench_summary_says_n_a_for_what_was_not_run(rows, probe, capsys, tmp_path):
+    results = {"gpu": "none", "torch": "x", "args": {"batch_size": 4, "seq_len": 128,
+               "out": str(tmp_path)}, "configs": rows}  # fmt: skip
+    if probe is not None:
+        results["kernel_probe"] = probe
+    overlap_bench.summarize(results, 10**6)
+    lines = capsys.readouterr().out.strip().splitlines()[1:]
+    assert lines, "nothing summarized"
+    for line in lines:
+        assert "nan" not in line and "; ;" not in line and "()" not in line, line
+        assert not line.rstrip().endswith((":", ";", "=", ",")), line
+    if probe is not None:
+        assert any(line.startswith("  CPU pass, ns/param: main 1.000 alone") for line in lines)
+    else:
+        assert any("n/a" in line for line in lines)
+
+
+def test_overlap_bench_summary_keeps_its_figures_when_every_row_is_there(capsys):
+    results = {"gpu": "none", "torch": "x", "args": {"batch_size": 4, "seq_len": 128},
+               "configs": [_row("f0", 10.0), _row("backward f0.1", 10.5, 0.1),
+                           _row("delayed f1", 30.0, 1.0)], "kernel_probe": PROBE}  # fmt: skip
+    overlap_bench.summarize(results, 10**7)
+    out = " ".join(capsys.readouterr().out.split())
+    # the CPU pass: 2.5 ns x 1e7 params = 25 ms; fwd+bwd of f0 5 ms; 30 / max(5, 25) = 1.20
+    assert "delayed f1 30.0 ms; / max(fwd+bwd 5, CPU pass 25) = 1.20" in out
+    assert "sweep (no clipping): f0 10.0 ms; 0.1:1.05x; largest within 1.10x: 0.1" in out
+    assert not math.isnan(results["configs"][0]["step_ms"])

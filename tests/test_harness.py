@@ -178,6 +178,17 @@ def test_invalid_config_raises():
         TrainConfig(seq_len=4096).resolved()
 
 
+def test_train_combinations_for_python_callers():
+    with pytest.raises(ValueError, match=r"^--warmup-steps: 4 is more than --steps 3 "):
+        TrainConfig(steps=3, warmup_steps=4).resolved()
+    assert TrainConfig(steps=3, warmup_steps=3).resolved().warmup_steps == 3
+    with pytest.raises(ValueError, match=r"^--offload-fraction auto with --overlap delayed: "):
+        TrainConfig(offload_fraction="auto", overlap="delayed").resolved()
+    # with a budget the optimizer takes auto in delayed mode: the budget chooses the fraction
+    ok = TrainConfig(offload_fraction="auto", overlap="delayed", max_gpu_memory=10**9).resolved()
+    assert ok.offload_fraction == "auto"
+
+
 def test_cli_train_prints_json_last(capsys):
     argv = [
         "train",

@@ -160,7 +160,7 @@ def add_audit_args(p: argparse.ArgumentParser) -> None:
     a("--mock-data", action="store_true", help="uniform random tokens")
     a("--data", type=checks.input_file, default=None,
       help="text file (default: CPython's pydoc topics)")
-    a("--trace", type=checks.output_file, default=None,
+    a("--trace", type=checks.chrome_trace_file, default=None,
       help="also write the Chrome trace to this file (.json or .json.gz)")
     a("--json", type=checks.output_file, default=None,
       help="write the full report as JSON to this file")

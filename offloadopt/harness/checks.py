@@ -26,7 +26,7 @@ from offloadopt.harness.data import TokenData, load_text, min_text_bytes
 
 __all__ = ["UsageError", "check", "positive_int", "nonneg_int", "seed", "fraction"]
 __all__ += ["nonneg_float", "device", "input_file", "out_dir", "output_file", "text_data"]
-__all__ += ["write_atomic"]
+__all__ += ["preset", "chrome_trace_file", "write_atomic"]
 
 INT_MAX = 2**63 - 1  # torch's int64: a larger count or seed fits neither tensors nor generators
 T = TypeVar("T")
@@ -132,6 +132,17 @@ def nonneg_float(value: Any) -> float:
     return _float(value, "a finite number >= 0", lambda x: 0.0 <= x < math.inf)
 
 
+def preset(value: Any) -> str:
+    """A model preset (``models.MODEL_PRESETS``) whose package is importable here."""
+    from offloadopt.harness import models
+
+    if value not in models.MODEL_PRESETS:
+        raise UsageError(f"{_shown(value)} is not one of {', '.join(models.MODEL_PRESETS)}")
+    if missing := models.missing_package(value):
+        raise UsageError(f"{value!r} needs {missing} (pip install {missing})")
+    return value
+
+
 def device(value: Any) -> str:
     """``cpu``, ``cuda`` or ``cuda:N`` with a device N that torch sees here, as a string.
 
@@ -213,6 +224,15 @@ def output_file(value: Any) -> str:
         raise UsageError(f"{str(path)!r}: no folder {str(path.parent)!r}")
     _writable_folder(path.parent, repr(str(path)))
     return str(path)
+
+
+def chrome_trace_file(value: Any) -> str:
+    """An :func:`output_file` for a Chrome trace (JSON, ``export_chrome_trace``): its name ends
+    in ``.json``, or ``.json.gz`` (torch compresses by the name)."""
+    path = output_file(value)
+    if not path.endswith((".json", ".json.gz")):
+        raise UsageError(f"{path!r} is not a .json or .json.gz file name (a Chrome trace is JSON)")
+    return path
 
 
 def text_data(path: str | None, seq_len: int) -> TokenData:

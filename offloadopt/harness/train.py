@@ -147,6 +147,13 @@ class TrainConfig:
                 f"--offload-fraction auto: HybridAdamW's option; --optimizer {cfg.optimizer} "
                 "keeps everything on the device"
             )
+        if cfg.offload_fraction == "auto" and cfg.overlap == "delayed" and not cfg.max_gpu_memory:
+            raise UsageError(  # HybridAdamW refuses it too, but only once the data is loaded
+                "--offload-fraction auto with --overlap delayed: the fraction decides which "
+                "params train on weights one step old, so one chosen from timings would make "
+                "the results depend on them; give a number (1.0 is the delayed update's usual "
+                "one), or a --max-gpu-memory budget"
+            )
         d = TrainConfig()
         for flag, value, default in (
             ("--offload-fraction", cfg.offload_fraction, d.offload_fraction),
@@ -171,6 +178,11 @@ class TrainConfig:
             raise UsageError(
                 f"--seq-len: {cfg.seq_len} is more than the {cfg.preset} preset's block_size "
                 f"{block_size}"
+            )
+        if cfg.warmup_steps > cfg.steps:
+            raise UsageError(
+                f"--warmup-steps: {cfg.warmup_steps} is more than --steps {cfg.steps} (the "
+                "warm-up would never reach the peak --lr)"
             )
         return cfg
 
