@@ -76,9 +76,17 @@ def _compiled(model: torch.nn.Module) -> bool:
     )
 
 
+# torch's modules whose forward reads their children's params directly, not through the
+# children's forward (so the children's pre-hooks never run): MultiheadAttention reads
+# out_proj.weight and .bias in F.multi_head_attention_forward; TransformerEncoderLayer's fast
+# path (eval, no grad) reads every child's params in one fused op.
+READS_CHILDREN: tuple[type, ...] = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer)
+
+
 class ModuleWaits:
     """Forward pre-hooks (run before any other pre-hook of the module) that make the module's
-    stream wait for the copies back of its own params only: ``owner._wait_for(params)``; and a
+    stream wait for the copies back of its own params only (of its whole subtree for the
+    types in :data:`READS_CHILDREN`): ``owner._wait_for(params)``; and a
     state-dict pre-hook on every module of the model that waits for everything
     (``owner.synchronize()``). Traced by ``torch.compile``, a pre-hook is a no-op that sets
     ``compiled.seen``: the owner then waits for everything before ``step()`` returns."""
@@ -113,7 +121,11 @@ class ModuleWaits:
                         opt._wait_for([p for p in params if p in offloaded], streams)
 
             else:
-                mine = [p for p in module.parameters(recurse=False) if p in offloaded]
+                # A module of READS_CHILDREN waits for its whole subtree: it reads its
+                # children's params without calling them (tests/test_overlap.py,
+                # test_torchs_attention_modules_wait_for_the_params_they_read).
+                whole = isinstance(module, READS_CHILDREN)
+                mine = [p for p in module.parameters(recurse=whole) if p in offloaded]
                 if not mine:
                     continue
 

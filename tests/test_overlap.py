@@ -618,3 +618,38 @@ def test_a_watched_second_backward_before_step_is_refused_by_the_optimizer():
     with pytest.raises(RuntimeError, match="inconsistent"):
         opt.step()
     opt.discard_failed_step()
+
+
+@pytest.mark.parametrize("overlap", ["step", "backward"])
+def test_torchs_attention_modules_wait_for_the_params_they_read(overlap):
+    """A fresh user's finding: torch's MultiheadAttention reads out_proj's params without
+    calling out_proj (and TransformerEncoderLayer's eval fast path reads every child's), so
+    out_proj's own pre-hook never ran and, with wait="module", the forward after step() read
+    weights still being written (autograd's in-place error, or another result than torch's).
+    Those modules now wait for their whole subtree."""
+
+    def build():
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), layer)
+
+    def run(model, opt):
+        evals = []
+        for step in range(4):
+            x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(step))
+            model.train()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            model.eval()  # the encoder layer's fast path
+            with torch.no_grad():
+                evals.append(model(x))
+        getattr(opt, "synchronize", lambda: None)()
+        return [*model.parameters(), *evals]
+
+    ref = run(m := build(), torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True))
+    model = build()
+    kw = dict(overlap="backward", grads_final=True) if overlap == "backward" else {}
+    opt = make_opt(model, 1.0, wait="module", **kw)
+    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.002)
+    assert_bitwise([t.detach() for t in run(model, opt)], [t.detach() for t in ref], overlap)
