@@ -51,7 +51,14 @@ class FromBackward:
             if st is not None and st.task_id != task:
                 if st.fed:  # its updates used grads that this backward now adds to
                     what = "did not finish" if not st.backward_done else "came before step()"
-                    self._abandon(st, f"a backward {what}, and another one started")
+                    self._abandon(
+                        st,
+                        f"a backward {what}, and another one started (for gradient "
+                        "accumulation, run the non-final micro-steps' backward inside "
+                        "opt.accumulating(); a framework that accumulates on its own, such as "
+                        "transformers' Trainer or Lightning, needs overlap='step', or "
+                        "overlap='backward' without grads_final, max_grad_norm and grad_scaler)",
+                    )
                 if st.run is not None:  # begun, nothing queued: the worker must not wait on it
                     st.run.abort()
                 self._step = st = None

@@ -120,6 +120,9 @@ class StepState:
     first: set[torch.Tensor] = field(default_factory=set)  # lazy-state params' first update
     t0: float = 0.0
     delayed: bool = False  # overlap="delayed", past delay_after: the update lands one step late
+    # wait="module": (weakref to the grad, its version, param) of each grad the copies still
+    # read when step() returned; checked when the step ends (Waits.synchronize)
+    lent: list[tuple[Any, int, torch.Tensor]] = field(default_factory=list)
 
 
 class Stepping(Waits, FromBackward, Scaling, Updates):
@@ -158,6 +161,8 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
             # mode) and check every grad, before any state changes.
             if st is None:
                 st = self._begin()
+            elif st.fed:
+                self._warn_if_hypers_moved(st)
             st.t0 = t0
             # Params fed during backward were checked then (their grads may be released now).
             with_grad = [p for p in st.group_of if p not in st.versions and p.grad is not None]
@@ -256,18 +261,49 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                 self._inflight, self._inflight_streams = st, streams
                 if (self.wait == "step" or self._compiled_region()) and not st.delayed:
                     self.synchronize()  # compiled: one full wait for the region's modules
-                elif not st.delayed and not (self._watched or self._watch_later):
-                    self._warn_once(
-                        "module-unwatched",
-                        "wait='module' with no model given to opt.watch(): nothing makes the "
-                        "next forward wait for the weights being copied back; call "
-                        "opt.watch(model), or opt.synchronize() before the next forward",
-                    )
+                elif not st.delayed:
+                    # wait="module": the copies still read the grads after step() returns; an
+                    # in-place edit before they are done is an error when the step ends
+                    # (synchronize(); tests/test_overlap.py, test_a_grad_zeroed_in_place_...)
+                    st.lent = [(ref, local(g)._version, p) for p, (ref, _) in st.versions.items()
+                               if (g := ref()) is not None]  # fmt: skip
+                    if not (self._watched or self._watch_later):
+                        self._warn_once(
+                            "module-unwatched",
+                            "wait='module' with no model given to opt.watch(): nothing makes "
+                            "the next forward wait for the weights being copied back; call "
+                            "opt.watch(model), or opt.synchronize() before the next forward",
+                        )
         if auto is not None:
             # offload_fraction="auto": a sample (a step that updated nothing is none); may move
             # the state, between steps
             auto.end(self, worked=bool(st.prepared))
         return loss
+
+    def _warn_if_hypers_moved(self, st: StepState) -> None:
+        """A group value set between backward and ``step()`` after this step's updates began
+        (declared backward mode froze the values at its first update: the whole step uses
+        those, the new ones apply from the next step). torch reads them in ``step()``; say so,
+        once (a fresh user's finding: an lr set after backward was silently a step late)."""
+        for gi, group in enumerate(self.param_groups):
+            hyper = st.hypers.get(id(group))
+            if hyper is None:
+                continue
+            for key, frozen in hyper.values.items():
+                now = group.get(key)
+                if isinstance(now, torch.Tensor) or isinstance(frozen, torch.Tensor):
+                    continue  # a tensor lr: comparing it would sync with the device
+                if now != frozen:
+                    self._warn_once(
+                        "hypers-moved",
+                        f"param group {gi}'s {key} changed from {frozen!r} to {now!r} after this "
+                        "step's updates started during backward (overlap='backward' with "
+                        "grads_final, max_grad_norm or grad_scaler freezes a step's values at "
+                        "its first update): this step used the old value, and the new one "
+                        "applies from the next step. Set hyperparameters before backward (or "
+                        "step the scheduler after opt.step())",
+                    )
+                    return
 
     def discard_failed_step(self) -> None:
         """Accept the state a failed step left (some params updated, others not) and go on."""

@@ -54,6 +54,20 @@ class Waits:
         if st.delayed:
             self._publish_delayed(st, streams)
         self._finish(st, streams)
+        edited = [p for ref, version, p in st.lent
+                  if (g := ref()) is not None and local(g)._version != version]  # fmt: skip
+        if edited:
+            # A fresh user's finding: model.zero_grad(set_to_none=False) or p.grad.zero_()
+            # right after step() zeroed grads the worker had not copied yet, silently.
+            names = ", ".join(self._records[p].name for p in edited[:3])
+            self._broken = f"the grads of {len(edited)} params were edited in place ({names})"
+            raise RuntimeError(
+                f"the grads of {len(edited)} params ({names}{', ...' if len(edited) > 3 else ''})"
+                " were changed in place after step() returned, while this step's copies could "
+                "still read them (wait='module': step() returns before they are done), so their "
+                "update may have read the changed values. Zero grads with opt.zero_grad() (it "
+                "waits first) or set_to_none=True, or call opt.synchronize() before editing them"
+            )
 
     def _wait_update(self) -> None:
         """Wait until the update in flight has written the host state (a read of

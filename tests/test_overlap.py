@@ -159,7 +159,7 @@ def test_a_second_backward_without_the_marker_is_an_error_and_the_optimizer_refu
     run = opt._step.run
     for work in list(run.fed):
         run.wait_h2d_queued(work.bucket, 60)
-    with pytest.raises(RuntimeError, match="a backward came before step"):
+    with pytest.raises(RuntimeError, match=r"a backward came before step.*opt.accumulating\(\)"):
         model(batch(1)).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match="inconsistent.*discard_failed_step"):
         opt.step()
@@ -653,3 +653,56 @@ def test_torchs_attention_modules_wait_for_the_params_they_read(overlap):
     opt = make_opt(model, 1.0, wait="module", **kw)
     opt._pipeline.worker_hook = lambda bucket: time.sleep(0.002)
     assert_bitwise([t.detach() for t in run(model, opt)], [t.detach() for t in ref], overlap)
+
+
+@pytest.mark.parametrize("how", ["model.zero_grad", "grad.zero_"])
+def test_a_grad_zeroed_in_place_while_its_copy_is_pending_is_an_error(how):
+    """A fresh user's finding: with wait="module" step() returns before the copies have read
+    the grads; model.zero_grad(set_to_none=False) (or p.grad.zero_()) right after it zeroed
+    grads the worker had not copied yet, and the update silently used zeros. The step now ends
+    with an error naming the params; opt.zero_grad(set_to_none=False) waits first and is fine."""
+    model = mlp()
+    opt = make_opt(model, 1.0, wait="module")
+    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.003)  # the copies are still pending
+    model(batch(0)).pow(2).mean().backward()
+    opt.step()
+    if how == "model.zero_grad":
+        model.zero_grad(set_to_none=False)
+    else:
+        for p in model.parameters():
+            p.grad.zero_()
+    with pytest.raises(
+        RuntimeError, match=r"grads of \d+ params \(group0.param\d.*changed in place"
+    ):
+        model(batch(1))  # the watched forward ends the step
+    with pytest.raises(RuntimeError, match="inconsistent"):
+        opt.state_dict()
+    opt.discard_failed_step()
+
+
+def test_opt_zero_grad_in_place_after_a_module_wait_step_equals_torch():
+    ref = train(m := mlp(), torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True))
+    model = mlp()
+    opt = make_opt(model, 1.0, wait="module")
+    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.003)
+    for step in range(4):
+        model(batch(step)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # waits for the copies, then zeroes
+    opt.synchronize()
+    assert_bitwise([p.detach() for p in model.parameters()], ref, "opt.zero_grad in place")
+
+
+def test_an_lr_set_between_backward_and_step_after_updates_started_is_reported():
+    """A fresh user's finding: declared backward mode freezes a step's values at its first
+    update, during backward, so an lr set after backward applied a step late, silently. The
+    step now warns (once) and says which value it used; set before backward, it is torch's."""
+    model = mlp()
+    opt = make_opt(model, 1.0, **MODES["backward"])
+    model(batch(0)).pow(2).mean().backward()
+    opt.param_groups[0]["lr"] = 0.0
+    with pytest.warns(UserWarning, match=r"group 0's lr changed from 0.01 to 0.0 after this step"):
+        opt.step()
+    opt.zero_grad()
+    ref = train(m := mlp(), torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True), steps=1)
+    assert_bitwise([p.detach() for p in model.parameters()], ref, "the step used the old lr")
