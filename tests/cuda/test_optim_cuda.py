@@ -400,3 +400,32 @@ def test_a_read_between_backward_and_step_waits_for_the_started_updates_on_the_g
             want.append(ref_model(x.bfloat16()).float())
     assert_same_outputs(got, want)
     opt.close()
+
+
+def test_a_grad_zeroed_in_place_after_a_module_wait_step_is_an_error_on_the_gpu():
+    """wait="module": step() returns before the D2H copies have read the grads; zeroing them
+    in place then is an error naming the params (tests/test_overlap.py has the CPU side),
+    while opt.zero_grad(set_to_none=False), which waits first, trains as the oracle does."""
+    model = big_cheap_model()
+    opt = HybridAdamW(model.parameters(), offload_fraction=1.0, bucket_nbytes=16 * 2**20,
+                      wait="module")  # fmt: skip
+    opt.watch(model)
+    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.01)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    model.zero_grad(set_to_none=False)
+    with pytest.raises(RuntimeError, match="changed in place after step"):
+        model(x)
+    opt.discard_failed_step()
+    opt.close()
+    ref_model = big_cheap_model()
+    ref_outs = train(ref_model, Lockstep(ref_model.parameters()), steps=4)
+    model = big_cheap_model()
+    opt = HybridAdamW(model.parameters(), offload_fraction=1.0, bucket_nbytes=16 * 2**20,
+                      wait="module", flush_denormal=False)  # fmt: skip
+    opt.watch(model)
+    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.01)
+    opt.zero_grad = lambda set_to_none=True, z=opt.zero_grad: z(set_to_none=False)  # in place
+    assert_same_outputs(train(model, opt, steps=4), ref_outs)
+    opt.close()
