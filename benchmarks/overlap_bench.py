@@ -322,7 +322,8 @@ def summarize(results: dict, n: int) -> None:
     summarize_auto(rows, results)
     kernel_ms = probe.get("worker_link_ns_per_param", math.nan) * n / 1e6
     fb = rows.get("f0", {}).get("to_backward_end_ms", math.nan)
-    bound = max((x for x in (fb, kernel_ms) if math.isfinite(x)), default=math.nan)
+    # the bound needs both figures: against one alone the ratio would mean nothing
+    bound = max(fb, kernel_ms) if math.isfinite(fb) and math.isfinite(kernel_ms) else math.nan
     for name in ("step f1", "backward f1", "backward f1 clip", "torchao", "delayed f1",
                  "delayed f1 clip", "delayed f1 torch-clip"):  # fmt: skip
         if name in rows:

@@ -166,6 +166,9 @@ def test_overlap_bench_summary_says_n_a_for_what_was_not_run(rows, probe, capsys
         assert any(line.startswith("  CPU pass, ns/param: main 1.000 alone") for line in lines)
     else:
         assert any("n/a" in line for line in lines)
+        # a ratio needs the whole bound: against forward+backward alone it read 5.71x once
+        for line in lines:
+            assert "CPU pass n/a" not in line or line.endswith("= n/a"), line
 
 
 def test_overlap_bench_summary_keeps_its_figures_when_every_row_is_there(capsys):
