@@ -181,3 +181,27 @@ def test_overlap_bench_summary_keeps_its_figures_when_every_row_is_there(capsys)
     assert "delayed f1 30.0 ms; / max(fwd+bwd 5, CPU pass 25) = 1.20" in out
     assert "sweep (no clipping): f0 10.0 ms; 0.1:1.05x; largest within 1.10x: 0.1" in out
     assert not math.isnan(results["configs"][0]["step_ms"])
+
+
+def test_the_baseline_is_timed_without_a_sync_between_backward_and_step(monkeypatch):
+    """f0's forward+backward needs a sync before step(), which would also keep step()'s
+    launches from overlapping backward; timed in the same iterations it made the baseline
+    slower than the configurations it is the baseline of. It is timed in extra iterations."""
+    import torch
+
+    from offloadopt.harness import models
+
+    torch.manual_seed(0)
+    model = models.build_model("tiny", torch.device("cpu"), torch.float32)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    batches = [(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))) for _ in range(3)]
+    syncs = []
+    monkeypatch.setattr(overlap_bench, "sync", lambda m: syncs.append(1))
+    row = overlap_bench.run(model, init, batches, "f0", {"fraction": 0.0}, warmup=1, steps=2)
+    # three timed-or-warm-up iterations with a sync before and after each; two more for
+    # forward+backward with one more sync each, before step()
+    assert len(syncs) == 3 * 2 + 2 * 3
+    assert math.isfinite(row["to_backward_end_ms"]) and math.isfinite(row["step_ms"])
+    syncs.clear()
+    overlap_bench.run(model, init, batches, "backward f0.1", {"fraction": 0.1}, warmup=1, steps=2)
+    assert len(syncs) == 3 * 2
