@@ -187,13 +187,18 @@ class Waits:
             fed = list(st.fed)  # a copy: autograd's thread may feed more meanwhile
         else:  # a module's few buckets, not a scan of all (its pre-hook runs every forward)
             fed = [b for p in params for b in self._records[p].buckets if b in st.fed]
-        for b in fed:
+        self._wait_buckets(st, fed, streams_too)
+
+    def _wait_buckets(self, st: StepState, buckets, streams_too=()) -> None:
+        """Of ``buckets`` (fed to ``st``), those not waited for yet: block until the worker has
+        queued each one's H2D, then make the current stream and ``streams_too`` wait on it."""
+        for b in buckets:
             if b in st.waited:
                 continue
-            st.run.wait_h2d_queued(b, self.timeout_s)
+            st.run.wait_h2d_queued(b, self.timeout_s)  # its event exists from here on
             tr = self._pipeline.transfers[b.arena.device]
             if tr.cuda:
-                # (I4) what runs next on this stream reads these params only after their H2D.
+                # (I4) what runs next on these streams reads the params only after their H2D.
                 torch.cuda.current_stream(b.arena.device).wait_event(tr.h2d_done[b])
                 for stream in streams_too:
                     stream.wait_event(tr.h2d_done[b])
@@ -208,18 +213,7 @@ class Waits:
         st = self._inflight
         if st is None or st.delayed:
             return
-        streams = self._inflight_streams
-        for p in params:
-            for b in self._records[p].buckets:
-                if b in st.fed and b not in st.waited:
-                    st.run.wait_h2d_queued(b, self.timeout_s)
-                    tr = self._pipeline.transfers[b.arena.device]
-                    if tr.cuda:
-                        # (I4) the forward reads these params only after their H2D.
-                        torch.cuda.current_stream(b.arena.device).wait_event(tr.h2d_done[b])
-                        for stream in streams_too:
-                            stream.wait_event(tr.h2d_done[b])
-                    st.waited.add(b)
+        mine = [b for p in params for b in self._records[p].buckets if b in st.fed]
+        self._wait_buckets(st, mine, streams_too)  # (I4) the forward reads them after their H2D
         if len(st.waited) == len(st.fed):
             self.synchronize()  # every copy back is waited for: the step is over
-        del streams
