@@ -154,10 +154,10 @@ class FromBackward:
             # accumulating()), or a zero grad that zero_grad(set_to_none=False) left on a
             # param this backward did not reach. torch updates both; so do we
             # (tests/test_overlap.py, test_grads_no_hook_announced_are_updated_at_backward_end).
-            st.announced.update(p for p in st.group_of if p.grad is not None)
+            params = [p for p in st.group_of if p.grad is not None]
+            st.announced.update(params)
             scale = self._attached_scale()
             if self.max_grad_norm is not None or scale is not None:
-                params = [p for p in st.group_of if p.grad is not None]
                 inf = None
                 if scale is not None:  # the scaler's check, made here (offloadopt/amp.py)
                     inf = found_inf([local(p.grad) for p in params], scale.device)

@@ -170,7 +170,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                 self._check_grad(p)
             # A grad that appeared after its bucket's update started (set by hand after
             # backward): that update ran without it, and it cannot be fed again.
-            for p in with_grad:
+            for p in with_grad if st.fed else ():  # step mode: nothing started early
                 if any(b in st.fed for b in self._records[p].buckets):
                     self._broken = f"the grad of {self._records[p].name} came after its update"
                     raise RuntimeError(

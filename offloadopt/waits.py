@@ -182,16 +182,16 @@ class Waits:
         """
         if not self._updates_started():
             return
-        st = self._step
-        if params is None:
-            fed = list(st.fed)  # a copy: autograd's thread may feed more meanwhile
-        else:  # a module's few buckets, not a scan of all (its pre-hook runs every forward)
-            fed = [b for p in params for b in self._records[p].buckets if b in st.fed]
-        self._wait_buckets(st, fed, streams_too)
+        self._wait_buckets(self._step, params, streams_too)
 
-    def _wait_buckets(self, st: StepState, buckets, streams_too=()) -> None:
-        """Of ``buckets`` (fed to ``st``), those not waited for yet: block until the worker has
-        queued each one's H2D, then make the current stream and ``streams_too`` wait on it."""
+    def _wait_buckets(self, st: StepState, params, streams_too=()) -> None:
+        """Of the buckets fed to ``st`` (those of ``params``, or all), those not waited for
+        yet: block until the worker has queued each one's H2D, then make the current stream
+        and ``streams_too`` wait on it."""
+        if params is None:
+            buckets = list(st.fed)  # a copy: autograd's thread may feed more meanwhile
+        else:  # a module's few buckets, not a scan of all (its pre-hook runs every forward)
+            buckets = [b for p in params for b in self._records[p].buckets if b in st.fed]
         for b in buckets:
             if b in st.waited:
                 continue
@@ -213,7 +213,6 @@ class Waits:
         st = self._inflight
         if st is None or st.delayed:
             return
-        mine = [b for p in params for b in self._records[p].buckets if b in st.fed]
-        self._wait_buckets(st, mine, streams_too)  # (I4) the forward reads them after their H2D
+        self._wait_buckets(st, params, streams_too)  # (I4) the forward reads them after their H2D
         if len(st.waited) == len(st.fed):
             self.synchronize()  # every copy back is waited for: the step is over
