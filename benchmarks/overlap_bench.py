@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from offloadopt import HybridAdamW, auto
+from offloadopt import HybridAdamW, auto, updates
 from offloadopt.harness import anchors, checks, models
 from offloadopt.harness.data import get_batch, load_text
 from offloadopt.harness.probes import time_kernel_under_link
@@ -61,20 +61,23 @@ def derived(name: str, known: dict[str, dict]) -> dict:
     """The configuration called ``name``: a known one, or a known one followed by variants,
     each a word: ``threadsN`` (cpu_threads=N), ``bucketN`` (N MiB buckets), ``switchN``
     (sys.setswitchinterval of N ms), ``fifo`` (the worker takes queued buckets in the order
-    they were fed, as before pipeline.StepRun took the forward's first), e.g.
+    they were fed, as before pipeline.StepRun took the forward's first), ``perseg`` (one
+    kernel operand per segment, as before updates._joined joined back-to-back ones), e.g.
     "backward f0.2 threads8 switch1". Raises ValueError for a name that is none of these."""
     if name in known:
         return known[name]
     base, _, last = name.rpartition(" ")
     if base and last == "fifo":  # the worker takes queued buckets in feed order (before 2026-12-01)
         return {**derived(base, known), "fifo": True}
+    if base and last == "perseg":  # one kernel operand per segment (before 2026-12-02)
+        return {**derived(base, known), "perseg": True}
     for prefix, key, unit in (("threads", "cpu_threads", 1), ("bucket", "bucket_nbytes", 2**20),
                               ("switch", "switch_s", 1e-3)):  # fmt: skip
         if base and last.startswith(prefix) and last[len(prefix) :].replace(".", "", 1).isdigit():
             value = float(last[len(prefix) :]) * unit
             return {**derived(base, known), key: value if key == "switch_s" else int(value)}
     raise ValueError(f"--only: {name!r} is no configuration, nor one followed by variant words "
-                     "(threadsN, bucketN, switchN, fifo); --help lists the names")  # fmt: skip
+                     "(threadsN, bucketN, switchN, fifo, perseg); --help lists the names")  # fmt: skip
 
 
 # offload_fraction="auto" needs its probe, move and verify steps before the timed ones.
@@ -131,6 +134,8 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
     fraction = cfg.pop("fraction", 1.0)
     if cfg.pop("fifo", False):  # main() puts the method back after each configuration
         StepRun._take = lambda run: run._queue.popleft()
+    if cfg.pop("perseg", False):  # main() puts the function back after each configuration
+        updates._joined = lambda columns, steps: (columns, steps)
     move_at, move_to = cfg.pop("move_at", None), cfg.pop("move_to", None)
     if fraction == "auto" or move_at is not None:
         warmup = max(warmup, AUTO_WARMUP)
@@ -225,7 +230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "run only these configurations, each one quoted argument: a configuration's name, "
         "optionally followed by variant words: threadsN (cpu_threads=N), bucketN (N MiB buckets), "
         "switchN (sys.setswitchinterval of N ms), fifo (the worker takes queued buckets in feed "
-        "order); e.g. --only f0 'backward f0.2 threads8 switch1' 'delayed f1 bucket256 fifo'. "
+        "order), perseg (one kernel operand per segment); e.g. --only f0 'backward f0.2 threads8 switch1' 'delayed f1 bucket256 fifo'. "
         "Names: " + ", ".join(repr(n) for n, _ in configs(False) + EXTRA)))  # fmt: skip
     ap.add_argument("--no-probe", action="store_true", help="skip the kernel probe")
     ap.add_argument("--no-memory", action="store_true", help="skip the grad-release memory runs")
@@ -263,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                for _ in range(max(args.warmup, AUTO_WARMUP) + args.steps)]  # fmt: skip
     results["params"] = n
     rows = results["configs"] = []
-    take = StepRun._take
+    take, joined = StepRun._take, updates._joined
     for name, cfg in selected(args.only, args.quick):
         try:
             if "budget_of" in cfg:  # a budget of a measured row's peak: fractions above it fit
@@ -277,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run(model, init, batches, name, cfg, args.warmup, args.steps))
             finally:
                 StepRun._take = take  # a "fifo" variant replaced it
+                updates._joined = joined  # a "perseg" variant replaced it
         except anchors.Unavailable as e:
             rows.append({"name": name, "error": f"skipped: {e}"})
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the rest

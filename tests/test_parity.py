@@ -186,3 +186,40 @@ def test_cuts_at_unaligned_offsets_regression():
         opt.step()
         ref.step()
     assert_bitwise(params, refs)
+
+
+def test_back_to_back_segments_join_into_one_kernel_call_bitwise(monkeypatch):
+    """The worker joins runs of back-to-back segments (lengths a multiple of CUT_ALIGN, equal
+    steps) into one flat kernel operand. Mixed lengths (64-multiples and not) and a param that
+    misses a step (its step falls behind) must still be bitwise torch's per-param call."""
+    from offloadopt.rules import AdamWRule
+
+    calls = []
+    kernel = AdamWRule.kernel
+
+    def counting(weights, *args, **kwargs):
+        calls.append([w.numel() for w in weights])
+        return kernel(weights, *args, **kwargs)
+
+    monkeypatch.setattr(AdamWRule, "kernel", staticmethod(counting))
+    gen = torch.Generator().manual_seed(5)
+    sizes = [128, 192, 100, 64, 256, 37, 320, 64]
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
+    refs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = HybridAdamW(params, lr=1e-2, min_offload_numel=1, bucket_nbytes=2**20)
+    ref = torch.optim.AdamW(refs, lr=1e-2, fused=True)
+    for step in range(8):
+        for i, (p, r) in enumerate(zip(params, refs, strict=True)):
+            g = torch.randn(p.shape, generator=gen)
+            skip = i == 4 and step == 0  # a step behind from then on
+            p.grad, r.grad = (None, None) if skip else (g, g.clone())
+        opt.step()
+        ref.step()
+        assert_bitwise(params, refs, f"step {step}")
+    assert opt.state[params[4]]["step"].item() == 7
+    # Arena order is last-registered first: 64, 320, 37, 256 (a step behind), 64, 100, 192, 128.
+    # Joins: 64+320 (both 64-multiples, 37 ends the run: its length is not); 256 alone (its
+    # step differs); 64+100 (100 ends a run); 192+128.
+    assert calls[-1] == [64 + 320 + 37, 256, 64 + 100, 192 + 128]
+    for p, r in zip(params, refs, strict=True):
+        assert_bitwise([opt.state[p]["exp_avg_sq"]], [ref.state[r]["exp_avg_sq"]])
