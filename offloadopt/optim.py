@@ -330,7 +330,10 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
     @property
     def stats(self) -> dict[str, float]:
         """Figures of the last ``step()``: ``d2h_wait_ms`` (worker time blocked on D2H
-        events), ``cpu_update_ms`` (worker time in the fused kernel), ``device_update_ms``
+        events), ``cpu_update_ms`` (worker time in the fused kernel), ``launch_ms`` (worker
+        time queuing the D2H and H2D copies and casts, staging-slot waits included),
+        ``feed_wait_ms`` (worker time waiting for the next bucket to be fed after the first
+        one arrived: backward had not announced it yet), ``device_update_ms``
         (host time launching the device-resident update), ``collect_ms`` (host time checking
         grads and state before the update), ``h2d_ms`` and ``d2h_ms`` (GPU time of the copies
         and casts on the side streams), ``d2h_nbytes`` / ``h2d_nbytes`` (bytes over the

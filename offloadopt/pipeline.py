@@ -210,12 +210,17 @@ class StepRun:
         try:
             while True:
                 while len(pending) < SLOTS:
+                    t = time.perf_counter()
                     work = self._next(block=not pending)
                     if work is None:
                         break
                     if started is None:
                         started = time.perf_counter()
+                    else:
+                        stats["feed_wait_ms"] += (time.perf_counter() - t) * 1e3
+                    t = time.perf_counter()
                     pending.append((work, *p._start_d2h(work, stats)))
+                    stats["launch_ms"] += (time.perf_counter() - t) * 1e3
                     with self._cond:
                         self.launched += 1
                         self._cond.notify_all()
@@ -230,7 +235,9 @@ class StepRun:
                     work.grads = []  # held by nothing else: the device memory is free now
                 with self._cond:
                     self._landed.append(work)
+                t = time.perf_counter()
                 tr.start_h2d(work.bucket, work.idx, slot, work.ready, work.targets)
+                stats["launch_ms"] += (time.perf_counter() - t) * 1e3
                 stats["h2d_nbytes"] += work.bucket.nbytes
                 stats["buckets"] = stats.get("buckets", 0) + 1
                 stats["worker_ms"] = (time.perf_counter() - started) * 1e3

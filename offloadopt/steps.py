@@ -361,7 +361,9 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                     )
                 group_of[p], index_of[p] = group, gi
                 self._record(p, group, gi, i)
-        stats = dict.fromkeys(("d2h_wait_ms", "cpu_update_ms", "h2d_ms", "d2h_ms"), 0.0)
+        stats = dict.fromkeys(
+            ("d2h_wait_ms", "cpu_update_ms", "launch_ms", "feed_wait_ms", "h2d_ms", "d2h_ms"), 0.0
+        )
         stats.update(d2h_nbytes=0, h2d_nbytes=0)
         st = StepState(hypers, group_of, stats)
         st.delayed = self.overlap == "delayed" and self._steps_taken() >= self.delay_after

@@ -706,3 +706,42 @@ def test_an_lr_set_between_backward_and_step_after_updates_started_is_reported()
     opt.zero_grad()
     ref = train(m := mlp(), torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True), steps=1)
     assert_bitwise([p.detach() for p in model.parameters()], ref, "the step used the old lr")
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: the grads before it in backward order are announced
+    ``delay_s`` before those after it."""
+
+    @staticmethod
+    def forward(ctx, x, delay_s):
+        ctx.delay_s = delay_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.delay_s)
+        return grad, None
+
+
+def test_stats_split_the_worker_time_into_kernel_launches_and_feed_waits():
+    """opt.stats: ``feed_wait_ms`` is the worker's wait for buckets backward has not announced
+    yet (here a 0.2 s pause inside backward, between the last layer's bucket and the first's),
+    ``launch_ms`` its time queuing copies; step mode feeds every bucket at once."""
+    torch.manual_seed(0)
+    first, last = torch.nn.Linear(48, 48), torch.nn.Linear(48, 48)
+    params = list(first.parameters()) + list(last.parameters())
+    for overlap, kw in (("backward", dict(grads_final=True)), ("step", {})):
+        opt = HybridAdamW(params, lr=1e-2, min_offload_numel=1, bucket_nbytes=4 * 48 * 48,
+                          overlap=overlap, **kw)  # fmt: skip
+        x = torch.randn(8, 48)
+        last(_SlowBackward.apply(first(x), 0.2)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        s = opt.stats
+        assert s["buckets"] >= 2 and s["launch_ms"] >= 0.0
+        if overlap == "backward":
+            assert 150.0 <= s["feed_wait_ms"] <= s["worker_ms"], s
+        else:
+            assert s["feed_wait_ms"] < 100.0, s
+        assert s["cpu_update_ms"] + s["feed_wait_ms"] <= s["worker_ms"] + 1.0
+        opt.close()
