@@ -38,6 +38,11 @@ EXTRA = [
     ("backward f0 clip", dict(fraction=0.0, **CLIPPED)),
     ("f0 clip wait-module", dict(fraction=0.0, max_grad_norm=1.0, wait="module")),
     ("backward f0 clip wait-step", dict(fraction=0.0, overlap="backward", max_grad_norm=1.0)),
+    # Without fp32 masters (bf16 params, bf16 moments: torchao's CPUOffloadOptimizer's math,
+    # half the CPU kernel's bytes); their bound uses the bf16 kernel probe.
+    ("step f1 bf16", dict(fraction=1.0, master_weights=False)),
+    ("backward f1 bf16", dict(fraction=1.0, master_weights=False, **BEST)),
+    ("delayed f1 bf16", dict(fraction=1.0, master_weights=False, overlap="delayed")),
     ("backward f1 threads16", dict(fraction=1.0, cpu_threads=16, **BEST)),
     ("backward f1 bucket256", dict(fraction=1.0, bucket_nbytes=256 * 2**20, **BEST)),
     ("backward f0.2 threads16", dict(fraction=0.2, cpu_threads=16, **BEST)),
@@ -300,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         probe = time_kernel_under_link(device, n // 4, (4 * n) // 4)
         results["kernel_probe"] = probe
         write()
+        if any("bf16" in r["name"] for r in rows):  # bf16 params: 2 bytes a param each way
+            results["kernel_probe_bf16"] = time_kernel_under_link(
+                device, n // 4, (2 * n) // 4, dtype=torch.bfloat16
+            )
+            write()
     if device.type == "cuda" and not args.no_memory:
         results["memory"] = memory_runs(args.preset, device, data, 2, 3)
         write()
@@ -344,6 +354,13 @@ def summarize(results: dict, n: int) -> None:
         if name in rows:
             print(f"  {name:18} {rows[name]['step_ms']:7.1f} ms; / max(fwd+bwd {_f(fb, '.0f')}, CPU "
                   f"pass {_f(kernel_ms, '.0f')}) = {_f(rows[name]['step_ms'] / bound, '.2f')}")  # fmt: skip
+    probe16 = results.get("kernel_probe_bf16", {})
+    kernel16_ms = probe16.get("worker_link_ns_per_param", math.nan) * n / 1e6
+    bound16 = max(fb, kernel16_ms) if math.isfinite(fb) and math.isfinite(kernel16_ms) else math.nan
+    for name in ("step f1 bf16", "backward f1 bf16", "delayed f1 bf16"):
+        if name in rows:
+            print(f"  {name:18} {rows[name]['step_ms']:7.1f} ms; / max(fwd+bwd {_f(fb, '.0f')}, bf16 CPU "
+                  f"pass {_f(kernel16_ms, '.0f')}) = {_f(rows[name]['step_ms'] / bound16, '.2f')}")  # fmt: skip
     if probe:
         print(f"  CPU pass, ns/param: main {probe['main_alone_ns_per_param']:.3f} alone, "
               f"{probe['main_link_ns_per_param']:.3f} with link; worker {probe['worker_alone_ns_per_param']:.3f}, "

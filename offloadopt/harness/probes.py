@@ -69,15 +69,21 @@ def time_link(device: torch.device, nbytes: int = 2**30, reps: int = 5) -> dict[
 
 
 def time_kernel_under_link(
-    device: torch.device, n_params: int, link_nbytes: int, reps: int = 3
+    device: torch.device,
+    n_params: int,
+    link_nbytes: int,
+    reps: int = 3,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, float]:
-    """torch's fused AdamW over ``n_params`` fp32 host elements, run on the training thread
-    and on an offloadopt worker (flush-to-zero), alone and while ``link_nbytes`` cross the
-    link each way (pinned, 64 MiB copies on two side streams): the CPU pass as the offloaded
-    step sees it. Medians in ms, and ns per param."""
+    """torch's fused AdamW over ``n_params`` host elements of ``dtype`` (params, grads and
+    both moments; fp32 is the fp32-master layout, bf16 the layout without masters), run on the
+    training thread and on an offloadopt worker (flush-to-zero), alone and while
+    ``link_nbytes`` cross the link each way (pinned, 64 MiB copies on two side streams): the
+    CPU pass as the offloaded step sees it. Medians in ms, and ns per param."""
     from offloadopt.worker import Worker, usable_cores
 
-    tensors = [torch.randn(n_params), torch.randn(n_params), torch.zeros(n_params), torch.zeros(n_params)]  # fmt: skip
+    tensors = [torch.randn(n_params).to(dtype), torch.randn(n_params).to(dtype),
+               torch.zeros(n_params, dtype=dtype), torch.zeros(n_params, dtype=dtype)]  # fmt: skip
     step = torch.zeros(())
     chunk = 64 * 2**20
     count = max(1, link_nbytes // chunk)
@@ -115,7 +121,7 @@ def time_kernel_under_link(
     def on_worker() -> None:
         worker.submit(kernel, "probe").wait(600)
 
-    out = {"params": n_params, "link_nbytes_each_way": count * chunk}
+    out = {"params": n_params, "dtype": str(dtype), "link_nbytes_each_way": count * chunk}
     for name, fn in (("main", kernel), ("worker", on_worker)):
         for link in (False, True):
             ms = timed(fn, link)
