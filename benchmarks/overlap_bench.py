@@ -24,7 +24,7 @@ from offloadopt import HybridAdamW, auto, updates
 from offloadopt.harness import anchors, checks, models
 from offloadopt.harness.data import get_batch, load_text
 from offloadopt.harness.probes import time_kernel_under_link
-from offloadopt.pipeline import Pipeline, StepRun
+from offloadopt.pipeline import StepRun
 
 SWEEP = [0.05, 0.1, 0.15, 0.2, 0.25, 0.3]
 BEST = dict(overlap="backward", wait="module", grads_final=True)  # nothing edits grads
@@ -67,8 +67,7 @@ def derived(name: str, known: dict[str, dict]) -> dict:
     each a word: ``threadsN`` (cpu_threads=N), ``bucketN`` (N MiB buckets), ``switchN``
     (sys.setswitchinterval of N ms), ``fifo`` (the worker takes queued buckets in the order
     they were fed, as before pipeline.StepRun took the forward's first), ``perseg`` (one
-    kernel operand per segment, as before updates._joined joined back-to-back ones),
-    ``nolauncher`` (the worker queues the copies itself, no launcher thread), e.g.
+    kernel operand per segment, as before updates._joined joined back-to-back ones), e.g.
     "backward f0.2 threads8 switch1". Raises ValueError for a name that is none of these."""
     if name in known:
         return known[name]
@@ -77,15 +76,13 @@ def derived(name: str, known: dict[str, dict]) -> dict:
         return {**derived(base, known), "fifo": True}
     if base and last == "perseg":  # one kernel operand per segment (before 2026-12-02)
         return {**derived(base, known), "perseg": True}
-    if base and last == "nolauncher":  # the worker queues the copies (before 2026-12-02)
-        return {**derived(base, known), "nolauncher": True}
     for prefix, key, unit in (("threads", "cpu_threads", 1), ("bucket", "bucket_nbytes", 2**20),
                               ("switch", "switch_s", 1e-3)):  # fmt: skip
         if base and last.startswith(prefix) and last[len(prefix) :].replace(".", "", 1).isdigit():
             value = float(last[len(prefix) :]) * unit
             return {**derived(base, known), key: value if key == "switch_s" else int(value)}
     raise ValueError(f"--only: {name!r} is no configuration, nor one followed by variant words "
-                     "(threadsN, bucketN, switchN, fifo, perseg, nolauncher); --help lists the names")  # fmt: skip
+                     "(threadsN, bucketN, switchN, fifo, perseg); --help lists the names")  # fmt: skip
 
 
 # offload_fraction="auto" needs its probe, move and verify steps before the timed ones.
@@ -144,7 +141,6 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
         StepRun._take = lambda run: run._queue.popleft()
     if cfg.pop("perseg", False):  # main() puts the function back after each configuration
         updates._joined = lambda columns, steps: (columns, steps)
-    Pipeline.use_launcher = not cfg.pop("nolauncher", False)  # main() puts it back
     move_at, move_to = cfg.pop("move_at", None), cfg.pop("move_to", None)
     if fraction == "auto" or move_at is not None:
         warmup = max(warmup, AUTO_WARMUP)
@@ -239,8 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "run only these configurations, each one quoted argument: a configuration's name, "
         "optionally followed by variant words: threadsN (cpu_threads=N), bucketN (N MiB buckets), "
         "switchN (sys.setswitchinterval of N ms), fifo (the worker takes queued buckets in feed "
-        "order), perseg (one kernel operand per segment), nolauncher (the worker queues the "
-        "copies); e.g. --only f0 'backward f0.2 threads8 switch1' 'delayed f1 bucket256 fifo'. "
+        "order), perseg (one kernel operand per segment); e.g. --only f0 'backward f0.2 threads8 switch1' 'delayed f1 bucket256 fifo'. "
         "Names: " + ", ".join(repr(n) for n, _ in configs(False) + EXTRA)))  # fmt: skip
     ap.add_argument("--no-probe", action="store_true", help="skip the kernel probe")
     ap.add_argument("--no-memory", action="store_true", help="skip the grad-release memory runs")
@@ -293,7 +288,6 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 StepRun._take = take  # a "fifo" variant replaced it
                 updates._joined = joined  # a "perseg" variant replaced it
-                Pipeline.use_launcher = True  # a "nolauncher" variant turned it off
         except anchors.Unavailable as e:
             rows.append({"name": name, "error": f"skipped: {e}"})
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the rest

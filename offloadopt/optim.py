@@ -330,9 +330,8 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
     @property
     def stats(self) -> dict[str, float]:
         """Figures of the last ``step()``: ``d2h_wait_ms`` (worker time blocked on D2H
-        events and for the launcher to queue them), ``cpu_update_ms`` (worker time in the
-        fused kernel), ``launch_ms`` (the launcher thread's time queuing the D2H and H2D
-        copies and casts, staging-slot waits included),
+        events), ``cpu_update_ms`` (worker time in the fused kernel), ``launch_ms`` (worker
+        time queuing the D2H and H2D copies and casts, staging-slot waits included),
         ``feed_wait_ms`` (worker time waiting for the next bucket to be fed after the first
         one arrived: backward had not announced it yet), ``device_update_ms``
         (host time launching the device-resident update), ``collect_ms`` (host time checking

@@ -22,14 +22,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
 
 from offloadopt.layout import Bucket
 from offloadopt.transfer import SLOTS, Slot, Transfer, wait_event
-from offloadopt.worker import Job, WaitTimeout, Worker
+from offloadopt.worker import WaitTimeout, Worker
 
 __all__ = ["BucketWork", "BucketError", "StepRun", "Pipeline"]
 
@@ -204,13 +203,9 @@ class StepRun:
 
     def _serve(self) -> None:
         """On the worker: at most :data:`SLOTS` buckets hold a slot at once; their D2H runs
-        while the oldest is updated. The copies are queued by the pipeline's launcher thread
-        (:meth:`_launch_d2h`, :meth:`_launch_h2d`), in the order the worker hands them over,
-        so the worker goes from one kernel call to the next."""
+        while the oldest is updated."""
         p, stats = self.pipeline, self.stats
-        submit = p.launcher.submit if p.launcher is not None else _run_now
-        pending: deque[tuple[BucketWork, Job]] = deque()  # D2H handed to the launcher
-        h2d_jobs: deque[Job] = deque()  # H2D handed to the launcher, not yet seen done
+        pending: deque[tuple[BucketWork, Transfer, Slot, Any]] = deque()
         started = None  # the first bucket's arrival: the worker's busy time runs from there
         try:
             while True:
@@ -223,14 +218,15 @@ class StepRun:
                         started = time.perf_counter()
                     else:
                         stats["feed_wait_ms"] += (time.perf_counter() - t) * 1e3
-                    label = f"the D2H of {work.bucket.label}"
-                    pending.append((work, submit(partial(self._launch_d2h, work), label)))
+                    t = time.perf_counter()
+                    pending.append((work, *p._start_d2h(work, stats)))
+                    stats["launch_ms"] += (time.perf_counter() - t) * 1e3
+                    with self._cond:
+                        self.launched += 1
+                        self._cond.notify_all()
                 if not pending:
-                    break  # closed and drained
-                work, launch = pending.popleft()
-                t = time.perf_counter()
-                tr, slot, d2h_done = _result(launch, p.timeout_s)
-                stats["d2h_wait_ms"] += (time.perf_counter() - t) * 1e3
+                    return  # closed and drained
+                work, tr, slot, d2h_done = pending.popleft()
                 p._update(work, tr, slot, d2h_done, self._update_fn, stats)
                 # Landed (waited for in _update). The worker never touches p.grad: setting it
                 # here while the training thread reads it crashed torch's tensor wrapper; the
@@ -239,73 +235,24 @@ class StepRun:
                     work.grads = []  # held by nothing else: the device memory is free now
                 with self._cond:
                     self._landed.append(work)
-                job = partial(self._launch_h2d, work, tr, slot, started)
-                h2d_jobs.append(submit(job, f"the H2D of {work.bucket.label}"))
-                while h2d_jobs and h2d_jobs[0].done.is_set():
-                    _result(h2d_jobs.popleft(), 0)  # a failed H2D ends the run now
-            while h2d_jobs:  # the run ends once every H2D is queued
-                _result(h2d_jobs.popleft(), p.timeout_s)
+                t = time.perf_counter()
+                tr.start_h2d(work.bucket, work.idx, slot, work.ready, work.targets)
+                stats["launch_ms"] += (time.perf_counter() - t) * 1e3
+                stats["h2d_nbytes"] += work.bucket.nbytes
+                stats["buckets"] = stats.get("buckets", 0) + 1
+                stats["worker_ms"] = (time.perf_counter() - started) * 1e3
+                with self._cond:
+                    self.h2d_queued[work.bucket] = None
+                    self._cond.notify_all()
         finally:
-            # Launches handed over still run (the launcher takes jobs in order): wait for them,
-            # then for the started D2H, before their slots go back (I5).
-            for _, launch in pending:
-                if launch.done.wait(p.timeout_s) and launch.error is None:
-                    tr, slot, _ = launch.result
-                    if tr.cuda:
-                        tr.d2h.synchronize()
-                    tr.ring.release(slot)
-            for job in h2d_jobs:
-                job.done.wait(p.timeout_s)
+            for _, tr, slot, _ in pending:  # started, never updated: wait, then free (I5)
+                if tr.cuda:
+                    tr.d2h.synchronize()
+                tr.ring.release(slot)
             with self._cond:
                 self._queue.clear()
                 self._closed = True
                 self._cond.notify_all()
-
-    def _launch_d2h(self, work: BucketWork) -> tuple[Transfer, Slot, Any]:
-        """On the launcher: take a slot and queue the bucket's D2H (backpressure counts it)."""
-        t = time.perf_counter()
-        out = self.pipeline._start_d2h(work, self.stats)
-        self.stats["launch_ms"] += (time.perf_counter() - t) * 1e3
-        with self._cond:
-            self.launched += 1
-            self._cond.notify_all()
-        return out
-
-    def _launch_h2d(self, work: BucketWork, tr: Transfer, slot: Slot, started: float) -> None:
-        """On the launcher: queue the bucket's H2D (its event then exists: publish it)."""
-        t = time.perf_counter()
-        tr.start_h2d(work.bucket, work.idx, slot, work.ready, work.targets)
-        stats = self.stats
-        stats["launch_ms"] += (time.perf_counter() - t) * 1e3
-        stats["h2d_nbytes"] += work.bucket.nbytes
-        stats["buckets"] = stats.get("buckets", 0) + 1
-        stats["worker_ms"] = (time.perf_counter() - started) * 1e3
-        with self._cond:
-            self.h2d_queued[work.bucket] = None
-            self._cond.notify_all()
-
-
-def _run_now(fn: Callable[[], Any], label: str) -> Job:
-    """``fn`` run on the calling thread, as a finished :class:`Job` (no launcher thread)."""
-    job = Job(fn, label)
-    try:
-        job.result = fn()
-    except Exception as e:  # noqa: BLE001 - re-raised by _result, as a launcher's would be
-        job.error = e
-    job.done.set()
-    return job
-
-
-def _result(job: Job, timeout_s: float):
-    """What a launcher job returned; its own error re-raised (a slot's ``WaitTimeout`` stays
-    one), or ``WaitTimeout`` if it did not run within ``timeout_s``."""
-    if not job.done.wait(timeout_s):
-        raise WaitTimeout(
-            f"offloadopt: waited {timeout_s:g} s for the launcher to queue {job.label}"
-        )
-    if job.error is not None:
-        raise job.error
-    return job.result
 
 
 class Pipeline:
@@ -316,18 +263,8 @@ class Pipeline:
         timeout_s: the longest any single wait may last before it raises ``TimeoutError``.
     """
 
-    use_launcher = True  # benchmarks/overlap_bench.py's "nolauncher" variant sets it False
-
     def __init__(self, worker: Worker, timeout_s: float):
         self.worker = worker
-        # The thread that queues the copies for the worker (one torch thread, no pool of its
-        # own to speak of): its launches cost the worker nothing between kernel calls. None
-        # (use_launcher False, a benchmark's A/B): the worker queues them itself.
-        self.launcher = (
-            Worker(1, flush_denormal=False, name="offloadopt-launcher")
-            if self.use_launcher
-            else None
-        )
         self.timeout_s = timeout_s
         self.transfers: dict[torch.device, Transfer] = {}
         # Test hook: called on the worker before each bucket's update (a delay there shows any
@@ -408,7 +345,5 @@ class Pipeline:
     def close(self) -> None:
         """Stop the worker, wait for every copy, unpin the staging (idempotent)."""
         self.worker.close()
-        if self.launcher is not None:
-            self.launcher.close()
         for tr in self.transfers.values():
             tr.close()

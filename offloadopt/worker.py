@@ -77,7 +77,6 @@ class Job:
     def __init__(self, fn: Callable[[], None], label: str):
         self.fn, self.label = fn, label
         self.done = threading.Event()
-        self.result = None  # what ``fn`` returned
         self.error: BaseException | None = None
         self.error_text = ""
 
@@ -112,7 +111,7 @@ def _serve(jobs: queue.SimpleQueue, ready: threading.Event, threads: int, flush:
         if job is None:
             return
         try:
-            job.result = job.fn()
+            job.fn()
         except BaseException as e:  # noqa: BLE001 - reported to the waiter, never lost
             job.error, job.error_text = e, traceback.format_exc()
         finally:
@@ -134,19 +133,12 @@ class Worker:
         threads: OpenMP threads of the worker's own pool (``torch.set_num_threads`` there).
         flush_denormal: set flush-to-zero and denormals-are-zero on the worker (its pool too).
         timeout_s: how long :meth:`__init__` waits for the thread to start.
-        name: the thread's name.
 
     Raises:
         TimeoutError: the thread did not start in time.
     """
 
-    def __init__(
-        self,
-        threads: int,
-        flush_denormal: bool,
-        timeout_s: float = 60.0,
-        name: str = "offloadopt-worker",
-    ):
+    def __init__(self, threads: int, flush_denormal: bool, timeout_s: float = 60.0):
         self.threads, self.flush_denormal = threads, flush_denormal
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.stopping = threading.Event()  # set when the worker is closed or collected
@@ -155,7 +147,7 @@ class Worker:
         self._thread = threading.Thread(
             target=_serve,
             args=(self._jobs, ready, threads, flush_denormal),
-            name=name,
+            name="offloadopt-worker",
             daemon=True,  # a live optimizer never keeps the process from exiting
         )
         self._thread.start()

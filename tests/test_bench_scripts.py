@@ -17,14 +17,13 @@ import profile_modes  # noqa: E402
 
 def test_overlap_bench_variants_add_options_to_a_known_configuration():
     known = dict(overlap_bench.configs(False) + overlap_bench.EXTRA)
-    got = overlap_bench.derived("backward f0.2 threads8 switch0.5 fifo perseg nolauncher", known)
+    got = overlap_bench.derived("backward f0.2 threads8 switch0.5 fifo perseg", known)
     assert got == {
         **known["backward f0.2"],
         "cpu_threads": 8,
         "switch_s": 0.0005,
         "fifo": True,
         "perseg": True,
-        "nolauncher": True,
     }
     assert overlap_bench.derived("delayed f1 bucket256", known)["bucket_nbytes"] == 256 * 2**20
     assert overlap_bench.derived("f0", known) is known["f0"]
