@@ -155,6 +155,40 @@ def test_an_error_in_the_worker_reaches_the_caller_naming_the_bucket_and_the_nex
     opt.close()
 
 
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_an_error_queuing_a_copy_reaches_the_caller_and_the_next_step_works(direction):
+    """A failure queuing bucket 2's D2H or H2D on the worker ends the step with that error,
+    every staging slot comes back, and after a reload training goes on bitwise torch's."""
+    p = torch.nn.Parameter(torch.randn(1000))
+    ref = torch.nn.Parameter(p.detach().clone())
+    opt = HybridAdamW([p], min_offload_numel=1, bucket_nbytes=4 * 256)
+    torch_opt = torch.optim.AdamW([ref], fused=True)
+    (tr,) = opt._pipeline.transfers.values()
+    name = f"start_{direction}"
+    original = getattr(tr, name)
+
+    def fail(b, *args, **kwargs):
+        if b.index == 2:
+            raise RuntimeError(f"injected into the {direction}")
+        return original(b, *args, **kwargs)
+
+    setattr(tr, name, fail)
+    p.grad = torch.randn(1000)
+    with pytest.raises(WorkerError, match=f"injected into the {direction}"):
+        opt.step()
+    setattr(tr, name, original)
+    assert tr.ring._free.qsize() == len(tr.ring.slots)  # every slot came back
+    with torch.no_grad():
+        p.copy_(ref)  # the buckets before the failure were updated: back to the last good step
+    opt.load_state_dict(torch_opt.state_dict())
+    for _ in range(2):
+        ref.grad = p.grad = torch.randn(1000)
+        opt.step()
+        torch_opt.step()
+    assert_bitwise([p], [ref])
+    opt.close()
+
+
 def test_every_wait_has_a_timeout_that_names_what_it_waited_for():
     p = torch.nn.Parameter(torch.randn(1000))
     opt = HybridAdamW([p], min_offload_numel=1, bucket_nbytes=4 * 256, timeout_s=0.2)
