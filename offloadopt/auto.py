@@ -74,8 +74,9 @@ def measurements(
     """:class:`costmodel.Measurements` from one placement's figures: the medians of the
     windows (ms), the optimizer's ``stats`` of a step there (the worker's kernel time, its busy
     time, the buckets, the link's bytes and GPU times) and the elements on each side. The
-    per-bucket overhead is the worker's busy time (``worker_ms`` less its waits for D2H) beyond
-    the kernel, per bucket.
+    per-bucket overhead is the worker's busy time (``worker_ms`` less its waits for D2H and for
+    buckets backward had not announced yet, as with ``release_grads``) beyond the kernel, per
+    bucket.
 
     Raises:
         ValueError: no offloaded elements (nothing to measure the worker on), or a figure the
@@ -89,7 +90,8 @@ def measurements(
         return nbytes / (ms * 1e6) if ms > 0 and nbytes > 0 else _NO_LINK_GBPS
 
     kernel_ms = stats.get("cpu_update_ms", 0.0)
-    busy_ms = stats.get("worker_ms", 0.0) - stats.get("d2h_wait_ms", 0.0)
+    waits_ms = stats.get("d2h_wait_ms", 0.0) + stats.get("feed_wait_ms", 0.0)
+    busy_ms = stats.get("worker_ms", 0.0) - waits_ms
     return costmodel.Measurements(
         params=device_numel + offloaded_numel,
         fwd_bwd_ms=max(fwd_bwd_ms, 0.0),

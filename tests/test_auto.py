@@ -189,6 +189,11 @@ def test_measurements_come_from_the_step_figures():
     assert m.cpu_ns_per_param == pytest.approx(0.3) and m.device_ns_per_param == pytest.approx(0.05)
     assert m.d2h_gbps == pytest.approx(40.0) and m.h2d_gbps == pytest.approx(50.0)
     assert m.bucket_overhead_ms == pytest.approx((60 - 20 - 30) / 5)
+    # The worker's waits for buckets backward had not announced yet are idle, not overhead.
+    fed_late = auto.measurements(fwd_bwd_ms=100.0, device_update_ms=5.0,
+                                 stats=dict(stats, worker_ms=70.0, feed_wait_ms=10.0),
+                                 device_numel=10**8, offloaded_numel=10**8, bucket_nbytes=2**26)  # fmt: skip
+    assert fed_late.bucket_overhead_ms == pytest.approx((70 - 20 - 10 - 30) / 5)
     with pytest.raises(ValueError, match="no param is offloaded"):
         auto.measurements(fwd_bwd_ms=1.0, device_update_ms=0.0, stats=stats, device_numel=10,
                           offloaded_numel=0, bucket_nbytes=2**26)  # fmt: skip
