@@ -25,7 +25,7 @@ from offloadopt.records import ParamRecord
 from offloadopt.rules import ADAMW, Rule
 from offloadopt.shards import is_dtensor, local, local_state, world_size, wrap_like
 from offloadopt.state import OptimizerState
-from offloadopt.steps import Stepping
+from offloadopt.steps import Stepping, signals_deferred
 from offloadopt.transfer import Transfer
 from offloadopt.validation import check_ddp, validate_group, validate_options, validate_params_arg
 from offloadopt.warn import warn
@@ -329,7 +329,9 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
 
     @property
     def stats(self) -> dict[str, float]:
-        """Figures of the last ``step()``: ``d2h_wait_ms`` (worker time blocked on D2H
+        """Figures of the last completed step (with ``wait="module"`` or ``overlap="delayed"`` a
+        step completes at the next ``synchronize()`` or ``step()``: until then these are the
+        step's before, and ``{}`` before the first): ``d2h_wait_ms`` (worker time blocked on D2H
         events), ``cpu_update_ms`` (worker time in the fused kernel), ``launch_ms`` (worker
         time queuing the D2H and H2D copies and casts, staging-slot waits included),
         ``feed_wait_ms`` (worker time waiting for the next bucket to be fed after the first
@@ -339,7 +341,8 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         and casts on the side streams), ``d2h_nbytes`` / ``h2d_nbytes`` (bytes over the
         link), ``step_ms`` (host wall time of ``step()``), ``worker_ms`` (the worker's wall time from
         the first bucket's arrival to the last H2D queued, its D2H waits included),
-        ``buckets`` (offloaded buckets updated), ``cpu_threads`` (the worker's),
+        ``buckets`` (offloaded buckets updated; 0, and ``worker_ms`` 0, when none was),
+        ``cpu_threads`` (the worker's),
         ``local_ranks`` (processes of the job on this host, sharing its cores).
 
         Reading it waits for the CUDA events of that step's copies (long done by the time the
@@ -389,6 +392,13 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         if self._updates_started():
             # Some offloaded params hold this step's update, the others not yet: no
             # checkpoint of that resumes as any run would.
+            if not self._step.backward_done:  # interrupted: step() will refuse it too
+                raise RuntimeError(
+                    f"{type(self).__name__}.state_dict(): this step's updates started during a "
+                    "backward that did not finish (interrupted?), so some params were updated "
+                    "and others not; call opt.load_state_dict(...) to restore a checkpoint, or "
+                    "opt.discard_failed_step() to go on from here"
+                )
             raise RuntimeError(
                 f"{type(self).__name__}.state_dict() between backward and step(): this step's "
                 "updates started during backward (grads_final, max_grad_norm or grad_scaler "
@@ -437,6 +447,28 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
                   for i, p in enumerate(g["params"])] for gi, g in enumerate(groups)]  # fmt: skip
         sd = local_state(sd, self.param_groups, lambda p: self._records[p].name)
         saved_groups, saved_state = checkpoint.validate(sd, self.rule, specs)
+        # Copied in place entry by entry: a Ctrl-C (or SIGTERM) waits until every entry is in
+        # (torch swaps its state in at once); any other failure part-way leaves the optimizer
+        # refusing step() and state_dict() until a load succeeds (tests/test_state_contract.py).
+        with signals_deferred():
+            try:
+                ignored_masters = self._load_validated(groups, saved_groups, saved_state)
+            except BaseException:
+                self._broken = "load_state_dict() failed part-way"
+                raise
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+        if ignored_masters:
+            warnings.warn(
+                "the state dict carries fp32 masters for params that keep none here (fp32 "
+                "params, or master_weights=False): they were ignored, and the state takes the "
+                "params' dtype",
+                stacklevel=2,
+            )
+        self._check_pinned()
+
+    def _load_validated(self, groups, saved_groups, saved_state) -> bool:
+        """Copy a validated state dict in; returns whether it carried masters that were ignored."""
         if self._step is not None and self._step.run is not None:
             self._stop_run(self._step.run)  # the worker's bucket in hand lands before the load
         self._step, self._broken, self._pending_clip = None, None, None
@@ -451,16 +483,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
                 continue
             self._load_entry(p, self._records[p], entry)
             ignored_masters |= entry.get("master") is not None and "master" not in self.state[p]
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
-        if ignored_masters:
-            warnings.warn(
-                "the state dict carries fp32 masters for params that keep none here (fp32 "
-                "params, or master_weights=False): they were ignored, and the state takes the "
-                "params' dtype",
-                stacklevel=2,
-            )
-        self._check_pinned()
+        return ignored_masters
 
     def _load_entry(self, p: torch.Tensor, rec: ParamRecord, entry: dict[str, Any]) -> None:
         """Copy one validated saved entry into ``p``'s existing state."""

@@ -274,6 +274,10 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                             "the next forward wait for the weights being copied back; call "
                             "opt.watch(model), or opt.synchronize() before the next forward",
                         )
+        # The host wall time of step() itself: with wait="module" or overlap="delayed" the step
+        # ends later (the next synchronize() or step()), and the time in between is the
+        # caller's (tests/test_overlap.py).
+        st.stats["step_ms"] = (time.perf_counter() - t0) * 1e3
         if auto is not None:
             # offload_fraction="auto": a sample (a step that updated nothing is none); may move
             # the state, between steps
@@ -364,7 +368,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
         stats = dict.fromkeys(
             ("d2h_wait_ms", "cpu_update_ms", "launch_ms", "feed_wait_ms", "h2d_ms", "d2h_ms"), 0.0
         )
-        stats.update(d2h_nbytes=0, h2d_nbytes=0)
+        stats.update(d2h_nbytes=0, h2d_nbytes=0, buckets=0, worker_ms=0.0)
         st = StepState(hypers, group_of, stats)
         st.delayed = self.overlap == "delayed" and self._steps_taken() >= self.delay_after
         return st
@@ -576,8 +580,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                     self._records[p].mark_written(p)
         st.stats["cpu_threads"] = self.cpu_threads if self._pipeline is not None else 0
         st.stats["local_ranks"] = local_ranks()  # processes on this host sharing its cores
-        st.stats["step_ms"] = (time.perf_counter() - st.t0) * 1e3
-        self._stats = st.stats
+        self._stats = st.stats  # step() sets its step_ms (the same dict) when it returns
 
     def _streams(self) -> dict[torch.device, Any]:
         """The training thread's stream per device, captured here: the stream that reads the

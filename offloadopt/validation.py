@@ -161,15 +161,16 @@ def validate_options(
         f"delay_after={delay_after}: {rule.name} keeps no step count to tell the synchronous "
         "steps by (it resumes from a checkpoint by the params' step); use delay_after=0",
     )
+    _check(
+        not grads_final or overlap == "backward",
+        f"grads_final=True applies to overlap='backward' (got overlap={overlap!r}, which reads "
+        "the grads in step())",
+    )
     if overlap == "delayed":
         _check(
             wait == "step",
             f"overlap='delayed' publishes the new weights at the next step() (or "
             f"opt.synchronize()): wait={wait!r} does not apply; leave wait='step'",
-        )
-        _check(
-            not grads_final,
-            "grads_final=True applies to overlap='backward'; overlap='delayed' reads grads in step()",
         )
     name = f"Hybrid{rule.name}"
     _check(not amsgrad, f"{name} does not support amsgrad=True yet", NotImplementedError)

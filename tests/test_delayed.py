@@ -340,3 +340,14 @@ def test_bad_delay_after_is_refused(kw, match):
 
     with pytest.raises(ValueError, match="keeps no step count"):
         HybridSGD(model.parameters(), lr=0.1, overlap="delayed", delay_after=3)
+
+
+@pytest.mark.parametrize("overlap", ["step", "delayed"])
+def test_grads_final_outside_backward_mode_is_refused(overlap):
+    """grads_final only changes overlap='backward'; a fresh user found step mode took it
+    silently while delayed mode refused it."""
+    model = model_of(torch.float32)
+    with pytest.raises(
+        ValueError, match=f"grads_final=True applies to overlap='backward' .got overlap='{overlap}'"
+    ):
+        HybridAdamW(groups(model), overlap=overlap, grads_final=True)

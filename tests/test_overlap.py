@@ -745,3 +745,54 @@ def test_stats_split_the_worker_time_into_kernel_launches_and_feed_waits():
             assert s["feed_wait_ms"] < 100.0, s
         assert s["cpu_update_ms"] + s["feed_wait_ms"] <= s["worker_ms"] + 1.0
         opt.close()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(overlap="delayed"), dict(overlap="backward", grads_final=True, wait="module")],
+    ids=["delayed", "backward-module"],
+)
+def test_stats_step_ms_is_the_time_inside_step_when_the_step_ends_later(kw):
+    """Found by a fresh user: with overlap="delayed" or wait="module" the step completes at the
+    next step() or synchronize(), and step_ms counted the caller's time in between (0.3 s of
+    sleep here) instead of step()'s own."""
+    model = mlp()
+    opt = make_opt(model, 1.0, **kw)
+    for step in range(3):
+        model(batch(step)).pow(2).mean().backward()
+        t = time.perf_counter()
+        opt.step()
+        inside = (time.perf_counter() - t) * 1e3
+        opt.zero_grad()
+        time.sleep(0.3)  # the next forward and backward, as far as step() can tell
+        if step:
+            assert opt.stats["step_ms"] < 150.0, opt.stats  # the step before: its step() alone
+    opt.synchronize()
+    assert opt.stats["step_ms"] <= inside + 1.0
+    opt.close()
+
+
+def test_stats_keys_exist_when_nothing_was_offloaded():
+    """Found by a fresh user: at fraction 0 opt.stats had no ``buckets`` or ``worker_ms``."""
+    model = mlp()
+    opt = make_opt(model, 0.0)
+    model(batch(0)).pow(2).mean().backward()
+    opt.step()
+    assert opt.stats["buckets"] == 0 and opt.stats["worker_ms"] == 0.0
+    opt.close()
+
+
+def test_state_dict_after_an_unfinished_backward_names_the_way_out():
+    """A fresh user: state_dict() after a backward that failed (or was interrupted) once its
+    updates started said "call state_dict() after step()", and step() then refused the step."""
+    model = mlp()
+    opt = make_opt(model, 1.0, **MODES["backward"])
+    x = FailInBackward.apply(model[0](batch(0)))
+    with pytest.raises(RuntimeError, match="backward failed here"):
+        model[1:](x).pow(2).mean().backward()
+    opt._step.run.wait_h2d_queued(next(iter(opt._step.fed)), 10)  # an update ran
+    with pytest.raises(RuntimeError, match="did not finish.*discard_failed_step"):
+        opt.state_dict()
+    opt.discard_failed_step()
+    opt.state_dict()
+    opt.close()

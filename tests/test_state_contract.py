@@ -302,3 +302,60 @@ def test_the_placement_table_says_placement_is_pending_on_meta():
         model = meta_model()
     opt = HybridAdamW(model.parameters(), min_offload_numel=16)
     assert "placement pending: 4 params of 1 groups" in opt.placement_table()
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_an_interrupt_inside_load_state_dict_arrives_after_every_entry_is_in(
+    fraction, ctrl_c_raises
+):
+    """Found by a fresh user: Ctrl-C part-way through load_state_dict() left some params at
+    the checkpoint's step and the others at the newer one, and the next step() went on."""
+    import os
+    import signal
+
+    ref, ref_params, opt, params = pair(fraction)
+    step_both(ref, ref_params, opt, params, 0)
+    saved = copy.deepcopy(opt.state_dict())
+    step_both(ref, ref_params, opt, params, 1)
+    load_entry, seen = opt._load_entry, []
+
+    def interrupted(p, rec, entry):
+        seen.append(p)
+        if len(seen) == 2:  # Ctrl-C between two entries
+            os.kill(os.getpid(), signal.SIGINT)
+        return load_entry(p, rec, entry)
+
+    opt._load_entry = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        opt.load_state_dict(saved)
+    assert len(seen) == len(params) > 2
+    assert {float(s["step"]) for s in opt.state.values()} == {
+        1.0
+    }  # every entry is the checkpoint's
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_load_state_dict_that_fails_part_way_leaves_the_optimizer_refusing():
+    ref, ref_params, opt, params = pair(1.0)
+    step_both(ref, ref_params, opt, params, 0)
+    saved = copy.deepcopy(opt.state_dict())
+    load_entry, seen = opt._load_entry, []
+
+    def failing(p, rec, entry):
+        seen.append(p)
+        if len(seen) == 2:
+            raise MemoryError("injected")
+        return load_entry(p, rec, entry)
+
+    opt._load_entry = failing
+    with pytest.raises(MemoryError, match="injected"):
+        opt.load_state_dict(saved)
+    for p, g in zip(params, seeded_grads(params, 1), strict=True):
+        p.grad = g
+    with pytest.raises(RuntimeError, match="inconsistent: load_state_dict.. failed part-way"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="inconsistent"):
+        opt.state_dict()
+    opt._load_entry = load_entry
+    opt.load_state_dict(saved)  # a load that succeeds repairs it
+    opt.step()
