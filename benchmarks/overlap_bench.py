@@ -140,7 +140,7 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
     if cfg.pop("fifo", False):  # main() puts the method back after each configuration
         StepRun._take = lambda run: run._queue.popleft()
     if cfg.pop("perseg", False):  # main() puts the function back after each configuration
-        updates._joined = lambda columns, steps: (columns, steps)
+        updates._joined = lambda segs, columns, steps: (columns, steps)
     move_at, move_to = cfg.pop("move_at", None), cfg.pop("move_to", None)
     if fraction == "auto" or move_at is not None:
         warmup = max(warmup, AUTO_WARMUP)

@@ -40,56 +40,49 @@ def _dense(p: torch.Tensor) -> bool:
     return True
 
 
-def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether flat ``b`` starts where flat ``a`` ends, in the same buffer."""
-    return (
-        a._base is not None
-        and a._base is b._base
-        and a.dim() == b.dim() == 1
-        and a.stride(0) == b.stride(0) == 1
-        and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
-    )
-
-
-def _joined(columns: list[list[torch.Tensor]], steps: list[torch.Tensor]):
+def _joined(segs: list, columns: list[list[torch.Tensor]], steps: list[torch.Tensor]):
     """The kernel's operands with runs of back-to-back segments joined into one flat view.
 
-    ``columns`` are equal-length lists of flat tensors (weights, grads, then each state) and
-    ``steps`` the matching step tensors (or empty). Segments ``i`` and ``i + 1`` join when,
-    in every column, ``i + 1`` starts where ``i`` ends in the same buffer, the steps hold the
-    same value, and segment ``i`` has a multiple of :data:`offloadopt.layout.CUT_ALIGN`
-    elements: torch's CPU fused kernels are elementwise with per-tensor scalars, and with
-    such a length every element of the joined view takes the same code path (vector or
-    scalar tail) as in the per-segment call, so the result is bitwise the same
-    (tests/test_parity.py). One call over a joined run is one parallel region instead of one
-    per segment: on the GPU host the CPU pass over GPT-2 1.5B-shaped buckets took 11% less
-    time (benchmarks/RESULTS.md).
+    ``segs`` are the bucket's segments (:class:`offloadopt.layout.Segment`, in bucket order
+    for each position), ``columns`` equal-length lists of their flat views (weights, grads,
+    then each state: views of an arena buffer or of a staging slot, where a bucket's segments
+    lie back to back in bucket order, by construction in offloadopt/layout.py), ``steps`` the
+    matching step tensors (or empty). Positions ``i`` and ``i + 1`` join when they hold
+    consecutive segments of the bucket, their steps hold the same value, and segment ``i``
+    has a multiple of :data:`offloadopt.layout.CUT_ALIGN` elements: torch's CPU fused
+    kernels are elementwise with per-tensor scalars, and with such a length every element of
+    the joined view takes the same code path (vector or scalar tail) as in the per-segment
+    call, so the result is bitwise the same (tests/test_parity.py). One call over a joined
+    run is one parallel region instead of one per segment: 7-12% less kernel time over GPT-2
+    1.5B's layers on the GPU host (benchmarks/RESULTS.md). Integer checks only (the step
+    values are read when two params meet), so the worker's Python stays short.
 
     Returns:
         ``(columns, steps)``, joined; the inputs themselves when nothing joins.
     """
-    n = len(columns[0])
-    starts = [0]
+    n = len(segs)
+    bounds, lo = [], 0
     for i in range(1, n):
-        a = columns[0][i - 1]
-        joins = a.numel() % CUT_ALIGN == 0 and all(_adjacent(c[i - 1], c[i]) for c in columns)
+        a, b = segs[i - 1], segs[i]
+        joins = b.offset == a.offset + a.hi - a.lo and (a.hi - a.lo) % CUT_ALIGN == 0
         if joins and steps and steps[i] is not steps[i - 1]:
-            joins = bool(steps[i] == steps[i - 1])
+            joins = steps[i].item() == steps[i - 1].item()
         if not joins:
-            starts.append(i)
-    if len(starts) == n:
-        return columns, steps
-    bounds = list(zip(starts, starts[1:] + [n], strict=True))
-    out = []
-    for c in columns:
-        joined = []
-        for lo, hi in bounds:
-            if hi - lo == 1:
-                joined.append(c[lo])
-            else:
-                total = sum(t.numel() for t in c[lo:hi])
-                joined.append(c[lo].as_strided((total,), (1,)))
-        out.append(joined)
+            bounds.append((lo, i))
+            lo = i
+    if not bounds:
+        if n <= 1:
+            return columns, steps
+    elif len(bounds) == n - 1:
+        return columns, steps  # every position is its own run
+    bounds.append((lo, n))
+    total = [segs[hi - 1].offset + segs[hi - 1].hi - segs[hi - 1].lo - segs[lo].offset
+             for lo, hi in bounds]  # fmt: skip
+    out = [
+        [c[lo] if hi - lo == 1 else c[lo].as_strided((t,), (1,))
+         for (lo, hi), t in zip(bounds, total, strict=True)]
+        for c in columns
+    ]  # fmt: skip
     return out, [steps[lo] for lo, _ in bounds] if steps else steps
 
 
@@ -111,7 +104,7 @@ class Updates:
             segs = [work.idx[j] for j in positions]
             columns = [[masters[i] for i in segs], [grads[j] for j in positions]]
             columns += [[s[i] for i in segs] for s in states]
-            (weights, gs, *ss), steps = _joined(columns, steps)
+            (weights, gs, *ss), steps = _joined([b.segments[i] for i in segs], columns, steps)
             self.rule.update(hyper, weights, gs, ss, steps, host=True, first=first, amp=amp)
 
     def _init_state(self, p: torch.Tensor, rec: ParamRecord) -> None:

@@ -190,8 +190,9 @@ def test_cuts_at_unaligned_offsets_regression():
 
 def test_back_to_back_segments_join_into_one_kernel_call_bitwise(monkeypatch):
     """The worker joins runs of back-to-back segments (lengths a multiple of CUT_ALIGN, equal
-    steps) into one flat kernel operand. Mixed lengths (64-multiples and not) and a param that
-    misses a step (its step falls behind) must still be bitwise torch's per-param call."""
+    steps) into one flat kernel operand. Mixed lengths (64-multiples and not), params that miss
+    a step (a gap in the bucket, then a step behind) must still be bitwise torch's per-param
+    call."""
     from offloadopt.rules import AdamWRule
 
     calls = []
@@ -211,15 +212,17 @@ def test_back_to_back_segments_join_into_one_kernel_call_bitwise(monkeypatch):
     for step in range(8):
         for i, (p, r) in enumerate(zip(params, refs, strict=True)):
             g = torch.randn(p.shape, generator=gen)
-            skip = i == 4 and step == 0  # a step behind from then on
+            skip = (i, step) in ((4, 0), (6, 3))  # a step behind from then on
             p.grad, r.grad = (None, None) if skip else (g, g.clone())
         opt.step()
         ref.step()
         assert_bitwise(params, refs, f"step {step}")
-    assert opt.state[params[4]]["step"].item() == 7
-    # Arena order is last-registered first: 64, 320, 37, 256 (a step behind), 64, 100, 192, 128.
-    # Joins: 64+320 (both 64-multiples, 37 ends the run: its length is not); 256 alone (its
-    # step differs); 64+100 (100 ends a run); 192+128.
-    assert calls[-1] == [64 + 320 + 37, 256, 64 + 100, 192 + 128]
+    assert opt.state[params[4]]["step"].item() == opt.state[params[6]]["step"].item() == 7
+    # Arena order is last-registered first: 64, 320 (a step behind), 37, 256 (a step behind),
+    # 64, 100, 192, 128. At step 3 the 320 had no grad: the 64 before it and the 37 after it
+    # are not back to back and must not join across it (its state would take an update from
+    # whatever the staging slot held there). At the last step: 64, 320, 37 and 256
+    # alone (steps differ, or 37 is no 64-multiple), then 64+100 and 192+128.
+    assert calls[-1] == [64, 320, 37, 256, 64 + 100, 192 + 128]
     for p, r in zip(params, refs, strict=True):
         assert_bitwise([opt.state[p]["exp_avg_sq"]], [ref.state[r]["exp_avg_sq"]])
