@@ -395,8 +395,9 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
             if not self._step.backward_done:  # interrupted: step() will refuse it too
                 raise RuntimeError(
                     f"{type(self).__name__}.state_dict(): this step's updates started during a "
-                    "backward that did not finish (interrupted?), so some params were updated "
-                    "and others not; call opt.load_state_dict(...) to restore a checkpoint, or "
+                    "backward that has not finished (interrupted, or still running in another "
+                    "thread), so some params were updated and others not; after an interrupt "
+                    "call opt.load_state_dict(...) to restore a checkpoint, or "
                     "opt.discard_failed_step() to go on from here"
                 )
             raise RuntimeError(

@@ -206,6 +206,9 @@ class Placing:
                     "set_offload_fraction() between steps only: a backward already announced "
                     "grads (call it after step())"
                 )
+            # A step() that ran since the wait above (on another thread: a fresh user's
+            # finding) has an update in flight that writes the buffers about to be replaced.
+            self.synchronize()
             saved = checkpoint.pack(Optimizer.state_dict(self), on_device=False)["state"]
             old = (self.placement, self.arenas, self.buckets, self._records, self.state,
                    self._grad_hooks, self._module_waits, self.offload_fraction)  # fmt: skip

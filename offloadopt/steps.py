@@ -119,6 +119,7 @@ class StepState:
     waited: set[Bucket] = field(default_factory=set)  # wait="module": buckets waited for
     first: set[torch.Tensor] = field(default_factory=set)  # lazy-state params' first update
     t0: float = 0.0
+    thread: int = 0  # the thread that called step() (overlap="delayed" publishes there only)
     delayed: bool = False  # overlap="delayed", past delay_after: the update lands one step late
     # wait="module": (weakref to the grad, its version, param) of each grad the copies still
     # read when step() returned; checked when the step ends (Waits.synchronize)
@@ -163,7 +164,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                 st = self._begin()
             elif st.fed:
                 self._warn_if_hypers_moved(st)
-            st.t0 = t0
+            st.t0, st.thread = t0, threading.get_ident()
             # Params fed during backward were checked then (their grads may be released now).
             with_grad = [p for p in st.group_of if p not in st.versions and p.grad is not None]
             for p in with_grad:

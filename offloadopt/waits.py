@@ -5,6 +5,7 @@ delayed update's publication, ``zero_grad``; a mixin of :class:`offloadopt.optim
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,18 @@ class Waits:
         if st is None:
             self._wait_started()
             return
+        if st.delayed and not self._closed and threading.get_ident() != st.thread:
+            # A fresh user's finding: a second thread's state_dict() or set_offload_fraction()
+            # copied the weights in while the training thread's forward read them (autograd's
+            # in-place error, or NaN weights).
+            raise RuntimeError(
+                "overlap='delayed': the update in flight is copied into the params by the "
+                "thread that called step(), between its steps; this call came from another "
+                "thread, where the copy would race with that thread's forward and backward. "
+                "Call state_dict(), load_state_dict(), set_offload_fraction(), "
+                "opt.synchronize() or model.state_dict() of a watched model from the training "
+                "thread"
+            )
         self._inflight = None
         streams = self._inflight_streams
         try:

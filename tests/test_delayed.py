@@ -351,3 +351,68 @@ def test_grads_final_outside_backward_mode_is_refused(overlap):
         ValueError, match=f"grads_final=True applies to overlap='backward' .got overlap='{overlap}'"
     ):
         HybridAdamW(groups(model), overlap=overlap, grads_final=True)
+
+
+def test_a_second_thread_cannot_publish_the_update_in_flight():
+    """A fresh user's finding: a background thread's state_dict() or set_offload_fraction()
+    copied the delayed update into the params while the training thread's forward read them
+    (autograd's in-place error, or NaN weights). It is refused, naming the rule, and the run
+    goes on as if it had not been called."""
+    import threading
+
+    model, ref_model = model_of(torch.float32), model_of(torch.float32)
+    opt, ref = hybrid(model, 0.5), hybrid(ref_model, 0.5)
+    run(model, opt, 2)
+    run(ref_model, ref, 2)
+    errors = []
+
+    def other_thread():
+        for call in (opt.state_dict, lambda: opt.set_offload_fraction(1.0), opt.synchronize):
+            try:
+                call()
+            except RuntimeError as e:
+                errors.append(str(e))
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    assert len(errors) == 3 and all("from the training thread" in e for e in errors), errors
+    run(model, opt, 4, start=2)
+    run(ref_model, ref, 4, start=2)
+    for o in (opt, ref):
+        o.synchronize()
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
+    for o in (opt, ref):
+        o.close()
+
+
+def test_set_offload_fraction_waits_for_a_step_that_ran_after_its_first_wait():
+    """The race behind the finding above: a step() that ran between set_offload_fraction()'s
+    first wait and its lock left an update in flight writing the buffers being replaced. Here
+    that step() runs in the gap on the same thread, with a slow worker."""
+    model, ref_model = model_of(torch.float32), model_of(torch.float32)
+    opt, ref = hybrid(model, 0.5), hybrid(ref_model, 0.5)
+    run(model, opt, 2)
+    run(ref_model, ref, 2)
+    opt._pipeline.worker_hook = lambda b: __import__("time").sleep(0.05)
+    check = opt._check_worker
+
+    def a_step_in_the_gap(*args):
+        opt._check_worker = check
+        with torch.enable_grad():  # set_offload_fraction runs under no_grad
+            run(model, opt, 3, start=2)
+        return check(*args)
+
+    opt._check_worker = a_step_in_the_gap
+    opt.set_offload_fraction(1.0)
+    ref.synchronize()  # set_offload_fraction's first wait ended the staleness before that step
+    run(ref_model, ref, 3, start=2)
+    ref.set_offload_fraction(1.0)
+    opt._pipeline.worker_hook = None
+    run(model, opt, 5, start=3)
+    run(ref_model, ref, 5, start=3)
+    for o in (opt, ref):
+        o.synchronize()
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
+    for o in (opt, ref):
+        o.close()

@@ -791,7 +791,7 @@ def test_state_dict_after_an_unfinished_backward_names_the_way_out():
     with pytest.raises(RuntimeError, match="backward failed here"):
         model[1:](x).pow(2).mean().backward()
     opt._step.run.wait_h2d_queued(next(iter(opt._step.fed)), 10)  # an update ran
-    with pytest.raises(RuntimeError, match="did not finish.*discard_failed_step"):
+    with pytest.raises(RuntimeError, match="has not finished.*discard_failed_step"):
         opt.state_dict()
     opt.discard_failed_step()
     opt.state_dict()
