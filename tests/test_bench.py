@@ -236,3 +236,26 @@ def test_the_plot_keeps_its_axis_labels_with_several_modes(tmp_path, monkeypatch
             for m in ("step", "delayed") for f in (0.0, 1.0)]  # fmt: skip
     plot(rows, tmp_path / "bench.png")
     assert labels == ["step time (ms, median)", "peak GPU memory (GB)"]
+
+
+def test_an_interrupted_run_leaves_the_previous_bench_json_as_it_was(tmp_path):
+    """A fresh user's finding: Ctrl-C during a second run in the same --out replaced a finished
+    run's bench.json with the few rows done (and left the old bench.png beside it)."""
+    run_bench(tiny(tmp_path, fractions=[0.0, 1.0], kernel=False))
+    before = (tmp_path / "bench.json").read_bytes()
+    calls, run = [], Bench.run
+
+    def interrupted(self, name, builder, slow):
+        calls.append(name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return run(self, name, builder, slow)
+
+    with mock.patch.object(Bench, "run", interrupted), pytest.raises(KeyboardInterrupt):
+        run_bench(tiny(tmp_path, fractions=[0.0, 0.5, 1.0], kernel=False))
+    assert (tmp_path / "bench.json").read_bytes() == before
+    partial = json.loads((tmp_path / "bench.partial.json").read_text())
+    assert [r["name"] for r in partial["results"]] == ["hybrid:0"]  # the rows done
+    run_bench(tiny(tmp_path, fractions=[0.0], kernel=False))  # a finished run: whole, no partial
+    assert not (tmp_path / "bench.partial.json").exists()
+    assert json.loads((tmp_path / "bench.json").read_text())["results"][0]["name"] == "hybrid:0"

@@ -369,12 +369,17 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
                 {"name": name, "kind": "anchor", "status": "skipped: needs a CUDA device"}
             )
 
-    def write() -> None:
+    def write(done: bool = False) -> None:
+        """The rows so far into bench.partial.json; the whole run, at its end, into bench.json
+        (an interrupted run leaves a previous run's bench.json as it was)."""
         if cfg.fsdp:
             return  # rank 0 writes the job's results once, gathered (below)
         out.mkdir(parents=True, exist_ok=True)  # here, so a run that fails first leaves none
-        checks.write_atomic(out / "bench.json", json.dumps({**header, "results": results},
-                                                           indent=1, default=str))  # fmt: skip
+        partial = out / "bench.partial.json"
+        text = json.dumps({**header, "results": results}, indent=1, default=str)
+        checks.write_atomic(out / "bench.json" if done else partial, text)
+        if done:
+            partial.unlink(missing_ok=True)
 
     if cfg.kernel:
         shapes = [p.shape for p in bench.model.parameters()]
@@ -399,7 +404,7 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
         if not ranks.main:
             return results
         cfg = replace(cfg, fsdp=False)
-        write()
+    write(done=True)
     print(format_table(results))
     for line in sweep_summary(results):
         print(line)
