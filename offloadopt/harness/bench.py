@@ -3,7 +3,8 @@
 Every configuration trains the same model from the same initial weights on the same batches:
 warm-up steps, then timed steps bracketed by ``torch.cuda.synchronize()``; medians reported.
 Baseline: HybridAdamW at fraction 0 (fp32 masters and moments on the GPU, torch's fused CUDA
-AdamW). JSON is written after each configuration, so a cut-short run keeps what it measured;
+AdamW). bench.partial.json is written after each configuration, so a cut-short run keeps what
+it measured, and bench.json only when the run ends (a cut-short run leaves a previous one's);
 every file is written whole (a temporary name, then a rename), and the ``--out`` folder is made
 only when the first one is.
 """
