@@ -125,6 +125,17 @@ CASES = [
     (["train", "--lr", "-1e-3"], "--lr: -0.001 is not a finite number >= 0"),
     (["train", "--max-gpu-memory"], "--max-gpu-memory: expected one argument"),
     (["train", "--max-gpu-memory", "--steps", "3"], "--max-gpu-memory: expected one argument"),
+    # a fresh user's conflicts (2026-12-02): each flag was dropped silently
+    (["train", "--mock-data", "--data", "small.txt"],
+     "--mock-data with --data small.txt: random tokens replace the text (the file would be ignored); give one"),
+    (["train", "--overlap", "delayed", "--delay-after", "100", "--steps", "20"],
+     "--delay-after: 100 synchronous steps of --steps 20 leave none delayed (--overlap delayed would never start)"),
+    (["audit", "--optimizer", "adamw", "--no-pin-memory"],
+     "--no-pin-memory: HybridAdamW's option; --optimizer adamw would ignore it"),
+    (["audit", "--optimizer", "adamw", "--offload-fraction", "0.3"],
+     "--offload-fraction 0.3: --optimizer adamw has no fraction (it would be ignored)"),
+    (["audit", "--mock-data", "--data", "small.txt"],
+     "--mock-data with --data small.txt: random tokens replace the text (the file would be ignored); give one"),
 ]  # fmt: skip
 
 

@@ -61,6 +61,16 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.mode != "step" and args.optimizer != "hybrid":
         raise UsageError(f"--mode {args.mode}: HybridAdamW's overlap modes need --optimizer hybrid")
+    if args.no_pin_memory and args.optimizer != "hybrid":
+        raise UsageError(f"--no-pin-memory: HybridAdamW's option; --optimizer {args.optimizer} "
+                         "would ignore it")  # fmt: skip
+    if args.offload_fraction != 1.0 and args.optimizer not in ("hybrid", "megatron",
+                                                                "megatron-pinfix-fused"):  # fmt: skip
+        raise UsageError(f"--offload-fraction {args.offload_fraction:g}: --optimizer "
+                         f"{args.optimizer} has no fraction (it would be ignored)")  # fmt: skip
+    if args.mock_data and args.data is not None:
+        raise UsageError(f"--mock-data with --data {args.data}: random tokens replace the text "
+                         "(the file would be ignored); give one")  # fmt: skip
     if args.trace is not None and args.json is not None:
         if os.path.abspath(args.trace) == os.path.abspath(args.json):
             raise UsageError(f"--trace and --json: both {args.json!r}; give two files")

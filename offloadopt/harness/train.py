@@ -179,6 +179,16 @@ class TrainConfig:
                 f"--seq-len: {cfg.seq_len} is more than the {cfg.preset} preset's block_size "
                 f"{block_size}"
             )
+        if cfg.mock_data and cfg.data is not None:
+            raise UsageError(
+                f"--mock-data with --data {cfg.data}: random tokens replace the text (the file "
+                "would be ignored); give one"
+            )
+        if cfg.delay_after >= cfg.steps and cfg.overlap == "delayed":
+            raise UsageError(
+                f"--delay-after: {cfg.delay_after} synchronous steps of --steps {cfg.steps} "
+                "leave none delayed (--overlap delayed would never start)"
+            )
         if cfg.warmup_steps > cfg.steps:
             raise UsageError(
                 f"--warmup-steps: {cfg.warmup_steps} is more than --steps {cfg.steps} (the "
