@@ -209,19 +209,7 @@ class Placing:
             # A step() that ran since the wait above (on another thread: a fresh user's
             # finding) has an update in flight that writes the buffers about to be replaced.
             self.synchronize()
-            saved = checkpoint.pack(Optimizer.state_dict(self), on_device=False)["state"]
-            old = (self.placement, self.arenas, self.buckets, self._records, self.state,
-                   self._grad_hooks, self._module_waits, self.offload_fraction)  # fmt: skip
-            self.placement, self.arenas, self.buckets, self._records = [], [], [], {}
-            self._grad_hooks, self._module_waits = [], []
-            self.state = OptimizerState(self)
-            self.offload_fraction = float(fraction)
-            try:
-                self._place(list(range(len(self.param_groups))))
-            except BaseException:
-                (self.placement, self.arenas, self.buckets, self._records, self.state,
-                 self._grad_hooks, self._module_waits, self.offload_fraction) = old  # fmt: skip
-                raise
+            self._replace(float(fraction))
             if not ours:  # placed: from here the caller's fraction holds, not a choice
                 if self._auto is not None:
                     self._auto.cancel(f"set_offload_fraction({fraction!r}) by the caller")
@@ -231,19 +219,41 @@ class Placing:
                         "fraction": fraction, "replaced": self.placement_choice,
                         "set_by": "set_offload_fraction" + (" (the budget is not checked)" if budget else ""),
                     }  # fmt: skip
-            for hooks in (*old[5], *old[6]):
-                hooks.remove()  # the old placement's grad hooks and module waits
-            for arena in old[1]:
-                arena.release()  # unpinned now
-            params = [p for g in self.param_groups for p in g["params"]]
-            for index, entry in saved.items():
-                if isinstance(index, int) and 0 <= index < len(params) and isinstance(entry, dict):
-                    self._load_entry(params[index], self._records[params[index]], entry)
-            watched, self._watched = self._watched, []
-            for ref in watched:
-                model = ref()
-                if model is not None:
-                    self.watch(model)
+
+    def _replace(self, fraction: float) -> None:
+        """Place every param again at ``fraction`` with the groups' current values (their
+        state keys included), moving the state over losslessly; the caller holds the lock,
+        with signals deferred, and nothing is in flight.
+
+        Raises:
+            PinnedAllocationError: the new buffers could not be had (the old placement stays).
+        """
+        saved = checkpoint.pack(Optimizer.state_dict(self), on_device=False)["state"]
+        old = (self.placement, self.arenas, self.buckets, self._records, self.state,
+               self._grad_hooks, self._module_waits, self.offload_fraction)  # fmt: skip
+        self.placement, self.arenas, self.buckets, self._records = [], [], [], {}
+        self._grad_hooks, self._module_waits = [], []
+        self.state = OptimizerState(self)
+        self.offload_fraction = fraction
+        try:
+            self._place(list(range(len(self.param_groups))))
+        except BaseException:
+            (self.placement, self.arenas, self.buckets, self._records, self.state,
+             self._grad_hooks, self._module_waits, self.offload_fraction) = old  # fmt: skip
+            raise
+        for hooks in (*old[5], *old[6]):
+            hooks.remove()  # the old placement's grad hooks and module waits
+        for arena in old[1]:
+            arena.release()  # unpinned now
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, entry in saved.items():
+            if isinstance(index, int) and 0 <= index < len(params) and isinstance(entry, dict):
+                self._load_entry(params[index], self._records[params[index]], entry)
+        watched, self._watched = self._watched, []
+        for ref in watched:
+            model = ref()
+            if model is not None:
+                self.watch(model)
 
     def _device(self) -> torch.device:
         """The device of the params (one per rank: shards.check_setup)."""
