@@ -161,6 +161,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
             # Phase 0: freeze every group's hyperparameters (at the first hook, in backward
             # mode) and check every grad, before any state changes.
             if st is None:
+                self._replace_if_keys_changed()
                 st = self._begin()
             elif st.fed:
                 self._warn_if_hypers_moved(st)
@@ -324,6 +325,20 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
         run.abort()
         run.job.done.wait(self.timeout_s)
 
+    def _replace_if_keys_changed(self) -> None:
+        """A group whose values now need other state keys than its params were placed with
+        (SGD's ``momentum_buffer``: a group built with ``momentum=0`` that a scheduler such as
+        ``OneCycleLR(cycle_momentum=True)`` gives a momentum before the first step) is placed
+        again, as long as no param has state yet: torch's SGD then starts its buffers at the
+        first step, and so does this. With state, ``_begin`` names the change (an error)."""
+        changed = any(
+            (rec := self._records.get(p)) is not None and rec.state_keys != self.rule.state_keys_for(g)
+            for g in self.param_groups
+            for p in g["params"]
+        )  # fmt: skip
+        if changed and not any(self.state.get(p) for g in self.param_groups for p in g["params"]):
+            self._replace(self.offload_fraction)
+
     # ------------------------------------------------------------------ phases
     def _begin(self) -> StepState:
         """Freeze and validate every group, find each param's group by identity."""
@@ -357,7 +372,9 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                     raise ValueError(
                         f"param group {gi}: {rec.name} keeps state {list(rec.state_keys)} since "
                         f"it was placed, the group's values now need {list(keys)} (momentum "
-                        "turned on or off after the optimizer was built)"
+                        "turned on or off after the first step with state; while no param "
+                        "has state, step() places the params again, but not a backward that "
+                        "starts updates)"
                     )
                 if p in group_of:
                     raise RuntimeError(

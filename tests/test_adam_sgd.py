@@ -132,16 +132,63 @@ def test_sgd_arguments_are_checked_like_torchs(kw, match):
         HybridSGD(make_params(), **kw)
 
 
-def test_turning_momentum_on_after_construction_is_refused_before_any_change():
+def test_turning_momentum_off_once_buffers_exist_is_refused_before_any_change():
+    """torch's SGD keeps unused buffers when momentum goes to 0 (and uses them again if it
+    comes back); the placement cannot drop or keep them unused: refused, nothing changed."""
     params = make_params()
-    opt = HybridSGD(params, lr=0.1, min_offload_numel=1)
-    for p, g in zip(params, seeded_grads(params, 0), strict=True):
-        p.grad = g
-    opt.param_groups[0]["momentum"] = 0.9
-    before = [p.detach().clone() for p in params]
-    with pytest.raises(ValueError, match="momentum turned on or off after the optimizer was built"):
+    opt = HybridSGD(params, lr=0.1, momentum=0.9, min_offload_numel=1)
+    for step in range(2):
+        for p, g in zip(params, seeded_grads(params, step), strict=True):
+            p.grad = g
+        if step == 1:
+            opt.param_groups[0]["momentum"] = 0.0
+            before = [p.detach().clone() for p in params]
+            with pytest.raises(ValueError, match="momentum turned on or off after the first step"):
+                opt.step()
+            assert_bitwise(params, before)
+        else:
+            opt.step()
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_sgd_momentum_turned_on_while_no_state_exists_is_torchs(fraction):
+    """SGD without momentum keeps no state, so turning momentum on later (here at step 2) is
+    torch's first momentum step: buffers start from the grads, bitwise."""
+    ref_params, params = make_params(), make_params()
+    ref = torch.optim.SGD(ref_params, lr=0.1, fused=True)
+    opt = HybridSGD(params, lr=0.1, offload_fraction=fraction, min_offload_numel=1)
+    for step in range(5):
+        if step == 2:
+            for o in (ref, opt):
+                o.param_groups[0]["momentum"] = 0.9
+        for p, q, g in zip(ref_params, params, seeded_grads(params, step), strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        ref.step()
         opt.step()
-    assert_bitwise(params, before)
+        assert_bitwise(params, ref_params, f"step {step}")
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_sgd_with_onecyclelr_turning_momentum_on_before_the_first_step_is_torchs(fraction):
+    """A fresh user's finding: OneCycleLR (cycle_momentum=True by default) gives a group built
+    with momentum=0 a momentum at construction; torch's SGD starts its buffers at the first
+    step, HybridSGD refused. Its params are now placed again (no state yet), bitwise torch's."""
+    ref_params, params = make_params(), make_params()
+    ref = torch.optim.SGD(ref_params, lr=0.1, fused=True)
+    opt = HybridSGD(params, lr=0.1, offload_fraction=fraction, min_offload_numel=1)
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=8) for o in (ref, opt)]
+    for step in range(6):
+        for p, q, g in zip(ref_params, params, seeded_grads(params, step), strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        ref.step()
+        opt.step()
+        for s in scheds:
+            s.step()
+        assert_bitwise(params, ref_params, f"step {step}")
+    for p, q in zip(ref_params, params, strict=True):
+        assert_bitwise([opt.state[q]["momentum_buffer"]], [ref.state[p]["momentum_buffer"]])
+    if fraction > 0:
+        assert any(opt.is_offloaded(p) for p in params)  # the buffers take host memory now
 
 
 def test_sgd_without_masters_on_bf16_is_refused_where_torchs_kernel_is_wrong():
