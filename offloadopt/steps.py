@@ -331,11 +331,11 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
         ``OneCycleLR(cycle_momentum=True)`` gives a momentum before the first step) is placed
         again, as long as no param has state yet: torch's SGD then starts its buffers at the
         first step, and so does this. With state, ``_begin`` names the change (an error)."""
-        changed = any(
-            (rec := self._records.get(p)) is not None and rec.state_keys != self.rule.state_keys_for(g)
-            for g in self.param_groups
-            for p in g["params"]
-        )  # fmt: skip
+        changed = False
+        for g in self.param_groups:
+            keys = self.rule.state_keys_for(g)  # once per group: this runs at every step
+            records = (self._records.get(p) for p in g["params"])
+            changed = changed or any(r is not None and r.state_keys != keys for r in records)
         if changed and not any(self.state.get(p) for g in self.param_groups for p in g["params"]):
             self._replace(self.offload_fraction)
 
