@@ -69,7 +69,10 @@ def test_the_choice_is_the_largest_fraction_the_model_predicts_within_the_tolera
     meas = costmodel.Measurements(**choice["measurements"])
     zero = costmodel.predict(meas, 0.0, "step").step_ms
     assert choice["predicted_step_ms"] <= 1.5 * zero + 1e-9
-    above = [f / 100 for f in range(101) if f / 100 > choice["fraction"]]
+    # The model's choice; a measured period above the limit (this machine's timing noise)
+    # moved it down since, and corrections[0] keeps it (a flake in a loaded CI run).
+    chosen = choice["corrections"][0]["fraction"] if choice["corrections"] else choice["fraction"]
+    above = [f / 100 for f in range(101) if f / 100 > chosen]
     assert all(costmodel.predict(meas, f, "step").step_ms > 1.5 * zero for f in above)
     # The probe's own period is kept beside its prediction from the same measurements.
     at_probe = costmodel.predict(meas, choice["probe_fraction"], "step").step_ms
