@@ -337,6 +337,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
             records = (self._records.get(p) for p in g["params"])
             changed = changed or any(r is not None and r.state_keys != keys for r in records)
         if changed and not any(self.state.get(p) for g in self.param_groups for p in g["params"]):
+            self.synchronize()  # nothing can be in flight without state; cheap if so
             self._replace(self.offload_fraction)
 
     # ------------------------------------------------------------------ phases
