@@ -166,42 +166,49 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
             elif st.fed:
                 self._warn_if_hypers_moved(st)
             st.t0, st.thread = t0, threading.get_ident()
-            # Params fed during backward were checked then (their grads may be released now).
-            with_grad = [p for p in st.group_of if p not in st.versions and p.grad is not None]
-            for p in with_grad:
-                self._check_grad(p)
-            # A grad that appeared after its bucket's update started (set by hand after
-            # backward): that update ran without it, and it cannot be fed again.
-            for p in with_grad if st.fed else ():  # step mode: nothing started early
-                if any(b in st.fed for b in self._records[p].buckets):
-                    self._broken = f"the grad of {self._records[p].name} came after its update"
-                    raise RuntimeError(
-                        f"the grad of {self._records[p].name} was set after its bucket's update "
-                        "started (at the end of backward, or during it with grads_final=True); "
-                        "set grads before backward ends, or leave grads_final and "
-                        "max_grad_norm unset so that updates wait for step()"
-                    )
-            # Each grad is read once: with release_grads the worker sets p.grad to None at any
-            # moment (tests/test_overlap.py ran into a None between two reads).
-            moved = {}
-            for p, (grad, version) in st.versions.items():
-                now = p.grad
-                if now is not None and (now is not grad() or local(now)._version != version):
-                    moved[p] = now
-            same = self._same_values(st, moved)
-            for p in moved:
-                if p not in same:
-                    self._broken = f"the grad of {self._records[p].name} changed after its update"
-                    hint = ("with grad_scaler= attached, leave out scaler.unscale_(opt) and "
-                            "clip with max_grad_norm=" if self.grad_scaler is not None else
-                            "clip or scale through the optimizer: max_grad_norm=, grad_scaler=, "
-                            "or leave grads_final=False")  # fmt: skip
-                    raise RuntimeError(
-                        f"the grad of {self._records[p].name} changed after its bucket's update "
-                        f"started during backward ({hint}; mark non-final micro-steps with "
-                        "opt.accumulating())"
-                    )
-            self._check_worker(with_grad)  # a closed optimizer changes nothing
+            try:
+                # Params fed during backward were checked then (their grads may be released now).
+                with_grad = [p for p in st.group_of if p not in st.versions and p.grad is not None]
+                for p in with_grad:
+                    self._check_grad(p)
+                # A grad that appeared after its bucket's update started (set by hand after
+                # backward): that update ran without it, and it cannot be fed again.
+                for p in with_grad if st.fed else ():  # step mode: nothing started early
+                    if any(b in st.fed for b in self._records[p].buckets):
+                        self._broken = f"the grad of {self._records[p].name} came after its update"
+                        raise RuntimeError(
+                            f"the grad of {self._records[p].name} was set after its bucket's update "
+                            "started (at the end of backward, or during it with grads_final=True); "
+                            "set grads before backward ends, or leave grads_final and "
+                            "max_grad_norm unset so that updates wait for step()"
+                        )
+                # Each grad is read once: with release_grads the worker sets p.grad to None at any
+                # moment (tests/test_overlap.py ran into a None between two reads).
+                moved = {}
+                for p, (grad, version) in st.versions.items():
+                    now = p.grad
+                    if now is not None and (now is not grad() or local(now)._version != version):
+                        moved[p] = now
+                same = self._same_values(st, moved)
+                for p in moved:
+                    if p not in same:
+                        self._broken = (
+                            f"the grad of {self._records[p].name} changed after its update"
+                        )
+                        hint = ("with grad_scaler= attached, leave out scaler.unscale_(opt) and "
+                                "clip with max_grad_norm=" if self.grad_scaler is not None else
+                                "clip or scale through the optimizer: max_grad_norm=, grad_scaler=, "
+                                "or leave grads_final=False")  # fmt: skip
+                        raise RuntimeError(
+                            f"the grad of {self._records[p].name} changed after its bucket's update "
+                            f"started during backward ({hint}; mark non-final micro-steps with "
+                            "opt.accumulating())"
+                        )
+                self._check_worker(with_grad)  # a closed optimizer changes nothing
+            except BaseException:
+                if st.run is not None:  # updates started in backward: end their run, so the
+                    self._stop_run(st.run)  # next step's run is not queued behind it forever
+                raise
             # A GradScaler's step() set these (offloadopt/amp.py's note); None otherwise.
             grad_scale, scaler_inf = scaler_inputs(self)
             self._check_scaler(st, grad_scale, scaler_inf)

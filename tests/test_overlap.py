@@ -796,3 +796,30 @@ def test_state_dict_after_an_unfinished_backward_names_the_way_out():
     opt.discard_failed_step()
     opt.state_dict()
     opt.close()
+
+
+@pytest.mark.parametrize("recover", ["load", "discard"])
+def test_a_step_refused_for_an_edited_grad_leaves_no_run_behind(recover):
+    """A fresh user's finding: after step() refused a grad edited once its update started
+    (declared backward mode), the next step() waited forever, even after load_state_dict() or
+    discard_failed_step(): the refused step's run stayed open on the worker, and the next run
+    queued behind it. timeout_s turns such a hang into an error here."""
+    model = mlp()
+    opt = make_opt(model, 1.0, timeout_s=10, **MODES["backward"])
+    model(batch(0)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    good = opt.state_dict()
+    model(batch(1)).pow(2).mean().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.grad.mul_(2)
+    with pytest.raises(RuntimeError, match="changed after its bucket's update started"):
+        opt.step()
+    opt.load_state_dict(good) if recover == "load" else opt.discard_failed_step()
+    opt.zero_grad()
+    model(batch(2)).pow(2).mean().backward()
+    t = time.perf_counter()
+    opt.step()
+    assert time.perf_counter() - t < 5.0
+    opt.close()
