@@ -434,6 +434,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
             ValueError: the dict does not fit this optimizer; nothing was changed.
         """
         self.ensure_placed()
+        self._refuse_other_thread()  # not swallowed below: it is no failed step
         try:
             self.synchronize()
         except Exception:  # noqa: BLE001 - a failed step is what a load repairs

@@ -24,6 +24,31 @@ __all__ = ["Waits"]
 class Waits:
     """The waits of :class:`offloadopt.optim.HybridOptimizer` (a mixin)."""
 
+    def _refuse_other_thread(self) -> None:
+        """With ``overlap="delayed"`` only the thread that called ``step()`` publishes the update
+        in flight (a fresh user's finding: a second thread's ``state_dict()`` or
+        ``set_offload_fraction()`` copied the weights in while the training thread's forward
+        read them: autograd's in-place error, or NaN weights).
+
+        Raises:
+            RuntimeError: called from another thread while a delayed update is in flight.
+        """
+        st = self._inflight
+        if (
+            st is not None
+            and st.delayed
+            and not self._closed
+            and threading.get_ident() != st.thread
+        ):
+            raise RuntimeError(
+                "overlap='delayed': the update in flight is copied into the params by the "
+                "thread that called step(), between its steps; this call came from another "
+                "thread, where the copy would race with that thread's forward and backward. "
+                "Call state_dict(), load_state_dict(), set_offload_fraction(), "
+                "opt.synchronize() or model.state_dict() of a watched model from the training "
+                "thread"
+            )
+
     def synchronize(self) -> None:
         """Wait for this optimizer's work in flight (host side), and make the current stream
         wait for every copy back (GPU side). A no-op when nothing is in flight.
@@ -35,18 +60,7 @@ class Waits:
         if st is None:
             self._wait_started()
             return
-        if st.delayed and not self._closed and threading.get_ident() != st.thread:
-            # A fresh user's finding: a second thread's state_dict() or set_offload_fraction()
-            # copied the weights in while the training thread's forward read them (autograd's
-            # in-place error, or NaN weights).
-            raise RuntimeError(
-                "overlap='delayed': the update in flight is copied into the params by the "
-                "thread that called step(), between its steps; this call came from another "
-                "thread, where the copy would race with that thread's forward and backward. "
-                "Call state_dict(), load_state_dict(), set_offload_fraction(), "
-                "opt.synchronize() or model.state_dict() of a watched model from the training "
-                "thread"
-            )
+        self._refuse_other_thread()
         self._inflight = None
         streams = self._inflight_streams
         try:

@@ -356,18 +356,24 @@ def test_grads_final_outside_backward_mode_is_refused(overlap):
 def test_a_second_thread_cannot_publish_the_update_in_flight():
     """A fresh user's finding: a background thread's state_dict() or set_offload_fraction()
     copied the delayed update into the params while the training thread's forward read them
-    (autograd's in-place error, or NaN weights). It is refused, naming the rule, and the run
-    goes on as if it had not been called."""
+    (autograd's in-place error, or NaN weights); load_state_dict() swallowed the refusal. Each
+    is refused, naming the rule, and the run goes on as if it had not been called."""
     import threading
 
     model, ref_model = model_of(torch.float32), model_of(torch.float32)
     opt, ref = hybrid(model, 0.5), hybrid(ref_model, 0.5)
     run(model, opt, 2)
     run(ref_model, ref, 2)
-    errors = []
+    errors, saved = [], copy.deepcopy(ref.state_dict())
+    ref.synchronize()  # ref's state_dict() ended its staleness: opt's own below does the same
+    opt.synchronize()
+    run(model, opt, 3, start=2)
+    run(ref_model, ref, 3, start=2)
 
     def other_thread():
-        for call in (opt.state_dict, lambda: opt.set_offload_fraction(1.0), opt.synchronize):
+        calls = (opt.state_dict, lambda: opt.set_offload_fraction(1.0), opt.synchronize,
+                 lambda: opt.load_state_dict(saved))  # fmt: skip
+        for call in calls:
             try:
                 call()
             except RuntimeError as e:
@@ -376,9 +382,9 @@ def test_a_second_thread_cannot_publish_the_update_in_flight():
     t = threading.Thread(target=other_thread)
     t.start()
     t.join()
-    assert len(errors) == 3 and all("from the training thread" in e for e in errors), errors
-    run(model, opt, 4, start=2)
-    run(ref_model, ref, 4, start=2)
+    assert len(errors) == 4 and all("from the training thread" in e for e in errors), errors
+    run(model, opt, 5, start=3)
+    run(ref_model, ref, 5, start=3)
     for o in (opt, ref):
         o.synchronize()
     assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
