@@ -476,6 +476,8 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         self._step, self._broken, self._pending_clip = None, None, None
         for g, s in zip(groups, saved_groups, strict=True):
             g.update(checkpoint.merge_group(g, s, self.rule))
+        if self._keys_changed():  # a checkpoint of SGD with momentum into one built without
+            self._replace_for_keys()  # (a fresh user's finding: its buffers were dropped)
         ignored_masters = False
         params = [p for g in groups for p in g["params"]]
         for index, p in enumerate(params):

@@ -338,14 +338,37 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
         ``OneCycleLR(cycle_momentum=True)`` gives a momentum before the first step) is placed
         again, as long as no param has state yet: torch's SGD then starts its buffers at the
         first step, and so does this. With state, ``_begin`` names the change (an error)."""
-        changed = False
+        if self._keys_changed() and not any(
+            self.state.get(p) for g in self.param_groups for p in g["params"]
+        ):
+            self.synchronize()  # nothing can be in flight without state; cheap if so
+            self._replace_for_keys()
+
+    def _keys_changed(self) -> bool:
+        """Whether a group's values now need other state keys than its params were placed with."""
         for g in self.param_groups:
             keys = self.rule.state_keys_for(g)  # once per group: this runs at every step
-            records = (self._records.get(p) for p in g["params"])
-            changed = changed or any(r is not None and r.state_keys != keys for r in records)
-        if changed and not any(self.state.get(p) for g in self.param_groups for p in g["params"]):
-            self.synchronize()  # nothing can be in flight without state; cheap if so
-            self._replace(self.offload_fraction)
+            if any((r := self._records.get(p)) is not None and r.state_keys != keys
+                   for p in g["params"]):  # fmt: skip
+                return True
+        return False
+
+    def _replace_for_keys(self) -> None:
+        """Place every param again with the state keys its group's values need now.
+
+        Raises:
+            ValueError: a ``max_gpu_memory`` budget was met with the old keys (more state now:
+                the fraction it chose may not fit); before a step nothing changed, inside
+                ``load_state_dict()`` the load fails (and is refused until one succeeds).
+        """
+        if self._budget["max_gpu_memory"] is not None:
+            raise ValueError(
+                "the param groups' values need other state than when max_gpu_memory chose the "
+                f"fraction {self.offload_fraction:g} (momentum turned on or off after the "
+                "first step()); build the optimizer with the values it trains with (OneCycleLR "
+                "sets momentum at construction, before max_gpu_memory chooses)"
+            )
+        self._replace(self.offload_fraction)
 
     # ------------------------------------------------------------------ phases
     def _begin(self) -> StepState:

@@ -207,3 +207,50 @@ def test_sgd_without_masters_on_bf16_is_refused_where_torchs_kernel_is_wrong():
         assert len(opt.param_groups) == 1 and not opt.is_offloaded(p)
         opt.close()
     HybridSGD([p], lr=0.25, momentum=0.5).close()  # with fp32 masters: right everywhere
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_a_momentum_checkpoint_loads_into_sgd_built_without_momentum(fraction):
+    """A fresh user's finding: the checkpoint's momentum_buffer was dropped silently when the
+    optimizer it was loaded into had been built with momentum=0 (the restart of a OneCycleLR
+    run); torch's SGD keeps it. The params are placed again for the loaded values."""
+    ref_params, params = make_params(), make_params()
+    ref = torch.optim.SGD(ref_params, lr=0.1, momentum=0.9, fused=True)
+    opt = HybridSGD(params, lr=0.1, momentum=0.9, offload_fraction=fraction, min_offload_numel=1)
+    for p, q, g in zip(ref_params, params, seeded_grads(params, 0), strict=True):
+        p.grad, q.grad = g.clone(), g.clone()
+    ref.step()
+    opt.step()
+    ref2 = torch.optim.SGD(ref_params, lr=0.1, momentum=0.0, fused=True)
+    ref2.load_state_dict(ref.state_dict())
+    opt2 = HybridSGD(params, lr=0.1, momentum=0.0, offload_fraction=fraction, min_offload_numel=1)
+    opt2.load_state_dict(opt.state_dict())
+    opt.close()
+    for step in range(1, 4):
+        for p, q, g in zip(ref_params, params, seeded_grads(params, step), strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        ref2.step()
+        opt2.step()
+        assert_bitwise(params, ref_params, f"step {step}")
+    for p, q in zip(ref_params, params, strict=True):
+        assert_bitwise([opt2.state[q]["momentum_buffer"]], [ref2.state[p]["momentum_buffer"]])
+
+
+def test_momentum_turned_on_under_a_met_budget_is_refused():
+    """A fresh user's finding: with max_gpu_memory the placement for the new state kept the
+    budget's old fraction, unchecked (more state on the device than the budget allowed)."""
+    params = make_params()
+    opt = HybridSGD(
+        params, lr=0.1, min_offload_numel=1, max_gpu_memory="1GB", activation_bytes=1000
+    )
+    for step in range(2):
+        for p, g in zip(params, seeded_grads(params, step), strict=True):
+            p.grad = g
+        if step == 1:
+            opt.param_groups[0]["momentum"] = 0.9
+            before = [p.detach().clone() for p in params]
+            with pytest.raises(ValueError, match="need other state than when max_gpu_memory chose"):
+                opt.step()
+            assert_bitwise(params, before)
+        else:
+            opt.step()
