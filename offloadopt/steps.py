@@ -118,7 +118,6 @@ class StepState:
     amp: AmpInputs | None = None  # a GradScaler's scale and found_inf (offloadopt/amp.py)
     waited: set[Bucket] = field(default_factory=set)  # wait="module": buckets waited for
     first: set[torch.Tensor] = field(default_factory=set)  # lazy-state params' first update
-    t0: float = 0.0
     thread: int = 0  # the thread that called step() (overlap="delayed" publishes there only)
     delayed: bool = False  # overlap="delayed", past delay_after: the update lands one step late
     # wait="module": (weakref to the grad, its version, param) of each grad the copies still
@@ -161,11 +160,10 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
             # Phase 0: freeze every group's hyperparameters (at the first hook, in backward
             # mode) and check every grad, before any state changes.
             if st is None:
-                self._replace_if_keys_changed()
-                st = self._begin()
+                st = self._begin(may_replace=True)
             elif st.fed:
                 self._warn_if_hypers_moved(st)
-            st.t0, st.thread = t0, threading.get_ident()
+            st.thread = threading.get_ident()
             try:
                 # Params fed during backward were checked then (their grads may be released now).
                 with_grad = [p for p in st.group_of if p not in st.versions and p.grad is not None]
@@ -332,18 +330,6 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
         run.abort()
         run.job.done.wait(self.timeout_s)
 
-    def _replace_if_keys_changed(self) -> None:
-        """A group whose values now need other state keys than its params were placed with
-        (SGD's ``momentum_buffer``: a group built with ``momentum=0`` that a scheduler such as
-        ``OneCycleLR(cycle_momentum=True)`` gives a momentum before the first step) is placed
-        again, as long as no param has state yet: torch's SGD then starts its buffers at the
-        first step, and so does this. With state, ``_begin`` names the change (an error)."""
-        if self._keys_changed() and not any(
-            self.state.get(p) for g in self.param_groups for p in g["params"]
-        ):
-            self.synchronize()  # nothing can be in flight without state; cheap if so
-            self._replace_for_keys()
-
     def _keys_changed(self) -> bool:
         """Whether a group's values now need other state keys than its params were placed with."""
         for g in self.param_groups:
@@ -371,8 +357,14 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
         self._replace(self.offload_fraction)
 
     # ------------------------------------------------------------------ phases
-    def _begin(self) -> StepState:
-        """Freeze and validate every group, find each param's group by identity."""
+    def _begin(self, may_replace: bool = False) -> StepState:
+        """Freeze and validate every group, find each param's group by identity.
+
+        ``may_replace`` (from ``step()``, never from a backward's hooks): a group whose values
+        now need other state keys than its params were placed with (SGD's ``momentum_buffer``:
+        ``OneCycleLR(cycle_momentum=True)`` on a group built with ``momentum=0``) has its
+        params placed again while no param has state: torch's SGD then starts its buffers at
+        this step, and so does this. Otherwise the change is an error naming the param."""
         prev = self._inflight
         if prev is not None and prev.fed and not prev.waited and not prev.delayed and self._module_waits:  # fmt: skip
             # A forward and backward ran since step() and no watched module waited: their
@@ -400,6 +392,9 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
             for i, p in enumerate(group["params"]):
                 rec = self._records.get(p)
                 if rec is not None and rec.state_keys != keys:
+                    if may_replace and not any(self.state.get(q) for q in self._records):
+                        self._replace_for_keys()  # waited for above: nothing is in flight
+                        return self._begin()
                     raise ValueError(
                         f"param group {gi}: {rec.name} keeps state {list(rec.state_keys)} since "
                         f"it was placed, the group's values now need {list(keys)} (momentum "
