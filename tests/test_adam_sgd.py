@@ -132,22 +132,28 @@ def test_sgd_arguments_are_checked_like_torchs(kw, match):
         HybridSGD(make_params(), **kw)
 
 
+def refused_at_the_second_step(opt, params, momentum, match):
+    """One step, then ``momentum`` set on group 0: the next step() raises ``match`` and no
+    param changed."""
+    for step in range(2):
+        for p, g in zip(params, seeded_grads(params, step), strict=True):
+            p.grad = g
+        if step == 1:
+            opt.param_groups[0]["momentum"] = momentum
+            before = [p.detach().clone() for p in params]
+            with pytest.raises(ValueError, match=match):
+                opt.step()
+            assert_bitwise(params, before)
+        else:
+            opt.step()
+
+
 def test_turning_momentum_off_once_buffers_exist_is_refused_before_any_change():
     """torch's SGD keeps unused buffers when momentum goes to 0 (and uses them again if it
     comes back); the placement cannot drop or keep them unused: refused, nothing changed."""
     params = make_params()
     opt = HybridSGD(params, lr=0.1, momentum=0.9, min_offload_numel=1)
-    for step in range(2):
-        for p, g in zip(params, seeded_grads(params, step), strict=True):
-            p.grad = g
-        if step == 1:
-            opt.param_groups[0]["momentum"] = 0.0
-            before = [p.detach().clone() for p in params]
-            with pytest.raises(ValueError, match="momentum turned on or off after the first step"):
-                opt.step()
-            assert_bitwise(params, before)
-        else:
-            opt.step()
+    refused_at_the_second_step(opt, params, 0.0, "momentum turned on or off after the first step")
 
 
 @pytest.mark.parametrize("fraction", FRACTIONS)
@@ -243,14 +249,4 @@ def test_momentum_turned_on_under_a_met_budget_is_refused():
     opt = HybridSGD(
         params, lr=0.1, min_offload_numel=1, max_gpu_memory="1GB", activation_bytes=1000
     )
-    for step in range(2):
-        for p, g in zip(params, seeded_grads(params, step), strict=True):
-            p.grad = g
-        if step == 1:
-            opt.param_groups[0]["momentum"] = 0.9
-            before = [p.detach().clone() for p in params]
-            with pytest.raises(ValueError, match="need other state than when max_gpu_memory chose"):
-                opt.step()
-            assert_bitwise(params, before)
-        else:
-            opt.step()
+    refused_at_the_second_step(opt, params, 0.9, "need other state than when max_gpu_memory chose")

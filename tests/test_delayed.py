@@ -353,6 +353,26 @@ def test_grads_final_outside_backward_mode_is_refused(overlap):
         HybridAdamW(groups(model), overlap=overlap, grads_final=True)
 
 
+def twin_runs(fraction, steps):
+    """Two delayed twins (model and optimizer each) after ``steps`` steps."""
+    model, ref_model = model_of(torch.float32), model_of(torch.float32)
+    opt, ref = hybrid(model, fraction), hybrid(ref_model, fraction)
+    run(model, opt, steps)
+    run(ref_model, ref, steps)
+    return model, opt, ref_model, ref
+
+
+def finish_twins(model, opt, ref_model, ref, start, stop):
+    """Both twins on to ``stop``, their updates published: bitwise equal, then closed."""
+    run(model, opt, stop, start=start)
+    run(ref_model, ref, stop, start=start)
+    for o in (opt, ref):
+        o.synchronize()
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
+    for o in (opt, ref):
+        o.close()
+
+
 def test_a_second_thread_cannot_publish_the_update_in_flight():
     """A fresh user's finding: a background thread's state_dict() or set_offload_fraction()
     copied the delayed update into the params while the training thread's forward read them
@@ -360,10 +380,7 @@ def test_a_second_thread_cannot_publish_the_update_in_flight():
     is refused, naming the rule, and the run goes on as if it had not been called."""
     import threading
 
-    model, ref_model = model_of(torch.float32), model_of(torch.float32)
-    opt, ref = hybrid(model, 0.5), hybrid(ref_model, 0.5)
-    run(model, opt, 2)
-    run(ref_model, ref, 2)
+    model, opt, ref_model, ref = twin_runs(0.5, 2)
     errors, saved = [], copy.deepcopy(ref.state_dict())
     ref.synchronize()  # ref's state_dict() ended its staleness: opt's own below does the same
     opt.synchronize()
@@ -383,23 +400,14 @@ def test_a_second_thread_cannot_publish_the_update_in_flight():
     t.start()
     t.join()
     assert len(errors) == 4 and all("from the training thread" in e for e in errors), errors
-    run(model, opt, 5, start=3)
-    run(ref_model, ref, 5, start=3)
-    for o in (opt, ref):
-        o.synchronize()
-    assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
-    for o in (opt, ref):
-        o.close()
+    finish_twins(model, opt, ref_model, ref, 3, 5)
 
 
 def test_set_offload_fraction_waits_for_a_step_that_ran_after_its_first_wait():
     """The race behind the finding above: a step() that ran between set_offload_fraction()'s
     first wait and its lock left an update in flight writing the buffers being replaced. Here
     that step() runs in the gap on the same thread, with a slow worker."""
-    model, ref_model = model_of(torch.float32), model_of(torch.float32)
-    opt, ref = hybrid(model, 0.5), hybrid(ref_model, 0.5)
-    run(model, opt, 2)
-    run(ref_model, ref, 2)
+    model, opt, ref_model, ref = twin_runs(0.5, 2)
     opt._pipeline.worker_hook = lambda b: __import__("time").sleep(0.05)
     check = opt._check_worker
 
@@ -415,10 +423,4 @@ def test_set_offload_fraction_waits_for_a_step_that_ran_after_its_first_wait():
     run(ref_model, ref, 3, start=2)
     ref.set_offload_fraction(1.0)
     opt._pipeline.worker_hook = None
-    run(model, opt, 5, start=3)
-    run(ref_model, ref, 5, start=3)
-    for o in (opt, ref):
-        o.synchronize()
-    assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
-    for o in (opt, ref):
-        o.close()
+    finish_twins(model, opt, ref_model, ref, 3, 5)
