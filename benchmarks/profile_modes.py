@@ -116,8 +116,54 @@ def compute_gaps(trace: dict, window: str = "## forward+backward", min_us: float
             "launching_thread_ms": [(name, us / 1e3 / n) for name, us in top]}  # fmt: skip
 
 
+def launch_breakdown(trace: dict, prefix: str = "offloadopt.launch") -> dict:
+    """Where the worker's copy launches spend their time, from a Chrome trace of torch.profiler:
+    for each range named ``prefix*`` (pipeline.py wraps each bucket's D2H and H2D launches),
+    its wall time split into the ops it ran directly (aten ops, CUDA runtime calls; own names)
+    and the rest (Python and waits for the GIL: the trace has no Python frames without
+    with_stack). Returns per range name: count, total ms, ms per op name, uncovered ms, and the
+    CUDA runtime calls inside (ms per name, nested in the ops)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    ranges = [e for e in events
+              if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(prefix)]  # fmt: skip
+    inner = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver")]
+    by_tid: dict = {}
+    for e in inner:
+        by_tid.setdefault(e["tid"], []).append(e)
+    report: dict = {}
+    for r in ranges:
+        lo, hi = r["ts"], r["ts"] + r["dur"]
+        inside = sorted((e for e in by_tid.get(r["tid"], ()) if lo <= e["ts"] and e["ts"] + e["dur"] <= hi),
+                        key=lambda e: (e["ts"], -e["dur"]))  # fmt: skip
+        top, end = [], -1.0
+        for e in inside:  # the ops not nested in another op of the range
+            if e["ts"] >= end:
+                top.append(e)
+                end = e["ts"] + e["dur"]
+        row = report.setdefault(r["name"], {"count": 0, "ms": 0.0, "ops_ms": {}, "runtime_ms": {},
+                                            "uncovered_ms": 0.0})  # fmt: skip
+        row["count"] += 1
+        row["ms"] += r["dur"] / 1e3
+        row["uncovered_ms"] += (r["dur"] - sum(e["dur"] for e in top)) / 1e3
+        for e in top:
+            row["ops_ms"][e["name"]] = row["ops_ms"].get(e["name"], 0.0) + e["dur"] / 1e3
+        for e in inside:
+            if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+                row["runtime_ms"][e["name"]] = row["runtime_ms"].get(e["name"], 0.0) + e["dur"] / 1e3
+    return report
+
+
+def _all_threads():
+    """A profiler config that records every thread's ops (the worker's launches and updates:
+    by default only the thread that starts the profiler is recorded), where this torch has it."""
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        return None
+
+
 def profile_one(bench: Bench, mode: str, fraction: float, warmup: int, steps: int, top: int,
-                gaps: bool = False, **options):  # fmt: skip
+                gaps: bool = False, launches: bool = False, **options):  # fmt: skip
     model = bench.reset_model()
     built = anchors.hybrid(fraction, mode, **options)(model, bench.cfg.lr)
     opt = built["opt"]
@@ -144,13 +190,22 @@ def profile_one(bench: Bench, mode: str, fraction: float, warmup: int, steps: in
     activities = [ProfilerActivity.CPU] + (
         [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
     )
-    with profile(activities=activities, with_stack=gaps) as prof:
+    with profile(activities=activities, with_stack=gaps, experimental_config=_all_threads()) as prof:
         timed = [iteration(warmup + steps + i) for i in range(steps)]
-    gap_report = {}
-    if gaps:
+    gap_report, launch_report = {}, {}
+    if gaps or launches:
         with tempfile.TemporaryDirectory() as tmp:
             prof.export_chrome_trace(f"{tmp}/trace.json")
-            gap_report = compute_gaps(json.loads(Path(f"{tmp}/trace.json").read_text()))
+            trace = json.loads(Path(f"{tmp}/trace.json").read_text())
+        gap_report = compute_gaps(trace) if gaps else {}
+        if launches:
+            launch_report = launch_breakdown(trace)
+            for row in launch_report.values():  # per iteration
+                for key in ("ms", "uncovered_ms"):
+                    row[key] /= steps
+                for key in ("ops_ms", "runtime_ms"):
+                    row[key] = {k: v / steps for k, v in sorted(row[key].items(), key=lambda kv: -kv[1])}
+                row["count"] /= steps
     avg = prof.key_averages()
     kernels = [e for e in avg if e.device_type == torch.autograd.DeviceType.CUDA]
     cuda_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
@@ -162,6 +217,7 @@ def profile_one(bench: Bench, mode: str, fraction: float, warmup: int, steps: in
         "profiled_step_ms": statistics.median(b for _, b in timed),
         "cuda_busy_ms_per_iter": cuda_ms,
         "gaps": gap_report,
+        "launches": launch_report,
         "kernels": [{**r, "ms": r["ms"] / steps} for r in _top(kernels, "self_device_time_total", top)],
         "cpu_ops": [{**r, "ms": r["ms"] / steps} for r in _top(
             [e for e in avg if e.device_type == torch.autograd.DeviceType.CPU], "self_cpu_time_total", top)],
@@ -190,6 +246,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="the compute stream's idle time in forward+backward, and who caused it (with_stack)",
     )
+    p.add_argument(
+        "--launches",
+        action="store_true",
+        help="the worker's copy launches per iteration: ops, CUDA runtime calls, the rest",
+    )
     p.add_argument("--out", type=checks.out_dir, default="prof-out")
     p.add_argument("--device", type=checks.device, default="cuda", help="cuda; cpu: a smoke test")
     return p.parse_args(argv)
@@ -204,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for mode, fraction, options in args.configs:
         r = profile_one(
-            bench, mode, fraction, args.warmup, args.steps, args.top, args.gaps, **options
+            bench, mode, fraction, args.warmup, args.steps, args.top, args.gaps, args.launches,
+            **options,
         )
         r["config"] += "".join(f":{k}={v}" for k, v in options.items())
         results.append(r)
@@ -219,6 +281,14 @@ def main(argv: list[str] | None = None) -> None:
                   f"{g['launch_bound_gap_ms']:.1f} ms, waits {g['wait_gap_ms']:.1f} ms; launching thread:")  # fmt: skip
             for name, ms in g["launching_thread_ms"]:
                 print(f"    {ms:8.2f}  {name}")
+        for name, row in r["launches"].items():
+            print(f"  {name}: {row['count']:.0f} per iteration, {row['ms']:.2f} ms, of which "
+                  f"{row['uncovered_ms']:.2f} ms outside any op (Python, the GIL); ops:")  # fmt: skip
+            for op, ms in list(row["ops_ms"].items())[:8]:
+                print(f"    {ms:8.2f}  {op}")
+            print("   CUDA runtime calls inside:")
+            for op, ms in list(row["runtime_ms"].items())[:8]:
+                print(f"    {ms:8.2f}  {op}")
         for title, rows in (("kernels (self CUDA ms/iter)", r["kernels"]),
                             ("CPU ops (self CPU ms/iter, every thread)", r["cpu_ops"]),
                             ("ranges (CPU ms/iter, every thread)", r["ranges"])):  # fmt: skip

@@ -219,7 +219,8 @@ class StepRun:
                     else:
                         stats["feed_wait_ms"] += (time.perf_counter() - t) * 1e3
                     t = time.perf_counter()
-                    pending.append((work, *p._start_d2h(work, stats)))
+                    with torch.profiler.record_function("offloadopt.launch_d2h"):
+                        pending.append((work, *p._start_d2h(work, stats)))
                     stats["launch_ms"] += (time.perf_counter() - t) * 1e3
                     with self._cond:
                         self.launched += 1
@@ -236,7 +237,8 @@ class StepRun:
                 with self._cond:
                     self._landed.append(work)
                 t = time.perf_counter()
-                tr.start_h2d(work.bucket, work.idx, slot, work.ready, work.targets)
+                with torch.profiler.record_function("offloadopt.launch_h2d"):
+                    tr.start_h2d(work.bucket, work.idx, slot, work.ready, work.targets)
                 stats["launch_ms"] += (time.perf_counter() - t) * 1e3
                 stats["h2d_nbytes"] += work.bucket.nbytes
                 stats["buckets"] = stats.get("buckets", 0) + 1

@@ -70,6 +70,28 @@ def test_profile_modes_gaps_split_launch_bound_from_waits_and_blame_the_launchin
     assert profile_modes.compute_gaps({"traceEvents": []}) == {}
 
 
+def test_profile_modes_launch_breakdown_splits_each_range_into_its_ops_and_the_rest():
+    trace = {"traceEvents": [
+        _x("user_annotation", "offloadopt.launch_d2h", 0, 100, 5),
+        _x("cpu_op", "aten::copy_", 10, 30, 5),
+        _x("cuda_runtime", "cudaMemcpyAsync", 15, 20, 5),  # nested in copy_: not counted twice
+        _x("cpu_op", "aten::record_stream", 50, 10, 5),
+        _x("cpu_op", "aten::copy_", 60, 10, 6),  # another thread: not this range's
+        _x("user_annotation", "offloadopt.launch_d2h", 200, 50, 5),
+        _x("cuda_runtime", "cudaEventRecord", 210, 5, 5),
+        _x("user_annotation", "offloadopt.cpu_update", 300, 500, 5),  # not a launch
+    ]}  # fmt: skip
+    r = profile_modes.launch_breakdown(trace)
+    assert list(r) == ["offloadopt.launch_d2h"]
+    row = r["offloadopt.launch_d2h"]
+    assert row["count"] == 2
+    assert row["ms"] == pytest.approx(0.15)
+    assert row["ops_ms"] == pytest.approx({"aten::copy_": 0.03, "aten::record_stream": 0.01,
+                                           "cudaEventRecord": 0.005})  # fmt: skip
+    assert row["uncovered_ms"] == pytest.approx(0.15 - 0.045)
+    assert row["runtime_ms"] == pytest.approx({"cudaMemcpyAsync": 0.02, "cudaEventRecord": 0.005})
+
+
 # --- the scripts' options: a usage error (status 2) naming the value, before anything is built --
 
 CPU = ["--device", "cpu"]
