@@ -149,7 +149,9 @@ def launch_breakdown(trace: dict, prefix: str = "offloadopt.launch") -> dict:
             row["ops_ms"][e["name"]] = row["ops_ms"].get(e["name"], 0.0) + e["dur"] / 1e3
         for e in inside:
             if e.get("cat") in ("cuda_runtime", "cuda_driver"):
-                row["runtime_ms"][e["name"]] = row["runtime_ms"].get(e["name"], 0.0) + e["dur"] / 1e3
+                row["runtime_ms"][e["name"]] = (
+                    row["runtime_ms"].get(e["name"], 0.0) + e["dur"] / 1e3
+                )
     return report
 
 
@@ -190,7 +192,9 @@ def profile_one(bench: Bench, mode: str, fraction: float, warmup: int, steps: in
     activities = [ProfilerActivity.CPU] + (
         [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
     )
-    with profile(activities=activities, with_stack=gaps, experimental_config=_all_threads()) as prof:
+    with profile(
+        activities=activities, with_stack=gaps, experimental_config=_all_threads()
+    ) as prof:
         timed = [iteration(warmup + steps + i) for i in range(steps)]
     gap_report, launch_report = {}, {}
     if gaps or launches:
@@ -204,7 +208,9 @@ def profile_one(bench: Bench, mode: str, fraction: float, warmup: int, steps: in
                 for key in ("ms", "uncovered_ms"):
                     row[key] /= steps
                 for key in ("ops_ms", "runtime_ms"):
-                    row[key] = {k: v / steps for k, v in sorted(row[key].items(), key=lambda kv: -kv[1])}
+                    row[key] = {
+                        k: v / steps for k, v in sorted(row[key].items(), key=lambda kv: -kv[1])
+                    }
                 row["count"] /= steps
     avg = prof.key_averages()
     kernels = [e for e in avg if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -265,7 +271,14 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for mode, fraction, options in args.configs:
         r = profile_one(
-            bench, mode, fraction, args.warmup, args.steps, args.top, args.gaps, args.launches,
+            bench,
+            mode,
+            fraction,
+            args.warmup,
+            args.steps,
+            args.top,
+            args.gaps,
+            args.launches,
             **options,
         )
         r["config"] += "".join(f":{k}={v}" for k, v in options.items())
