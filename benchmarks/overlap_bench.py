@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import math
 import statistics
@@ -67,7 +68,8 @@ def derived(name: str, known: dict[str, dict]) -> dict:
     each a word: ``threadsN`` (cpu_threads=N), ``bucketN`` (N MiB buckets), ``switchN``
     (sys.setswitchinterval of N ms), ``fifo`` (the worker takes queued buckets in the order
     they were fed, as before pipeline.StepRun took the forward's first), ``perseg`` (one
-    kernel operand per segment, as before updates._joined joined back-to-back ones), e.g.
+    kernel operand per segment, as before updates._joined joined back-to-back ones), ``base``
+    (HybridAdamW of the baseline package ``offloadopt_base`` under ``--baseline-dir``), e.g.
     "backward f0.2 threads8 switch1". Raises ValueError for a name that is none of these."""
     if name in known:
         return known[name]
@@ -76,13 +78,15 @@ def derived(name: str, known: dict[str, dict]) -> dict:
         return {**derived(base, known), "fifo": True}
     if base and last == "perseg":  # one kernel operand per segment (before 2026-12-02)
         return {**derived(base, known), "perseg": True}
+    if base and last == "base":  # the baseline package (gpu_run.sh's "ab" says how it is made)
+        return {**derived(base, known), "base": True}
     for prefix, key, unit in (("threads", "cpu_threads", 1), ("bucket", "bucket_nbytes", 2**20),
                               ("switch", "switch_s", 1e-3)):  # fmt: skip
         if base and last.startswith(prefix) and last[len(prefix) :].replace(".", "", 1).isdigit():
             value = float(last[len(prefix) :]) * unit
             return {**derived(base, known), key: value if key == "switch_s" else int(value)}
     raise ValueError(f"--only: {name!r} is no configuration, nor one followed by variant words "
-                     "(threadsN, bucketN, switchN, fifo, perseg); --help lists the names")  # fmt: skip
+                     "(threadsN, bucketN, switchN, fifo, perseg, base); --help lists the names")  # fmt: skip
 
 
 # offload_fraction="auto" needs its probe, move and verify steps before the timed ones.
@@ -141,6 +145,9 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
         StepRun._take = lambda run: run._queue.popleft()
     if cfg.pop("perseg", False):  # main() puts the function back after each configuration
         updates._joined = lambda segs, columns, steps: (columns, steps)
+    hybrid = HybridAdamW
+    if cfg.pop("base", False):
+        hybrid = importlib.import_module("offloadopt_base").HybridAdamW
     move_at, move_to = cfg.pop("move_at", None), cfg.pop("move_to", None)
     if fraction == "auto" or move_at is not None:
         warmup = max(warmup, AUTO_WARMUP)
@@ -148,7 +155,7 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
     if torchao:
         opt = anchors.torchao_offload(model, lr)["opt"]
     else:
-        opt = HybridAdamW(model.parameters(), lr=lr, weight_decay=0.1, offload_fraction=fraction, **cfg)  # fmt: skip
+        opt = hybrid(model.parameters(), lr=lr, weight_decay=0.1, offload_fraction=fraction, **cfg)  # fmt: skip
         if cfg.get("wait") == "module":
             opt.watch(model)
     build_s = time.perf_counter() - t
@@ -235,9 +242,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "run only these configurations, each one quoted argument: a configuration's name, "
         "optionally followed by variant words: threadsN (cpu_threads=N), bucketN (N MiB buckets), "
         "switchN (sys.setswitchinterval of N ms), fifo (the worker takes queued buckets in feed "
-        "order), perseg (one kernel operand per segment); e.g. --only f0 'backward f0.2 threads8 switch1' 'delayed f1 bucket256 fifo'. "
+        "order), perseg (one kernel operand per segment), base (the baseline package under "
+        "--baseline-dir); e.g. --only f0 'backward f0.2 threads8 switch1' 'delayed f1 bucket256 fifo'. "
         "Names: " + ", ".join(repr(n) for n, _ in configs(False) + EXTRA)))  # fmt: skip
     ap.add_argument("--no-probe", action="store_true", help="skip the kernel probe")
+    ap.add_argument("--baseline-dir", default=".baseline", help=(
+        "where the 'base' variant imports offloadopt_base from (benchmarks/gpu_run.sh's ab "
+        "part says how to make it)"))  # fmt: skip
     ap.add_argument("--no-memory", action="store_true", help="skip the grad-release memory runs")
     ap.add_argument("--out", type=checks.out_dir, default="overlap-out")
     ap.add_argument("--device", type=checks.device, default="cuda", help="cpu: a smoke test")
@@ -253,6 +264,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if any(name.endswith(" base") for name in args.only or ()):
+        sys.path.insert(0, str(Path(args.baseline_dir).resolve()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)

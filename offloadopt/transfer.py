@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import queue
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ import torch
 
 from offloadopt.host import HostBuffers
 from offloadopt.layout import Bucket
+from offloadopt.shards import local
 from offloadopt.worker import WaitTimeout
 
 __all__ = ["SLOTS", "Slot", "SlotRing", "Transfer", "wait_event"]
@@ -65,6 +67,52 @@ class Slot:
     host: torch.Tensor  # (nbytes,) uint8, host, pinned on CUDA: grads land here (D2H)
     d2h: torch.Tensor | None  # (nbytes,) uint8, device: grads upcast here before D2H
     h2d: torch.Tensor | None  # (nbytes,) uint8, device: masters land here, then downcast
+
+
+@dataclass(eq=False)
+class _Plan:
+    """One bucket's operands in one staging slot, made once and reused every step (the
+    worker launches two copies per bucket per step; rebuilding these views each time cost
+    more than the copies' own launches: benchmarks/RESULTS.md, the launch profile). The slot
+    and the master never move while they live (a new slot ring makes new plans, a re-placed
+    arena new buckets, and ``master_ptr`` is checked); the params' flat views are checked by
+    address (``param_ptrs``) because a caller may rebind ``p.data``."""
+
+    master_ptr: int  # the arena master's address when the plan was made
+    d2h_views: list[torch.Tensor]  # per segment: its range of slot.d2h, in the update dtype
+    d2h_flat: torch.Tensor  # slot.d2h[:nbytes]: the D2H's source
+    host_flat: torch.Tensor  # slot.host[:nbytes]: the D2H's destination (pinned)
+    h2d_flat: torch.Tensor  # slot.h2d[:nbytes]: the H2D's destination
+    h2d_views: list[torch.Tensor]  # per segment: its range of slot.h2d, in the update dtype
+    master_bytes: torch.Tensor  # the bucket's range of the master, as uint8 (pinned)
+    param_ptrs: tuple[int, ...] = ()
+    param_views: list[torch.Tensor] | None = None
+
+
+class _OnStream:
+    """``with _OnStream(stream):`` queues the block's CUDA work on ``stream`` and afterwards
+    puts back the calling thread's previous stream of that device and its current device:
+    torch.cuda.stream's effect without the Python device and stream objects that it builds on
+    each use (it cost tens of microseconds a bucket on the worker; make one per use)."""
+
+    __slots__ = ("stream", "prev", "device")
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+
+    def __enter__(self) -> None:
+        s = self.stream
+        self.device = torch._C._cuda_getDevice()
+        self.prev = torch._C._cuda_getCurrentStream(s.device_index)
+        torch._C._cuda_setStream(
+            stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        sid, index, kind = self.prev
+        torch._C._cuda_setStream(stream_id=sid, device_index=index, device_type=kind)
+        if self.device != index:
+            torch._C._cuda_setDevice(self.device)
 
 
 class SlotRing:
@@ -123,6 +171,10 @@ class Transfer:
         self.d2h = self.h2d = None
         if self.cuda:
             self.d2h, self.h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        # bucket -> slot index -> its operands (weak: a re-placed optimizer's old buckets go)
+        self._plans: weakref.WeakKeyDictionary[Bucket, dict[int, _Plan]] = (
+            weakref.WeakKeyDictionary()
+        )
         self.h2d_done: dict[Bucket, Any] = {}  # bucket -> the event of its last H2D
         # (stats key, start event, end event, bytes copied), from the worker's thread
         self.timing: list[tuple[str, Any, Any, int]] = []
@@ -172,20 +224,23 @@ class Transfer:
             for f in factors:
                 torch._foreach_mul_(views, f)
             return None
-        with torch.cuda.stream(self.d2h):
+        plan = self._plan(b, slot)
+        with _OnStream(self.d2h):
             self.d2h.wait_event(grads_ready)  # (I1) grads final: backward and edits queued before
             start = self._timed_start(self.d2h)
             for g in grads:
                 # The grads were made on another stream: their memory is not reused (after a
                 # zero_grad) before this stream's reads of it are done.
                 g.record_stream(self.d2h)
-            views = [b.slot_views(slot.d2h)[i] for i in idx]
+            views = plan.d2h_views
+            if len(idx) != len(views):
+                views = [views[i] for i in idx]
             torch._foreach_copy_(views, grads)  # upcast on the GPU
             for f in factors:  # the inverse scale, the clip coefficient: in the update dtype
                 torch._foreach_mul_(views, f)
             # non_blocking: same dtype, both contiguous, host side pinned -> a true async DMA;
             # the host reads the slot only after the event below (I2).
-            slot.host[: b.nbytes].copy_(slot.d2h[: b.nbytes], non_blocking=True)
+            plan.host_flat.copy_(plan.d2h_flat, non_blocking=True)
             done = self.d2h.record_event(torch.cuda.Event(enable_timing=True))
         self.timing.append(("d2h_ms", start, done, b.nbytes))
         return done
@@ -205,24 +260,57 @@ class Transfer:
         """Write bucket ``b``'s new weights (segments ``idx``) into its params, or into
         ``targets`` (one flat view per segment: overlap="delayed"'s landing buffers); on CUDA
         the copy is queued and :attr:`h2d_done` holds its event."""
-        targets = b.param_views() if targets is None else targets
-        masters = b.state_views(b.arena.master)
         if not self.cuda:
+            targets = b.param_views() if targets is None else targets
+            masters = b.state_views(b.arena.master)
             torch._foreach_copy_([targets[i] for i in idx], [masters[i] for i in idx])
             return
-        with torch.cuda.stream(self.h2d):
+        plan = self._plan(b, slot)
+        targets = self._param_views(b, plan) if targets is None else targets
+        views = plan.h2d_views
+        if len(idx) != len(views):
+            targets, views = [targets[i] for i in idx], [views[i] for i in idx]
+        with _OnStream(self.h2d):
             # (I4) no queued kernel still reads the old weights (delayed: the landing buffer's
             # last copy into the params is done)
             self.h2d.wait_event(weights_free)
             start = self._timed_start(self.h2d)
             # non_blocking: pinned source, same dtype, contiguous; the host does not write this
             # master again before this bucket's event has completed (I3).
-            slot.h2d[: b.nbytes].copy_(b.arena.master[b.lo : b.hi].view(torch.uint8), non_blocking=True)  # fmt: skip
-            views = b.slot_views(slot.h2d)
-            torch._foreach_copy_([targets[i] for i in idx], [views[i] for i in idx])  # downcast
+            plan.h2d_flat.copy_(plan.master_bytes, non_blocking=True)
+            torch._foreach_copy_(targets, views)  # downcast
             done = self.h2d.record_event(torch.cuda.Event(enable_timing=True))
         self.h2d_done[b] = done
         self.timing.append(("h2d_ms", start, done, b.nbytes))
+
+    def _plan(self, b: Bucket, slot: Slot) -> _Plan:
+        """Bucket ``b``'s operands in ``slot`` (CUDA), made on first use (see :class:`_Plan`)."""
+        master = b.arena.master
+        plans = self._plans.get(b)
+        if plans is None:
+            plans = self._plans[b] = {}
+        plan = plans.get(slot.index)
+        if plan is None or plan.master_ptr != master.data_ptr():
+            n = b.nbytes
+            plan = plans[slot.index] = _Plan(
+                master_ptr=master.data_ptr(),
+                d2h_views=list(b.slot_views(slot.d2h)),
+                d2h_flat=slot.d2h[:n],
+                host_flat=slot.host[:n],
+                h2d_flat=slot.h2d[:n],
+                h2d_views=list(b.slot_views(slot.h2d)),
+                master_bytes=master[b.lo : b.hi].view(torch.uint8),
+            )
+        return plan
+
+    @staticmethod
+    def _param_views(b: Bucket, plan: _Plan) -> list[torch.Tensor]:
+        """``b.param_views()``, kept in ``plan`` while every param's memory stays where it was."""
+        params = b.arena.params
+        ptrs = tuple(local(params[s.k]).data_ptr() for s in b.segments)
+        if plan.param_views is None or ptrs != plan.param_ptrs:
+            plan.param_views, plan.param_ptrs = b.param_views(), ptrs
+        return plan.param_views
 
     def publish(self, stream: Any, buckets: list[Bucket]) -> None:
         """(I4) GPU-side wait, no host sync: ``stream`` (the consumer's, handed in) reads the

@@ -26,6 +26,10 @@ def test_overlap_bench_variants_add_options_to_a_known_configuration():
         "perseg": True,
     }
     assert overlap_bench.derived("delayed f1 bucket256", known)["bucket_nbytes"] == 256 * 2**20
+    assert overlap_bench.derived("backward f1 base", known) == {
+        **known["backward f1"],
+        "base": True,
+    }
     assert overlap_bench.derived("f0", known) is known["f0"]
     with pytest.raises(ValueError, match="'backward f0.2 threads'"):
         overlap_bench.derived("backward f0.2 threads", known)  # no number: not a variant
