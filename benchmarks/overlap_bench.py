@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from offloadopt import HybridAdamW, auto, updates, worker
+from offloadopt import HybridAdamW, auto, updates
 from offloadopt.harness import anchors, checks, models
 from offloadopt.harness.data import get_batch, load_text
 from offloadopt.harness.probes import time_kernel_under_link
@@ -68,8 +68,7 @@ def derived(name: str, known: dict[str, dict]) -> dict:
     each a word: ``threadsN`` (cpu_threads=N), ``bucketN`` (N MiB buckets), ``switchN``
     (sys.setswitchinterval of N ms), ``fifo`` (the worker takes queued buckets in the order
     they were fed, as before pipeline.StepRun took the forward's first), ``perseg`` (one
-    kernel operand per segment, as before updates._joined joined back-to-back ones), ``nopin``
-    (the worker's pool free to run on every core, as before worker.worker_cores), ``base``
+    kernel operand per segment, as before updates._joined joined back-to-back ones), ``base``
     (HybridAdamW of the baseline package ``offloadopt_base`` under ``--baseline-dir``), e.g.
     "backward f0.2 threads8 switch1". Raises ValueError for a name that is none of these."""
     if name in known:
@@ -79,8 +78,6 @@ def derived(name: str, known: dict[str, dict]) -> dict:
         return {**derived(base, known), "fifo": True}
     if base and last == "perseg":  # one kernel operand per segment (before 2026-12-02)
         return {**derived(base, known), "perseg": True}
-    if base and last == "nopin":  # the worker's pool not kept to its cores (before 2026-12-02)
-        return {**derived(base, known), "nopin": True}
     if base and last == "base":  # the baseline package (gpu_run.sh's "ab" says how it is made)
         return {**derived(base, known), "base": True}
     for prefix, key, unit in (("threads", "cpu_threads", 1), ("bucket", "bucket_nbytes", 2**20),
@@ -89,7 +86,7 @@ def derived(name: str, known: dict[str, dict]) -> dict:
             value = float(last[len(prefix) :]) * unit
             return {**derived(base, known), key: value if key == "switch_s" else int(value)}
     raise ValueError(f"--only: {name!r} is no configuration, nor one followed by variant words "
-                     "(threadsN, bucketN, switchN, fifo, perseg, nopin, base); --help lists the names")  # fmt: skip
+                     "(threadsN, bucketN, switchN, fifo, perseg, base); --help lists the names")  # fmt: skip
 
 
 # offload_fraction="auto" needs its probe, move and verify steps before the timed ones.
@@ -148,8 +145,6 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
         StepRun._take = lambda run: run._queue.popleft()
     if cfg.pop("perseg", False):  # main() puts the function back after each configuration
         updates._joined = lambda segs, columns, steps: (columns, steps)
-    if cfg.pop("nopin", False):  # main() puts the function back after each configuration
-        worker._confine = lambda threads: None
     hybrid = HybridAdamW
     if cfg.pop("base", False):
         hybrid = importlib.import_module("offloadopt_base").HybridAdamW
@@ -247,7 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "run only these configurations, each one quoted argument: a configuration's name, "
         "optionally followed by variant words: threadsN (cpu_threads=N), bucketN (N MiB buckets), "
         "switchN (sys.setswitchinterval of N ms), fifo (the worker takes queued buckets in feed "
-        "order), perseg (one kernel operand per segment), nopin (the worker's pool on every core), base (the baseline package under "
+        "order), perseg (one kernel operand per segment), base (the baseline package under "
         "--baseline-dir); e.g. --only f0 'backward f0.2 threads8 switch1' 'delayed f1 bucket256 fifo'. "
         "Names: " + ", ".join(repr(n) for n, _ in configs(False) + EXTRA)))  # fmt: skip
     ap.add_argument("--no-probe", action="store_true", help="skip the kernel probe")
@@ -291,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                for _ in range(max(args.warmup, AUTO_WARMUP) + args.steps)]  # fmt: skip
     results["params"] = n
     rows = results["configs"] = []
-    take, joined, confine = StepRun._take, updates._joined, worker._confine
+    take, joined = StepRun._take, updates._joined
     for name, cfg in selected(args.only, args.quick):
         try:
             if "budget_of" in cfg:  # a budget of a measured row's peak: fractions above it fit
@@ -306,7 +301,6 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 StepRun._take = take  # a "fifo" variant replaced it
                 updates._joined = joined  # a "perseg" variant replaced it
-                worker._confine = confine  # a "nopin" variant replaced it
         except anchors.Unavailable as e:
             rows.append({"name": name, "error": f"skipped: {e}"})
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the rest

@@ -6,9 +6,9 @@ down 4-9x on subnormal operands (grads near 1e-20, an ``exp_avg`` stuck at a sub
 after ~720 steps of exactly-zero grads; figures in benchmarks/RESULTS.md). Flush-to-zero and
 denormals-are-zero (``torch.set_flush_denormal(True)``) set only the calling thread's MXCSR;
 OpenMP threads that already exist keep theirs, but a thread's own pool, created at its first
-parallel region, inherits its setting (and its CPU affinity). So the worker's first actions,
-before any other torch op, are: set flush-to-zero, keep to its cores (:func:`worker_cores`),
-set its thread count, and run one parallel op so that its pool exists with these settings. The training thread's floating-point mode is never changed, and its
+parallel region, inherits its setting. So the worker's first actions, before any other torch
+op, are: set flush-to-zero, set its thread count, and run one parallel op so that its pool
+exists with both settings. The training thread's floating-point mode is never changed, and its
 thread count is restored once the worker's pool exists (``torch.set_num_threads`` also sets the
 default for threads that start later).
 """
@@ -25,10 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = [
-    "Worker", "Job", "WorkerError", "WaitTimeout", "default_cpu_threads", "local_ranks",
-    "worker_cores",
-]  # fmt: skip
+__all__ = ["Worker", "Job", "WorkerError", "WaitTimeout", "default_cpu_threads", "local_ranks"]
 
 log = logging.getLogger("offloadopt")
 
@@ -74,45 +71,6 @@ def default_cpu_threads(training_thread_busy: bool) -> int:
     return max(1, usable_cores() // local_ranks() - spare)
 
 
-def worker_cores(threads: int) -> list[int] | None:
-    """The cores the worker's pool of ``threads`` keeps to, or None to leave it unconfined.
-
-    The pool of a parallel kernel is only as fast as its slowest thread: when the training
-    thread (forward launches, backward's hooks) is scheduled onto a core one of the pool's
-    threads runs on, the whole region waits for that thread. Kept to ``threads`` cores of the
-    process's affinity, the pool leaves the others to the training thread and the CUDA
-    driver's threads. With several ranks on the host (``local_ranks``) and an affinity of the
-    whole machine, each rank keeps to its own share (``LOCAL_RANK``'s slice), so that ranks'
-    pools do not share cores; with a narrower affinity (a launcher already gave each process
-    its cores) the process's own cores are split. None when ``threads`` would take every core
-    of the share, or the affinity cannot be read."""
-    try:
-        cores = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
-    ranks = local_ranks()
-    if ranks > 1 and len(cores) >= (os.cpu_count() or 0):  # the machine's cores: one slice each
-        rank = os.environ.get("LOCAL_RANK", "")
-        per = len(cores) // ranks
-        if not rank.isdigit() or int(rank) >= ranks or per < 1:
-            return None
-        cores = cores[int(rank) * per : (int(rank) + 1) * per]
-    if threads >= len(cores):
-        return None
-    return cores[len(cores) - threads :]
-
-
-def _confine(threads: int) -> None:
-    """Keep the calling thread (the worker, before its pool exists: the pool's threads inherit
-    it) to :func:`worker_cores`; the training thread's affinity is never changed."""
-    cores = worker_cores(threads)
-    if cores is not None:
-        try:
-            os.sched_setaffinity(0, cores)  # 0: the calling thread on Linux
-        except OSError:
-            pass  # a container that forbids it: run unconfined
-
-
 class Job:
     """One unit of work on the worker; :meth:`wait` re-raises its failure on the caller."""
 
@@ -143,7 +101,6 @@ def _serve(jobs: queue.SimpleQueue, ready: threading.Event, threads: int, flush:
     thread waits; its finalizer then stops the thread)."""
     if flush:
         torch.set_flush_denormal(True)  # FTZ/DAZ for this thread; its pool, made below, inherits
-    _confine(threads)  # its cores: the pool, made below, inherits them
     torch.set_num_threads(threads)  # this thread's count (and, for now, the default)
     torch.get_num_threads()  # torch's per-thread lazy init: adopts the count now
     torch.ones(1 << 20).mul_(2.0).sum()  # a parallel region: the pool exists, with FTZ set

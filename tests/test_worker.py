@@ -1,7 +1,6 @@
 """The CPU worker thread: flush-to-zero on its own pool, thread counts, errors, timeouts, lifetime."""
 
 import logging
-import os
 import subprocess
 import sys
 import textwrap
@@ -115,45 +114,6 @@ def test_default_threads_are_the_affinity_over_local_ranks_minus_a_busy_training
     assert worker.default_cpu_threads(training_thread_busy=False) == 16
     opt = HybridAdamW([torch.nn.Parameter(torch.randn(64))], min_offload_numel=1)
     assert opt.cpu_threads == 16  # step mode: the training thread waits while the worker runs
-    opt.close()
-
-
-def test_worker_cores_leave_the_rest_of_this_processs_share_to_the_training_thread(monkeypatch):
-    from offloadopt import worker
-
-    monkeypatch.setattr(worker.os, "cpu_count", lambda: 16)
-    monkeypatch.setattr(worker.os, "sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert worker.worker_cores(15) == list(range(1, 16))
-    assert worker.worker_cores(16) is None  # step mode's default: every core, unconfined
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on the whole machine: a half each
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    assert worker.worker_cores(7) == list(range(9, 16))
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    assert worker.worker_cores(7) == list(range(1, 8))
-    assert worker.worker_cores(8) is None
-    monkeypatch.delenv("LOCAL_RANK")  # ranks but no LOCAL_RANK: which share is unknown
-    assert worker.worker_cores(7) is None
-    # A launcher gave this process four cores: its own cores are split, whatever the ranks.
-    monkeypatch.setattr(worker.os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})
-    assert worker.worker_cores(3) == [5, 6, 7]
-
-
-@pytest.mark.skipif(
-    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-    reason="needs two cores this process may use",
-)
-def test_the_worker_keeps_to_its_cores_and_the_training_thread_keeps_its_affinity():
-    before = os.sched_getaffinity(0)
-    p = torch.nn.Parameter(torch.randn(4096))
-    opt = HybridAdamW([p], min_offload_numel=1, cpu_threads=1)
-    seen = []
-    opt._pipeline.worker_hook = lambda b: seen.append(os.sched_getaffinity(0))
-    p.grad = torch.randn(4096)
-    opt.step()
-    assert seen == [{max(before)}]  # the last core of this process's affinity
-    assert os.sched_getaffinity(0) == before
     opt.close()
 
 
