@@ -83,8 +83,9 @@ class HybridAdamW(HybridOptimizer):
         pin_memory: pin crossing host buffers (checked); False reproduces the slow pageable path
             and warns once.
         bucket_nbytes: target bytes of fp32 state per bucket (pipelining unit); default 64 MiB,
-            256 MiB with ``overlap="delayed"`` (fewer hand-offs of the GIL between the worker and
-            the training thread while it launches the next forward and backward).
+            128 MiB with ``overlap="backward"`` and 256 MiB with ``overlap="delayed"`` (fewer
+            copy launches on the worker, and fewer hand-offs of the GIL between it and the
+            training thread while it launches the next forward and backward).
         flush_denormal: run the CPU update with flush-to-zero (see above).
         cpu_threads: OpenMP threads of the CPU worker; default the cores this process may use
             (its affinity) divided by the local ranks (in step mode the training thread waits

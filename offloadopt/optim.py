@@ -38,10 +38,12 @@ log = logging.getLogger("offloadopt")
 
 OVERLAPS = ("step", "backward", "delayed")
 WAITS = ("step", "module")
-# bucket_nbytes=None: 64 MiB, or 256 MiB with overlap="delayed", where the worker's Python between
-# buckets waits for the GIL while the training thread launches the next forward and backward
-# (GPT-2 1.5B: 1.13x -> 1.05x of the step's bound, benchmarks/RESULTS.md).
-BUCKET_NBYTES = {"step": 64 * 2**20, "backward": 64 * 2**20, "delayed": 256 * 2**20}
+# bucket_nbytes=None: 64 MiB; 128 MiB with overlap="backward" and 256 MiB with overlap="delayed",
+# where the worker's copy launches between buckets (about 0.3-0.5 ms a bucket inside a step, the
+# GIL shared with the training thread's forward and backward) add to the CPU pass: GPT-2 1.5B at
+# fraction 1, backward mode, 128 MiB against 64 MiB: 553-585 against 633-765 ms in two runs;
+# delayed, 256 MiB: 1.13x -> 1.05x of the step's bound (benchmarks/RESULTS.md).
+BUCKET_NBYTES = {"step": 64 * 2**20, "backward": 128 * 2**20, "delayed": 256 * 2**20}
 
 
 class HybridOptimizer(Placing, Stepping, Optimizer):

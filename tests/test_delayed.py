@@ -252,10 +252,13 @@ def test_reading_opt_state_waits_for_the_update_in_flight(read):
     opt.close()
 
 
-def test_the_delayed_mode_defaults_to_larger_buckets_and_an_explicit_size_wins():
+def test_the_overlapped_modes_default_to_larger_buckets_and_an_explicit_size_wins():
     model = model_of(torch.float32)
     assert hybrid(model, 1.0).bucket_nbytes == 256 * 2**20
     assert HybridAdamW(model.parameters()).bucket_nbytes == 64 * 2**20
+    backward = HybridAdamW(model.parameters(), overlap="backward", grads_final=True)
+    assert backward.bucket_nbytes == 128 * 2**20
+    backward.close()
     assert hybrid(model, 1.0, bucket_nbytes=4096).bucket_nbytes == 4096
     with pytest.raises(ValueError, match="Invalid bucket_nbytes: 0"):
         hybrid(model, 1.0, bucket_nbytes=0)
