@@ -259,6 +259,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         selected(args.only, args.quick)
     except ValueError as e:
         ap.error(str(e))
+    base = Path(args.baseline_dir) / "offloadopt_base" / "__init__.py"
+    if any(name.endswith(" base") for name in args.only or ()) and not base.is_file():
+        ap.error(f"--baseline-dir: {args.baseline_dir!r} holds no offloadopt_base package "
+                 "(benchmarks/gpu_run.sh's ab part says how to make one)")  # fmt: skip
     return args
 
 

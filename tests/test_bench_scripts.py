@@ -108,6 +108,8 @@ OVERLAP_BAD = [
     (["--preset", "tiny", "--seq-len", "129"], "--seq-len: 129 is more than the tiny preset's 128"),
     (["--only", "f0", "nope"], "--only: 'nope' is no configuration"),
     (["--only", "backward f0.2 threads"], "--only: 'backward f0.2 threads' is no configuration"),
+    (["--only", "backward f1 base", "--baseline-dir", "/nonexistent"],
+     "--baseline-dir: '/nonexistent' holds no offloadopt_base package"),
 ]  # fmt: skip
 PROFILE_BAD = [
     (["--steps", "-1"], "argument --steps: -1 is not an integer >= 1"),  # was "--warmup"'s
