@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=checks.out_dir, default="launch-probe-out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("launch_probe.py: needs a CUDA device")
+        ap.error("needs a CUDA device; torch sees none here")
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = models.build_model(args.preset, device, torch.bfloat16)

@@ -84,7 +84,10 @@ def derived(name: str, known: dict[str, dict]) -> dict:
                               ("switch", "switch_s", 1e-3)):  # fmt: skip
         if base and last.startswith(prefix) and last[len(prefix) :].replace(".", "", 1).isdigit():
             value = float(last[len(prefix) :]) * unit
-            return {**derived(base, known), key: value if key == "switch_s" else int(value)}
+            value = value if key == "switch_s" else int(value)
+            if value <= 0:  # a thread count, a size, an interval: each above 0
+                raise ValueError(f"--only: {name!r}: {last!r} needs a number above 0")
+            return {**derived(base, known), key: value}
     raise ValueError(f"--only: {name!r} is no configuration, nor one followed by variant words "
                      "(threadsN, bucketN, switchN, fifo, perseg, base); --help lists the names")  # fmt: skip
 
@@ -234,7 +237,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", type=checks.preset, default="gpt2-xl", help="a model preset")
     ap.add_argument("--batch-size", type=checks.positive_int, default=4, help="sequences, >= 1")
-    ap.add_argument("--seq-len", type=checks.positive_int, default=1024, help="tokens, >= 1")
+    ap.add_argument("--seq-len", type=checks.positive_int, default=None,
+                    help="tokens, >= 1 (default 1024, or the preset's longest if shorter)")  # fmt: skip
     ap.add_argument("--warmup", type=checks.nonneg_int, default=3, help="untimed steps, >= 0")
     ap.add_argument("--steps", type=checks.positive_int, default=6, help="timed steps, >= 1")
     ap.add_argument("--quick", action="store_true", help="half the sweep")
@@ -253,6 +257,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=checks.out_dir, default="overlap-out")
     ap.add_argument("--device", type=checks.device, default="cuda", help="cpu: a smoke test")
     args = ap.parse_args(argv)
+    if args.seq_len is None:
+        args.seq_len = min(1024, models.max_seq_len(args.preset))
     if args.seq_len > (longest := models.max_seq_len(args.preset)):
         ap.error(f"--seq-len: {args.seq_len} is more than the {args.preset} preset's {longest}")
     try:
@@ -331,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
         results["memory"] = memory_runs(args.preset, device, data, 2, 3)
         write()
     summarize(results, n)
+    failed = [r["name"] for r in rows if "error" in r and not r["error"].startswith("skipped:")]
+    if failed:  # the rows are written; the exit status says some are missing
+        print(f"overlap_bench.py: {len(failed)} configuration(s) failed: {', '.join(failed)}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     return 0
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 import json
 import statistics
 import tempfile
@@ -22,12 +23,14 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from offloadopt import HybridAdamW
 from offloadopt.harness import anchors, checks
 from offloadopt.harness.bench import Bench, BenchConfig
 
 
 def _config(text: str) -> tuple[str, float, dict]:
-    """``MODE:FRACTION[:key=value,...]``: HybridAdamW options after the second colon."""
+    """``MODE[:FRACTION[:key=value,...]]`` (fraction 0 when left out): HybridAdamW options,
+    Python literals, after the second colon; checked on one CPU param before anything else."""
     mode, _, rest = text.partition(":")
     fraction, _, extra = rest.partition(":")
     if mode not in anchors.MODES:
@@ -42,11 +45,21 @@ def _config(text: str) -> tuple[str, float, dict]:
         options = {
             k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in extra.split(",") if kv)
         }
-        return mode, value, options
     except (ValueError, SyntaxError):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected MODE:FRACTION[:key=value,...]"
+            f"{text!r}: expected MODE:FRACTION[:key=value,...], each value a Python literal "
+            "(True, 8, 'module')"
         ) from None
+    known = inspect.signature(HybridAdamW).parameters
+    unknown = [k for k in options if k not in known or k in ("params", "offload_fraction")]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: {unknown[0]!r} is not a HybridAdamW option")
+    try:  # the values, on one CPU param, before the model is built
+        HybridAdamW([torch.nn.Parameter(torch.zeros(1))], offload_fraction=value,
+                    **{**anchors.MODES[mode][0], **options}).close()  # fmt: skip
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return mode, value, options
 
 
 def _top(events, key: str, n: int) -> list[dict]:
@@ -240,7 +253,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     error (status 2) naming the flag and the value."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", type=_config, default=[("step", 0.0, {})],
-                   metavar="MODE:FRACTION", help="each MODE:FRACTION[:key=value,...]")  # fmt: skip
+                   metavar="MODE:FRACTION", help="each MODE[:FRACTION[:key=value,...]]: fraction 0 when "
+                   "left out; values are Python literals (release_grads=True, wait='module')")  # fmt: skip
     p.add_argument("--preset", type=checks.preset, default="gpt2-xl", help="a model preset")
     p.add_argument("--batch-size", type=checks.positive_int, default=4, help="sequences, >= 1")
     p.add_argument("--warmup", type=checks.nonneg_int, default=3, help="untimed steps, >= 0")

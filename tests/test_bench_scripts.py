@@ -2,6 +2,7 @@
 configuration variants, its summary and both scripts' checks of their options;
 profile_modes.py's reading of a torch.profiler trace."""
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -108,6 +109,11 @@ OVERLAP_BAD = [
     (["--preset", "tiny", "--seq-len", "129"], "--seq-len: 129 is more than the tiny preset's 128"),
     (["--only", "f0", "nope"], "--only: 'nope' is no configuration"),
     (["--only", "backward f0.2 threads"], "--only: 'backward f0.2 threads' is no configuration"),
+    (["--only", "f0 threads0"], "--only: 'f0 threads0': 'threads0' needs a number above 0"),
+    (["--only", "backward f0.2 bucket0"],
+     "--only: 'backward f0.2 bucket0': 'bucket0' needs a number above 0"),
+    (["--only", "backward f0.2 switch0"],
+     "--only: 'backward f0.2 switch0': 'switch0' needs a number above 0"),
     (["--only", "backward f1 base", "--baseline-dir", "/nonexistent"],
      "--baseline-dir: '/nonexistent' holds no offloadopt_base package"),
 ]  # fmt: skip
@@ -119,6 +125,12 @@ PROFILE_BAD = [
     (["--top", "0"], "argument --top: 0 is not an integer >= 1"),
     (["--preset", "nope"], "argument --preset: 'nope' is not one of tiny, small,"),
     (["--configs", "step:1.5"], "argument --configs: 'step:1.5': fraction 1.5 is not in [0, 1]"),
+    (["--configs", "backward:1:bogus=3"],
+     "argument --configs: 'backward:1:bogus=3': 'bogus' is not a HybridAdamW option"),
+    (["--configs", "step:1:cpu_threads=0"],
+     "argument --configs: 'step:1:cpu_threads=0': Invalid cpu_threads: 0"),
+    (["--configs", "backward:1:release_grads=true"],
+     "argument --configs: 'backward:1:release_grads=true': expected MODE:FRACTION[:key=value,...],"),
 ]  # fmt: skip
 
 
@@ -144,6 +156,25 @@ def test_profile_modes_checks_its_options_before_anything_is_built(argv, message
     with mock.patch.object(profile_modes, "Bench", side_effect=AssertionError("built")):
         line = _usage_error(profile_modes.main, [*argv, *CPU, "--out", str(tmp_path)], capsys)
     assert line.startswith(f"error: {message}", line.index("error: ")), line
+
+
+def test_overlap_bench_exits_1_when_a_configuration_failed_and_keeps_the_rows(tmp_path, capsys):
+    real = overlap_bench.run
+
+    def run(model, init, batches, name, cfg, *rest):
+        if name == "step f0.1":
+            raise RuntimeError("this configuration broke")
+        return real(model, init, batches, name, cfg, *rest)
+
+    argv = ["--preset", "tiny", "--batch-size", "2", "--steps", "1", "--warmup", "0", "--no-probe",
+            "--no-memory", "--only", "f0", "step f0.1", *CPU, "--out", str(tmp_path)]  # fmt: skip
+    with mock.patch.object(overlap_bench, "run", side_effect=run):
+        assert overlap_bench.main(argv) == 1
+    rows = json.loads((tmp_path / "overlap.json").read_text())["configs"]
+    assert [r["name"] for r in rows] == ["f0", "step f0.1"] and "step_ms" in rows[0]
+    assert rows[1]["error"] == "RuntimeError: this configuration broke"
+    assert "1 configuration(s) failed: step f0.1" in capsys.readouterr().err
+    assert overlap_bench.parse_args(["--preset", "tiny", *CPU]).seq_len == 128  # its longest
 
 
 def test_the_scripts_take_good_options_and_variants():
