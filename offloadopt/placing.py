@@ -243,6 +243,9 @@ class Placing:
             raise
         for hooks in (*old[5], *old[6]):
             hooks.remove()  # the old placement's grad hooks and module waits
+        if self._pipeline is not None:
+            for tr in self._pipeline.transfers.values():
+                tr.forget(old[2])  # their copies are done (nothing in flight)
         for arena in old[1]:
             arena.release()  # unpinned now
         params = [p for g in self.param_groups for p in g["params"]]

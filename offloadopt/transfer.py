@@ -193,6 +193,14 @@ class Transfer:
         """Take over ``old``'s per-bucket events and hooks (staging grew: same device)."""
         self.h2d_done, self.side_stream_hook = old.h2d_done, old.side_stream_hook
 
+    def forget(self, buckets: list[Bucket]) -> None:
+        """Drop what this transfer keeps of ``buckets`` (their last H2D's event), which a new
+        placement replaced; the caller has waited for their copies. Kept, an old bucket would
+        keep its arena's host buffers alive through its cached views."""
+        for b in buckets:
+            self.h2d_done.pop(b, None)
+            self._plans.pop(b, None)
+
     def mark(self, stream: Any) -> Any:
         """An event on ``stream`` (the caller's stream, captured by the caller) marking all
         work queued on it so far; None without CUDA."""
