@@ -6,7 +6,8 @@ launching is a microsecond the CPU pass waits (``opt.stats["launch_ms"]``). This
 HybridAdamW at fraction 1 over a preset's model, runs two steps, then times, on an otherwise
 idle process, the whole ``Transfer.start_d2h`` / ``start_h2d`` of one bucket and each call
 they are made of, the older forms beside the kept ones (``torch.cuda.stream`` against the
-transfer's own stream switch, views made per call against views kept per bucket).
+transfer's own stream switch, views made per call against views kept per bucket, views of
+every param segment against whole params taken as they are).
 
 Usage (GPU host, repo root): python benchmarks/launch_probe.py --out $OUT
 Prints microseconds per call (median of rounds); writes launch_probe.json under ``--out``.
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def downcast():
         with _OnStream(tr.h2d):
-            torch._foreach_copy_(tr._param_views(b, plan), plan.h2d_views)
+            torch._foreach_copy_(*tr._h2d_pairs(b, plan.h2d_views, plan.shaped, idx))
 
     def start_d2h():
         tr.start_d2h(b, idx, grads, slot, ready)
@@ -129,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         f"record_stream x{len(grads)} grads": record_streams,
         "slot views made per call": views_per_call,
         "param_views made per call": b.param_views,
-        "param_views kept (address check)": lambda: tr._param_views(b, plan),
+        "H2D operands, whole params taken as they are": lambda: tr._h2d_pairs(
+            b, plan.h2d_views, plan.shaped, idx
+        ),
         f"upcast _foreach_copy_ ({len(idx)} segments)": upcast,
         "D2H copy_ (kept slices)": d2h_copy,
         "D2H copy_ (slices per call)": d2h_copy_sliced,

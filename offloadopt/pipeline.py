@@ -39,8 +39,10 @@ _UNTRACED = contextlib.nullcontext()
 
 def _traced(name: str) -> Any:
     """A ``torch.profiler`` range called ``name`` while a profiler runs, else nothing: a range
-    makes a dispatcher call on entry and exit even when no profiler listens, four per bucket."""
-    if torch._C._autograd._profiler_enabled():
+    makes a dispatcher call on entry and exit even when no profiler listens, four per bucket.
+    The worker is not the thread that started the profiler, so the check is the process-wide
+    flag that every ``torch.profiler`` start sets (the C++ one is per thread)."""
+    if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
         return torch.profiler.record_function(name)
     return _UNTRACED
 

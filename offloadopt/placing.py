@@ -245,7 +245,7 @@ class Placing:
             hooks.remove()  # the old placement's grad hooks and module waits
         if self._pipeline is not None:
             for tr in self._pipeline.transfers.values():
-                tr.forget(old[2])  # their copies are done (nothing in flight)
+                tr.forget(old[2], self.timeout_s)  # waits for their last H2D, before release
         for arena in old[1]:
             arena.release()  # unpinned now
         params = [p for g in self.param_groups for p in g["params"]]

@@ -26,7 +26,7 @@ import queue
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -73,10 +73,10 @@ class Slot:
 class _Plan:
     """One bucket's operands in one staging slot, made once and reused every step (the
     worker launches two copies per bucket per step; rebuilding these views each time cost
-    more than the copies' own launches: benchmarks/RESULTS.md, the launch profile). The slot
-    and the master never move while they live (a new slot ring makes new plans, a re-placed
-    arena new buckets, and ``master_ptr`` is checked); the params' flat views are checked by
-    address (``param_ptrs``) because a caller may rebind ``p.data``."""
+    more than the copies' own launches: benchmarks/RESULTS.md, the launch profile). Only
+    views of staging and of the master: the slot and the master never move while they live
+    (a new slot ring makes new plans, a re-placed arena new buckets, and ``master_ptr`` is
+    checked). No view of a param is kept: it would keep a rebound param's old memory alive."""
 
     master_ptr: int  # the arena master's address when the plan was made
     d2h_views: list[torch.Tensor]  # per segment: its range of slot.d2h, in the update dtype
@@ -85,24 +85,25 @@ class _Plan:
     h2d_flat: torch.Tensor  # slot.h2d[:nbytes]: the H2D's destination
     h2d_views: list[torch.Tensor]  # per segment: its range of slot.h2d, in the update dtype
     master_bytes: torch.Tensor  # the bucket's range of the master, as uint8 (pinned)
-    param_ptrs: tuple[int, ...] = ()
-    param_views: list[torch.Tensor] | None = None
+    # segment -> its h2d view shaped like its param (a segment that is a whole param)
+    shaped: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class _OnStream:
     """``with _OnStream(stream):`` queues the block's CUDA work on ``stream`` and afterwards
-    puts back the calling thread's previous stream of that device and its current device:
-    torch.cuda.stream's effect without the Python device and stream objects that it builds on
-    each use (it cost tens of microseconds a bucket on the worker; make one per use)."""
+    puts back the calling thread's previous stream of that device: torch.cuda.stream's effect
+    without the Python device and stream objects that it builds on each use (it cost tens of
+    microseconds a bucket on the worker; make one per use). The calling thread's current
+    device stays the stream's: the worker's only CUDA work is these copies, and putting back
+    its initial device 0 on a rank of another GPU would make a context on GPU 0."""
 
-    __slots__ = ("stream", "prev", "device")
+    __slots__ = ("stream", "prev")
 
     def __init__(self, stream: Any):
         self.stream = stream
 
     def __enter__(self) -> None:
         s = self.stream
-        self.device = torch._C._cuda_getDevice()
         self.prev = torch._C._cuda_getCurrentStream(s.device_index)
         torch._C._cuda_setStream(
             stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type
@@ -111,8 +112,6 @@ class _OnStream:
     def __exit__(self, *exc: object) -> None:
         sid, index, kind = self.prev
         torch._C._cuda_setStream(stream_id=sid, device_index=index, device_type=kind)
-        if self.device != index:
-            torch._C._cuda_setDevice(self.device)
 
 
 class SlotRing:
@@ -175,6 +174,10 @@ class Transfer:
         self._plans: weakref.WeakKeyDictionary[Bucket, dict[int, _Plan]] = (
             weakref.WeakKeyDictionary()
         )
+        # without CUDA: bucket -> segment -> its master range shaped like its param
+        self._host_shaped: weakref.WeakKeyDictionary[Bucket, dict[int, torch.Tensor]] = (
+            weakref.WeakKeyDictionary()
+        )
         self.h2d_done: dict[Bucket, Any] = {}  # bucket -> the event of its last H2D
         # (stats key, start event, end event, bytes copied), from the worker's thread
         self.timing: list[tuple[str, Any, Any, int]] = []
@@ -193,13 +196,19 @@ class Transfer:
         """Take over ``old``'s per-bucket events and hooks (staging grew: same device)."""
         self.h2d_done, self.side_stream_hook = old.h2d_done, old.side_stream_hook
 
-    def forget(self, buckets: list[Bucket]) -> None:
-        """Drop what this transfer keeps of ``buckets`` (their last H2D's event), which a new
-        placement replaced; the caller has waited for their copies. Kept, an old bucket would
-        keep its arena's host buffers alive through its cached views."""
+    def forget(self, buckets: list[Bucket], timeout_s: float) -> None:
+        """Drop what this transfer keeps of ``buckets`` (their last H2D's event, their plans),
+        which a new placement replaced, after waiting for each one's last H2D on the host (the
+        caller frees their masters next). Kept, an old bucket would keep its arena's host
+        buffers alive through its cached views.
+
+        Raises:
+            TimeoutError: an H2D not done after ``timeout_s`` (names the bucket)."""
         for b in buckets:
-            self.h2d_done.pop(b, None)
+            # (I3) the master goes after this: its last H2D must be done (host wait, once)
+            wait_event(self.h2d_done.pop(b, None), f"the last H2D of {b.label}", timeout_s)
             self._plans.pop(b, None)
+            self._host_shaped.pop(b, None)
 
     def mark(self, stream: Any) -> Any:
         """An event on ``stream`` (the caller's stream, captured by the caller) marking all
@@ -268,16 +277,23 @@ class Transfer:
         """Write bucket ``b``'s new weights (segments ``idx``) into its params, or into
         ``targets`` (one flat view per segment: overlap="delayed"'s landing buffers); on CUDA
         the copy is queued and :attr:`h2d_done` holds its event."""
-        if not self.cuda:
-            targets = b.param_views() if targets is None else targets
+        if not self.cuda:  # the master itself is the source: the same pairs as on CUDA
             masters = b.state_views(b.arena.master)
-            torch._foreach_copy_([targets[i] for i in idx], [masters[i] for i in idx])
+            if targets is None:
+                shaped = self._host_shaped.get(b)
+                if shaped is None:
+                    shaped = self._host_shaped[b] = {}
+                torch._foreach_copy_(*self._h2d_pairs(b, masters, shaped, idx))
+            else:
+                torch._foreach_copy_([targets[i] for i in idx], [masters[i] for i in idx])
             return
         plan = self._plan(b, slot)
-        targets = self._param_views(b, plan) if targets is None else targets
-        views = plan.h2d_views
-        if len(idx) != len(views):
-            targets, views = [targets[i] for i in idx], [views[i] for i in idx]
+        if targets is None:
+            targets, views = self._h2d_pairs(b, plan.h2d_views, plan.shaped, idx)
+        else:
+            views = plan.h2d_views
+            if len(idx) != len(views):  # idx: increasing segment indices (steps, backward)
+                targets, views = [targets[i] for i in idx], [views[i] for i in idx]
         with _OnStream(self.h2d):
             # (I4) no queued kernel still reads the old weights (delayed: the landing buffer's
             # last copy into the params is done)
@@ -312,13 +328,30 @@ class Transfer:
         return plan
 
     @staticmethod
-    def _param_views(b: Bucket, plan: _Plan) -> list[torch.Tensor]:
-        """``b.param_views()``, kept in ``plan`` while every param's memory stays where it was."""
+    def _h2d_pairs(
+        b: Bucket, flat: list[torch.Tensor], shaped: dict[int, torch.Tensor], idx: list[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The downcast's targets and sources for segments ``idx`` of ``b``, whose new weights
+        are ``flat`` (one flat view per segment: a staging slot's on CUDA, the master's on the
+        CPU): a segment that is a whole param writes the param itself from its source viewed
+        in the param's shape (kept in ``shaped``, by segment), a part of a param a flat view
+        of it made now. So no view of a param outlives the call (a kept one would keep a
+        rebound param's old memory alive)."""
         params = b.arena.params
-        ptrs = tuple(local(params[s.k]).data_ptr() for s in b.segments)
-        if plan.param_views is None or ptrs != plan.param_ptrs:
-            plan.param_views, plan.param_ptrs = b.param_views(), ptrs
-        return plan.param_views
+        targets, sources = [], []
+        for i in idx:
+            s, src = b.segments[i], flat[i]
+            p = local(params[s.k])
+            if s.lo == 0 and s.hi == p.numel():
+                view = shaped.get(i)
+                if view is None or view.shape != p.shape or view.data_ptr() != src.data_ptr():
+                    view = shaped[i] = src.view(p.shape)
+                targets.append(p)
+                sources.append(view)
+            else:
+                targets.append(p.view(-1)[s.lo : s.hi])
+                sources.append(src)
+        return targets, sources
 
     def publish(self, stream: Any, buckets: list[Bucket]) -> None:
         """(I4) GPU-side wait, no host sync: ``stream`` (the consumer's, handed in) reads the

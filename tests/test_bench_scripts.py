@@ -97,6 +97,20 @@ def test_profile_modes_launch_breakdown_splits_each_range_into_its_ops_and_the_r
     assert row["runtime_ms"] == pytest.approx({"cudaMemcpyAsync": 0.02, "cudaEventRecord": 0.005})
 
 
+def test_profile_modes_records_the_workers_launch_ranges_on_the_cpu():
+    """The worker is not the thread that starts the profiler: its ranges must still be there
+    (pipeline._traced checked a per-thread flag, and every worker range was lost)."""
+    from offloadopt.harness.bench import Bench, BenchConfig
+
+    bench = Bench(BenchConfig(preset="tiny", batch_size=2, warmup=3, steps=1, mock_data=True,
+                              progress=False, audit=False, device="cpu"))  # fmt: skip
+    bench.sync = lambda: None
+    r = profile_modes.profile_one(bench, "backward", 1.0, 1, 1, 5, launches=True)
+    assert set(r["launches"]) == {"offloadopt.launch_d2h", "offloadopt.launch_h2d"}
+    assert all(row["count"] >= 1 and row["ms"] > 0 for row in r["launches"].values())
+    assert any(x["name"] == "offloadopt.cpu_update" for x in r["ranges"])
+
+
 # --- the scripts' options: a usage error (status 2) naming the value, before anything is built --
 
 CPU = ["--device", "cpu"]

@@ -40,19 +40,54 @@ def test_a_plan_is_made_once_per_bucket_and_slot_and_points_where_the_views_do()
     opt.close()
 
 
-def test_a_plan_follows_a_moved_master_and_rebound_params():
-    opt, params, b, tr, slot = _setup()
-    plan = tr._plan(b, slot)
-    views = tr._param_views(b, plan)
-    assert tr._param_views(b, plan) is views  # nothing moved: kept
-    params[0].data = params[0].data.clone()  # a caller rebinds p.data between steps
-    moved = tr._param_views(b, plan)
-    assert moved is not views
-    assert [v.data_ptr() for v in moved] == [v.data_ptr() for v in b.param_views()]
-    b.arena.master = b.arena.master.clone()  # the arena's master moved (never done in place)
-    again = tr._plan(b, slot)
-    assert again is not plan
-    assert again.master_bytes.data_ptr() == b.arena.master[b.lo : b.hi].data_ptr()
+def _aliases(tensor: torch.Tensor, plan) -> bool:
+    """Whether any tensor kept in ``plan`` points into ``tensor``'s memory."""
+    lo = tensor.untyped_storage().data_ptr()
+    hi = lo + tensor.untyped_storage().nbytes()
+    kept = []
+    for v in vars(plan).values():
+        kept += v if isinstance(v, list) else list(v.values()) if isinstance(v, dict) else [v]
+    return any(isinstance(t, torch.Tensor) and lo <= t.data_ptr() < hi for t in kept)
+
+
+def test_the_h2d_writes_whole_params_and_parts_and_keeps_no_view_of_a_param():
+    params = [torch.nn.Parameter(torch.randn(48, 16)), torch.nn.Parameter(torch.randn(40))]
+    # 1 KiB buckets: the (48, 16) param is cut, the (40,) one lies whole in a bucket
+    opt = HybridAdamW(params, lr=1e-2, offload_fraction=1.0, min_offload_numel=1,
+                      bucket_nbytes=1024)  # fmt: skip
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    tr = opt._pipeline.transfers[params[0].device]
+    n = tr.nbytes
+    slot = Slot(0, tr.ring.slots[0].host, torch.zeros(n, dtype=torch.uint8),
+                torch.zeros(n, dtype=torch.uint8))  # fmt: skip
+    seen_whole = seen_part = False
+    for b in opt.buckets:
+        plan = tr._plan(b, slot)
+        idx = list(range(len(b.segments)))
+        targets, sources = tr._h2d_pairs(b, plan.h2d_views, plan.shaped, idx)
+        for s, t, src, view in zip(b.segments, targets, sources, b.param_views(), strict=True):
+            p = b.arena.params[s.k]
+            whole = s.lo == 0 and s.hi == p.numel()
+            seen_whole, seen_part = seen_whole or whole, seen_part or not whole
+            assert (
+                (t is p) if whole else (t.data_ptr() == view.data_ptr() and t.shape == view.shape)
+            )
+            assert src.numel() == t.numel() and src.shape == t.shape
+        del targets, sources, t, view
+        for p in params:
+            assert not _aliases(p, plan)  # a rebound param's old memory would stay alive
+    assert seen_whole and seen_part
+    # a param rebound to another shape (same elements): its source view follows
+    whole_bucket = next(b for b in opt.buckets for s in b.segments
+                        if b.arena.params[s.k] is params[1])  # fmt: skip
+    plan = tr._plan(whole_bucket, slot)
+    params[1].data = params[1].data.view(5, 8).clone()
+    i = next(i for i, s in enumerate(whole_bucket.segments)
+             if whole_bucket.arena.params[s.k] is params[1])  # fmt: skip
+    targets, sources = tr._h2d_pairs(whole_bucket, plan.h2d_views, plan.shaped, [i])
+    assert targets[0] is params[1] and sources[0].shape == (5, 8)
     opt.close()
 
 
