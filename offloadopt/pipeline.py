@@ -65,8 +65,9 @@ class BucketWork:
     whose grad the grads' owner drops once this D2H has landed (see StepRun.take_landed);
     ``payload``: the optimizer's (frozen hyperparameters, steps); ``targets``: where the new
     weights go, one flat view per segment of the bucket (None: the params themselves);
-    ``drop_grads``: the grads were taken from their params (overlap="delayed"), so the worker
-    drops ``grads`` once the D2H has landed and their device memory goes back at once;
+    the worker drops ``grads`` once the D2H has landed (overlap="delayed" took them from their
+    params: their device memory goes back at once; otherwise it goes when the caller drops
+    ``p.grad``, not when this step ends, which with ``wait="module"`` is the next forward);
     ``amp``: the step's GradScaler inputs (offloadopt/amp.py ``AmpInputs``), or None.
     """
 
@@ -78,7 +79,6 @@ class BucketWork:
     release: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
     payload: Any = None
     targets: list[torch.Tensor] | None = None
-    drop_grads: bool = False
     amp: Any = None
 
 
@@ -246,8 +246,7 @@ class StepRun:
                 # Landed (waited for in _update). The worker never touches p.grad: setting it
                 # here while the training thread reads it crashed torch's tensor wrapper; the
                 # thread that owns the grads drops them (take_landed).
-                if work.drop_grads:
-                    work.grads = []  # held by nothing else: the device memory is free now
+                work.grads = []  # read by nothing from here on (the D2H has landed)
                 with self._cond:
                     self._landed.append(work)
                 t = time.perf_counter()

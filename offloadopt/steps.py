@@ -581,7 +581,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
             tr = self._pipeline.transfers[b.arena.device]
             ready = tr.mark(torch.cuda.current_stream(b.arena.device) if tr.cuda else None)
             work = BucketWork(b, idx, grads, ready, scale, release, list(calls.values()),
-                              targets, drop_grads=delayed, amp=st.amp)  # fmt: skip
+                              targets, amp=st.amp)  # fmt: skip
             st.fed[b] = work
             st.run.feed(work)
             if delayed:

@@ -105,7 +105,8 @@ def test_profile_modes_records_the_workers_launch_ranges_on_the_cpu():
     bench = Bench(BenchConfig(preset="tiny", batch_size=2, warmup=3, steps=1, mock_data=True,
                               progress=False, audit=False, device="cpu"))  # fmt: skip
     bench.sync = lambda: None
-    r = profile_modes.profile_one(bench, "backward", 1.0, 1, 1, 5, launches=True)
+    # step mode: step() returns once every copy is queued, so both ranges fall in the window
+    r = profile_modes.profile_one(bench, "step", 1.0, 1, 1, 5, launches=True)
     assert set(r["launches"]) == {"offloadopt.launch_d2h", "offloadopt.launch_h2d"}
     assert all(row["count"] >= 1 and row["ms"] > 0 for row in r["launches"].values())
     assert any(x["name"] == "offloadopt.cpu_update" for x in r["ranges"])

@@ -823,3 +823,25 @@ def test_a_step_refused_for_an_edited_grad_leaves_no_run_behind(recover):
     opt.step()
     assert time.perf_counter() - t < 5.0
     opt.close()
+
+
+@pytest.mark.parametrize("overlap", ["step", "backward"])
+def test_a_step_holds_no_grad_once_its_copies_landed(overlap):
+    """With wait="module" a step stays in flight until the next forward has waited for every
+    bucket; the grads it copied must not be held that long: once their D2H landed, dropping
+    p.grad (zero_grad) gives their memory back, before the next forward and backward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    opts = dict(grads_final=True) if overlap == "backward" else {}
+    opt = HybridAdamW(model.parameters(), lr=1e-3, offload_fraction=1.0, min_offload_numel=1,
+                      overlap=overlap, wait="module", **opts)  # fmt: skip
+    opt.watch(model)
+    for _ in range(2):
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    st = opt._inflight
+    assert st is not None and st.run is not None  # still in flight: the next forward waits
+    st.run.wait(10)
+    assert st.run.fed and all(w.grads == [] for w in st.run.fed)
+    opt.close()
