@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|amp|auditmodes|modes|modes2|bench|audit|ab|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|launches|amp|auditmodes|modes|modes2|bench|audit|ab|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -20,6 +20,12 @@ for part in "${@:-all}"; do
   if [[ $part == tests || $part == all ]]; then
     timeout 300 python3 -m pytest tests/cuda -m cuda -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15
     python3 tests/cuda/record_fixture.py "$OUT/audit_trace_h200.json" 2>&1 | tail -3
+  fi
+  if [[ $part == launches ]]; then
+    # the worker's copy launches: each piece on an idle process, then per iteration in the step
+    timeout 120 python3 benchmarks/launch_probe.py --preset gpt2-large --rounds 3 --out "$OUT" 2>&1 | tail -17
+    timeout 200 python3 benchmarks/profile_modes.py --configs step:1 backward:1 --launches --steps 2 \
+      --out "$OUT/prof" 2>&1 | grep -A3 "offloadopt.launch\|^==" | tee "$OUT/launches.log" | head -30
   fi
   if [[ $part == bench || $part == all ]]; then
     timeout 540 python3 -m offloadopt bench --preset gpt2-xl --batch-size 4 --seq-len 1024 \
