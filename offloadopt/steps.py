@@ -440,6 +440,16 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
         return {p for p, ok in zip(have, same, strict=True) if ok}
 
     def _check_grad(self, p: torch.Tensor) -> None:
+        """``p``'s grad can be used, and an offloaded ``p`` copied as one flat range (before
+        any of this step's buckets is queued); a param on the device may be non-contiguous,
+        as with torch's fused AdamW."""
+        if self._records[p].offloaded and not local(p).is_contiguous():
+            raise RuntimeError(
+                f"{self._records[p].name} is not contiguous (its data was replaced by a "
+                f"non-contiguous tensor of strides {tuple(local(p).stride())}, e.g. "
+                "p.data = w.t()): an offloaded param is copied as one flat range; give it "
+                "contiguous data (p.data = p.data.contiguous())"
+            )
         if p.grad.layout != torch.strided:
             raise RuntimeError(
                 f"{type(self).__name__} does not support sparse gradients: "

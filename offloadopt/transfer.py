@@ -342,7 +342,7 @@ class Transfer:
         for i in idx:
             s, src = b.segments[i], flat[i]
             p = local(params[s.k])
-            if s.lo == 0 and s.hi == p.numel():
+            if s.lo == 0 and s.hi == p.numel() and p.is_contiguous():  # (else: view raises)
                 view = shaped.get(i)
                 if view is None or view.shape != p.shape or view.data_ptr() != src.data_ptr():
                     view = shaped[i] = src.view(p.shape)

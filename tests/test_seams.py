@@ -126,3 +126,39 @@ def test_staging_replaced_by_add_param_group_is_released_at_once():
 def test_bad_params_and_groups_are_refused_with_the_value_named(params, exc, match):
     with pytest.raises(exc, match=match):
         HybridAdamW(params)
+
+
+def test_an_offloaded_param_rebound_to_non_contiguous_data_is_named_and_nothing_changes():
+    p = torch.nn.Parameter(torch.randn(64, 32))
+    opt = HybridAdamW([p], lr=1e-2, offload_fraction=1.0, min_offload_numel=1)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    p.data = p.data.t().contiguous().t()  # same values and shape, column-major
+    weights, state = p.detach().clone(), opt.state_dict()
+    p.grad = torch.randn_like(p)
+    with pytest.raises(RuntimeError, match=r"group0.param0 is not contiguous .*strides \(1, 64\)"):
+        opt.step()  # was: the worker's view error, naming no param
+    assert torch.equal(p.detach(), weights)
+    after = opt.state_dict()["state"][0]
+    assert all(torch.equal(after[k], v) for k, v in state["state"][0].items())
+    p.data = p.data.contiguous()
+    opt.step()  # and the optimizer goes on
+    opt.close()
+
+
+def test_a_non_contiguous_param_on_the_device_steps_as_with_torch():
+    w = torch.randn(32, 64)
+    p = torch.nn.Parameter(w.clone().t())  # column-major from the start
+    ref = torch.nn.Parameter(w.clone().t())
+    opt = HybridAdamW([p], lr=1e-2, offload_fraction=1.0, min_offload_numel=1)
+    torch_opt = torch.optim.AdamW([ref], lr=1e-2, fused=True)
+    assert opt.placement[0].reason == "non-contiguous"  # kept on the device
+    for _ in range(2):
+        g = torch.randn(64, 32)
+        # grads with the param's strides, as autograd makes them
+        p.grad, ref.grad = torch.empty_like(p).copy_(g), torch.empty_like(ref).copy_(g)
+        opt.step()
+        torch_opt.step()
+    assert not p.is_contiguous()
+    assert_bitwise([p], [ref], "non-contiguous param on the device")
+    opt.close()
