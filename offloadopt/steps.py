@@ -581,6 +581,12 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
             if delayed:
                 targets = [self._records[params[s.k]].landing.view(-1)[s.lo : s.hi]
                            for s in b.segments]  # fmt: skip
+                # The copy runs during the next backward. A grad that is a view of memory its
+                # param does not own (DDP's gradient_as_bucket_view: the next backward writes
+                # the same bucket, whatever p.grad is) is copied first, on this stream, so
+                # the D2H reads this step's values (a fresh user's finding: runs differed).
+                grads = [g.clone() if local(params[b.segments[n].k].grad)._base is not None
+                         else g for g, n in zip(grads, idx, strict=True)]  # fmt: skip
             if new_prints:  # on this stream, before `ready`: the values the D2H reads
                 st.fingerprints.update(
                     zip(new_prints, _norms([local(q.grad) for q in new_prints]), strict=True)

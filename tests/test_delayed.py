@@ -4,6 +4,8 @@ reference in tests/oracle.py (DelayedReference) on a model whose grads depend on
 weights, with schedulers and both kinds of clipping, and through checkpoints and failures."""
 
 import copy
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -427,3 +429,41 @@ def test_set_offload_fraction_waits_for_a_step_that_ran_after_its_first_wait():
     ref.set_offload_fraction(1.0)
     opt._pipeline.worker_hook = None
     finish_twins(model, opt, ref_model, ref, 3, 5)
+
+
+DDP_VIEW_JOB = r"""
+import sys, tempfile, time, warnings, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from offloadopt import HybridAdamW
+warnings.filterwarnings("ignore")
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tempfile.mktemp()}")
+def run(view):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    model = DDP(net, gradient_as_bucket_view=view)
+    opt = HybridAdamW(model.parameters(), lr=1e-3, offload_fraction=1.0, min_offload_numel=1,
+                      overlap="delayed", bucket_nbytes=8192)
+    opt._pipeline.worker_hook = lambda b: time.sleep(0.02)  # late copies: the next backward runs
+    for s in range(4):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
+        torch.nn.functional.mse_loss(model(x), x.roll(1, 1)).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    opt.close()
+    return torch.cat([p.detach().flatten() for p in net.parameters()])
+same = torch.equal(run(False), run(True))
+dist.destroy_process_group()
+print("same" if same else "differ")
+"""
+
+
+def test_delayed_mode_under_ddp_bucket_views_copies_this_steps_grads():
+    """DDP with gradient_as_bucket_view=True keeps each grad a view of its bucket: the next
+    backward writes the same memory, whatever p.grad is, while the delayed update's copies of
+    the step before may still be reading it (the worker slowed here, as on a GPU where the
+    late buckets' D2H wait for a staging slot). The result must equal DDP without views."""
+    out = subprocess.run([sys.executable, "-c", DDP_VIEW_JOB], capture_output=True, text=True,
+                         timeout=240)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "same"
