@@ -254,7 +254,7 @@ class StepRun:
                     tr.start_h2d(work.bucket, work.idx, slot, work.ready, work.targets)
                 stats["launch_ms"] += (time.perf_counter() - t) * 1e3
                 stats["h2d_nbytes"] += work.bucket.nbytes
-                stats["buckets"] = stats.get("buckets", 0) + 1
+                stats["buckets"] += 1
                 stats["worker_ms"] = (time.perf_counter() - started) * 1e3
                 with self._cond:
                     self.h2d_queued[work.bucket] = None

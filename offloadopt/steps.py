@@ -333,7 +333,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
     def _keys_changed(self) -> bool:
         """Whether a group's values now need other state keys than its params were placed with."""
         for g in self.param_groups:
-            keys = self.rule.state_keys_for(g)  # once per group: this runs at every step
+            keys = self.rule.state_keys_for(g)  # once per group, not per param
             if any((r := self._records.get(p)) is not None and r.state_keys != keys
                    for p in g["params"]):  # fmt: skip
                 return True

@@ -70,10 +70,7 @@ def _joined(segs: list, columns: list[list[torch.Tensor]], steps: list[torch.Ten
         if not joins:
             bounds.append((lo, i))
             lo = i
-    if not bounds:
-        if n <= 1:
-            return columns, steps
-    elif len(bounds) == n - 1:
+    if n <= 1 or len(bounds) == n - 1:
         return columns, steps  # every position is its own run
     bounds.append((lo, n))
     total = [segs[hi - 1].offset + segs[hi - 1].hi - segs[hi - 1].lo - segs[lo].offset
