@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|launches|amp|auditmodes|modes|modes2|bench|audit|ab|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|launches|targets|amp|auditmodes|modes|modes2|bench|audit|ab|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -110,6 +110,18 @@ for part in "${@:-all}"; do
       --warmup 3 --steps 10 --no-kernel --no-audit --no-progress --anchors \
       --modes step backward backward-clip --fractions 0 0.05 0.1 0.15 0.2 0.25 \
       --out "$OUT/modes2" 2>&1 | tee "$OUT/modes2.log" | tail -8
+  fi
+  if [[ $part == targets ]]; then
+    # issues 8 and 9 at one commit: the audit of each mode at fraction 1, then each target's rows
+    for m in step backward delayed; do
+      timeout 150 python3 -m offloadopt audit --device cuda --preset gpt2-xl --batch-size 4 --seq-len 1024 \
+        --offload-fraction 1.0 --mode $m 2>&1 | tee -a "$OUT/targets-audit.log" | grep "copies,"
+    done
+    timeout 250 python3 benchmarks/overlap_bench.py --steps 8 --no-memory --out "$OUT/targets4" \
+      --only f0 "backward f0.1" "backward f0.15" "backward f0.2" "f0 clip" "backward f0.1 clip" \
+      "backward f1" torchao 2>&1 | tee "$OUT/targets4.log" | tail -14
+    timeout 170 python3 benchmarks/overlap_bench.py --batch-size 16 --steps 6 --no-memory \
+      --out "$OUT/targets16" --only f0 "delayed f1" torchao 2>&1 | tee "$OUT/targets16.log" | tail -8
   fi
   if [[ $part == audit || $part == all ]]; then
     for opt in "hybrid" "hybrid --no-pin-memory" "megatron"; do
