@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     def start_h2d():
         tr.start_h2d(b, idx, slot, ready)
 
-    tr.timing.clear()
+    tr.collect_link()  # the copies' events, dropped once done
     probes = {
         "start_d2h (whole)": start_d2h,
         "start_h2d (whole)": start_h2d,
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():  # as on the worker: the H2D's downcast writes the params in place
         for name, fn in probes.items():
             rows[name] = per_call_us(fn, args.reps, args.rounds)
-            tr.timing.clear()
+            tr.collect_link()  # the copies' events, dropped once done
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"preset": args.preset, "bucket": b.label, "segments": len(b.segments),

@@ -340,7 +340,8 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         one arrived: backward had not announced it yet), ``device_update_ms``
         (host time launching the device-resident update), ``collect_ms`` (host time checking
         grads and state before the update), ``h2d_ms`` and ``d2h_ms`` (GPU time of the copies
-        and casts on the side streams), ``d2h_nbytes`` / ``h2d_nbytes`` (bytes over the
+        and casts on the side streams, summed over every step since ``stats`` was last read),
+        ``d2h_nbytes`` / ``h2d_nbytes`` (bytes over the
         link), ``step_ms`` (host wall time of ``step()``), ``worker_ms`` (the worker's wall time from
         the first bucket's arrival to the last H2D queued, its D2H waits included),
         ``buckets`` (offloaded buckets updated; 0, and ``worker_ms`` 0, when none was),

@@ -23,8 +23,10 @@ no streams, no events, no pinning.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +38,10 @@ from offloadopt.layout import Bucket
 from offloadopt.shards import local
 from offloadopt.worker import WaitTimeout
 
-__all__ = ["SLOTS", "Slot", "SlotRing", "Transfer", "wait_event"]
+__all__ = ["SLOTS", "LinkTimes", "Slot", "SlotRing", "Transfer", "wait_event"]
 
 SLOTS = 2  # staging slots per device: bucket k+1 moves while bucket k is updated
+FOLD_AT = 64  # LinkTimes: timed copies kept before the completed ones are folded into sums
 
 
 def wait_event(event: Any, what: str, timeout_s: float) -> None:
@@ -154,6 +157,59 @@ class SlotRing:
         self.buffers.close()
 
 
+class LinkTimes:
+    """The side streams' timed copies since the last :meth:`take` (``opt.stats``' ``d2h_ms``
+    and ``h2d_ms``), in bounded memory.
+
+    The worker adds a (start, end) pair of CUDA events per bucket and direction. Kept until
+    ``opt.stats`` was read, a run that never read it held four events per bucket per step
+    (a review's finding; tests/test_transfer.py). Once :data:`FOLD_AT` pairs wait, the
+    completed ones at the front of each stream's queue are folded into that stream's sums (a
+    non-blocking ``query()``; a stream runs its copies in order, so the first pair still in
+    flight ends the scan): at most the pairs in flight and ``FOLD_AT`` more are held.
+    Thread-safe: the worker adds while the training thread takes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[str, deque] = {}  # key -> (start, end, nbytes), oldest first
+        self._sums: dict[str, tuple[float, int]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def add(self, key: str, start: Any, end: Any, nbytes: int) -> None:
+        """A copy of ``nbytes`` on the stream that ``key`` names (``"d2h_ms"``, ``"h2d_ms"``)
+        between ``start`` and ``end``, timing events recorded in that order on that stream."""
+        with self._lock:
+            self._queues.setdefault(key, deque()).append((start, end, nbytes))
+            if len(self) >= FOLD_AT:
+                self._fold(self._queues, self._sums, block=False)
+
+    @staticmethod
+    def _fold(queues: dict[str, deque], sums: dict[str, tuple[float, int]], block: bool) -> None:
+        """Move the completed pairs at the front of each queue into ``sums`` (every pair,
+        waiting for each, when ``block``)."""
+        for key, q in queues.items():
+            while q:
+                start, end, nbytes = q[0]
+                if block:
+                    end.synchronize()  # stats only: the copies of steps that have returned
+                elif not end.query():
+                    break
+                q.popleft()
+                ms, n = sums.get(key, (0.0, 0))
+                sums[key] = (ms + start.elapsed_time(end), n + nbytes)
+
+    def take(self) -> dict[str, tuple[float, int]]:
+        """GPU ms and bytes per key of every copy added since the last call (waiting for those
+        still in flight); ``d2h_ms`` and ``h2d_ms`` are always there."""
+        with self._lock:
+            queues, sums = self._queues, self._sums
+            self._queues, self._sums = {}, {}
+        self._fold(queues, sums, block=True)
+        return {"d2h_ms": (0.0, 0), "h2d_ms": (0.0, 0), **sums}
+
+
 class Transfer:
     """The staging ring and, on CUDA, the D2H and H2D side streams of one device.
 
@@ -179,8 +235,7 @@ class Transfer:
             weakref.WeakKeyDictionary()
         )
         self.h2d_done: dict[Bucket, Any] = {}  # bucket -> the event of its last H2D
-        # (stats key, start event, end event, bytes copied), from the worker's thread
-        self.timing: list[tuple[str, Any, Any, int]] = []
+        self.timing = LinkTimes()  # the copies' events, added from the worker's thread
         # Test hook: called as hook("d2h" | "h2d") inside each side-stream context, before the
         # copies; the race tests queue a torch.cuda._sleep there to make the copies late.
         self.side_stream_hook: Callable[[str], None] | None = None
@@ -259,7 +314,7 @@ class Transfer:
             # the host reads the slot only after the event below (I2).
             plan.host_flat.copy_(plan.d2h_flat, non_blocking=True)
             done = self.d2h.record_event(torch.cuda.Event(enable_timing=True))
-        self.timing.append(("d2h_ms", start, done, b.nbytes))
+        self.timing.add("d2h_ms", start, done, b.nbytes)
         return done
 
     def wait_h2d_done(self, b: Bucket, timeout_s: float) -> None:
@@ -305,7 +360,7 @@ class Transfer:
             torch._foreach_copy_(targets, views)  # downcast
             done = self.h2d.record_event(torch.cuda.Event(enable_timing=True))
         self.h2d_done[b] = done
-        self.timing.append(("h2d_ms", start, done, b.nbytes))
+        self.timing.add("h2d_ms", start, done, b.nbytes)
 
     def _plan(self, b: Bucket, slot: Slot) -> _Plan:
         """Bucket ``b``'s operands in ``slot`` (CUDA), made on first use (see :class:`_Plan`)."""
@@ -365,13 +420,7 @@ class Transfer:
         """GPU milliseconds of the copies and casts recorded since the last call, per stream,
         with the bytes they moved: key -> (ms, bytes). Waits for those events (the last
         step's; long done by the next forward)."""
-        totals = {"d2h_ms": (0.0, 0), "h2d_ms": (0.0, 0)}
-        timing, self.timing = self.timing, []  # the worker appends to the new list from here
-        for key, start, end, nbytes in timing:
-            end.synchronize()  # stats only: the events of a step that has returned
-            ms, n = totals[key]
-            totals[key] = (ms + start.elapsed_time(end), n + nbytes)
-        return totals
+        return self.timing.take()
 
     def close(self) -> None:
         """Wait for this device's copies, then unpin the staging now."""
