@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|launches|targets|amp|auditmodes|modes|modes2|bench|audit|ab|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -122,6 +122,11 @@ for part in "${@:-all}"; do
       "backward f1" torchao 2>&1 | tee "$OUT/targets4.log" | tail -14
     timeout 170 python3 benchmarks/overlap_bench.py --batch-size 16 --steps 6 --no-memory \
       --out "$OUT/targets16" --only f0 "delayed f1" torchao 2>&1 | tee "$OUT/targets16.log" | tail -8
+  fi
+  if [[ $part == timeline ]]; then
+    # one axis for the training thread, the worker and the GPU (delayed batch 16, backward batch 4)
+    timeout 200 python3 benchmarks/timeline.py --mode delayed --batch-size 16 --out "$OUT" 2>&1 | tail -8
+    timeout 150 python3 benchmarks/timeline.py --mode backward --batch-size 4 --steps 6 --out "$OUT" 2>&1 | tail -10
   fi
   if [[ $part == audit || $part == all ]]; then
     for opt in "hybrid" "hybrid --no-pin-memory" "megatron"; do
