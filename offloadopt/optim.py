@@ -27,7 +27,13 @@ from offloadopt.shards import is_dtensor, local, local_state, world_size, wrap_l
 from offloadopt.state import OptimizerState
 from offloadopt.steps import Stepping, signals_deferred
 from offloadopt.transfer import Transfer
-from offloadopt.validation import check_ddp, validate_group, validate_options, validate_params_arg
+from offloadopt.validation import (
+    check_ddp,
+    check_zero,
+    validate_group,
+    validate_options,
+    validate_params_arg,
+)
 from offloadopt.warn import warn
 from offloadopt.worker import Worker, default_cpu_threads, local_ranks, usable_cores
 
@@ -195,6 +201,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
             self._check_auto_group(g)
         if ddp is not None:
             check_ddp(ddp, self.param_groups, self._name)
+        check_zero(overlap, self.param_groups, world_size())
         self._place_or_defer(list(range(len(self.param_groups))))
         if ddp is not None:
             from offloadopt.hooks import DDPGrads

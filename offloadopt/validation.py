@@ -282,4 +282,30 @@ def check_ddp(ddp: Any, param_groups: list[dict], name_of: Any) -> None:
                 )
 
 
+def check_zero(overlap: str, param_groups: list[dict], world: int) -> None:
+    """Refuse the delayed update under torch's ``ZeroRedundancyOptimizer`` in a job of
+    ``world`` ranks (it builds this optimizer with groups that carry the constructor's keywords,
+    ``overlap`` among them: that is how it is recognised).
+
+    ZeRO broadcasts each rank's updated shard inside its ``step()``, right after this
+    optimizer's ``step()`` returns; in delayed mode that is before the update has landed, so
+    the other ranks get each shard a step later than its owner, and a checkpoint (after
+    ``opt.synchronize()``) holds weights that differ between ranks (a fresh user's finding).
+
+    Raises:
+        ValueError: ``overlap="delayed"`` under ZeRO with more than one rank.
+    """
+    if overlap != "delayed" or world <= 1:
+        return
+    for gi, group in enumerate(param_groups):
+        if group.get("overlap") == "delayed":
+            raise ValueError(
+                f"param group {gi} carries overlap='delayed' as a key: built by torch's "
+                "ZeroRedundancyOptimizer? Under ZeRO each rank updates its shard and ZeRO "
+                "broadcasts the weights inside step(), before a delayed update has landed, so "
+                f"the {world} ranks would train on different weights and checkpoint them; "
+                "use overlap='step' under ZeRO"
+            )
+
+
 # ------------------------------------------------------------------ construction

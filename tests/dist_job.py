@@ -355,6 +355,8 @@ def run_bad(rank: int, world: int, arg: str) -> dict:
     out["ddp_zero"] = error(lambda: ZeroRedundancyOptimizer(
         view.parameters(), optimizer_class=offloadopt.HybridAdamW, lr=LR, overlap="backward",
         grads_final=True, ddp=view))  # fmt: skip
+    out["zero_delayed"] = error(lambda: ZeroRedundancyOptimizer(
+        view.parameters(), optimizer_class=offloadopt.HybridAdamW, lr=LR, overlap="delayed"))  # fmt: skip
     out["ddp_module"] = error(
         lambda: hybrid(view.parameters(), overlap="backward", grads_final=True, ddp=view.module)
     )

@@ -173,6 +173,8 @@ def test_refused_setups_and_threads_per_rank(tmp_path):
         )
         assert r["ddp_hooked"].startswith("RuntimeError") and "comm hook already" in r["ddp_hooked"]
         assert r["ddp_zero"].startswith("ValueError") and "ZeroRedundancyOptimizer" in r["ddp_zero"]
+        # A fresh user's finding: under ZeRO the delayed update's ranks held different weights
+        assert r["zero_delayed"].startswith("ValueError") and "overlap='step'" in r["zero_delayed"]
         assert r["default_threads"] == max(1, usable_cores() // 2)  # cores // local ranks
         assert r["worker_threads"] == [2] and r["stats"]["cpu_threads"] == 2
         assert r["stats"]["local_ranks"] == 2
