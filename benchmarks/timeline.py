@@ -5,7 +5,8 @@ The loop is overlap_bench.py's (``torch.cuda.synchronize()`` before and after ea
 Marks: the training thread's iteration start, end of backward, ``step()`` entered and left and
 the sync done; the compute stream's end of backward; per bucket the worker's D2H launch, its
 update's start and end, its H2D launch, and the GPU's D2H-done and H2D-done events. Prints, per
-timed iteration, the phases and the worker's idle time; writes every mark to timeline.json.
+timed iteration, the phases and the worker's time in the kernel; writes every mark to timeline-MODE-bBATCH.json
+(``--replay`` prints the table of one written before).
 
 Usage (GPU host, repo root): python benchmarks/timeline.py --mode delayed --batch-size 16 --out $OUT
 """
@@ -48,8 +49,9 @@ class Marks:
             self.gpu.append((kind, b, ev))
 
 
-def instrument(marks: Marks) -> None:
-    """Wrap the worker's three per-bucket calls so each leaves its marks."""
+def instrument(marks: Marks):
+    """Wrap the worker's three per-bucket calls so each leaves its marks; returns the function
+    that puts the originals back."""
     start_d2h, update, start_h2d = Pipeline._start_d2h, Pipeline._update, Transfer.start_h2d
 
     def _start_d2h(self, work, stats):
@@ -70,6 +72,48 @@ def instrument(marks: Marks) -> None:
 
     Pipeline._start_d2h, Pipeline._update, Transfer.start_h2d = _start_d2h, _update, _start_h2d
 
+    def undo() -> None:
+        Pipeline._start_d2h, Pipeline._update, Transfer.start_h2d = start_d2h, update, start_h2d
+
+    return undo
+
+
+def summary(rows: list, mode: str, fraction: float, batch_size: int) -> None:
+    """Print the per-iteration table of ``rows`` ((kind, bucket, ms), sorted by time)."""
+    # Per iteration: the phases, and how much of it the worker spent in the kernel (its updates
+    # run one after another, so each start pairs with the next end).
+    spans, open_at = [], None
+    for k, _, t in rows:
+        if k == "update_start":
+            open_at = t
+        elif k == "update_end" and open_at is not None:
+            spans.append((open_at, t))
+            open_at = None
+    starts = [t for k, _, t in rows if k == "iteration"] + [rows[-1][2]]
+    print(f"{mode} f{fraction:g}, batch {batch_size}; ms from each iteration's start")
+    print(f"{'iter':>4} {'period':>7} {'bwd ret':>8} {'gpu bwd':>8} {'step in':>8} {'out':>7} "
+          f"{'synced':>7} {'kernel':>7} {'not in kernel':>13}")  # fmt: skip
+    periods = []
+    for n in range(len(starts) - 1):
+        t0, t1 = starts[n], starts[n + 1]
+        mine = [(k, t - t0) for k, _, t in rows if t0 <= t < t1]
+
+        def first(kind, mine=mine):
+            return next((t for k, t in mine if k == kind), float("nan"))
+
+        kernel = sum(max(0.0, min(e, t1) - max(s, t0)) for s, e in spans)
+        whole = first("synced") < t1 - t0 and n + 1 < len(starts) - 1  # a complete iteration
+        if whole:
+            periods.append(t1 - t0)
+        print(f"{n:4d} {t1 - t0 if whole else float('nan'):7.1f} {first('backward_returned'):8.1f} "
+              f"{first('backward_done'):8.1f} {first('step_in'):8.1f} {first('step_out'):7.1f} "
+              f"{first('synced'):7.1f} {kernel:7.1f} {t1 - t0 - kernel:13.1f}")  # fmt: skip
+    if periods:
+        print(
+            f"period median {statistics.median(periods):.1f} ms; "
+            f"kernel {sum(e - s for s, e in spans):.1f} ms over {len(spans)} bucket updates"
+        )
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -81,8 +125,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=checks.nonneg_int, default=3, help="untimed steps")
     ap.add_argument("--steps", type=checks.positive_int, default=4, help="timed steps")
     ap.add_argument("--out", type=checks.out_dir, default="timeline-out")
-    ap.add_argument("--device", type=checks.device, default="cuda", help="cpu: a smoke test")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test")
+    ap.add_argument(
+        "--replay", metavar="JSON", help="print the table of a timeline.json written before"
+    )
     args = ap.parse_args(argv)
+    if args.replay:
+        try:
+            meta = json.loads(Path(args.replay).read_text())
+            a = meta["args"]
+            summary(meta["marks"], a["mode"], a["fraction"], a["batch_size"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"--replay: {args.replay!r} is no timeline.json ({type(e).__name__}: {e})")
+        return 0
+    try:
+        args.device = checks.device(args.device)
+    except argparse.ArgumentTypeError as e:
+        ap.error(f"argument --device: {e}")
     if not 0.0 <= args.fraction <= 1.0:
         ap.error(f"--fraction: {args.fraction} is not within 0..1")
     device = torch.device(args.device)
@@ -109,30 +168,32 @@ def main(argv: list[str] | None = None) -> int:
     if MODES[args.mode].get("wait") == "module":
         opt.watch(model)
     marks = Marks()
-    instrument(marks)
-    ref, t_ref, stats = None, None, []
-    for i, (x, y) in enumerate(batches):
+    undo = instrument(marks)
+    ref, t_ref = None, None
+    try:
+        for i, (x, y) in enumerate(batches):
+            sync()
+            if i == args.warmup:  # the axis' zero: the GPU is idle, so the event runs at once
+                ref = event()
+                t_ref = time.perf_counter()
+                marks.host.clear()
+                marks.gpu.clear()
+            marks.now("iteration")
+            loss = loss_fn(model, x, y)
+            loss.backward()
+            marks.now("backward_returned")
+            marks.event("backward_done", -1, event())
+            marks.now("step_in")
+            opt.step()
+            marks.now("step_out")
+            opt.zero_grad(set_to_none=True)
+            sync()
+            marks.now("synced")
+        opt.synchronize()
         sync()
-        if i == args.warmup:  # the axis' zero: the GPU is idle, so the event runs at once
-            ref = event()
-            t_ref = time.perf_counter()
-            marks.host.clear()
-            marks.gpu.clear()
-        marks.now("iteration")
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        marks.now("backward_returned")
-        marks.event("backward_done", -1, event())
-        marks.now("step_in")
-        opt.step()
-        marks.now("step_out")
-        opt.zero_grad(set_to_none=True)
-        sync()
-        marks.now("synced")
-        if i >= args.warmup:
-            stats.append(opt.stats)
-    opt.synchronize()
-    sync()
+    finally:
+        undo()
+    stats = opt.stats  # read once: a read waits for the copies' events
     rows = [(k, b, (t - t_ref) * 1e3) for k, b, t in marks.host]
     rows += [(k, b, ref.elapsed_time(ev)) for k, b, ev in marks.gpu]
     rows.sort(key=lambda r: r[2])
@@ -142,34 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             "stats": stats, "marks": rows}  # fmt: skip
     (out / f"timeline-{args.mode}-b{args.batch_size}.json").write_text(json.dumps(meta, indent=1))
     opt.close()
-    # Per iteration: the phases, and what the worker did between its start and the next one's.
-    starts = [t for k, _, t in rows if k == "iteration"] + [rows[-1][2] + 1e-3]
-    print(
-        f"{args.mode} f{args.fraction:g}, batch {args.batch_size}; ms from each iteration's start"
-    )
-    print(f"{'iter':>4} {'bwd ret':>8} {'gpu bwd':>8} {'step in':>8} {'out':>7} {'synced':>7} "
-          f"{'upd 1st':>8} {'upd last':>8} {'kernel':>7} {'idle':>6} {'d2h last':>8} {'h2d last':>8}")  # fmt: skip
-    for n in range(len(starts) - 1):
-        t0, t1 = starts[n], starts[n + 1]
-        mine = [(k, t - t0) for k, _, t in rows if t0 <= t < t1]
-
-        def first(kind, mine=mine):
-            return next((t for k, t in mine if k == kind), float("nan"))
-
-        def last(kind, mine=mine):
-            return max((t for k, t in mine if k == kind), default=float("nan"))
-
-        ups = sorted(t for k, t in mine if k in ("update_start", "update_end"))
-        starts_u = [t for k, t in mine if k == "update_start"]
-        ends_u = [t for k, t in mine if k == "update_end"]
-        busy = sum(e - s for s, e in zip(starts_u, ends_u, strict=False))
-        idle = (ups[-1] - ups[0] - busy) if ups else float("nan")
-        print(f"{n:4d} {first('backward_returned'):8.1f} {first('backward_done'):8.1f} "
-              f"{first('step_in'):8.1f} {first('step_out'):7.1f} {first('synced'):7.1f} "
-              f"{first('update_start'):8.1f} {last('update_end'):8.1f} {busy:7.1f} {idle:6.1f} "
-              f"{last('d2h_done'):8.1f} {last('h2d_done'):8.1f}")  # fmt: skip
-    print(f"period median {statistics.median(b - a for a, b in zip(starts, starts[1:-1], strict=False)):.1f} ms"
-          if len(starts) > 2 else "")  # fmt: skip
+    summary(rows, args.mode, args.fraction, args.batch_size)
     return 0
 
 

@@ -285,3 +285,33 @@ def test_the_baseline_is_timed_without_a_sync_between_backward_and_step(monkeypa
     syncs.clear()
     overlap_bench.run(model, init, batches, "backward f0.1", {"fraction": 0.1}, warmup=1, steps=2)
     assert len(syncs) == 3 * 2
+
+
+def test_timeline_marks_every_bucket_and_replays_its_table(tmp_path, capsys):
+    """benchmarks/timeline.py on the CPU: each timed iteration's marks, the worker's per-bucket
+    marks for every bucket, the table from the run and from its JSON, the patches undone."""
+    import timeline
+
+    from offloadopt.pipeline import Pipeline
+    from offloadopt.transfer import Transfer
+
+    before = (Pipeline._start_d2h, Pipeline._update, Transfer.start_h2d)
+    argv = ["--device", "cpu", "--preset", "tiny", "--batch-size", "2", "--seq-len", "32",
+            "--warmup", "1", "--steps", "3", "--out", str(tmp_path)]  # fmt: skip
+    assert timeline.main(argv) == 0
+    assert (Pipeline._start_d2h, Pipeline._update, Transfer.start_h2d) == before
+    meta = json.loads((tmp_path / "timeline-delayed-b2.json").read_text())
+    kinds = [k for k, _, _ in meta["marks"]]
+    assert kinds.count("iteration") == 3 and kinds.count("step_out") == 3
+    starts = {b for k, b, _ in meta["marks"] if k == "update_start"}
+    ends = {b for k, b, _ in meta["marks"] if k == "update_end"}
+    assert starts and starts == ends == {b for k, b, _ in meta["marks"] if k == "h2d_launched"}
+    assert meta["stats"]["buckets"] >= 1
+    first = capsys.readouterr().out
+    assert "period median" in first
+    assert timeline.main(["--replay", str(tmp_path / "timeline-delayed-b2.json")]) == 0
+    replayed = capsys.readouterr().out
+    assert replayed.splitlines()[-1].split(";")[1] == first.splitlines()[-1].split(";")[1]
+    with pytest.raises(SystemExit) as e:
+        timeline.main(["--replay", str(tmp_path / "nope.json")])
+    assert e.value.code == 2 and "nope.json" in capsys.readouterr().err
