@@ -280,7 +280,7 @@ def test_stats_report_bytes_and_times():
 
 def test_the_copies_events_stay_few_when_stats_is_never_read():
     """A review's finding: each bucket's copies kept two CUDA timing events per direction
-    until ``opt.stats`` was read; 60 steps of 16 buckets without a read held 3840. The
+    until ``opt.stats`` was read; 60 steps of 32 buckets without a read held 7,680. The
     completed ones are now folded into sums as they come (tests/test_transfer.py)."""
     from offloadopt.transfer import FOLD_AT
 
