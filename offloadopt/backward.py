@@ -126,6 +126,7 @@ class FromBackward:
             for p, fed in work.release:
                 if p.grad is not None and p.grad is fed():  # not a later backward's new grad
                     p.grad = None
+                    st.released.add(p)
 
     def _on_backward_end(self) -> None:
         """Autograd's final callback (the thread that called backward): complete the buckets

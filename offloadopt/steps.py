@@ -105,6 +105,7 @@ class StepState:
     announced: set[torch.Tensor] = field(default_factory=set)  # grad hooks that fired
     fed: dict[Bucket, BucketWork] = field(default_factory=dict)
     versions: dict[torch.Tensor, tuple] = field(default_factory=dict)  # (grad, _version) fed
+    released: set[torch.Tensor] = field(default_factory=set)  # grads release_grads dropped
     # The fp32 L2 norm of each grad fed before step(), on its device: a grad whose version moved
     # with an unchanged norm (torch's clip_grad_norm_ at an infinite max_norm, which
     # transformers' Trainer calls to log the norm, multiplies by 1.0) is not an edit; any
@@ -183,10 +184,31 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                 # Each grad is read once: with release_grads the worker sets p.grad to None at any
                 # moment (tests/test_overlap.py ran into a None between two reads).
                 moved = {}
+                dropped = []
                 for p, (grad, version) in st.versions.items():
                     now = p.grad
-                    if now is not None and (now is not grad() or local(now)._version != version):
+                    if now is None:
+                        if p not in st.released:
+                            dropped.append(p)
+                    elif now is not grad() or local(now)._version != version:
                         moved[p] = now
+                if dropped:
+                    # A fresh user's finding: model.zero_grad() (or p.grad = None) between
+                    # backward and step() to skip a step, after the step's updates began: they
+                    # were applied anyway, silently (opt.zero_grad() refuses; waits.py).
+                    names = ", ".join(self._records[p].name for p in dropped[:3])
+                    self._broken = (
+                        f"the grads of {len(dropped)} params were dropped after their update"
+                    )
+                    raise RuntimeError(
+                        f"the grads of {len(dropped)} params ({names}"
+                        f"{', ...' if len(dropped) > 3 else ''}) were set to None after their "
+                        "buckets' updates started (at the end of backward, or during it with "
+                        "grads_final=True): those updates ran with the grads as backward left "
+                        "them, so dropping the grads did not skip this step. To skip steps (a "
+                        "non-finite loss), leave grads_final and max_grad_norm unset so that "
+                        "updates wait for step(), or attach the GradScaler (grad_scaler=)"
+                    )
                 same = self._same_values(st, moved)
                 for p in moved:
                     if p not in same:

@@ -180,7 +180,25 @@ class Waits:
         """As torch's; with ``set_to_none=False`` the grads are zeroed in place, so this first
         waits for copies that may still read them (``set_to_none=True`` does not wait: the
         copies hold their grads and ``record_stream`` protects the memory; with
-        ``overlap="delayed"`` the update already took the offloaded params' grads)."""
+        ``overlap="delayed"`` the update already took the offloaded params' grads).
+
+        Raises:
+            RuntimeError: between backward and ``step()`` once this step's updates began
+                (declared backward mode: ``grads_final=True`` or ``max_grad_norm=``); zeroing
+                the grads would not skip the step (they ran with backward's grads), and
+                nothing is changed. A fresh user's finding: the usual skip of a step with a
+                non-finite loss was silently an update.
+        """
+        if self._updates_started():
+            started = len(self._step.fed)
+            raise RuntimeError(
+                f"zero_grad() between backward and step(): this step's updates already began "
+                f"({started} buckets, at the end of backward or during it with "
+                "grads_final=True), so zeroing the grads cannot skip the step; nothing was "
+                "changed. Call step() to finish it, or, to be able to skip steps (a "
+                "non-finite loss), leave grads_final and max_grad_norm unset so that updates "
+                "wait for step(), or attach the GradScaler (grad_scaler=)"
+            )
         if not set_to_none and self.overlap != "delayed":
             self.synchronize()
         super().zero_grad(set_to_none=set_to_none)

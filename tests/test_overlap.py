@@ -845,3 +845,36 @@ def test_a_step_holds_no_grad_once_its_copies_landed(overlap):
     st.run.wait(10)
     assert st.run.fed and all(w.grads == [] for w in st.run.fed)
     opt.close()
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(grads_final=True), dict(max_grad_norm=1.0)], ids=["grads_final", "max_grad_norm"]
+)
+def test_zeroing_grads_to_skip_a_step_after_updates_began_is_refused(kw):
+    """A fresh user's finding: backward, then ``zero_grad()`` to skip the step (a non-finite
+    loss), then ``step()``: in declared backward mode the updates had begun, so the weights
+    changed anyway, silently. ``opt.zero_grad()`` now refuses there and changes nothing (the
+    step then finishes as if it had not been called); a drop the optimizer cannot see
+    (``model.zero_grad()``) is named at ``step()``, which then refuses as after an edit."""
+    model, ref_model = mlp(), mlp()
+    opt = make_opt(model, 1.0, overlap="backward", **kw)
+    ref = make_opt(ref_model, 1.0, **({"max_grad_norm": 1.0} if "max_grad_norm" in kw else {}))
+    for m in (model, ref_model):
+        m(batch(0)).pow(2).mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\) between backward and step\(\).*nothing was changed"):  # fmt: skip
+        opt.zero_grad()
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
+    opt.step()
+    ref.step()
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
+    # The same drop behind the optimizer's back: named at step(), which then refuses.
+    for m in (model, ref_model):
+        m(batch(1)).pow(2).mean().backward()
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match=r"set to None after their buckets' updates started"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="discard_failed_step"):
+        opt.step()
+    opt.close()
+    ref.close()
