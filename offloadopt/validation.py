@@ -6,6 +6,7 @@ the value. The rule's own hyperparameters are checked by the rule (offloadopt/ru
 from __future__ import annotations
 
 import numbers
+import sys
 from typing import Any
 
 import torch
@@ -282,30 +283,52 @@ def check_ddp(ddp: Any, param_groups: list[dict], name_of: Any) -> None:
                 )
 
 
-def check_zero(overlap: str, param_groups: list[dict], world: int) -> None:
+def built_by_zero() -> bool:
+    """Whether torch's ``ZeroRedundancyOptimizer`` is building this optimizer: one of its
+    methods is on the calling thread's stack (its ``__init__``, or the DDP comm hook that
+    builds the local optimizer with ``overlap_with_ddp=True``). False when torch's module was
+    never imported."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    zero = getattr(module, "ZeroRedundancyOptimizer", None)
+    if zero is None:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), zero):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def check_zero(overlap: str, param_groups: list[dict], world: int, by_zero: bool) -> None:
     """Refuse the delayed update under torch's ``ZeroRedundancyOptimizer`` in a job of
-    ``world`` ranks (it builds this optimizer with groups that carry the constructor's keywords,
-    ``overlap`` among them: that is how it is recognised).
+    ``world`` ranks: ``by_zero`` (:func:`built_by_zero`), or groups that carry
+    ``overlap="delayed"`` as a key (ZeRO copies the constructor's keywords into them).
 
     ZeRO broadcasts each rank's updated shard inside its ``step()``, right after this
     optimizer's ``step()`` returns; in delayed mode that is before the update has landed, so
     the other ranks get each shard a step later than its owner, and a checkpoint (after
-    ``opt.synchronize()``) holds weights that differ between ranks (a fresh user's finding).
+    ``opt.synchronize()``) holds weights that differ between ranks (a fresh user's finding;
+    a second one passed the option through ``functools.partial`` and a subclass, past the
+    group key alone).
 
     Raises:
         ValueError: ``overlap="delayed"`` under ZeRO with more than one rank.
     """
     if overlap != "delayed" or world <= 1:
         return
-    for gi, group in enumerate(param_groups):
-        if group.get("overlap") == "delayed":
-            raise ValueError(
-                f"param group {gi} carries overlap='delayed' as a key: built by torch's "
-                "ZeroRedundancyOptimizer? Under ZeRO each rank updates its shard and ZeRO "
-                "broadcasts the weights inside step(), before a delayed update has landed, so "
-                f"the {world} ranks would train on different weights and checkpoint them; "
-                "use overlap='step' under ZeRO"
-            )
+    keyed = [gi for gi, group in enumerate(param_groups) if group.get("overlap") == "delayed"]
+    if by_zero or keyed:
+        how = "ZeroRedundancyOptimizer is building it" if by_zero else (
+            f"param group {keyed[0]} carries overlap='delayed' as a key (built by torch's "
+            "ZeroRedundancyOptimizer?)"
+        )  # fmt: skip
+        raise ValueError(
+            f"overlap='delayed' under ZeRO ({how}): each rank updates its shard and ZeRO "
+            "broadcasts the weights inside step(), before a delayed update has landed, so "
+            f"the {world} ranks would train on different weights and checkpoint them; "
+            "use overlap='step' under ZeRO"
+        )
 
 
 # ------------------------------------------------------------------ construction

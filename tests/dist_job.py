@@ -357,6 +357,18 @@ def run_bad(rank: int, world: int, arg: str) -> dict:
         grads_final=True, ddp=view))  # fmt: skip
     out["zero_delayed"] = error(lambda: ZeroRedundancyOptimizer(
         view.parameters(), optimizer_class=offloadopt.HybridAdamW, lr=LR, overlap="delayed"))  # fmt: skip
+    import functools
+
+    class Delayed(offloadopt.HybridAdamW):  # the option set inside, not a ZeRO keyword
+        def __init__(self, params, **kw):
+            super().__init__(params, overlap="delayed", **kw)
+
+    for key, cls in (("zero_delayed_partial", functools.partial(offloadopt.HybridAdamW, overlap="delayed")),
+                     ("zero_delayed_subclass", Delayed)):  # fmt: skip
+        out[key] = error(lambda cls=cls: ZeroRedundancyOptimizer(
+            view.parameters(), optimizer_class=cls, lr=LR))  # fmt: skip
+    out["zero_step"] = error(lambda: ZeroRedundancyOptimizer(
+        view.parameters(), optimizer_class=offloadopt.HybridAdamW, lr=LR).optim.close())  # fmt: skip
     out["ddp_module"] = error(
         lambda: hybrid(view.parameters(), overlap="backward", grads_final=True, ddp=view.module)
     )

@@ -175,6 +175,11 @@ def test_refused_setups_and_threads_per_rank(tmp_path):
         assert r["ddp_zero"].startswith("ValueError") and "ZeroRedundancyOptimizer" in r["ddp_zero"]
         # A fresh user's finding: under ZeRO the delayed update's ranks held different weights
         assert r["zero_delayed"].startswith("ValueError") and "overlap='step'" in r["zero_delayed"]
+        for key in ("zero_delayed_partial", "zero_delayed_subclass"):  # the option not a group key
+            assert (
+                r[key].startswith("ValueError") and "ZeroRedundancyOptimizer is building" in r[key]
+            )
+        assert r["zero_step"] is None  # step mode under ZeRO is built as before
         assert r["default_threads"] == max(1, usable_cores() // 2)  # cores // local ranks
         assert r["worker_threads"] == [2] and r["stats"]["cpu_threads"] == 2
         assert r["stats"]["local_ranks"] == 2
