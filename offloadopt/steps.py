@@ -69,17 +69,21 @@ def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
     """Signals with a Python handler (Ctrl-C's SIGINT, a preemption handler's SIGTERM or
-    SIGUSR1) that arrive inside the block reach their handler when it ends, so an interrupt
-    cannot leave a step half done (tests/test_state_contract.py). Main thread only: Python runs
-    signal handlers there alone."""
+    SIGUSR1, a timer's SIGALRM: every signal whose handler is a Python callable) that arrive
+    inside the block reach their handler when it ends, so an exception raised there cannot
+    leave a step half done (tests/test_state_contract.py, tests/test_delayed.py; a fresh user's
+    finding: a SIGALRM handler that raised inside a delayed step left some weights published
+    and others not, silently). Main thread only: Python runs signal handlers there alone."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     pending: list[tuple[int, Any]] = []
     previous = {}
-    for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2"):
-        sig = getattr(signal, name, None)
-        handler = signal.getsignal(sig) if sig is not None else None
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):  # a number this platform lists but cannot query
+            continue
         if callable(handler):
             previous[sig] = handler
             signal.signal(sig, lambda signum, frame: pending.append((signum, frame)))

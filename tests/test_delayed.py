@@ -467,3 +467,55 @@ def test_delayed_mode_under_ddp_bucket_views_copies_this_steps_grads():
                          timeout=240)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "same"
+
+
+class _Preempted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("sig", ["SIGALRM", "SIGUSR2"])
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_an_exception_from_any_signal_handler_arrives_after_the_delayed_step_is_whole(
+    fraction, sig
+):
+    """A fresh user's finding: a SIGALRM handler that raised while step() copied the landed
+    weights in left some published and others not, with the state saying the step was done;
+    only SIGINT, SIGTERM and SIGUSR1/2 were deferred. Every Python-handled signal is now."""
+    import os
+    import signal
+
+    signum = getattr(signal, sig)
+
+    def handler(*_):
+        raise _Preempted()
+
+    before = signal.signal(signum, handler)
+    try:
+        model, opt, ref_model, ref = twins(fraction, torch.float32)
+        for step in range(4):
+            for m in (model, ref_model):
+                backward(m, step)
+            if step == 2:  # the signal arrives half-way through the copy of the landed weights
+                publish = opt._publish_delayed
+
+                def interrupted(st, streams, publish=publish):
+                    os.kill(os.getpid(), signum)
+                    return publish(st, streams)
+
+                opt._publish_delayed = interrupted
+                with pytest.raises(_Preempted):
+                    opt.step()
+                opt._publish_delayed = publish
+            else:
+                opt.step()
+            ref.step()
+            opt.zero_grad()
+            ref_model.zero_grad()
+            assert_bitwise(list(model.parameters()), list(ref_model.parameters()), f"step {step}")
+        opt.synchronize()
+        ref.synchronize()
+        assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "synchronized")
+        assert signal.getsignal(signum) is handler
+        opt.close()
+    finally:
+        signal.signal(signum, before)
