@@ -6,7 +6,9 @@ status. Adding a command is one import and one entry.
 
 Exit status: 0 done; 2 bad input (one ``offloadopt: error: ...`` line, printed before anything
 is built or written); 1 a failure while running (one line; ``OFFLOADOPT_TRACEBACK=1`` re-raises
-it, for the traceback); 130 interrupted.
+it, for the traceback); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM: a scheduler's,
+Docker's or torchrun's stop, handled as Ctrl-C is: the step in hand finishes first, and the
+log is flushed).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 from offloadopt.harness import audit_job, bench, train
@@ -123,6 +127,16 @@ def _one_line(e: BaseException) -> str:
     return lines[0] + (" [...]" if len(lines) > 1 else "")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during a command: raised where Ctrl-C's ``KeyboardInterrupt`` would be, so that
+    the same clean-up runs (a fresh user's finding: SIGTERM killed ``train`` at once, status
+    -15, with its buffered log lines lost)."""
+
+
+def _terminate(signum: int, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit status.
 
@@ -131,18 +145,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     with one ``offloadopt: error: ...`` line on stderr and status 2, before a model is built
     or a file written. A failure while running prints one line naming the exception and
     returns 1; with ``OFFLOADOPT_TRACEBACK=1`` in the environment it is re-raised instead.
-    ``--help`` returns 0, Ctrl-C 130.
+    ``--help`` returns 0, Ctrl-C 130, SIGTERM 143 (raised as :class:`Terminated`, a
+    ``KeyboardInterrupt``, so the same clean-up runs).
     """
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse's exit: --help (0) or a usage error (2)
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
+    previous = None  # SIGTERM's handler, when this replaced the default (main thread only)
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ):
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.run(args)
     except (UsageError, Unavailable) as e:
         print(f"offloadopt: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("offloadopt: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("offloadopt: interrupted", file=sys.stderr)
         return 130
@@ -155,3 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        sys.stdout.flush()

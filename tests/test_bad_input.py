@@ -405,3 +405,34 @@ def test_a_folder_nobody_can_write_in_is_a_usage_error_before_anything_runs(argv
     to fail after the run, with status 1; a fresh user's finding)."""
     err = one_error_line(argv)
     assert err.startswith(f"{argv[1]}: '{argv[2]}': cannot write in '/proc'"), err
+
+
+def test_sigterm_stops_train_as_ctrl_c_does_and_keeps_its_log(tmp_path):
+    """A fresh user's finding: SIGTERM (what schedulers, Docker and torchrun send) killed
+    ``offloadopt train`` at once (status -15, no message), and the step lines a redirected
+    stdout still held in its buffer were lost. It is now handled as Ctrl-C is: status 143, one
+    line saying so, and every step line printed is in the file."""
+    import signal
+    import time
+
+    log = tmp_path / "train.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "offloadopt", "train", "--preset", "tiny", "--steps", "100000",
+             "--log-every", "1", "--eval-every", "100000", "--no-progress"],
+            stdout=out, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while log.read_text().count("step ") < 3:  # lines reach the file as they are logged
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert err.strip().endswith("offloadopt: terminated (SIGTERM)")
+    steps = [int(line.split()[1].split("/")[0]) for line in log.read_text().splitlines()
+             if line.startswith("step ")]  # fmt: skip
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3

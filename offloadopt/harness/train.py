@@ -435,6 +435,7 @@ def train(cfg: TrainConfig) -> dict:
                 f"pinned {pinned:6.2f} GB",
                 file=sys.stdout,
             )
+            sys.stdout.flush()  # a log redirected to a file keeps every line if the job is killed
         choice = getattr(opt, "placement_choice", None)
         if ranks.main and choice is not None and choice != said_choice:
             said_choice = dict(choice)
