@@ -216,6 +216,12 @@ def parse_bytes(value: int | float | str, allow_zero: bool = False) -> int:
         number, unit = float(match.group(1)), match.group(2).lower()
     else:
         raise ValueError(f"Invalid size: {value!r} (expected bytes, or a string like '120GB')")
+    if unit == "" and math.isfinite(number) and not float(number).is_integer():
+        # A fresh user's finding: 1.5 was taken as 1 byte, and the error at the first step
+        # named "0.00 KB", not the value given.
+        raise ValueError(
+            f"Invalid size: {value!r} (expected whole bytes, or a number with a unit like '1.5GB')"
+        )
     nbytes = number * _UNITS[unit]
     if not math.isfinite(nbytes) or not (int(nbytes) > 0 or (allow_zero and nbytes == 0)):
         raise ValueError(f"Invalid size: {value!r} (expected a positive size of whole bytes)")

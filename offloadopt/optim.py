@@ -96,7 +96,13 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         activation_bytes: int | str | None = None,
         auto_tolerance: float = 0.05,
         placement_policy: str = "state-bytes",
+        **unknown: Any,
     ):
+        if unknown:  # named for the class the caller built, not this base (a fresh user's nit)
+            raise TypeError(
+                f"{type(self).__name__}.__init__() got an unexpected keyword argument "
+                f"{next(iter(unknown))!r}"
+            )
         if placement_policy not in ("state-bytes", "megatron"):
             raise ValueError(
                 f"Invalid placement_policy: {placement_policy!r} (expected 'state-bytes' or 'megatron')"

@@ -169,7 +169,9 @@ class Placing:
 
         With ``max_gpu_memory`` whose choice is still pending (or could not be met), this
         places at ``fraction`` instead and drops the budget; after the choice it replaces it
-        (``placement_choice`` says so) and the budget is not checked again.
+        and the budget is not checked again; with ``offload_fraction="auto"`` still measuring,
+        it ends the measuring. Each time ``placement_choice`` says so, and a ``UserWarning``
+        says what was replaced (once).
 
         Raises:
             ValueError: ``fraction`` outside [0, 1].
@@ -187,12 +189,26 @@ class Placing:
             )
         fraction = float(fraction)
         ours = self._auto is not None and self._auto.moving  # auto's own move
+        replaced = None if ours else self._choice_replaced()
+
+        def say_replaced() -> None:  # once placed: a refused call replaces nothing
+            if replaced is not None:
+                # A fresh user's finding: the budget (or auto) was dropped without a word.
+                self._warn_once(
+                    "fraction-replaces-choice",
+                    f"set_offload_fraction({fraction:g}) replaces {replaced}: the fraction is "
+                    "now yours and no budget is checked again (placement_choice says so)",
+                )
+
         if self._budget_pending():  # the caller's fraction instead of the budget's choice
             if self._auto is not None:
                 self._auto.cancel(f"set_offload_fraction({fraction!r}) by the caller")
             self._budget["max_gpu_memory"] = None
             self.offload_fraction = fraction
+            self.placement_choice = {"fraction": fraction, "set_by": "set_offload_fraction",
+                                     "replaced": replaced}  # fmt: skip
             self.ensure_placed()
+            say_replaced()
             return
         self.ensure_placed()
         self.synchronize()
@@ -219,6 +235,25 @@ class Placing:
                         "fraction": fraction, "replaced": self.placement_choice,
                         "set_by": "set_offload_fraction" + (" (the budget is not checked)" if budget else ""),
                     }  # fmt: skip
+                elif replaced is not None:  # auto still measuring: no choice to keep
+                    self.placement_choice = {"fraction": fraction, "replaced": replaced,
+                                             "set_by": "set_offload_fraction"}  # fmt: skip
+                say_replaced()
+
+    def _choice_replaced(self) -> str | None:
+        """What a caller's fraction replaces, in words: a ``max_gpu_memory`` budget (chosen
+        or not yet), or ``offload_fraction="auto"`` still measuring; None when neither (or
+        when a caller's fraction replaced it already)."""
+        chooser = (self.placement_choice or {}).get("set_by", "")
+        if chooser.startswith("set_offload_fraction"):
+            return None
+        nbytes = self._budget["max_gpu_memory"]
+        if nbytes is not None:
+            when = "its choice" if self.placement_choice is not None else "before its choice"
+            return f"max_gpu_memory={format_bytes(nbytes)} ({when})"
+        if self._auto is not None and self._auto.active:
+            return "offload_fraction='auto' before its choice"
+        return None
 
     def _replace(self, fraction: float) -> None:
         """Place every param again at ``fraction`` with the groups' current values (their

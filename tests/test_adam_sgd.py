@@ -250,3 +250,12 @@ def test_momentum_turned_on_under_a_met_budget_is_refused():
         params, lr=0.1, min_offload_numel=1, max_gpu_memory="1GB", activation_bytes=1000
     )
     refused_at_the_second_step(opt, params, 0.9, "need other state than when max_gpu_memory chose")
+
+
+@pytest.mark.parametrize("cls", ["HybridAdam", "HybridSGD", "HybridAdamW"])
+def test_an_unknown_keyword_is_named_with_the_class_the_caller_built(cls):
+    # A fresh user's nit: HybridAdam and HybridSGD named their base class, HybridOptimizer.
+    import offloadopt
+
+    with pytest.raises(TypeError, match=rf"^{cls}\.__init__\(\) got an unexpected keyword argument 'bogus'"):  # fmt: skip
+        getattr(offloadopt, cls)([torch.nn.Parameter(torch.zeros(3))], bogus=1)

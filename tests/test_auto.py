@@ -2,6 +2,7 @@
 picks a fraction, the state moves there without loss, and the pick is measured."""
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -297,8 +298,10 @@ def test_a_refused_set_offload_fraction_changes_nothing():
             train(m, opt)
         before = opt.placement_choice
         m(x, y)[1].backward()
-        with pytest.raises(RuntimeError, match="between steps only"):
-            opt.set_offload_fraction(0.2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # refused: nothing replaced, nothing to say
+            with pytest.raises(RuntimeError, match="between steps only"):
+                opt.set_offload_fraction(0.2)
         assert opt.placement_choice == before and opt._auto.choice.get("cancelled") is None
         assert opt._auto.active == (when == "probe")
         opt.step()
@@ -388,3 +391,20 @@ def test_a_group_that_forces_its_placement_is_refused_with_auto():
     with pytest.raises(ValueError, match="'offload': False and offload_fraction='auto'"):
         opt.add_param_group({"params": list(m.parameters())[:2], "offload": False})
     assert len(opt.param_groups) == 1
+
+
+def test_a_fraction_set_while_auto_measures_ends_it_and_says_so():
+    """A fresh user's finding: set_offload_fraction() during auto's probe ended it with no
+    word, and placement_choice stayed None."""
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**14,
+                      offload_fraction="auto")  # fmt: skip
+    train(m, opt, steps=2)
+    assert opt._auto.active and opt.placement_choice is None
+    with pytest.warns(UserWarning, match="replaces offload_fraction='auto' before its choice"):
+        opt.set_offload_fraction(0.25)
+    assert not opt._auto.active and opt.offload_fraction == 0.25
+    assert opt.placement_choice["set_by"] == "set_offload_fraction"
+    assert opt.placement_choice["fraction"] == 0.25
+    train(m, opt, steps=2)
+    assert opt.offload_fraction == 0.25  # auto does not come back

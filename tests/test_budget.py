@@ -2,6 +2,7 @@
 optimizer state exists, and the run is then exactly the run at that fraction."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -102,6 +103,9 @@ def test_a_host_without_the_memory_is_refused_before_anything_is_allocated():
     (dict(max_gpu_memory="1GB", offload_fraction=0.3), "give one"),
     (dict(max_gpu_memory="1GB", max_host_memory=-1), "max_host_memory: Invalid size: -1"),
     (dict(max_gpu_memory="1GB", activation_bytes="2 furlongs"), "activation_bytes: Invalid size"),
+    # a fresh user's finding: 1.5 passed as 1 byte, and the first step named "0.00 KB"
+    (dict(max_gpu_memory=1.5), r"max_gpu_memory: Invalid size: 1.5 \(expected whole bytes"),
+    (dict(max_gpu_memory="1e9", max_host_memory="2.5"), r"max_host_memory: Invalid size: '2.5'"),
 ])  # fmt: skip
 def test_bad_budgets_are_named_before_anything_is_built(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -183,9 +187,13 @@ def test_an_unmet_budget_can_be_left_for_a_fraction_of_ones_own():
     m(seq[:, :-1], seq[:, 1:])[1].backward()
     with pytest.raises(ValueError, match="cannot be met"):
         opt.step()
-    opt.set_offload_fraction(0.5)  # was a dead end: every call raised the budget's error
+    with pytest.warns(UserWarning, match=r"replaces max_gpu_memory=100.00 KB .*before its choice"):
+        opt.set_offload_fraction(0.5)  # was a dead end: every call raised the budget's error
     opt.step()
     assert opt.offload_fraction == 0.5 and any(p.offloaded for p in opt.placement)
+    # A fresh user's finding: the budget was dropped without a word, placement_choice None.
+    assert opt.placement_choice["set_by"] == "set_offload_fraction"
+    assert "max_gpu_memory" in opt.placement_choice["replaced"]
 
 
 def test_a_group_added_after_the_choice_must_fit_the_budget():
@@ -210,9 +218,13 @@ def test_set_offload_fraction_after_the_choice_says_it_replaced_it():
     opt = HybridAdamW(m.parameters(), max_gpu_memory="1GB", activation_bytes=0,
                       bucket_nbytes=BUCKET)  # fmt: skip
     train(m, opt, steps=1)
-    opt.set_offload_fraction(1.0)
+    with pytest.warns(UserWarning, match=r"replaces max_gpu_memory=1.00 GB .*\(its choice\)"):
+        opt.set_offload_fraction(1.0)
     assert opt.placement_choice["fraction"] == 1.0 == opt.offload_fraction
     assert "set_offload_fraction" in opt.placement_choice["set_by"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the caller's own fraction replaced again: no warning
+        opt.set_offload_fraction(0.5)
 
 
 @pytest.fixture
