@@ -416,6 +416,11 @@ def test_sigterm_stops_train_as_ctrl_c_does_and_keeps_its_log(tmp_path):
     import time
 
     log = tmp_path / "train.log"
+
+    def steps_logged() -> list[int]:
+        whole = log.read_text().split("\n")[:-1]  # complete lines only: the file is being written
+        return [int(line.split()[1].split("/")[0]) for line in whole if line.startswith("step ")]
+
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "offloadopt", "train", "--preset", "tiny", "--steps", "100000",
@@ -424,7 +429,7 @@ def test_sigterm_stops_train_as_ctrl_c_does_and_keeps_its_log(tmp_path):
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 120
-            while log.read_text().count("step ") < 3:  # lines reach the file as they are logged
+            while len(steps_logged()) < 3:  # lines reach the file as they are logged
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
                 time.sleep(0.2)
             proc.send_signal(signal.SIGTERM)
@@ -433,6 +438,5 @@ def test_sigterm_stops_train_as_ctrl_c_does_and_keeps_its_log(tmp_path):
             proc.kill()
     assert proc.returncode == 143, err
     assert err.strip().endswith("offloadopt: terminated (SIGTERM)")
-    steps = [int(line.split()[1].split("/")[0]) for line in log.read_text().splitlines()
-             if line.startswith("step ")]  # fmt: skip
+    steps = steps_logged()
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
