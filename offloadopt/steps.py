@@ -211,7 +211,8 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                         "grads_final=True): those updates ran with the grads as backward left "
                         "them, so dropping the grads did not skip this step. To skip steps (a "
                         "non-finite loss), leave grads_final and max_grad_norm unset so that "
-                        "updates wait for step(), or attach the GradScaler (grad_scaler=)"
+                        "updates wait for step() (an attached GradScaler, grad_scaler=, skips a step "
+                        "whose grads hold an inf or NaN by itself)"
                     )
                 same = self._same_values(st, moved)
                 for p in moved:

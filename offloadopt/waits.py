@@ -184,7 +184,8 @@ class Waits:
 
         Raises:
             RuntimeError: between backward and ``step()`` once this step's updates began
-                (declared backward mode: ``grads_final=True`` or ``max_grad_norm=``); zeroing
+                (declared backward mode: ``grads_final=True``, ``max_grad_norm=`` or
+                ``grad_scaler=``); zeroing
                 the grads would not skip the step (they ran with backward's grads), and
                 nothing is changed. A fresh user's finding: the usual skip of a step with a
                 non-finite loss was silently an update.
@@ -197,7 +198,8 @@ class Waits:
                 "grads_final=True), so zeroing the grads cannot skip the step; nothing was "
                 "changed. Call step() to finish it, or, to be able to skip steps (a "
                 "non-finite loss), leave grads_final and max_grad_norm unset so that updates "
-                "wait for step(), or attach the GradScaler (grad_scaler=)"
+                "wait for step() (an attached GradScaler, grad_scaler=, skips a step whose "
+                "grads hold an inf or NaN by itself)"
             )
         if not set_to_none and self.overlap != "delayed":
             self.synchronize()
