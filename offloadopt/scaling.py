@@ -31,13 +31,24 @@ class Scaling:
 
         Raises:
             ValueError: ``max_norm`` is not a finite number > 0.
-            RuntimeError: the optimizer was built with ``max_grad_norm`` (it clips every step).
+            RuntimeError: the optimizer was built with ``max_grad_norm`` (it clips every step),
+                or a GradScaler is attached (``grad_scaler=``: the grads are still scaled here;
+                ``max_grad_norm=`` clips them unscaled).
         """
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < float("inf"):  # fmt: skip
             raise ValueError(f"Invalid max_norm: {max_norm!r} (expected a finite number > 0)")
         if self.max_grad_norm is not None:
             raise RuntimeError(
                 f"built with max_grad_norm={self.max_grad_norm}: it clips every step already"
+            )
+        if self.grad_scaler is not None:
+            # A fresh user's finding: the norm was taken of the scaled grads (scaler.step()
+            # unscales later), so the clip was the scale times too strong, silently.
+            raise RuntimeError(
+                "opt.clip_grad_norm_() with grad_scaler= attached: the grads are still scaled "
+                "here (the attached scaler is never unscale_'d), so their norm would be the "
+                "scale times too large; build the optimizer with max_grad_norm= instead, which "
+                "clips the unscaled grads inside step()"
             )
         with self._lock:
             if self._step is not None and self._step.fed:

@@ -344,7 +344,11 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                     return
 
     def discard_failed_step(self) -> None:
-        """Accept the state a failed step left (some params updated, others not) and go on."""
+        """Accept the state a failed step left (some params updated, others not) and go on.
+
+        Nothing is rolled back and the grads stay as they are: call ``zero_grad()`` before the
+        next ``step()``, or the params already updated get the same grads applied again (a
+        fresh user's finding; the README says so)."""
         with self._lock:
             if self._step is not None and self._step.run is not None:
                 self._stop_run(self._step.run)

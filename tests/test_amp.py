@@ -344,3 +344,19 @@ def test_a_scaled_run_resumes_bitwise_from_opt_and_scaler_state(mode):
     rest["resumed"] = go(model2, opt2, s2, 3)
     assert_bitwise(rest["resumed"][0], rest["full"][0], f"{mode}: resumed")
     assert rest["resumed"][1] == rest["full"][1]
+
+
+def test_opt_clip_grad_norm_with_an_attached_scaler_is_refused_and_changes_nothing():
+    """A fresh user's finding: opt.clip_grad_norm_() took the norm of the still-scaled grads
+    (an attached scaler is never unscale_'d), clipping the scale times too hard, silently."""
+    model = mlp()
+    sc = scaler()
+    opt = HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=0.5, min_offload_numel=1,
+                      grad_scaler=sc)  # fmt: skip
+    sc.scale(model(batch(0)).float().pow(2).mean()).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="build the optimizer with max_grad_norm= instead"):
+        opt.clip_grad_norm_(1.0)
+    assert opt._pending_clip is None
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    opt.close()
