@@ -28,7 +28,6 @@ from offloadopt.state import OptimizerState
 from offloadopt.steps import Stepping, signals_deferred
 from offloadopt.transfer import Transfer
 from offloadopt.validation import (
-    built_by_zero,
     check_ddp,
     check_zero,
     validate_group,
@@ -208,7 +207,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
             self._check_auto_group(g)
         if ddp is not None:
             check_ddp(ddp, self.param_groups, self._name)
-        check_zero(overlap, self.param_groups, world_size(), built_by_zero())
+        check_zero(overlap, self.param_groups, world_size())
         self._place_or_defer(list(range(len(self.param_groups))))
         if ddp is not None:
             from offloadopt.hooks import DDPGrads

@@ -300,10 +300,10 @@ def built_by_zero() -> bool:
     return False
 
 
-def check_zero(overlap: str, param_groups: list[dict], world: int, by_zero: bool) -> None:
+def check_zero(overlap: str, param_groups: list[dict], world: int) -> None:
     """Refuse the delayed update under torch's ``ZeroRedundancyOptimizer`` in a job of
-    ``world`` ranks: ``by_zero`` (:func:`built_by_zero`), or groups that carry
-    ``overlap="delayed"`` as a key (ZeRO copies the constructor's keywords into them).
+    ``world`` ranks: ZeRO building it (:func:`built_by_zero`, looked at only then), or groups
+    that carry ``overlap="delayed"`` as a key (ZeRO copies the constructor's keywords into them).
 
     ZeRO broadcasts each rank's updated shard inside its ``step()``, right after this
     optimizer's ``step()`` returns; in delayed mode that is before the update has landed, so
@@ -318,6 +318,7 @@ def check_zero(overlap: str, param_groups: list[dict], world: int, by_zero: bool
     if overlap != "delayed" or world <= 1:
         return
     keyed = [gi for gi, group in enumerate(param_groups) if group.get("overlap") == "delayed"]
+    by_zero = built_by_zero()
     if by_zero or keyed:
         how = "ZeroRedundancyOptimizer is building it" if by_zero else (
             f"param group {keyed[0]} carries overlap='delayed' as a key (built by torch's "

@@ -185,9 +185,8 @@ class Waits:
         Raises:
             RuntimeError: between backward and ``step()`` once this step's updates began
                 (declared backward mode: ``grads_final=True``, ``max_grad_norm=`` or
-                ``grad_scaler=``); zeroing
-                the grads would not skip the step (they ran with backward's grads), and
-                nothing is changed. A fresh user's finding: the usual skip of a step with a
+                ``grad_scaler=``); zeroing the grads would not skip the step (they ran with
+                backward's grads), and nothing is changed. A fresh user's finding: the usual skip of a step with a
                 non-finite loss was silently an update.
         """
         if self._updates_started():

@@ -63,6 +63,20 @@ def twins(fraction, dtype, **kw):
     return model, opt, ref_model, ref
 
 
+def zero_and_compare(opt, model, ref_model, what):
+    """After a step on both sides: drop the grads, then the weights must be bitwise equal."""
+    opt.zero_grad()
+    ref_model.zero_grad()
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()), what)
+
+
+def synchronize_and_compare(opt, ref, model, ref_model):
+    """Copy the update in flight in on both sides: the newest weights must be bitwise equal."""
+    opt.synchronize()
+    ref.synchronize()
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "synchronized")
+
+
 @pytest.mark.parametrize("clip", ["none", "optimizer", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fraction", FRACTIONS)
@@ -82,12 +96,8 @@ def test_delayed_update_equals_the_reference_bitwise(fraction, dtype, clip):
         ref.step()
         for s in scheds:
             s.step()
-        opt.zero_grad()
-        ref_model.zero_grad()
-        assert_bitwise(list(model.parameters()), list(ref_model.parameters()), f"step {step}")
-    opt.synchronize()
-    ref.synchronize()
-    assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "synchronized")
+        zero_and_compare(opt, model, ref_model, f"step {step}")
+    synchronize_and_compare(opt, ref, model, ref_model)
     opt.close()
 
 
@@ -509,12 +519,8 @@ def test_an_exception_from_any_signal_handler_arrives_after_the_delayed_step_is_
             else:
                 opt.step()
             ref.step()
-            opt.zero_grad()
-            ref_model.zero_grad()
-            assert_bitwise(list(model.parameters()), list(ref_model.parameters()), f"step {step}")
-        opt.synchronize()
-        ref.synchronize()
-        assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "synchronized")
+            zero_and_compare(opt, model, ref_model, f"step {step}")
+        synchronize_and_compare(opt, ref, model, ref_model)
         assert signal.getsignal(signum) is handler
         opt.close()
     finally:
