@@ -110,7 +110,11 @@ def inverse(scale: torch.Tensor) -> torch.Tensor:
 def found_inf(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """1.0 when any element of ``grads`` is an inf or a NaN, else 0.0 (a 0-dim fp32 tensor on
     ``device``): GradScaler's test, through each grad's largest magnitude (a NaN makes it NaN),
-    so the grads are only read. An empty list gives 0.0."""
+    so the grads are only read. An empty list, or one of 0-element grads only, gives 0.0.
+
+    0-element grads are left out: the inf-norm of an empty tensor has no identity, and torch's
+    ``_foreach_norm`` raises on one (tests/test_amp.py, the empty-param case in every mode)."""
+    grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     peaks = [n.to(device) for n in torch._foreach_norm(grads, float("inf"))]

@@ -360,3 +360,35 @@ def test_opt_clip_grad_norm_with_an_attached_scaler_is_refused_and_changes_nothi
     assert opt._pending_clip is None
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
     opt.close()
+
+
+class WithEmpty(torch.nn.Module):
+    """mlp() plus a 0-element param that the loss uses (its grad is a 0-element tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.empty = torch.nn.Parameter(torch.zeros(0, 48))
+        self.body = mlp()
+
+    def forward(self, x):
+        return self.body(x) + self.empty.sum()
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_empty_param_with_a_grad_scaler_in_every_mode(mode, fraction):
+    """A fuzz's finding: with an attached scaler in backward mode, found_inf took the inf-norm
+    of every grad, and a 0-element grad made torch's _foreach_norm raise at the end of
+    backward, at every later iteration too. A 0-element grad holds no inf: the run is bitwise
+    torch's, inf steps skipped as there."""
+    torch.manual_seed(0)
+    ref_model = WithEmpty()
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    ref, ref_scales = train(ref_model, ref_opt, scaler(), bad_param=1)
+    torch.manual_seed(0)
+    model, s = WithEmpty(), scaler()
+    opt = build(model, fraction, mode, s)
+    got, scales = train(model, opt, s, bad_param=1)
+    assert_bitwise(got, ref, f"{mode} at {fraction}")
+    assert scales == ref_scales
+    assert got[0].shape == (0, 48)
