@@ -368,6 +368,51 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
                 self._stats[key] = self._stats.get(key, 0.0) + ms
         return dict(self._stats)
 
+    # ------------------------------------------------------------------ opt.state
+    @property
+    def state(self) -> OptimizerState:
+        """``opt.state``: param -> its state dict (offloadopt/state.py)."""
+        return self.__dict__["state"]
+
+    @state.setter
+    def state(self, mapping: Any) -> None:
+        """``opt.state = mapping`` as torch allows it: the state starts afresh from ``mapping``
+        (usually an empty ``defaultdict(dict)``), made again at each param's next grad where
+        it is placed (host state stays on the host, in its pinned arena); a param's entry in
+        ``mapping`` is copied into its buffers, as an assignment to ``opt.state[p]`` is.
+
+        Raises:
+            TypeError: ``mapping`` is not a mapping, or an entry of a param is not a dict.
+            ValueError: an entry's tensor does not fit the param's buffer.
+        """
+        if isinstance(mapping, OptimizerState) or "_records" not in self.__dict__:
+            self.__dict__["state"] = mapping  # ours, or torch's __init__ before our own
+            return
+        if not hasattr(mapping, "items"):
+            raise TypeError(f"opt.state = {type(mapping).__name__}: expected a mapping")
+        entries = list(mapping.items())
+        for p, entry in entries:
+            rec = self._records.get(p)
+            if rec is None:
+                continue
+            if not isinstance(entry, dict):
+                raise TypeError(
+                    f"opt.state = ...: the entry of {rec.name} is a {type(entry).__name__}, "
+                    "expected a dict of its state"
+                )
+            for key, v in entry.items():
+                if key != "step" and isinstance(v, torch.Tensor) and v.numel() != p.numel():
+                    raise ValueError(
+                        f"opt.state = ...: {rec.name}'s {key!r} has {v.numel()} elements, "
+                        f"the param {p.numel()}"
+                    )
+        with signals_deferred(), self._lock:
+            self.synchronize()  # no update in flight reads or writes the old state
+            fresh = OptimizerState(self)
+            self.__dict__["state"] = fresh
+            for p, entry in entries:
+                fresh[p] = entry  # copied into p's buffers where p has a record
+
     # ------------------------------------------------------------------ records
     def _record(self, p: torch.Tensor, group: dict[str, Any], gi: int, i: int) -> ParamRecord:
         """``p``'s record; a param put into a group's list by hand gets one now (on the device)."""

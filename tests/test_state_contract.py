@@ -1,6 +1,7 @@
 """opt.state as frameworks use it: assigned entries land in the optimizer's own buffers (host
 state stays on the host), deleted entries reset, and state_dict() reports what the update uses."""
 
+import collections
 import copy
 
 import pytest
@@ -359,3 +360,41 @@ def test_a_load_state_dict_that_fails_part_way_leaves_the_optimizer_refusing():
     opt._load_entry = load_entry
     opt.load_state_dict(saved)  # a load that succeeds repairs it
     opt.step()
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_replacing_opt_state_starts_the_state_afresh_as_torch_does(fraction):
+    """A fuzz's finding: ``opt.state = defaultdict(dict)`` between steps (torch accepts it: the
+    state starts afresh) made the next step() raise AttributeError ('no attribute install').
+    Now every param's state is made again at its next grad where it is placed, bitwise what
+    torch does after the same assignment; a new mapping's entries are copied in."""
+    ref, ref_params, opt, params = pair(fraction)
+    where = [opt.is_offloaded(p) for p in params]
+    for step in range(2):
+        step_both(ref, ref_params, opt, params, step)
+    ref.state = collections.defaultdict(dict)
+    opt.state = collections.defaultdict(dict)
+    assert len(opt.state) == 0 and [opt.is_offloaded(p) for p in params] == where
+    for step in range(2, 5):
+        step_both(ref, ref_params, opt, params, step)
+    assert_bitwise(params, ref_params, "after opt.state was replaced")
+    assert float(opt.state[params[0]]["step"]) == 3
+    assert all(not opt.state[p]["exp_avg"].is_cuda for p in params if opt.is_offloaded(p))
+    kept = {q: copy.deepcopy(ref.state[q]) for q in ref_params}
+    ref.state = collections.defaultdict(dict, kept)
+    opt.state = {p: copy.deepcopy(kept[q]) for p, q in zip(params, ref_params, strict=True)}
+    step_both(ref, ref_params, opt, params, 5)
+    assert_bitwise(params, ref_params, "after a non-empty mapping was assigned")
+
+
+def test_a_replacement_state_that_does_not_fit_is_refused_and_changes_nothing():
+    ref, ref_params, opt, params = pair(1.0)
+    step_both(ref, ref_params, opt, params, 0)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="'exp_avg' has 3 elements"):
+        opt.state = {params[0]: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3)}}
+    with pytest.raises(TypeError, match="expected a mapping"):
+        opt.state = 5
+    after = opt.state_dict()
+    for i, entry in before["state"].items():
+        assert_bitwise(list(after["state"][i].values()), list(entry.values()), f"entry {i}")
