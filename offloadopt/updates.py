@@ -147,7 +147,7 @@ class Updates:
             rec.mark_written(p)
             return
         current = local(p).detach().to(master.device)
-        changed = master.to(p.dtype) != current  # (shape of p) bool, where the master is stale
+        changed = stale_elements(master, current)  # (shape of p) bool
         if changed.any():
             warn(
                 f"the weights of {rec.name} changed outside the optimizer since its last step "
@@ -228,3 +228,22 @@ class Updates:
         if steps and amp is not None and amp.found_inf is not None:
             # as torch.optim.AdamW(fused=True): a skipped step does not count
             torch._foreach_sub_(steps, [amp.found_inf.to(steps[0].device)] * len(steps))
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def stale_elements(master: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """Where the weights ``current`` (shape of the param, its dtype) no longer hold what the
+    ``master`` (same shape, fp32 or the param's dtype, same device) gives them: a bool tensor.
+
+    Same dtype: the bit patterns are compared, so an edit to another NaN payload, or from 0.0
+    to -0.0, is seen. Otherwise the master rounded to the weights' dtype is compared by value,
+    and a NaN weight over a NaN master is not stale: the rounding does not keep a NaN's payload,
+    and taking such an element as edited replaced the master's NaN bits at every refresh
+    (tests/test_checkpoint.py, the NaN payload test)."""
+    if master.dtype == current.dtype:
+        bits = _BITS[current.element_size()]
+        return master.view(bits) != current.view(bits)
+    rounded = master.to(current.dtype)
+    return (rounded != current) & ~(rounded.isnan() & current.isnan())

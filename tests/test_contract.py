@@ -168,6 +168,41 @@ def test_weights_changed_outside_refresh_the_master_with_a_warning():
         opt.step()  # our own writes are not mistaken for outside edits
 
 
+@pytest.mark.parametrize(  # fp32 on the device has no master: nothing to refresh
+    "dtype, fraction", [(torch.bfloat16, 0.0), (torch.bfloat16, 1.0), (torch.float32, 1.0)]
+)
+def test_nan_payloads_are_kept_bit_for_bit_when_a_master_is_refreshed(dtype, fraction):
+    """A fuzz's finding: a NaN weight always compared unequal to its master, so every refresh
+    (an edit anywhere in the tensor) replaced the master's NaN bits with the rounded weight's,
+    and a NaN weight warned at every step. Now an edited element's new bits reach the master
+    exactly (bf16 -> fp32 is exact), an element not edited keeps the master's bits, and a
+    NaN weight is not mistaken for an edit. lr=0 and weight_decay=0: the update keeps NaNs'
+    payloads, so the master's bits show what the refresh did."""
+    p = torch.nn.Parameter(torch.randn(4096).to(dtype))
+    opt = HybridAdamW([p], lr=0.0, weight_decay=0.0, min_offload_numel=1, offload_fraction=fraction)
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[dtype]
+    nan = {torch.bfloat16: 0x7FC5, torch.float32: 0x7FC00123}[dtype]  # a quiet NaN, a payload
+    p.grad = torch.ones_like(p)
+    opt.step()
+    with torch.no_grad():
+        p.view(bits)[0] = nan  # an edit to a NaN with a payload
+    with pytest.warns(UserWarning, match=r"\(1 of 4096 elements\)"):
+        opt.step()
+    if dtype == torch.float32:  # offloaded fp32: the master is the arena's copy, same bits
+        master = opt._records[p].home("master")  # (4096,) fp32, host arena
+    else:
+        master, nan = opt.state[p]["master"], nan << 16  # bf16 -> fp32 is exact: payload kept
+    assert int(master.view(torch.int32)[0]) & 0xFFFFFFFF == nan
+    with torch.no_grad():
+        p[1] = 3.0  # an edit elsewhere: element 0's master keeps its bits
+    with pytest.warns(UserWarning, match=r"\(1 of 4096 elements\)"):
+        opt.step()
+    assert int(master.view(torch.int32)[0]) & 0xFFFFFFFF == nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # a NaN weight over a NaN master is not an edit
+
+
 def test_pinned_allocation_failure_says_how_many_bytes(monkeypatch):
     class Cudart:  # a patched allocator: cudaHostRegister fails as on an exhausted host
         def cudaHostRegister(self, ptr, nbytes, flags):
