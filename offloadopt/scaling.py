@@ -119,7 +119,10 @@ class Scaling:
             # FSDP2: the same DTensor arithmetic as torch's clip_grad_norm_ (per-shard norms,
             # their norm, then one all-reduce over the mesh in full_tensor()): every rank gets
             # the global norm. Params outside FSDP2 (plain) join through one more norm.
-            norms = torch._foreach_norm(sharded, 2, dtype=torch.float32)
+            # One vector_norm per DTensor, as torch's clip_grad_norm_ does for them (DTensor is
+            # not a foreach type there); torch 2.14's DTensor rule for _foreach_norm with a
+            # dtype fails ("'>=' not supported between 'torch.dtype' and 'int'").
+            norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in sharded]
             norm = torch.linalg.vector_norm(torch.stack(list(norms))).full_tensor().to(device)
             plain = [p.grad for p in params if not is_dtensor(p.grad)]
             if plain:
