@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs offloadopt (editable) into the current Python environment, with torch first:
+#   - with an NVIDIA GPU (nvidia-smi lists one): torch from PyPI, its CUDA build;
+#   - without one: torch's CPU build from PyTorch's own CPU index (PyPI's Linux wheel is the
+#     CUDA build, several GB), or, where that index cannot be reached, torch 2.13.0 from the
+#     package index pip is configured with.
+# A torch already installed in the supported range (2.11 through 2.14.1) is kept.
+# Environment: PYTHON (default python3), TORCH_CPU_INDEX (PyTorch's CPU wheel index).
+# Extra arguments are extras to install, e.g. `./install.sh test` installs ".[test]".
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+RANGE="torch>=2.11,<2.15"
+INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+pip_() { "$PY" -m pip install --disable-pip-version-check "$@"; }
+
+if "$PY" - <<'PYCODE' 2>/dev/null; then
+import sys
+import torch
+major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+sys.exit(0 if (2, 11) <= (major, minor) <= (2, 14) else 1)
+PYCODE
+    echo "install.sh: keeping torch $("$PY" -c 'import torch; print(torch.__version__)')"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "install.sh: a GPU is present: torch's CUDA build from the package index"
+    pip_ "$RANGE"
+else
+    echo "install.sh: no GPU: torch's CPU build"
+    pip_ "$RANGE" --index-url "$INDEX" --timeout 15 --retries 1 || {
+        echo "install.sh: $INDEX cannot be reached; torch==2.13.0 from the configured index"
+        pip_ "torch==2.13.0"
+    }
+fi
+extras=""
+if [ "$#" -gt 0 ]; then extras="[$(IFS=,; echo "$*")]"; fi
+pip_ -e ".$extras"
+"$PY" -c "import torch, offloadopt; print(f'install.sh: offloadopt {offloadopt.__version__}, torch {torch.__version__}')"
