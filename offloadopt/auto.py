@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from offloadopt import costmodel
+from offloadopt.warn import warn
 
 __all__ = ["AutoFraction", "PROBE_FRACTION", "MEASURED_STEPS", "CORRECTIONS", "measurements"]
 
@@ -339,5 +340,16 @@ class AutoFraction:
         if not self.choice["within_tolerance"]:
             self.choice["why"] += (f"; measured {measured:.1f} ms, above the limit {limit:.1f} "
                                    f"after {len(corrections)} corrections")  # fmt: skip
+            # A fresh user's finding: auto ended above its own limit and said nothing.
+            probe = self.choice["probe_measured_step_ms"], self.choice["probe_predicted_step_ms"]
+            warn(
+                f"offload_fraction='auto' kept fraction {fraction:g}: its step measured "
+                f"{measured:.1f} ms, above the limit {limit:.1f} ms ({1 + self.tolerance:g} x "
+                f"fraction 0's predicted {self.choice['predicted_step_ms_at_0']:.1f} ms) after "
+                f"{len(corrections)} corrections. The host's speed moved between the probe "
+                f"(measured {probe[0]:.1f} ms, predicted {probe[1]:.1f}) and these steps; give "
+                "offload_fraction a number, or call opt.set_offload_fraction(), to choose "
+                "yourself (opt.placement_choice has the figures)"
+            )
         opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
         self._clock = self._prev_end = None

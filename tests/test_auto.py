@@ -256,6 +256,24 @@ def test_a_verified_step_over_the_limit_moves_the_fraction_down(monkeypatch):
         assert torch.equal(got[k], want[k]), k
 
 
+def test_a_choice_left_above_the_limit_warns_with_what_was_kept(monkeypatch):
+    """A fresh user's finding: on a noisy host auto ended at a fraction whose measured step was
+    above its own limit (within_tolerance False) and said nothing. Now a warning names the
+    fraction kept, the measured step and the limit. (Forced here: the model picks fraction 1
+    whatever it predicts, each bucket costs 2 ms, and no correction is allowed.)"""
+    monkeypatch.setattr(auto.costmodel, "largest_hidden",
+                        lambda m, tol, mode: costmodel.predict(m, 1.0, mode))  # fmt: skip
+    monkeypatch.setattr(auto, "CORRECTIONS", 0)
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**12,
+                      offload_fraction="auto")  # fmt: skip
+    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.002)
+    with pytest.warns(UserWarning, match=r"'auto' kept fraction 1: its step measured .* above the limit") as caught:  # fmt: skip
+        train(m, opt)
+    assert opt.placement_choice["within_tolerance"] is False
+    assert [w.filename for w in caught if "auto" in str(w.message)] == [__file__]
+
+
 def test_the_probe_times_the_device_update_alone_then_overlaps_it_again(monkeypatch):
     """In the probe the device-resident update is launched before any bucket is fed (on a
     GPU the D2H then waits for it on its stream), so its time is fraction 0's; afterwards
