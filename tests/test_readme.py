@@ -13,13 +13,18 @@ ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
+RESULTS = [
+    ROOT / "benchmarks" / "RESULTS.md",
+    *sorted((ROOT / "benchmarks").glob("results/*/*.md")),
+]
 FENCE = re.compile(r"^```python\n(.*?)^```", flags=re.S | re.M)
 # A block that names a CUDA device needs a GPU: it is skipped without one, as the CUDA tests are.
 NEEDS_CUDA = re.compile(r"""["']cuda|\.cuda\(|torch\.cuda\.(?!is_available)""")
 BLOCKS = [(page, code) for page in PAGES for code in FENCE.findall(page.read_text())]
 IDS = [f"{page.stem}-block{i}" for i, (page, _) in enumerate(BLOCKS)]
-# [text](target): the target up to a space or the closing parenthesis, not images' or URLs'.
-LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+# [text](target) and ![alt](target): the target up to a space or the closing parenthesis.
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+ANY_FENCE = re.compile(r"^```.*?^```", flags=re.S | re.M)
 
 
 def test_the_docs_have_examples():
@@ -35,12 +40,14 @@ def test_example_runs(page, code, capsys):
     assert capsys.readouterr().out  # each example prints what it shows
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+@pytest.mark.parametrize(
+    "page", PAGES + RESULTS, ids=[str(p.relative_to(ROOT)) for p in PAGES + RESULTS]
+)
 def test_relative_links_resolve(page):
-    """mkdocs build --strict checks the site's links; this checks the README's too, and runs
-    where the docs extra is not installed. Links out of docs/ would not build, so docs pages link
-    only to docs pages."""
-    text = FENCE.sub("", page.read_text())
+    """mkdocs build --strict checks the site's links; this checks the README's and the
+    benchmark results' too, and runs where the docs extra is not installed. Links out of docs/
+    would not build, so docs pages link only to docs pages."""
+    text = ANY_FENCE.sub("", page.read_text())
     for target in LINK.findall(text):
         if re.match(r"[a-z]+:", target):  # https:, mailto:
             continue
