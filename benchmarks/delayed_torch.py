@@ -1,7 +1,7 @@
 """Is the delayed update's convergence gap (issue 9) the algorithm's or ours? Plain
 ``torch.optim.AdamW(fused=True)`` whose forward reads the weights one step old
-(w_{t+1} = AdamW(w_t, grad at w_{t-1}), the delayed parameter update's semantics, README "The
-delayed parameter update"), against the same optimizer synchronous, on the main job's tiny
+(w_{t+1} = AdamW(w_t, grad at w_{t-1}), the delayed parameter update's semantics: docs/modes.md,
+"The delayed parameter update"), against the same optimizer synchronous, on the main job's tiny
 preset, data, schedule and clipping. No offloadopt code runs in the update.
 
     python benchmarks/delayed_torch.py [--seeds 0 1] [--lr 3e-3] [--after N] [--extrapolate]

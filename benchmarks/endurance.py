@@ -479,7 +479,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--ref-no-masters", action="store_true", help="reference on bf16 params without fp32 masters (torch's AdamW as is)")  # fmt: skip
     a("--sample-every", type=checks.positive_int, default=10, help="memory sample every N steps, and at the last (default: %(default)s)")  # fmt: skip
     a("--eval-batches", type=checks.positive_int, default=16, help="held-out batches at the end (default: %(default)s)")  # fmt: skip
-    a("--out", type=checks.out_dir, default=".", help="folder for endurance.json (default: %(default)s)")  # fmt: skip
+    a("--out", type=checks.out_dir, default="endurance-out", help="folder for endurance.json (default: %(default)s)")  # fmt: skip
     a("--no-progress", action="store_true", help="no tqdm progress bars on stderr")
     return ap.parse_args(argv)
 

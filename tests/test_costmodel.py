@@ -1,5 +1,5 @@
 """The cost model (offloadopt/costmodel.py): its arithmetic, its choices, byte sizes, and its
-predictions against the H200 runs recorded in benchmarks/ (GPT-2 1.5B, bf16), each predicted
+predictions against the H200 runs recorded in benchmarks/results/ (GPT-2 1.5B, bf16), each predicted
 from measurements taken at one fraction of the same run, within 15% at every other."""
 
 import json
@@ -16,7 +16,7 @@ from offloadopt.costmodel import (
     smallest_fitting,
 )
 
-RUNS = Path(__file__).parents[1] / "benchmarks"
+RUNS = Path(__file__).parents[1] / "benchmarks" / "results"
 MiB = 2**20
 
 
@@ -122,7 +122,7 @@ def _rows(name):
 def test_step_mode_predicted_within_15_percent_of_the_recorded_sweep():
     """bench-gpt2-xl-h200.json: inputs from fraction 0 (forward+backward, the device update,
     activations) and fraction 0.5 (the worker's kernel, the link, the per-bucket overhead)."""
-    data, rows = _rows("bench-gpt2-xl-h200.json")
+    data, rows = _rows("2026-11-30-bench-h200/bench-gpt2-xl-h200.json")
     n, f0, probe = data["params"], rows["hybrid:0"], rows["hybrid:0.5"]
     offloaded = 0.5 * n
     d2h = probe["opt_stats_d2h_nbytes"] / probe["opt_stats_d2h_ms"] / 1e6
@@ -147,15 +147,15 @@ def test_step_mode_predicted_within_15_percent_of_the_recorded_sweep():
 
 def _machine():
     """The link and per-bucket figures of the step-mode run, for runs that record no stats."""
-    data, rows = _rows("bench-gpt2-xl-h200.json")
+    data, rows = _rows("2026-11-30-bench-h200/bench-gpt2-xl-h200.json")
     probe = rows["hybrid:0.5"]
     return (probe["opt_stats_d2h_nbytes"] / probe["opt_stats_d2h_ms"] / 1e6,
             probe["opt_stats_h2d_nbytes"] / probe["opt_stats_h2d_ms"] / 1e6, 0.73)  # fmt: skip
 
 
 @pytest.mark.parametrize("run,mode,bucket,batch", [
-    ("overlap-h200.json", "backward", 64 * MiB, "4x1024"),  # grads_final, wait="module"
-    ("delayed-default-h200.json", "delayed", 256 * MiB, "16x1024"),
+    ("2026-12-01-overlap-h200/overlap-h200.json", "backward", 64 * MiB, "4x1024"),  # grads_final, wait="module"
+    ("2026-12-01-delayed-h200/delayed-default-h200.json", "delayed", 256 * MiB, "16x1024"),
 ])  # fmt: skip
 def test_overlap_modes_predicted_within_15_percent_of_the_recorded_runs(run, mode, bucket, batch):
     """Inputs from the run's fraction 0 (forward+backward to the end of backward, the rest of
