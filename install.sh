@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs offloadopt (editable) into the current Python environment, with torch first:
-#   - with an NVIDIA GPU (nvidia-smi lists one): torch from PyPI, its CUDA build;
-#   - without one: torch's CPU build from PyTorch's own CPU index (PyPI's Linux wheel is the
-#     CUDA build, several GB), or, where that index cannot be reached, torch 2.13.0 from the
-#     package index pip is configured with.
+#   - with an NVIDIA GPU (nvidia-smi lists one): torch from the package index, its CUDA build;
+#   - without one: torch's CPU build, 2.13.0+cpu (the build CI tests first), from PyTorch's CPU
+#     wheel index where it can be reached, else from the indexes and links pip is configured
+#     with. PyPI's Linux wheel of torch is the CUDA build (several GB), so a plain
+#     `pip install -e .` on a machine without torch would download that.
 # A torch already installed in the supported range (2.11 through 2.14.1) is kept.
 # Environment: PYTHON (default python3), TORCH_CPU_INDEX (PyTorch's CPU wheel index).
-# Extra arguments are extras to install, e.g. `./install.sh test` installs ".[test]".
+# Arguments are extras to install too, e.g. `./install.sh test` installs ".[test]".
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -26,10 +27,11 @@ elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; the
     pip_ "$RANGE"
 else
     echo "install.sh: no GPU: torch's CPU build"
-    pip_ "$RANGE" --index-url "$INDEX" --timeout 15 --retries 1 || {
-        echo "install.sh: $INDEX cannot be reached; torch==2.13.0 from the configured index"
-        pip_ "torch==2.13.0"
-    }
+    index=()
+    if "$PY" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=5)" "$INDEX" 2>/dev/null; then
+        index=(--extra-index-url "$INDEX")
+    fi
+    pip_ "torch==2.13.0+cpu" "${index[@]}"
 fi
 extras=""
 if [ "$#" -gt 0 ]; then extras="[$(IFS=,; echo "$*")]"; fi
