@@ -93,7 +93,7 @@ def derived(name: str, known: dict[str, dict]) -> dict:
 
 
 # offload_fraction="auto" needs its probe, move and verify steps before the timed ones.
-AUTO_WARMUP = (2 + auto.CORRECTIONS) * (auto.MEASURED_STEPS + 1)
+AUTO_WARMUP = (3 + auto.CORRECTIONS) * (auto.MEASURED_STEPS + 1)
 
 
 def configs(quick: bool) -> list[tuple[str, dict]]:

@@ -11,8 +11,8 @@ from offloadopt import HybridAdamW, auto, costmodel
 from offloadopt.harness.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(n_layer=3, n_head=2, n_embd=64, vocab_size=128, block_size=32)
-# probe (the first step unmeasured), move, verify, the corrections', a few more
-STEPS = (2 + auto.CORRECTIONS) * (auto.MEASURED_STEPS + 1) + 2
+# probe (the first step unmeasured), baseline at fraction 0, move, verify, the corrections', more
+STEPS = (3 + auto.CORRECTIONS) * (auto.MEASURED_STEPS + 1) + 2
 
 
 def model():
@@ -52,6 +52,7 @@ def test_auto_moves_the_state_and_trains_bitwise_as_torch(kw):
     choice = opt.placement_choice
     assert choice["set_by"] == "auto" and choice["fraction"] == opt.offload_fraction
     assert choice["measured_step_ms"] > 0 and choice["probe_measured_step_ms"] > 0
+    assert choice["measured_step_ms_at_0"] > 0  # the baseline: fraction 0 measured, not predicted
     assert not opt._auto.active
     # The state moved: the placement is the chosen fraction's, and the state is torch's.
     assert {p.offloaded for p in opt.placement} <= {True, False}
@@ -69,12 +70,13 @@ def test_the_choice_is_the_largest_fraction_the_model_predicts_within_the_tolera
     choice = opt.placement_choice
     meas = costmodel.Measurements(**choice["measurements"])
     zero = costmodel.predict(meas, 0.0, "step").step_ms
-    assert choice["predicted_step_ms"] <= 1.5 * zero + 1e-9
+    aim = 1 + 0.5 * auto.CHOICE_MARGIN  # the choice aims inside the tolerance
+    assert choice["predicted_step_ms"] <= aim * zero + 1e-9
     # The model's choice; a measured period above the limit (this machine's timing noise)
     # moved it down since, and corrections[0] keeps it (a flake in a loaded CI run).
     chosen = choice["corrections"][0]["fraction"] if choice["corrections"] else choice["fraction"]
     above = [f / 100 for f in range(101) if f / 100 > chosen]
-    assert all(costmodel.predict(meas, f, "step").step_ms > 1.5 * zero for f in above)
+    assert all(costmodel.predict(meas, f, "step").step_ms > aim * zero for f in above)
     # The probe's own period is kept beside its prediction from the same measurements.
     at_probe = costmodel.predict(meas, choice["probe_fraction"], "step").step_ms
     assert choice["probe_predicted_step_ms"] == pytest.approx(at_probe)
@@ -218,7 +220,8 @@ def test_the_probe_holds_backward_modes_updates_for_step_then_lets_them_start():
     fed = []
     train(m, opt, before_step=lambda: fed.append(len(opt._step.fed) if opt._step else 0))
     probe = 1 + auto.MEASURED_STEPS  # the first step, unmeasured, and the measured ones
-    assert fed[:probe] == [0] * probe and all(n > 0 for n in fed[probe:]), fed
+    base = probe + 1 + auto.MEASURED_STEPS  # then fraction 0's baseline: nothing to feed
+    assert fed[:base] == [0] * base and all(n > 0 for n in fed[base:]), fed
     assert opt.offload_fraction > 0  # a tolerance of 1000% offloads
 
 
@@ -348,7 +351,8 @@ def test_steps_without_grads_are_no_samples():
     assert meas["cpu_ns_per_param"] > 0 and meas["fwd_bwd_ms"] > 0.3 * sorted(took)[1]
 
 
-def test_ctrl_c_at_the_end_of_autos_move_leaves_a_true_choice(monkeypatch):
+@pytest.mark.parametrize("where", ["baseline", "choice"])
+def test_ctrl_c_at_the_end_of_autos_move_leaves_a_true_choice(monkeypatch, where):
     import os
     import signal
 
@@ -362,7 +366,8 @@ def test_ctrl_c_at_the_end_of_autos_move_leaves_a_true_choice(monkeypatch):
 
     def place_then_interrupt(self, groups):
         real(self, groups)
-        if self._auto.moving:
+        to_zero = self.offload_fraction == 0.0  # the baseline's move, or the choice's
+        if self._auto.moving and to_zero == (where == "baseline"):
             os.kill(os.getpid(), signal.SIGINT)  # reaches its handler once the move is done
 
     monkeypatch.setattr(type(opt), "_place", place_then_interrupt)
@@ -371,8 +376,9 @@ def test_ctrl_c_at_the_end_of_autos_move_leaves_a_true_choice(monkeypatch):
             train(m, opt)
     finally:
         signal.signal(signal.SIGINT, before)
-    assert opt.offload_fraction == 0.9 and opt.placement_choice["fraction"] == 0.9
-    assert opt._auto.phase == "verify"
+    want = 0.0 if where == "baseline" else 0.9
+    assert opt.offload_fraction == want and opt.placement_choice["fraction"] == want
+    assert opt._auto.phase == ("baseline" if where == "baseline" else "verify")
 
 
 def test_nothing_to_offload_is_said_in_the_choice():
@@ -426,3 +432,28 @@ def test_a_fraction_set_while_auto_measures_ends_it_and_says_so():
     assert opt.placement_choice["fraction"] == 0.25
     train(m, opt, steps=2)
     assert opt.offload_fraction == 0.25  # auto does not come back
+
+
+def test_where_fraction_0_cannot_be_placed_the_prediction_stands_in(monkeypatch):
+    """The baseline moves the state to fraction 0 to measure its step; where that move fails
+    (out of GPU memory, say) the old placement stays, the choice says why, and the chosen
+    fraction is verified against fraction 0's predicted step, bitwise as ever."""
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**14,
+                      offload_fraction="auto")  # fmt: skip
+    real = type(opt).set_offload_fraction
+
+    def no_zero(self, fraction):
+        if fraction == 0.0:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return real(self, fraction)
+
+    monkeypatch.setattr(type(opt), "set_offload_fraction", no_zero)
+    got = train(m, opt)
+    choice = opt.placement_choice
+    assert "out of memory" in choice["baseline_skipped"] and choice["measured_step_ms_at_0"] is None
+    assert choice["measured_step_ms"] > 0 and not opt._auto.active
+    ref_m = model()
+    want = train(ref_m, torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True))
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
