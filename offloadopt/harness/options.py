@@ -9,6 +9,7 @@ filled in when the command runs (``resolve_device``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from dataclasses import dataclass, field, replace
 
@@ -75,7 +76,9 @@ class TrainConfig:
     )
     delay_after: int = 0  # HybridAdamW, overlap "delayed": synchronous steps before the delay
     checkpointing: bool = False  # activation checkpointing per block (recomputed in backward)
-    steps: int = 300  # optimizer steps
+    # optimizer steps; on the tiny preset (seed 0) the held-out loss after 200 steps of its own
+    # schedule is that of 300 (2.316 vs 2.326 nats; 150: 2.390) for two thirds of the time
+    steps: int = 200
     batch_size: int | None = None  # sequences per step; None: RUN_DEFAULTS[preset]
     seq_len: int | None = None  # tokens per sequence; None: the preset's block_size
     lr: float | None = None  # peak learning rate; None: RUN_DEFAULTS[preset]
@@ -92,6 +95,10 @@ class TrainConfig:
     progress: bool = True  # tqdm progress bar on stderr
     parallel: str = "none"  # "fsdp" (FSDP2) or "ddp" under torchrun; "none": one process
     max_gpu_memory: int | None = None  # HybridAdamW: a GPU budget (bytes); it picks the fraction
+    save: str | None = None  # checkpoint file, written at the end and every save_every steps
+    save_every: int = 0  # with save: also every this many steps (0: only at the end)
+    resume: str | None = None  # checkpoint file of an earlier run (same settings) to continue
+    tensorboard: str | None = None  # folder for TensorBoard event files (needs tensorboard)
 
     def resolved(self) -> TrainConfig:
         """A checked copy with every None default filled in.
@@ -189,6 +196,22 @@ class TrainConfig:
                 f"--delay-after: {cfg.delay_after} synchronous steps of --steps {cfg.steps} "
                 "leave none delayed (--overlap delayed would never start)"
             )
+        if cfg.save_every and cfg.save is None:
+            raise UsageError(
+                f"--save-every {cfg.save_every}: how often to write the --save checkpoint, so it "
+                "needs --save PATH"
+            )
+        for flag, value in (("--save", cfg.save), ("--resume", cfg.resume)):
+            if value is not None and cfg.parallel != "none":
+                raise UsageError(
+                    f"{flag} {value}: one process only (not with --{cfg.parallel}; a sharded "
+                    "run saves with torch.distributed.checkpoint)"
+                )
+        if cfg.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+            raise UsageError(
+                f"--tensorboard {cfg.tensorboard}: needs the tensorboard package, which is not "
+                "installed here (pip install tensorboard)"
+            )
         if cfg.warmup_steps > cfg.steps:
             raise UsageError(
                 f"--warmup-steps: {cfg.warmup_steps} is more than --steps {cfg.steps} (the "
@@ -217,6 +240,10 @@ FIELD_CHECKS = {
     "eval_every": checks.positive_int,
     "eval_batches": checks.positive_int,
     "log_every": checks.positive_int,
+    "save": checks.output_file,
+    "save_every": checks.nonneg_int,
+    "resume": checks.input_file,
+    "tensorboard": checks.out_dir,
 }
 
 
@@ -243,6 +270,10 @@ HELP = {
     "eval_every": "held-out evaluation every N steps, and at the last (default: %(default)s)",
     "eval_batches": "batches per held-out evaluation (default: %(default)s)",
     "log_every": "one log line every N steps (default: %(default)s)",
+    "save": "write a checkpoint (model, optimizer state, step, batch sampler, settings) to this file at the end, and every --save-every steps; each write is whole (a temporary file beside it, then a rename)",
+    "save_every": "with --save: also write it every N steps; 0: only at the end (default: %(default)s)",
+    "resume": "continue from a --save checkpoint; the other settings must be the saved run's (log and save options aside), and the losses are then those of an uninterrupted run",
+    "tensorboard": "also write the losses, learning rate and step times as TensorBoard events in this folder (needs tensorboard)",
 }  # fmt: skip
 
 
@@ -255,7 +286,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                "overlap": list(OVERLAPS)}  # fmt: skip
     for name, help_text in HELP.items():
         kwargs = {"choices": choices[name]} if name in choices else {"type": FIELD_CHECKS[name]}
-        metavar = {"metavar": "FILE"} if name == "data" else {}
+        metavar = {"data": "FILE", "save": "PATH", "resume": "PATH", "tensorboard": "DIR"}
+        metavar = {"metavar": metavar[name]} if name in metavar else {}
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, default=getattr(d, name), help=help_text, **kwargs, **metavar)
     a = parser.add_argument
