@@ -112,3 +112,33 @@ def test_tensorboard_without_the_package_is_a_one_line_error(tmp_path, capsys, m
                         lambda name, *a: None if name == "tensorboard" else real(name, *a))  # fmt: skip
     message = _error(capsys, [*ARGS, "--tensorboard", str(tmp_path)])
     assert message.startswith(f"--tensorboard {tmp_path}: needs the tensorboard package")
+
+
+def test_train_logs_through_logging_to_a_callers_handler(capsys):
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("offloadopt.train")
+    logger.addHandler(handler)
+    try:
+        cfg = options.TrainConfig(steps=2, batch_size=2, seq_len=16, eval_batches=1, progress=False)
+        train.train(cfg)
+    finally:
+        logger.removeHandler(handler)
+    assert capsys.readouterr().out == ""  # the caller's handler replaces the stdout one
+    assert records[0].startswith("data: ") and sum(STEP.match(r) is not None for r in records) == 2
+    assert logger.level == logging.NOTSET and logger.handlers == []  # as it was
+
+
+def test_tensorboard_gets_the_losses(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert main([*ARGS, "--tensorboard", str(tmp_path)]) == 0
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("loss/train")]
+    assert steps == list(range(1, 2 * N + 1))
+    assert [e.step for e in events.Scalars("loss/heldout")] == [N, 2 * N]

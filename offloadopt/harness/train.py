@@ -186,15 +186,18 @@ class StdoutHandler(logging.Handler):
 
 @contextlib.contextmanager
 def _logging_to_stdout(main: bool) -> Iterator[None]:
-    """On the main rank, ``log`` at INFO to stdout for the block, unless the caller attached a
-    handler to it; other ranks log nothing of their own (rank 0 speaks for the job)."""
+    """On the main rank, ``log`` to stdout for the block, unless the caller attached a handler
+    to it, at INFO unless the caller set its level; other ranks log only warnings (rank 0
+    speaks for the job)."""
     previous = log.level
     own = [h for h in log.handlers if not isinstance(h, logging.NullHandler)]
     handler = StdoutHandler() if main and not own else None
     if handler is not None:
         log.addHandler(handler)
-    if not own:
-        log.setLevel(logging.INFO if main else logging.WARNING)
+    if not main:
+        log.setLevel(logging.WARNING)
+    elif log.level == logging.NOTSET:  # a level the caller set stays
+        log.setLevel(logging.INFO)
     try:
         yield
     finally:
