@@ -27,9 +27,11 @@ def _run(capsys, argv: list[str]) -> tuple[int, dict[int, tuple[str, str]], dict
     return status, steps, summary
 
 
-@pytest.mark.parametrize("overlap", ["step", "delayed"])
-def test_resume_continues_an_interrupted_run_bit_for_bit(tmp_path, capsys, monkeypatch, overlap):
-    argv = [*ARGS, "--overlap", overlap]
+@pytest.mark.parametrize(
+    "flags", [["--overlap", "step"], ["--overlap", "delayed"], ["--optimizer", "adamw"]], ids=str
+)
+def test_resume_continues_an_interrupted_run_bit_for_bit(tmp_path, capsys, monkeypatch, flags):
+    argv = [*ARGS, *flags]
     status, whole, summary = _run(capsys, argv)
     assert status == 0 and sorted(whole) == list(range(1, 2 * N + 1))
 
