@@ -26,7 +26,9 @@ import gzip
 import json
 import os
 import re
+import sys
 import tempfile
+import warnings
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -436,12 +438,18 @@ def audit(trace_path: str | os.PathLike | None = None, **summarize_kwargs: Any) 
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize()  # earlier GPU work ends before recording: it is not counted
-    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+    prof = torch.profiler.profile(activities=activities, with_stack=True)
+    with quiet_profiler():  # its start-up lines are not the audit's output
+        prof.start()
+    try:
         try:
             yield result
         finally:
             if cuda:
                 torch.cuda.synchronize()  # every copy of the block has ended: the trace holds it
+    finally:
+        with quiet_profiler():
+            prof.stop()
     if dest is None:
         fd, path = tempfile.mkstemp(prefix="offloadopt-audit-", suffix=".json")
         os.close(fd)
@@ -449,7 +457,8 @@ def audit(trace_path: str | os.PathLike | None = None, **summarize_kwargs: Any) 
         folder, name = os.path.split(dest)
         path = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
     try:
-        prof.export_chrome_trace(path)
+        with quiet_profiler():
+            prof.export_chrome_trace(path)
         events = load_trace_events(path)
         if dest is not None:
             os.replace(path, dest)
@@ -457,6 +466,55 @@ def audit(trace_path: str | os.PathLike | None = None, **summarize_kwargs: Any) 
         if os.path.exists(path):
             os.remove(path)
     result.report = summarize(events, **summarize_kwargs)
+
+
+# What torch's profiler writes of its own on the process's stderr (fd 2, from C++) as it
+# starts, stops and exports: kineto's log lines ("STAGE:... ActivityProfilerController.cpp:...]
+# Completed Stage: Warm Up", "USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start",
+# CUPTI's notes). Not the audit's output; any other line is written back.
+PROFILER_NOISE = re.compile(
+    r"^\s*(STAGE:|USDT:)"
+    r"|(ActivityProfiler\w*|SyncActivityProfilerHandler|CuptiActivity\w*|CuptiCallbackApi"
+    r"|output_json|ChromeTraceLogger|kineto\w*|Logger|DeviceProperties)\.cpp:\d+\]"
+)
+# Python warnings from these files, issued while the profiler starts, stops or exports
+_PROFILER_FILES = re.compile(r"torch[/\\](profiler|autograd[/\\]profiler)")
+
+
+@contextlib.contextmanager
+def quiet_profiler() -> Iterator[None]:
+    """Run the block (the profiler's start, stop or export) with stderr's file descriptor
+    captured: the profiler's own lines (:data:`PROFILER_NOISE`) and its Python warnings are
+    dropped, every other line and warning is passed on afterwards (an error still shows)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no stderr to capture: nothing reaches a terminal anyway
+        yield
+        return
+    captured = tempfile.TemporaryFile()
+    try:
+        os.dup2(captured.fileno(), 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                yield
+            finally:
+                with contextlib.suppress(OSError, ValueError):
+                    sys.stderr.flush()
+                os.dup2(saved, 2)
+        captured.seek(0)
+        lines = captured.read().decode("utf-8", errors="replace").splitlines(keepends=True)
+        kept = "".join(line for line in lines if not PROFILER_NOISE.search(line))
+        if kept:
+            sys.stderr.write(kept if kept.endswith("\n") else kept + "\n")
+            sys.stderr.flush()
+        for w in caught:
+            if not _PROFILER_FILES.search(str(w.filename)):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    finally:
+        os.close(saved)
+        captured.close()
 
 
 def _check_trace_path(path: Any) -> None:

@@ -1,8 +1,10 @@
 """Command line: ``offloadopt <command> [options]`` (also ``python -m offloadopt``).
 
 Each command is one entry of ``COMMANDS``: a name, a one-line help, a function that adds its
-options to a parser and a function that runs it on the parsed arguments and returns the exit
-status. Adding a command is one import and one entry.
+options to a parser and the module whose ``run(args)`` runs it on the parsed arguments and
+returns the exit status. The parsers come from ``offloadopt.harness.options``, which does not
+import torch; a command's module (and torch) is imported only when the command runs, so
+``--help`` answers at once. Adding a command is one entry.
 
 Exit status: 0 done; 2 bad input (one ``offloadopt: error: ...`` line, printed before anything
 is built or written); 1 a failure while running (one line; ``OFFLOADOPT_TRACEBACK=1`` re-raises
@@ -14,6 +16,7 @@ log is flushed).
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import signal
@@ -21,28 +24,25 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-from offloadopt.harness import audit_job, bench, train
-from offloadopt.harness.anchors import Unavailable
+from offloadopt.harness import options
 from offloadopt.harness.checks import UsageError
 
-# name -> (help, add_arguments(parser), run(args) -> exit status)
-COMMANDS: dict[
-    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
-] = {
+# name -> (help, add_arguments(parser), the module whose run(args) -> exit status runs it)
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]] = {
     "train": (
         "train a GPT-2 preset on text, one log line per step",
-        train.add_train_args,
-        train.run,
+        options.add_train_args,
+        "offloadopt.harness.train",
     ),
     "bench": (
         "HybridAdamW at several offload fractions beside the anchors: table, JSON and plot",
-        bench.add_bench_args,
-        bench.run,
+        options.add_bench_args,
+        "offloadopt.harness.bench",
     ),
     "audit": (
         "every memcpy of a few training iterations: direction, pinned/pageable, bytes, GB/s",
-        audit_job.add_audit_args,
-        audit_job.run,
+        options.add_audit_args,
+        "offloadopt.harness.audit_job",
     ),
 }
 
@@ -112,13 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (help_text, add_arguments, run) in COMMANDS.items():
+    for name, (help_text, add_arguments, module) in COMMANDS.items():
         p = sub.add_parser(
             name, help=help_text, description=help_text, epilog=EPILOG,
             formatter_class=_Help,
         )  # fmt: skip
         add_arguments(p)
-        p.set_defaults(run=run)
+        p.set_defaults(run_module=module)
     return parser
 
 
@@ -135,6 +135,13 @@ class Terminated(KeyboardInterrupt):
 
 def _terminate(signum: int, frame) -> None:
     raise Terminated()
+
+
+def _unavailable() -> type[Exception]:
+    """``anchors.Unavailable`` (an anchor's package is missing: bad input) once a command has
+    imported it, else an exception nothing raises (importing anchors imports torch)."""
+    anchors = sys.modules.get("offloadopt.harness.anchors")
+    return anchors.Unavailable if anchors is not None else UsageError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -160,8 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        return args.run(args)
-    except (UsageError, Unavailable) as e:
+        run = importlib.import_module(args.run_module).run  # torch is imported here
+        return run(args)
+    except (UsageError, _unavailable()) as e:
         print(f"offloadopt: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except Terminated:

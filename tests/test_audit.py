@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -433,3 +434,36 @@ def test_real_h200_trace():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# --- the profiler's own output stays out of the audit's ------------------------------------------
+
+
+def test_the_profilers_own_lines_are_dropped_and_others_kept(capfd):
+    import warnings
+
+    from offloadopt.audit import quiet_profiler
+
+    noise = (
+        b"STAGE:2026-12-03 08:00:00 1:1 ActivityProfilerController.cpp:312] Completed Stage: Warm Up\n"
+        b"USDT:2026-12-03 08:16:01 10748:10748 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+    )
+    with pytest.warns(UserWarning, match="a real one"):
+        with quiet_profiler():
+            os.write(2, noise + b"RuntimeError: a real error\n")
+            warnings.warn("a real one", UserWarning, stacklevel=1)
+    err = capfd.readouterr().err
+    assert err == "RuntimeError: a real error\n"
+
+
+def test_an_audit_prints_nothing_of_the_profilers(capfd):
+    from offloadopt.audit import PROFILER_NOISE, audit
+
+    with audit() as a:
+        (torch.ones(1000) * 2).sum()
+    captured = capfd.readouterr()
+    assert a.report is not None
+    noise = [
+        line for line in (captured.out + captured.err).splitlines() if PROFILER_NOISE.search(line)
+    ]
+    assert noise == []

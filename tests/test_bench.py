@@ -259,3 +259,22 @@ def test_an_interrupted_run_leaves_the_previous_bench_json_as_it_was(tmp_path):
     run_bench(tiny(tmp_path, fractions=[0.0], kernel=False))  # a finished run: whole, no partial
     assert not (tmp_path / "bench.partial.json").exists()
     assert json.loads((tmp_path / "bench.json").read_text())["results"][0]["name"] == "hybrid:0"
+
+
+def test_the_kernel_row_says_how_it_compares_with_the_hybrid_rows():
+    from offloadopt.harness.gpt import GPT, PRESETS
+    from offloadopt.harness.probes import time_kernel
+
+    shapes = [p.shape for p in GPT(PRESETS["tiny"]).parameters()]
+    kernel = {"name": "fused-kernel-alone", "kind": "kernel", **time_kernel(shapes)}
+    assert kernel["reps"] >= 25 and kernel["params"] == sum(
+        p.numel() for p in GPT(PRESETS["tiny"]).parameters()
+    )
+    assert 0 < kernel["kernel_ms"] <= kernel["kernel_max_ms"]
+    row = {"name": "hybrid:1", "fraction": 1.0, "step_ms": 9.0, "fwd_bwd_ms": 5.0, "opt_ms": 4.0,
+           "peak_gpu_gb": 0.0, "pinned_gb": 0.0, "opt_stats_cpu_update_ms": 1.25, "status": "ok"}  # fmt: skip
+    table = format_table([kernel, row]).splitlines()
+    assert table[1].startswith("fused-kernel-alone") and "ms a step" in table[1]
+    assert table[-1].startswith("kernel vs opt ms: hybrid:1's CPU update took 1.25 ms a step")
+    assert "of its opt ms 4.00" in table[-1]
+    assert not format_table([row])[-1].startswith("kernel vs")  # no kernel row: no note

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from offloadopt.harness.models import transformer_blocks
+from offloadopt.harness.presets import MODES
 
 __all__ = ["Unavailable", "ANCHORS", "megatron_hybrid_optimizer_class"]
 
@@ -101,21 +102,6 @@ def torchao_offload(model: torch.nn.Module, lr: float) -> dict[str, Any]:
     low = next(model.parameters()).dtype != torch.float32
     numerics = "no fp32 master" if low else "same"
     return {"opt": opt, "fraction": 1.0, "kind": "anchor", "numerics": numerics}
-
-
-# The overlap modes the bench runs beside step mode (``offloadopt bench --modes``): the
-# HybridAdamW options of each, and what its weights are compared as (README, "Overlap modes").
-MODES: dict[str, tuple[dict[str, Any], str]] = {
-    "step": ({}, "same"),
-    "backward": (dict(overlap="backward", grads_final=True, wait="module"), "same"),
-    "backward-clip": (dict(overlap="backward", max_grad_norm=1.0, wait="module"),
-                      "clipped in the optimizer (max_grad_norm=1.0)"),
-    # torch's clip_grad_norm_(params, 1.0) after backward: nothing declared, so the updates
-    # wait for step() (README, "Overlap modes")
-    "backward-torch-clip": (dict(overlap="backward", wait="module"),
-                            "clipped by torch (clip_grad_norm_ 1.0)"),
-    "delayed": (dict(overlap="delayed"), "delayed (the weights one step stale)"),
-}  # fmt: skip
 
 
 def hybrid(fraction: float, mode: str = "step", **kwargs):
@@ -335,6 +321,7 @@ def hybrid_fsdp2(fraction: float, **kwargs):
 
 
 # name -> (builder, slow): slow anchors get BenchConfig.slow_steps timed steps.
+# its keys, in order, are presets.ANCHOR_NAMES (what --anchors offers without importing torch)
 ANCHORS: dict[str, tuple[Any, bool]] = {
     "megatron:0": (megatron(0.0, fix_pinning=False, fused_cpu=False), False),
     "megatron:1": (megatron(1.0, fix_pinning=False, fused_cpu=False), True),

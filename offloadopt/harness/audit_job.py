@@ -22,8 +22,13 @@ from offloadopt.harness import anchors, checks
 from offloadopt.harness.checks import UsageError
 from offloadopt.harness.data import get_batch, mock_data
 from offloadopt.harness.gpt import GPT, PRESETS
+from offloadopt.harness.options import (  # noqa: E402, F401 - their old home is here
+    AUDIT_OPTIMIZERS as OPTIMIZERS,
+)
+from offloadopt.harness.options import (
+    resolve_device,
+)
 
-OPTIMIZERS = ("hybrid", "adamw", "megatron", "megatron-pinfix-fused", "torchao")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -89,7 +94,7 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
     data = (
         mock_data(cfg.vocab_size) if args.mock_data else checks.text_data(args.data, args.seq_len)
     )
-    device = torch.device(args.device)
+    device = torch.device(resolve_device(args.device))  # None: cuda if available
     torch.manual_seed(args.seed)
     with device:
         model = GPT(cfg).to(DTYPES[args.dtype])
@@ -142,39 +147,6 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
     if args.json is not None:
         checks.write_atomic(args.json, json.dumps(summary, indent=1, default=str))
     return summary
-
-
-def add_audit_args(p: argparse.ArgumentParser) -> None:
-    """Add the ``audit`` options to ``p``; values are checked as they are parsed."""
-    a = p.add_argument
-    # fmt: off
-    a("--device", type=checks.device, default="cuda" if torch.cuda.is_available() else "cpu",
-      help="cuda, cuda:N or cpu")
-    a("--preset", default="tiny", choices=sorted(PRESETS))
-    a("--dtype", default="bf16", choices=sorted(DTYPES))
-    a("--optimizer", default="hybrid", choices=OPTIMIZERS)
-    a("--offload-fraction", type=checks.fraction, default=1.0, help="for hybrid and megatron")
-    a("--mode", default="step", choices=tuple(anchors.MODES),
-      help="HybridAdamW's overlap mode (backward: grads_final, wait='module'; backward-clip: "
-           "max_grad_norm=1.0; delayed: the delayed update)")
-    a("--no-pin-memory", action="store_true",
-      help="HybridAdamW(pin_memory=False): the pageable path")
-    a("--steps", type=checks.positive_int, default=1, help="audited training iterations")
-    a("--warmup", type=checks.nonneg_int, default=2,
-      help="iterations before the audit (steady state)")
-    a("--batch-size", type=checks.positive_int, default=4, help="sequences per iteration")
-    a("--seq-len", type=checks.positive_int, default=128,
-      help="tokens per sequence, at most the preset's block_size")
-    a("--lr", type=checks.nonneg_float, default=6e-4)
-    a("--seed", type=checks.seed, default=0, help="0 .. 2**63 - 1")
-    a("--mock-data", action="store_true", help="uniform random tokens")
-    a("--data", type=checks.input_file, default=None,
-      help="text file (default: CPython's pydoc topics)")
-    a("--trace", type=checks.chrome_trace_file, default=None,
-      help="also write the Chrome trace to this file (.json or .json.gz)")
-    a("--json", type=checks.output_file, default=None,
-      help="write the full report as JSON to this file")
-    # fmt: on
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,50 +31,24 @@ from offloadopt.harness import anchors, checks, models
 from offloadopt.harness.checks import UsageError
 from offloadopt.harness.data import get_batch, mock_data
 from offloadopt.harness.distributed import Dist, init_from_env, teardown
+from offloadopt.harness.options import (  # noqa: E402, F401 - their old home is here
+    BENCH_FIELD_CHECKS as FIELD_CHECKS,
+)
+from offloadopt.harness.options import (
+    BenchConfig,
+    resolve_device,
+)
 from offloadopt.harness.probes import time_kernel, time_link
 from offloadopt.harness.report import format_table, plot, sweep_summary
 from offloadopt.harness.train import host_rss_nbytes
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # options.DTYPE_NAMES' dtypes
 # HybridAdamW's weights must match the baseline's within the run-to-run variation of training
 # itself: backward on the GPU is not deterministic (flash attention accumulates with atomics),
 # and AdamW turns the tiny grad differences of near-zero grads into lr-sized moves. The
 # benchmark measures that floor by running the baseline twice; a configuration drifts when its
 # RMS relative difference exceeds DRIFT_FACTOR x that floor.
 DRIFT_FACTOR = 3.0
-
-
-@dataclass
-class BenchConfig:
-    preset: str = "gpt2-xl"  # model preset (offloadopt.harness.models.MODEL_PRESETS)
-    device: str = "cuda"  # cuda, or cpu for a smoke test of the harness
-    dtype: str = "bf16"  # model weights: bf16 or fp32
-    batch_size: int = 4  # sequences per step
-    seq_len: int | None = None  # tokens per sequence; None: the preset's longest, at most 1024
-    warmup: int = 3  # untimed steps per configuration
-    steps: int = 10  # timed steps per configuration (medians over these)
-    slow_steps: int = 3  # timed steps for anchors known to take seconds per step
-    lr: float = 6e-4  # AdamW learning rate
-    fractions: list[float] = field(default_factory=lambda: [0.0, 0.1, 0.25, 0.5, 1.0])
-    modes: list[str] = field(default_factory=lambda: ["step"])  # anchors.MODES: each a sweep
-    anchors: list[str] = field(default_factory=lambda: list(anchors.ANCHORS))  # see anchors.ANCHORS
-    kernel: bool = True  # also time torch's fused AdamW kernel alone on the host
-    mock_data: bool = False  # uniform random tokens instead of the real text
-    data: str | None = None  # text file (default: CPython's pydoc topics)
-    seed: int = 0
-    out: str = "bench-out"  # folder for bench.json and bench.png
-    audit: bool = True  # audit one training iteration per configuration (pageable copies)
-    progress: bool = True
-    fsdp: bool = False  # under torchrun: every configuration under FSDP2 across the job's ranks
-
-
-# The check of each BenchConfig field that has one: its --flag's argparse type, and
-# resolved()'s check of a config built in Python.
-FIELD_CHECKS = {
-    "device": checks.device, "batch_size": checks.positive_int, "seq_len": checks.positive_int,
-    "warmup": checks.nonneg_int, "steps": checks.positive_int, "slow_steps": checks.positive_int,
-    "lr": checks.nonneg_float, "data": checks.input_file, "seed": checks.seed, "out": checks.out_dir,
-}  # fmt: skip
 
 
 def resolved(cfg: BenchConfig) -> BenchConfig:
@@ -444,49 +418,14 @@ def merge_ranks(results: list[dict[str, Any]], ranks: Dist, tokens_per_rank: int
     return merged
 
 
-def add_bench_args(p: argparse.ArgumentParser) -> None:
-    """Add the ``bench`` options to ``p``; values are checked as they are parsed."""
-    d, gpu, t = BenchConfig(), torch.cuda.is_available(), FIELD_CHECKS
-    a = p.add_argument
-    # fmt: off
-    a("--preset", default=d.preset if gpu else "tiny", choices=models.MODEL_PRESETS,
-      help="model; hf-* build a transformers model from its config (default: gpt2-xl with a GPU)")
-    a("--device", type=t["device"], default="cuda" if gpu else "cpu",
-      help="cuda, cuda:N or cpu (default: cuda if available)")
-    a("--dtype", default=d.dtype, choices=sorted(DTYPES))
-    a("--batch-size", type=t["batch_size"], default=d.batch_size, help="sequences per step")
-    a("--seq-len", type=t["seq_len"], default=None,
-      help="tokens per sequence (default: the preset's longest, at most 1024)")
-    a("--warmup", type=t["warmup"], default=d.warmup, help="untimed steps per configuration")
-    a("--steps", type=t["steps"], default=d.steps, help="timed steps per configuration")
-    a("--slow-steps", type=t["slow_steps"], default=d.slow_steps, help="timed steps, slow anchors")
-    a("--lr", type=t["lr"], default=d.lr, help="AdamW learning rate, >= 0")
-    a("--fractions", type=checks.fraction, nargs="+", default=d.fractions,
-      help="HybridAdamW offload fractions, each in [0, 1]")
-    a("--modes", nargs="+", default=d.modes, choices=list(anchors.MODES), metavar="MODE",
-      help=f"overlap modes, each a sweep of --fractions beside step mode's (the baseline): any "
-           f"of {list(anchors.MODES)} (backward: grads_final, wait='module'; backward-torch-clip: torch's clip_grad_norm_ 1.0 "
-           "before step(), wait='module'; backward-clip: "
-           "max_grad_norm=1.0)")
-    a("--anchors", nargs="*", default=d.anchors, choices=list(anchors.ANCHORS), metavar="ANCHOR",
-      help=f"any of {sorted(anchors.ANCHORS)}; none: --anchors")
-    a("--no-kernel", action="store_true", help="skip timing the fused kernel alone")
-    a("--no-audit", action="store_true", help="skip the memcpy audit of each configuration")
-    a("--mock-data", action="store_true", help="uniform random tokens")
-    a("--data", type=t["data"], default=None, help="text file (default: CPython's pydoc topics)")
-    a("--seed", type=t["seed"], default=d.seed, help="0 .. 2**63 - 1")
-    a("--out", type=t["out"], default=d.out, help="folder for bench.json and bench.png")
-    a("--no-progress", action="store_true")
-    a("--fsdp", action="store_true",
-      help="under torchrun: every configuration under FSDP2 across the job's ranks; rank 0 "
-           "writes each rank's figures and the job's totals (the kernel timing is skipped)")
-    # fmt: on
-
-
 def run(args: argparse.Namespace) -> int:
     """``offloadopt bench``: 0 when every configuration ran (or was skipped as unavailable),
     1 when one failed; its error is in the table and in bench.json."""
     given = {k: v for k, v in vars(args).items() if k in BenchConfig.__dataclass_fields__}
+    # the defaults that depend on the machine (None in the parser, which does not import torch)
+    given["device"] = resolve_device(args.device)
+    if args.preset is None:
+        given["preset"] = "gpt2-xl" if torch.cuda.is_available() else "tiny"
     cfg = BenchConfig(**given, kernel=not args.no_kernel, audit=not args.no_audit,
                       progress=not args.no_progress)  # fmt: skip
     try:

@@ -18,11 +18,13 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    from offloadopt.harness.data import TokenData
 
-from offloadopt.harness.data import TokenData, load_text, min_text_bytes
+# Nothing here imports torch at import time: the commands' parsers use these checks, and
+# ``offloadopt --help`` must not wait for torch.
 
 __all__ = ["UsageError", "check", "positive_int", "nonneg_int", "seed", "fraction"]
 __all__ += ["nonneg_float", "device", "input_file", "out_dir", "output_file", "text_data"]
@@ -149,6 +151,8 @@ def device(value: Any) -> str:
     ``torch.device`` parses the text; any other type (``meta``, ``mps``...), a text it does
     not parse (``CUDA``) or a CUDA device this machine lacks is a ``UsageError``.
     """
+    import torch
+
     allowed = "cpu, cuda or cuda:N"
     text = str(value) if isinstance(value, torch.device) else value
     try:
@@ -242,6 +246,8 @@ def text_data(path: str | None, seq_len: int) -> TokenData:
     Raises ``UsageError`` naming ``--data``: a missing, unreadable or empty file, or one too
     short for ``seq_len`` (the message gives the size needed).
     """
+    from offloadopt.harness.data import load_text, min_text_bytes
+
     name = "--data: " + ("pydoc_data.topics" if path is None else repr(str(path)))
     try:
         data = load_text(path)

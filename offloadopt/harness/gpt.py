@@ -11,49 +11,13 @@ Follows karpathy/nanoGPT ``model.py`` and OpenAI's GPT-2 ``model.py``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-
-@dataclass(frozen=True)
-class GPTConfig:
-    n_layer: int = 4  # transformer blocks
-    n_head: int = 4  # attention heads per block; must divide n_embd
-    n_embd: int = 128  # model width d (residual stream size)
-    vocab_size: int = 256  # token ids are in [0, vocab_size); 256 = raw bytes
-    block_size: int = 128  # longest sequence, in tokens (rows of the position table)
-
-    def num_params(self) -> int:
-        """Parameter count from the config alone (tied head counted once, positions included).
-
-        Per block: 12 d^2 (attention 4 d^2, MLP 8 d^2) + 13 d (biases and two LayerNorms).
-        """
-        d = self.n_embd
-        per_block = 12 * d * d + 13 * d
-        return self.vocab_size * d + self.block_size * d + self.n_layer * per_block + 2 * d
-
-
-PRESETS: dict[str, GPTConfig] = {
-    # byte vocabulary, sized so `python -m offloadopt train` finishes in ~1 min on 2 CPU cores
-    "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=128),
-    # byte vocabulary, a few times bigger: a quick GPU run, or a patient CPU run
-    "small": GPTConfig(n_layer=6, n_head=6, n_embd=384, vocab_size=256, block_size=256),
-    # GPT-2 sizes keep the 50304 vocabulary (50257 padded to a multiple of 64) so figures compare
-    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024),
-    "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024, vocab_size=50304, block_size=1024),
-    "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280, vocab_size=50304, block_size=1024),
-    "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600, vocab_size=50304, block_size=1024),
-    # Width 4096 (32 heads of 128), byte vocabulary: the largest models one GPU trains with the
-    # host's memory (README, "The largest model"); 201.4e6 params per block.
-    "gpt-9b": GPTConfig(n_layer=45, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
-    "gpt-13b": GPTConfig(n_layer=64, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
-    "gpt-17.5b": GPTConfig(n_layer=87, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
-    "gpt-18b": GPTConfig(n_layer=89, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
-}
+from offloadopt.harness.presets import PRESETS, GPTConfig  # noqa: F401 - their old home
 
 
 class CausalSelfAttention(nn.Module):

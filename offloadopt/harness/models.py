@@ -11,37 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offloadopt.harness.gpt import GPT, PRESETS
+from offloadopt.harness.gpt import GPT
+from offloadopt.harness.presets import HF_PRESETS, MODEL_PRESETS, PRESETS
 
-_GPT2 = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # GPT2Config's default is 0.1
-# name -> (transformers config class, its arguments)
-# fmt: off
-HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    # the "gpt2-xl" preset's shape as transformers writes GPT-2: 1.56e9 params, tied head
-    "hf-gpt2-xl": ("GPT2Config", dict(n_layer=48, n_embd=1600, n_head=25, vocab_size=50304,
-                                      n_positions=1024, **_GPT2)),
-    # TinyLlama-1.1B's shape: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head
-    "hf-llama-1b": ("LlamaConfig", dict(hidden_size=2048, num_hidden_layers=22,
-                                        num_attention_heads=32, num_key_value_heads=4,
-                                        intermediate_size=5632, vocab_size=32000,
-                                        max_position_embeddings=2048)),
-    # byte vocabularies, for the CPU tests
-    "hf-gpt2-tiny": ("GPT2Config", dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256,
-                                        n_positions=128, bos_token_id=None, eos_token_id=None,
-                                        **_GPT2)),
-    "hf-llama-tiny": ("LlamaConfig", dict(hidden_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2,
-                                          intermediate_size=176, vocab_size=256,
-                                          max_position_embeddings=128)),
-}
-# fmt: on
-MODEL_PRESETS: list[str] = [*PRESETS, *HF_PRESETS]
 # where each model family keeps its list of transformer blocks
 _BLOCK_PATHS = ("transformer.h", "model.layers")  # GPT and transformers' GPT-2; Llama
 

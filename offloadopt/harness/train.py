@@ -1,10 +1,13 @@
 """The main job: train a GPT-2 preset on real text and show what the optimizer costs.
 
 ``python -m offloadopt train`` (no options) trains the tiny preset on CPython's pydoc text
-on the CPU in about a minute and ends with a held-out loss well below the text's byte unigram
-entropy, the sign that the optimizer really trains. Per logged step it prints one fixed-width
-line (loss, held-out loss, step time, tokens/s, GPU peak memory, host RSS, optimizer pinned
-memory), shows a progress bar on stderr, and ends with one JSON line.
+on the CPU for 200 steps (under a minute on 2 quiet cores) and ends with a held-out loss well
+below the text's byte unigram entropy (about 2.3 nats against 3.26), the sign that the
+optimizer really trains. It logs through ``logging`` (logger ``offloadopt.train``, to stdout
+by default): per logged step one fixed-width line (loss, held-out loss, step time, tokens/s,
+GPU peak memory, host RSS, optimizer pinned memory); it shows a progress bar on stderr and
+ends with one JSON line on stdout. ``--save`` / ``--resume`` checkpoint and continue a run,
+``--tensorboard DIR`` also writes TensorBoard events.
 
 ``make_model_and_optimizer`` and ``train_step`` are the pieces a benchmark reuses.
 """
@@ -12,13 +15,16 @@ memory), shows a progress bar on stderr, and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import asdict, replace
 
 import torch
 from tqdm import tqdm
@@ -30,194 +36,20 @@ from offloadopt.harness.data import TokenData, get_batch, mock_data
 from offloadopt.harness.distributed import Dist, init_from_env, shard_fsdp, teardown, wrap_ddp
 from offloadopt.harness.gpt import GPT, PRESETS
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-OPTIMIZERS = ("hybrid", "adamw")
-# The modes the main job offers: step and delayed clip with torch's clip_grad_norm_; backward
-# clips through the optimizer (max_grad_norm), or declares grads final with --grad-clip 0.
-OVERLAPS = ("step", "backward", "delayed")
-PARALLELS = ("none", "fsdp", "ddp")  # under torchrun: FSDP2 (fully_shard per block) or DDP
+# the configuration and its options live in options.py (no torch: --help starts at once)
+from offloadopt.harness.options import (  # noqa: E402, F401 - their old home is here
+    FIELD_CHECKS,
+    HELP,
+    OPTIMIZERS,
+    OVERLAPS,
+    PARALLELS,
+    RUN_DEFAULTS,
+    TrainConfig,
+    add_train_args,
+    config_from_args,
+)
 
-# Per-preset (batch_size, peak lr) used when --batch-size / --lr are not given. The GPT-2
-# learning rates are GPT-3's for those sizes (Brown et al. 2020, table 2.1); the GPT-2 batch
-# sizes fit one 141 GB H200 in bf16 at 1024 tokens (benchmarks/RESULTS.md uses 4 x 1024 for xl).
-RUN_DEFAULTS: dict[str, tuple[int, float]] = {
-    "tiny": (16, 3e-3),
-    "small": (32, 1e-3),
-    "gpt2": (8, 6e-4),
-    "gpt2-medium": (8, 3e-4),
-    "gpt2-large": (4, 2.5e-4),
-    "gpt2-xl": (4, 2e-4),
-    # width 4096, one sequence a step (activation checkpointing): Adam's first steps move every
-    # weight by about lr at once, and on the GPU host (2026-12-01, 10 warm-up steps) 1e-4 and
-    # 2e-5 spiked gpt-17.5b's loss from 6.2 to 31 and 21 at step 2, 6e-6 gpt-9b's to 9.2 at
-    # step 6; at 2e-6 gpt-9b's fell from 5.2 to 3.9 in 20 steps
-    "gpt-9b": (1, 2e-6),
-    "gpt-13b": (1, 2e-6),
-    "gpt-17.5b": (1, 2e-6),
-    "gpt-18b": (1, 2e-6),
-}
-
-
-@dataclass
-class TrainConfig:
-    device: str = "cpu"  # "cpu" or "cuda" (or "cuda:N")
-    preset: str = "tiny"  # a key of gpt.PRESETS
-    optimizer: str = "hybrid"  # "hybrid" (HybridAdamW) or "adamw" (torch.optim.AdamW(fused=True))
-    offload_fraction: float | str = (
-        1.0  # HybridAdamW: host share of optimizer-state bytes, or "auto"
-    )
-    min_offload_numel: int = 4096  # HybridAdamW: params with fewer elements stay on the device
-    overlap: str = (
-        "step"  # HybridAdamW: "step", "backward" (updates start in backward) or "delayed"
-    )
-    release_grads: bool = (
-        False  # HybridAdamW, overlap "backward": free offloaded grads as they land
-    )
-    delay_after: int = 0  # HybridAdamW, overlap "delayed": synchronous steps before the delay
-    checkpointing: bool = False  # activation checkpointing per block (recomputed in backward)
-    steps: int = 300  # optimizer steps
-    batch_size: int | None = None  # sequences per step; None: RUN_DEFAULTS[preset]
-    seq_len: int | None = None  # tokens per sequence; None: the preset's block_size
-    lr: float | None = None  # peak learning rate; None: RUN_DEFAULTS[preset]
-    warmup_steps: int | None = None  # linear warm-up steps, then cosine to lr/10; None: steps/20
-    weight_decay: float = 0.1  # AdamW decoupled weight decay, applied to every param
-    grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
-    seed: int = 0  # seeds the model init and the batch sampler
-    dtype: str | None = None  # "fp32" or "bf16" model params; None: fp32 on CPU, bf16 on CUDA
-    data: str | None = None  # text file read as bytes; None: CPython's pydoc_data.topics
-    mock_data: bool = False  # uniform random tokens instead of text (the loss stays at ln(vocab))
-    eval_every: int = 100  # held-out evaluation every this many steps (and at the last step)
-    eval_batches: int = 8  # batches per held-out evaluation (the same batches every time)
-    log_every: int = 25  # one log line every this many steps (and at the first and last step)
-    progress: bool = True  # tqdm progress bar on stderr
-    parallel: str = "none"  # "fsdp" (FSDP2) or "ddp" under torchrun; "none": one process
-    max_gpu_memory: int | None = None  # HybridAdamW: a GPU budget (bytes); it picks the fraction
-
-    def resolved(self) -> TrainConfig:
-        """A checked copy with every None default filled in.
-
-        Raises:
-            UsageError (a ValueError): a bad setting, named by its ``--flag``; see
-                ``FIELD_CHECKS`` and, across fields, ``seq_len`` <= the preset's block_size.
-        """
-        for name, choices in (("preset", PRESETS), ("optimizer", OPTIMIZERS), ("dtype", DTYPES),
-                              ("overlap", OVERLAPS), ("parallel", PARALLELS)):  # fmt: skip
-            value = getattr(self, name)
-            known = isinstance(value, str) and value in choices
-            if not known and not (name == "dtype" and value is None):
-                raise UsageError(f"--{name}: {value!r} is not one of {', '.join(choices)}")
-        checked = {
-            name: checks.check(f"--{name.replace('_', '-')}", getattr(self, name), check)
-            for name, check in FIELD_CHECKS.items()
-            if getattr(self, name) is not None
-        }
-        cfg = replace(self, **checked)
-        batch, lr = RUN_DEFAULTS[cfg.preset]
-        block_size = PRESETS[cfg.preset].block_size
-        cfg = replace(
-            cfg,
-            dtype=cfg.dtype or ("bf16" if torch.device(cfg.device).type == "cuda" else "fp32"),
-            batch_size=batch if cfg.batch_size is None else cfg.batch_size,
-            seq_len=block_size if cfg.seq_len is None else cfg.seq_len,
-            lr=lr if cfg.lr is None else cfg.lr,
-            warmup_steps=cfg.steps // 20 if cfg.warmup_steps is None else cfg.warmup_steps,
-        )
-        if cfg.max_gpu_memory is not None and cfg.offload_fraction not in ("auto", 1.0):
-            raise UsageError(
-                f"--offload-fraction {cfg.offload_fraction:g} with --max-gpu-memory: the budget "
-                "chooses the fraction; give one, or --offload-fraction auto"
-            )
-        if cfg.max_gpu_memory is not None and cfg.optimizer != "hybrid":
-            raise UsageError(
-                f"--max-gpu-memory: HybridAdamW's option; --optimizer {cfg.optimizer} keeps "
-                "everything on the device"
-            )
-        if cfg.delay_after and cfg.overlap != "delayed":
-            raise UsageError(
-                f"--delay-after: the synchronous steps before the delayed update, so it needs "
-                f"--overlap delayed (not {cfg.overlap!r})"
-            )
-        if cfg.release_grads and cfg.overlap != "backward":
-            raise UsageError(
-                f"--release-grads: frees grads during backward, so it needs --overlap backward "
-                f"(not {cfg.overlap!r})"
-            )
-        if cfg.offload_fraction == "auto" and cfg.optimizer != "hybrid":
-            raise UsageError(
-                f"--offload-fraction auto: HybridAdamW's option; --optimizer {cfg.optimizer} "
-                "keeps everything on the device"
-            )
-        if cfg.offload_fraction == "auto" and cfg.overlap == "delayed" and not cfg.max_gpu_memory:
-            raise UsageError(  # HybridAdamW refuses it too, but only once the data is loaded
-                "--offload-fraction auto with --overlap delayed: the fraction decides which "
-                "params train on weights one step old, so one chosen from timings would make "
-                "the results depend on them; give a number (1.0 is the delayed update's usual "
-                "one), or a --max-gpu-memory budget"
-            )
-        d = TrainConfig()
-        for flag, value, default in (
-            ("--offload-fraction", cfg.offload_fraction, d.offload_fraction),
-            ("--min-offload-numel", cfg.min_offload_numel, d.min_offload_numel),
-        ):
-            if cfg.optimizer != "hybrid" and value != default:
-                raise UsageError(
-                    f"{flag} {value}: HybridAdamW's option; --optimizer {cfg.optimizer} keeps "
-                    "everything on the device (it would be ignored)"
-                )
-        if cfg.overlap != "step" and cfg.optimizer != "hybrid":
-            raise UsageError(
-                f"--overlap: {cfg.overlap!r} is HybridAdamW's mode; --optimizer {cfg.optimizer} "
-                "has only 'step'"
-            )
-        if cfg.parallel != "none" and "WORLD_SIZE" not in os.environ:
-            raise UsageError(
-                f"--{cfg.parallel}: run under torchrun (torchrun --nproc-per-node N -m offloadopt "
-                f"train --{cfg.parallel}); WORLD_SIZE is not set"
-            )
-        if cfg.seq_len > block_size:
-            raise UsageError(
-                f"--seq-len: {cfg.seq_len} is more than the {cfg.preset} preset's block_size "
-                f"{block_size}"
-            )
-        if cfg.mock_data and cfg.data is not None:
-            raise UsageError(
-                f"--mock-data with --data {cfg.data}: random tokens replace the text (the file "
-                "would be ignored); give one"
-            )
-        if cfg.delay_after >= cfg.steps and cfg.overlap == "delayed":
-            raise UsageError(
-                f"--delay-after: {cfg.delay_after} synchronous steps of --steps {cfg.steps} "
-                "leave none delayed (--overlap delayed would never start)"
-            )
-        if cfg.warmup_steps > cfg.steps:
-            raise UsageError(
-                f"--warmup-steps: {cfg.warmup_steps} is more than --steps {cfg.steps} (the "
-                "warm-up would never reach the peak --lr)"
-            )
-        return cfg
-
-
-# The check of each TrainConfig field that has one: the --flag's argparse type, and
-# TrainConfig.resolved()'s check of the values a Python caller gives.
-FIELD_CHECKS = {
-    "device": checks.device,
-    "offload_fraction": checks.fraction_or_auto,
-    "max_gpu_memory": checks.size,
-    "min_offload_numel": checks.nonneg_int,
-    "delay_after": checks.nonneg_int,
-    "steps": checks.positive_int,
-    "batch_size": checks.positive_int,
-    "seq_len": checks.positive_int,
-    "lr": checks.nonneg_float,
-    "warmup_steps": checks.nonneg_int,
-    "weight_decay": checks.nonneg_float,
-    "grad_clip": checks.nonneg_float,
-    "seed": checks.seed,
-    "data": checks.input_file,
-    "eval_every": checks.positive_int,
-    "eval_batches": checks.positive_int,
-    "log_every": checks.positive_int,
-}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # options.DTYPE_NAMES' dtypes
 
 
 def lr_at(step: int, lr: float, warmup_steps: int, steps: int) -> float:
@@ -334,8 +166,140 @@ def host_rss_nbytes() -> int:
     return 0
 
 
+# The main job's log: one line per logged step and a few lines before the loop. ``train()``
+# writes it to stdout (through tqdm.write, so the progress bar on stderr stays below the lines)
+# unless a handler of the caller's own is attached to this logger; records also propagate.
+log = logging.getLogger("offloadopt.train")
+
+
+class StdoutHandler(logging.Handler):
+    """Each record's message as one line on the current ``sys.stdout``, flushed at once (a
+    log redirected to a file keeps every line if the job is killed)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stdout)
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - logging's own convention
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _logging_to_stdout(main: bool) -> Iterator[None]:
+    """On the main rank, ``log`` to stdout for the block, unless the caller attached a handler
+    to it, at INFO unless the caller set its level; other ranks log only warnings (rank 0
+    speaks for the job)."""
+    previous = log.level
+    own = [h for h in log.handlers if not isinstance(h, logging.NullHandler)]
+    handler = StdoutHandler() if main and not own else None
+    if handler is not None:
+        log.addHandler(handler)
+    if not main:
+        log.setLevel(logging.WARNING)
+    elif log.level == logging.NOTSET:  # a level the caller set stays
+        log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        if handler is not None:
+            log.removeHandler(handler)
+        log.setLevel(previous)
+
+
+# --- checkpoints of the main job (--save, --resume) ---------------------------------------------
+
+CHECKPOINT_FORMAT = "offloadopt-train-checkpoint"
+CHECKPOINT_VERSION = 1
+# The TrainConfig fields a resumed run may change: where and how often it logs and saves.
+# Every other field must be the saved run's (they decide the losses).
+RESUME_MAY_CHANGE = ("progress", "eval_every", "eval_batches", "log_every", "save",
+                     "save_every", "resume", "tensorboard")  # fmt: skip
+
+
+def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: torch.Generator,
+                    first_loss: float) -> None:  # fmt: skip
+    """Write the run's state after ``step`` to ``path`` whole: ``torch.save`` into a temporary
+    file in the same folder, flushed to disk, then ``os.replace``, so an interrupt (Ctrl-C,
+    SIGTERM, a full disk) leaves either the previous checkpoint or the new one, never half a file.
+
+    Holds the model's ``state_dict``, the optimizer's (after ``synchronize()`` in delayed mode),
+    ``step``, the batch sampler's generator state, torch's global RNG state, the resolved config
+    (a dict) and the first step's loss (for the summary).
+    """
+    if hasattr(opt, "synchronize"):
+        opt.synchronize()  # delayed: the masters and moments of every step taken
+    payload = {
+        "format": CHECKPOINT_FORMAT,
+        "version": CHECKPOINT_VERSION,
+        "step": step,
+        "config": asdict(cfg),
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "generator": gen.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "first_train_loss": first_loss,
+        "torch": str(torch.__version__),
+    }
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                       f".{os.path.basename(path)}.{os.getpid()}.tmp")  # fmt: skip
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def load_checkpoint(path: str, cfg: TrainConfig) -> dict:
+    """The checkpoint at ``path`` (tensors on the CPU), checked against the resolved ``cfg``.
+
+    Raises ``UsageError`` naming ``--resume`` and the file: not a checkpoint of this command
+    (unreadable, another kind of file), one of another preset or with other settings (each
+    differing ``--flag`` with both values), or one already at ``cfg.steps``.
+    """
+    name = f"--resume: {path!r}"
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as e:
+        raise UsageError(f"{name}: {e.strerror or e}") from None
+    except Exception as e:  # noqa: BLE001 - whatever torch.load makes of a file that is not one
+        raise UsageError(
+            f"{name} is not a checkpoint of offloadopt train (--save writes one; "
+            f"torch.load: {type(e).__name__})"
+        ) from None
+    if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT:
+        raise UsageError(f"{name} is not a checkpoint of offloadopt train (--save writes one)")
+    if ck.get("version") != CHECKPOINT_VERSION:
+        raise UsageError(f"{name}: checkpoint version {ck.get('version')!r}, this offloadopt "
+                         f"reads {CHECKPOINT_VERSION}")  # fmt: skip
+    saved = ck["config"]
+    if saved.get("preset") != cfg.preset:
+        raise UsageError(f"{name} is a checkpoint of preset {saved.get('preset')!r}, not "
+                         f"{cfg.preset!r} (--preset)")  # fmt: skip
+    ours = asdict(cfg)
+    differ = [f"--{k.replace('_', '-')} {saved.get(k)!r} there, {v!r} here"
+              for k, v in ours.items() if k not in RESUME_MAY_CHANGE and saved.get(k) != v]  # fmt: skip
+    if differ:
+        raise UsageError(f"{name} was saved with other settings: {'; '.join(differ)} (a resumed "
+                         "run takes the saved run's, to continue its losses exactly)")  # fmt: skip
+    if ck["step"] >= cfg.steps:
+        raise UsageError(f"{name} is at step {ck['step']} of --steps {cfg.steps}: nothing left")
+    return ck
+
+
 def train(cfg: TrainConfig) -> dict:
     """Train, log, and return the summary that is printed as the last (JSON) line.
+
+    Logs through ``logging.getLogger("offloadopt.train")`` (to stdout unless a handler of the
+    caller's is attached to it): a few lines first, then one fixed-width line per logged step.
+    With ``cfg.save`` the run's checkpoint is written at the end and every ``cfg.save_every``
+    steps; with ``cfg.resume`` it continues from one (see :func:`load_checkpoint`), its losses
+    bit for bit those of an uninterrupted run. With ``cfg.tensorboard`` the losses, learning
+    rate and step times also go to TensorBoard event files there.
 
     Step times bracket the batch fetch and ``train_step`` with ``torch.cuda.synchronize()`` on
     CUDA. Memory figures are in GB = 1e9 bytes.
@@ -344,16 +308,22 @@ def train(cfg: TrainConfig) -> dict:
     ranks = init_from_env(cfg.device) if cfg.parallel != "none" else Dist()
     if ranks.initialized and torch.device(cfg.device).type == "cuda":
         cfg = replace(cfg, device=f"cuda:{ranks.local_rank}")  # this rank's GPU
+    with _logging_to_stdout(ranks.main):
+        return _train(cfg, ranks)
+
+
+def _train(cfg: TrainConfig, ranks: Dist) -> dict:
     device = torch.device(cfg.device)
     cuda = device.type == "cuda"
-    say = print if ranks.main else (lambda *a, **k: None)  # rank 0 speaks for the job
-    # the data before the model: a missing or short file fails in a second, not after a build
+    # the checkpoint and the data before the model: bad input fails in a second, not after a build
+    resume = load_checkpoint(cfg.resume, cfg) if cfg.resume is not None else None
     if cfg.mock_data:
         data = mock_data(PRESETS[cfg.preset].vocab_size)
     else:
         data = checks.text_data(cfg.data, cfg.seq_len)
-    say(f"data: {data.description}")
-    say(f"data: byte unigram entropy {data.entropy_nats:.4f} nats (held-out loss should end below)")
+    log.info(f"data: {data.description}")
+    log.info(f"data: byte unigram entropy {data.entropy_nats:.4f} nats (held-out loss should "
+             "end below)")  # fmt: skip
 
     model, opt = make_model_and_optimizer(cfg)
     n_params = getattr(model, "module", model).num_params()  # DDP wraps; FSDP2 does not
@@ -363,7 +333,7 @@ def train(cfg: TrainConfig) -> dict:
         if not ranks.initialized
         else f"{device.type} x {ranks.world} ranks ({cfg.parallel})"
     )
-    say(
+    log.info(
         f"model: {cfg.preset}, {n_params / 1e6:.2f}M params, {cfg.dtype} on {on} | "
         f"optimizer: {cfg.optimizer}"
         + (
@@ -382,6 +352,17 @@ def train(cfg: TrainConfig) -> dict:
         + f" | {cfg.steps} steps, lr {cfg.lr:g}"
         + (" | activation checkpointing" if cfg.checkpointing else "")
     )
+    gen = torch.Generator().manual_seed((cfg.seed + 7919 * ranks.rank) % 2**63)  # own batches
+    first_loss = train_loss = val_loss = float("nan")
+    start = 1
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        opt.load_state_dict(resume["optimizer"])
+        gen.set_state(resume["generator"])
+        torch.set_rng_state(resume["torch_rng"])
+        start, first_loss = resume["step"] + 1, resume["first_train_loss"]
+        log.info(f"resumed: {cfg.resume} at step {resume['step']}, continuing at step {start}")
+        del resume
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)  # peak of training, not of building
 
@@ -397,51 +378,68 @@ def train(cfg: TrainConfig) -> dict:
             torch.cuda.synchronize(device)
         return loss_host.item()
 
-    gen = torch.Generator().manual_seed((cfg.seed + 7919 * ranks.rank) % 2**63)  # own batches
+    board = None
+    if cfg.tensorboard is not None and ranks.main:
+        from torch.utils.tensorboard import SummaryWriter  # resolved() checked it is installed
+
+        board = SummaryWriter(cfg.tensorboard)
     step_ms: list[float] = []
-    first_loss = train_loss = val_loss = float("nan")
     gb = 1e9
     t_start = time.perf_counter()
     said_choice = None  # the optimizer's placement choice last printed
-    bar = tqdm(range(1, cfg.steps + 1), desc="train", file=sys.stderr,
-               disable=not (cfg.progress and ranks.main))  # fmt: skip
-    for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps)
-        if cuda:
-            torch.cuda.synchronize(device)  # the timed window starts with an idle GPU
-        t0 = time.perf_counter()
-        x, y = get_batch(data, "train", cfg.batch_size, cfg.seq_len, gen, device)
-        loss = train_step(model, opt, x, y, cfg.grad_clip)
-        if cuda:
-            torch.cuda.synchronize(device)  # the window ends when the step's GPU work is done
-        step_ms.append((time.perf_counter() - t0) * 1e3)
-        train_loss = to_host(loss)
-        if step == 1:
-            first_loss = train_loss
-        evaluated = step % cfg.eval_every == 0 or step == cfg.steps
-        if evaluated:
-            if hasattr(opt, "synchronize"):
-                opt.synchronize()  # delayed: evaluate the newest weights (copied in now)
-            val_loss = to_host(evaluate(model, data, cfg))
-        if ranks.main and (step % cfg.log_every == 0 or step in (1, cfg.steps) or evaluated):
-            peak_gpu = torch.cuda.max_memory_allocated(device) / gb if cuda else 0.0
-            pinned = getattr(opt, "pinned_nbytes", 0) / gb
-            val = f"{val_loss:6.4f}" if evaluated else f"{'-':>6}"
-            tqdm.write(
-                f"step {step:6d}/{cfg.steps} | loss {train_loss:6.4f} | held-out {val} | "
-                f"{step_ms[-1]:8.1f} ms | {tokens_per_step / step_ms[-1] * 1e3:10,.0f} tok/s | "
-                f"gpu {peak_gpu:6.2f} GB | rss {host_rss_nbytes() / gb:6.2f} GB | "
-                f"pinned {pinned:6.2f} GB",
-                file=sys.stdout,
-            )
-            sys.stdout.flush()  # a log redirected to a file keeps every line if the job is killed
-        choice = getattr(opt, "placement_choice", None)
-        if ranks.main and choice is not None and choice != said_choice:
-            said_choice = dict(choice)
-            tqdm.write(describe_choice(choice), file=sys.stdout)
-        bar.set_postfix(loss=f"{train_loss:.3f}", refresh=False)
-    bar.close()
+    bar = tqdm(range(start, cfg.steps + 1), desc="train", file=sys.stderr, initial=start - 1,
+               total=cfg.steps, disable=not (cfg.progress and ranks.main))  # fmt: skip
+    try:
+        for step in bar:
+            lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            if cuda:
+                torch.cuda.synchronize(device)  # the timed window starts with an idle GPU
+            t0 = time.perf_counter()
+            x, y = get_batch(data, "train", cfg.batch_size, cfg.seq_len, gen, device)
+            loss = train_step(model, opt, x, y, cfg.grad_clip)
+            if cuda:
+                torch.cuda.synchronize(device)  # the window ends when the step's GPU work is done
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+            train_loss = to_host(loss)
+            if step == 1:
+                first_loss = train_loss
+            evaluated = step % cfg.eval_every == 0 or step == cfg.steps
+            if evaluated:
+                if hasattr(opt, "synchronize"):
+                    opt.synchronize()  # delayed: evaluate the newest weights (copied in now)
+                val_loss = to_host(evaluate(model, data, cfg))
+            if step % cfg.log_every == 0 or step in (start, cfg.steps) or evaluated:
+                peak_gpu = torch.cuda.max_memory_allocated(device) / gb if cuda else 0.0
+                pinned = getattr(opt, "pinned_nbytes", 0) / gb
+                val = f"{val_loss:6.4f}" if evaluated else f"{'-':>6}"
+                log.info(
+                    f"step {step:6d}/{cfg.steps} | loss {train_loss:6.4f} | held-out {val} | "
+                    f"{step_ms[-1]:8.1f} ms | {tokens_per_step / step_ms[-1] * 1e3:10,.0f} tok/s"
+                    f" | gpu {peak_gpu:6.2f} GB | rss {host_rss_nbytes() / gb:6.2f} GB | "
+                    f"pinned {pinned:6.2f} GB"
+                )
+            if board is not None:
+                board.add_scalar("loss/train", train_loss, step)
+                board.add_scalar("lr", lr, step)
+                board.add_scalar("step_ms", step_ms[-1], step)
+                if evaluated:
+                    board.add_scalar("loss/heldout", val_loss, step)
+            choice = getattr(opt, "placement_choice", None)
+            if choice is not None and choice != said_choice:
+                said_choice = dict(choice)
+                log.info(describe_choice(choice))
+            if cfg.save is not None and (
+                step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)
+            ):
+                save_checkpoint(cfg.save, cfg, step, model, opt, gen, first_loss)
+                log.info(f"saved: {cfg.save} at step {step}")
+            bar.set_postfix(loss=f"{train_loss:.3f}", refresh=False)
+    finally:
+        bar.close()
+        if board is not None:
+            board.close()
 
     timed = step_ms[1:] or step_ms  # the first step pays for lazy state and kernel warm-up
     median_ms = statistics.median(timed)
@@ -535,81 +533,6 @@ def per_rank(opt, summary: dict, ranks: Dist, tokens_per_step: int) -> dict:
         "optimizer_host_gb": sum(r["host_state_nbytes"] for r in everyone) / 1e9,
         "optimizer_pinned_gb": sum(r["pinned_nbytes"] for r in everyone) / 1e9,
     }
-
-
-# --flag help, one per TrainConfig field; a field's type check is FIELD_CHECKS'
-HELP = {
-    "device": "cpu, cuda or cuda:N (default: %(default)s)",
-    "preset": "model size (default: %(default)s)",
-    "optimizer": "hybrid: HybridAdamW; adamw: torch.optim.AdamW(fused=True) (default: %(default)s)",
-    "offload_fraction": "HybridAdamW: share of optimizer-state bytes on the host, 0..1, or auto: measured in the first steps and chosen (default: %(default)s)",
-    "min_offload_numel": "HybridAdamW: params with fewer elements stay on the device (default: %(default)s)",
-    "max_gpu_memory": "HybridAdamW: a GPU budget, bytes or 120GB / 112GiB; it picks the smallest fraction that fits, at the first step (with --offload-fraction auto: measured too)",
-    "overlap": "HybridAdamW: step; backward: updates start during backward (clipping through the optimizer; --grad-clip 0: none, grads final); or delayed: the update runs during the next forward and backward, which read weights one step old (default: %(default)s)",
-    "delay_after": "HybridAdamW, --overlap delayed: synchronous steps before the delay begins, as ZeRO-Offload does (default: %(default)s)",
-    "steps": "optimizer steps (default: %(default)s)",
-    "batch_size": "sequences per step (default: per preset, 16 for tiny)",
-    "seq_len": "tokens per sequence (default: the preset's block_size)",
-    "lr": "peak learning rate (default: per preset, 3e-3 for tiny)",
-    "warmup_steps": "linear warm-up steps before cosine decay to lr/10 (default: steps/20)",
-    "weight_decay": "AdamW weight decay (default: %(default)s)",
-    "grad_clip": "max global grad norm, 0 = off (default: %(default)s)",
-    "seed": "seed of model init and batches, 0 .. 2**63 - 1 (default: %(default)s)",
-    "dtype": "model param dtype (default: fp32 on cpu, bf16 on cuda)",
-    "data": "text file, read as bytes (default: CPython's pydoc_data.topics)",
-    "eval_every": "held-out evaluation every N steps, and at the last (default: %(default)s)",
-    "eval_batches": "batches per held-out evaluation (default: %(default)s)",
-    "log_every": "one log line every N steps (default: %(default)s)",
-}  # fmt: skip
-
-
-def add_train_args(parser: argparse.ArgumentParser) -> None:
-    """Add the ``train`` options (``--kebab-case``, one per TrainConfig field) to ``parser``;
-    each value is checked as it is parsed (``FIELD_CHECKS``), so a bad one is argparse's
-    one-line error."""
-    d = TrainConfig()
-    choices = {"preset": list(PRESETS), "optimizer": list(OPTIMIZERS), "dtype": list(DTYPES),
-               "overlap": list(OVERLAPS)}  # fmt: skip
-    for name, help_text in HELP.items():
-        kwargs = {"choices": choices[name]} if name in choices else {"type": FIELD_CHECKS[name]}
-        metavar = {"metavar": "FILE"} if name == "data" else {}
-        flag = "--" + name.replace("_", "-")
-        parser.add_argument(flag, default=getattr(d, name), help=help_text, **kwargs, **metavar)
-    a = parser.add_argument
-    a("--mock-data", action="store_true", help="uniform random tokens: loss stays at ln(vocab)")
-    a(
-        "--checkpointing",
-        action="store_true",
-        help="activation checkpointing per block: activations are recomputed in backward",
-    )
-    a(
-        "--release-grads",
-        action="store_true",
-        help="HybridAdamW, --overlap backward: free each offloaded grad once its copy lands on the host",
-    )
-    a("--no-progress", action="store_true", help="no tqdm progress bar on stderr")
-    par = parser.add_mutually_exclusive_group()
-    par.add_argument(
-        "--fsdp",
-        dest="parallel",
-        action="store_const",
-        const="fsdp",
-        help="under torchrun: FSDP2 (fully_shard per block); the optimizer updates each rank's shard",
-    )
-    par.add_argument(
-        "--ddp",
-        dest="parallel",
-        action="store_const",
-        const="ddp",
-        help="under torchrun: DDP; each rank keeps the whole optimizer state",
-    )
-    parser.set_defaults(parallel="none")
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig of parsed ``add_train_args`` options."""
-    fields = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
-    return TrainConfig(**fields, progress=not args.no_progress)
 
 
 def run(args: argparse.Namespace) -> int:

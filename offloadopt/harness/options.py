@@ -1,0 +1,441 @@
+"""The commands' configs and options, without importing torch: ``offloadopt --help`` builds
+every parser from here, so it starts at once. What runs a command (``train``, ``bench``,
+``audit_job``) imports torch when it runs, and imports these names back.
+
+A default that depends on the machine (``--device``: cuda if torch sees one) is None here and
+filled in when the command runs (``resolve_device``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from dataclasses import dataclass, field, replace
+
+from offloadopt.harness import checks
+from offloadopt.harness.checks import UsageError
+from offloadopt.harness.presets import ANCHOR_NAMES, MODEL_PRESETS, MODES, PRESETS
+
+DTYPE_NAMES = ("fp32", "bf16")  # the model dtypes the commands take (torch.float32, bfloat16)
+
+
+def resolve_device(device: str | None) -> str:
+    """``device``, or when None: ``"cuda"`` if torch sees a CUDA device here, else ``"cpu"``
+    (imports torch)."""
+    if device is not None:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# --- train --------------------------------------------------------------------------------------
+
+OPTIMIZERS = ("hybrid", "adamw")
+# The modes the main job offers: step and delayed clip with torch's clip_grad_norm_; backward
+# clips through the optimizer (max_grad_norm), or declares grads final with --grad-clip 0.
+OVERLAPS = ("step", "backward", "delayed")
+PARALLELS = ("none", "fsdp", "ddp")  # under torchrun: FSDP2 (fully_shard per block) or DDP
+
+# Per-preset (batch_size, peak lr) used when --batch-size / --lr are not given. The GPT-2
+# learning rates are GPT-3's for those sizes (Brown et al. 2020, table 2.1); the GPT-2 batch
+# sizes fit one 141 GB H200 in bf16 at 1024 tokens (benchmarks/RESULTS.md uses 4 x 1024 for xl).
+RUN_DEFAULTS: dict[str, tuple[int, float]] = {
+    "tiny": (16, 3e-3),
+    "small": (32, 1e-3),
+    "gpt2": (8, 6e-4),
+    "gpt2-medium": (8, 3e-4),
+    "gpt2-large": (4, 2.5e-4),
+    "gpt2-xl": (4, 2e-4),
+    # width 4096, one sequence a step (activation checkpointing): Adam's first steps move every
+    # weight by about lr at once, and on the GPU host (2026-12-01, 10 warm-up steps) 1e-4 and
+    # 2e-5 spiked gpt-17.5b's loss from 6.2 to 31 and 21 at step 2, 6e-6 gpt-9b's to 9.2 at
+    # step 6; at 2e-6 gpt-9b's fell from 5.2 to 3.9 in 20 steps
+    "gpt-9b": (1, 2e-6),
+    "gpt-13b": (1, 2e-6),
+    "gpt-17.5b": (1, 2e-6),
+    "gpt-18b": (1, 2e-6),
+}
+
+
+@dataclass
+class TrainConfig:
+    device: str = "cpu"  # "cpu" or "cuda" (or "cuda:N")
+    preset: str = "tiny"  # a key of gpt.PRESETS
+    optimizer: str = "hybrid"  # "hybrid" (HybridAdamW) or "adamw" (torch.optim.AdamW(fused=True))
+    offload_fraction: float | str = (
+        1.0  # HybridAdamW: host share of optimizer-state bytes, or "auto"
+    )
+    min_offload_numel: int = 4096  # HybridAdamW: params with fewer elements stay on the device
+    overlap: str = (
+        "step"  # HybridAdamW: "step", "backward" (updates start in backward) or "delayed"
+    )
+    release_grads: bool = (
+        False  # HybridAdamW, overlap "backward": free offloaded grads as they land
+    )
+    delay_after: int = 0  # HybridAdamW, overlap "delayed": synchronous steps before the delay
+    checkpointing: bool = False  # activation checkpointing per block (recomputed in backward)
+    # optimizer steps; on the tiny preset (seed 0) the held-out loss after 200 steps of its own
+    # schedule is that of 300 (2.316 vs 2.326 nats; 150: 2.390) for two thirds of the time
+    steps: int = 200
+    batch_size: int | None = None  # sequences per step; None: RUN_DEFAULTS[preset]
+    seq_len: int | None = None  # tokens per sequence; None: the preset's block_size
+    lr: float | None = None  # peak learning rate; None: RUN_DEFAULTS[preset]
+    warmup_steps: int | None = None  # linear warm-up steps, then cosine to lr/10; None: steps/20
+    weight_decay: float = 0.1  # AdamW decoupled weight decay, applied to every param
+    grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
+    seed: int = 0  # seeds the model init and the batch sampler
+    dtype: str | None = None  # "fp32" or "bf16" model params; None: fp32 on CPU, bf16 on CUDA
+    data: str | None = None  # text file read as bytes; None: CPython's pydoc_data.topics
+    mock_data: bool = False  # uniform random tokens instead of text (the loss stays at ln(vocab))
+    eval_every: int = 100  # held-out evaluation every this many steps (and at the last step)
+    eval_batches: int = 8  # batches per held-out evaluation (the same batches every time)
+    log_every: int = 25  # one log line every this many steps (and at the first and last step)
+    progress: bool = True  # tqdm progress bar on stderr
+    parallel: str = "none"  # "fsdp" (FSDP2) or "ddp" under torchrun; "none": one process
+    max_gpu_memory: int | None = None  # HybridAdamW: a GPU budget (bytes); it picks the fraction
+    save: str | None = None  # checkpoint file, written at the end and every save_every steps
+    save_every: int = 0  # with save: also every this many steps (0: only at the end)
+    resume: str | None = None  # checkpoint file of an earlier run (same settings) to continue
+    tensorboard: str | None = None  # folder for TensorBoard event files (needs tensorboard)
+
+    def resolved(self) -> TrainConfig:
+        """A checked copy with every None default filled in.
+
+        Raises:
+            UsageError (a ValueError): a bad setting, named by its ``--flag``; see
+                ``FIELD_CHECKS`` and, across fields, ``seq_len`` <= the preset's block_size.
+        """
+        for name, choices in (("preset", PRESETS), ("optimizer", OPTIMIZERS), ("dtype", DTYPE_NAMES),
+                              ("overlap", OVERLAPS), ("parallel", PARALLELS)):  # fmt: skip
+            value = getattr(self, name)
+            known = isinstance(value, str) and value in choices
+            if not known and not (name == "dtype" and value is None):
+                raise UsageError(f"--{name}: {value!r} is not one of {', '.join(choices)}")
+        checked = {
+            name: checks.check(f"--{name.replace('_', '-')}", getattr(self, name), check)
+            for name, check in FIELD_CHECKS.items()
+            if getattr(self, name) is not None
+        }
+        cfg = replace(self, **checked)
+        batch, lr = RUN_DEFAULTS[cfg.preset]
+        block_size = PRESETS[cfg.preset].block_size
+        cfg = replace(
+            cfg,
+            dtype=cfg.dtype or ("bf16" if cfg.device.startswith("cuda") else "fp32"),
+            batch_size=batch if cfg.batch_size is None else cfg.batch_size,
+            seq_len=block_size if cfg.seq_len is None else cfg.seq_len,
+            lr=lr if cfg.lr is None else cfg.lr,
+            warmup_steps=cfg.steps // 20 if cfg.warmup_steps is None else cfg.warmup_steps,
+        )
+        if cfg.max_gpu_memory is not None and cfg.offload_fraction not in ("auto", 1.0):
+            raise UsageError(
+                f"--offload-fraction {cfg.offload_fraction:g} with --max-gpu-memory: the budget "
+                "chooses the fraction; give one, or --offload-fraction auto"
+            )
+        if cfg.max_gpu_memory is not None and cfg.optimizer != "hybrid":
+            raise UsageError(
+                f"--max-gpu-memory: HybridAdamW's option; --optimizer {cfg.optimizer} keeps "
+                "everything on the device"
+            )
+        if cfg.delay_after and cfg.overlap != "delayed":
+            raise UsageError(
+                f"--delay-after: the synchronous steps before the delayed update, so it needs "
+                f"--overlap delayed (not {cfg.overlap!r})"
+            )
+        if cfg.release_grads and cfg.overlap != "backward":
+            raise UsageError(
+                f"--release-grads: frees grads during backward, so it needs --overlap backward "
+                f"(not {cfg.overlap!r})"
+            )
+        if cfg.offload_fraction == "auto" and cfg.optimizer != "hybrid":
+            raise UsageError(
+                f"--offload-fraction auto: HybridAdamW's option; --optimizer {cfg.optimizer} "
+                "keeps everything on the device"
+            )
+        if cfg.offload_fraction == "auto" and cfg.overlap == "delayed" and not cfg.max_gpu_memory:
+            raise UsageError(  # HybridAdamW refuses it too, but only once the data is loaded
+                "--offload-fraction auto with --overlap delayed: the fraction decides which "
+                "params train on weights one step old, so one chosen from timings would make "
+                "the results depend on them; give a number (1.0 is the delayed update's usual "
+                "one), or a --max-gpu-memory budget"
+            )
+        d = TrainConfig()
+        for flag, value, default in (
+            ("--offload-fraction", cfg.offload_fraction, d.offload_fraction),
+            ("--min-offload-numel", cfg.min_offload_numel, d.min_offload_numel),
+        ):
+            if cfg.optimizer != "hybrid" and value != default:
+                raise UsageError(
+                    f"{flag} {value}: HybridAdamW's option; --optimizer {cfg.optimizer} keeps "
+                    "everything on the device (it would be ignored)"
+                )
+        if cfg.overlap != "step" and cfg.optimizer != "hybrid":
+            raise UsageError(
+                f"--overlap: {cfg.overlap!r} is HybridAdamW's mode; --optimizer {cfg.optimizer} "
+                "has only 'step'"
+            )
+        if cfg.parallel != "none" and "WORLD_SIZE" not in os.environ:
+            raise UsageError(
+                f"--{cfg.parallel}: run under torchrun (torchrun --nproc-per-node N -m offloadopt "
+                f"train --{cfg.parallel}); WORLD_SIZE is not set"
+            )
+        if cfg.seq_len > block_size:
+            raise UsageError(
+                f"--seq-len: {cfg.seq_len} is more than the {cfg.preset} preset's block_size "
+                f"{block_size}"
+            )
+        if cfg.mock_data and cfg.data is not None:
+            raise UsageError(
+                f"--mock-data with --data {cfg.data}: random tokens replace the text (the file "
+                "would be ignored); give one"
+            )
+        if cfg.delay_after >= cfg.steps and cfg.overlap == "delayed":
+            raise UsageError(
+                f"--delay-after: {cfg.delay_after} synchronous steps of --steps {cfg.steps} "
+                "leave none delayed (--overlap delayed would never start)"
+            )
+        if cfg.save_every and cfg.save is None:
+            raise UsageError(
+                f"--save-every {cfg.save_every}: how often to write the --save checkpoint, so it "
+                "needs --save PATH"
+            )
+        for flag, value in (("--save", cfg.save), ("--resume", cfg.resume)):
+            if value is not None and cfg.parallel != "none":
+                raise UsageError(
+                    f"{flag} {value}: one process only (not with --{cfg.parallel}; a sharded "
+                    "run saves with torch.distributed.checkpoint)"
+                )
+        if cfg.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+            raise UsageError(
+                f"--tensorboard {cfg.tensorboard}: needs the tensorboard package, which is not "
+                "installed here (pip install tensorboard)"
+            )
+        if cfg.warmup_steps > cfg.steps:
+            raise UsageError(
+                f"--warmup-steps: {cfg.warmup_steps} is more than --steps {cfg.steps} (the "
+                "warm-up would never reach the peak --lr)"
+            )
+        return cfg
+
+
+# The check of each TrainConfig field that has one: the --flag's argparse type, and
+# TrainConfig.resolved()'s check of the values a Python caller gives.
+FIELD_CHECKS = {
+    "device": checks.device,
+    "offload_fraction": checks.fraction_or_auto,
+    "max_gpu_memory": checks.size,
+    "min_offload_numel": checks.nonneg_int,
+    "delay_after": checks.nonneg_int,
+    "steps": checks.positive_int,
+    "batch_size": checks.positive_int,
+    "seq_len": checks.positive_int,
+    "lr": checks.nonneg_float,
+    "warmup_steps": checks.nonneg_int,
+    "weight_decay": checks.nonneg_float,
+    "grad_clip": checks.nonneg_float,
+    "seed": checks.seed,
+    "data": checks.input_file,
+    "eval_every": checks.positive_int,
+    "eval_batches": checks.positive_int,
+    "log_every": checks.positive_int,
+    "save": checks.output_file,
+    "save_every": checks.nonneg_int,
+    "resume": checks.input_file,
+    "tensorboard": checks.out_dir,
+}
+
+
+# --flag help, one per TrainConfig field; a field's type check is FIELD_CHECKS'
+HELP = {
+    "device": "cpu, cuda or cuda:N (default: %(default)s)",
+    "preset": "model size (default: %(default)s)",
+    "optimizer": "hybrid: HybridAdamW; adamw: torch.optim.AdamW(fused=True) (default: %(default)s)",
+    "offload_fraction": "HybridAdamW: share of optimizer-state bytes on the host, 0..1, or auto: measured in the first steps and chosen (default: %(default)s)",
+    "min_offload_numel": "HybridAdamW: params with fewer elements stay on the device (default: %(default)s)",
+    "max_gpu_memory": "HybridAdamW: a GPU budget, bytes or 120GB / 112GiB; it picks the smallest fraction that fits, at the first step (with --offload-fraction auto: measured too)",
+    "overlap": "HybridAdamW: step; backward: updates start during backward (clipping through the optimizer; --grad-clip 0: none, grads final); or delayed: the update runs during the next forward and backward, which read weights one step old (default: %(default)s)",
+    "delay_after": "HybridAdamW, --overlap delayed: synchronous steps before the delay begins, as ZeRO-Offload does (default: %(default)s)",
+    "steps": "optimizer steps (default: %(default)s)",
+    "batch_size": "sequences per step (default: per preset, 16 for tiny)",
+    "seq_len": "tokens per sequence (default: the preset's block_size)",
+    "lr": "peak learning rate (default: per preset, 3e-3 for tiny)",
+    "warmup_steps": "linear warm-up steps before cosine decay to lr/10 (default: steps/20)",
+    "weight_decay": "AdamW weight decay (default: %(default)s)",
+    "grad_clip": "max global grad norm, 0 = off (default: %(default)s)",
+    "seed": "seed of model init and batches, 0 .. 2**63 - 1 (default: %(default)s)",
+    "dtype": "model param dtype (default: fp32 on cpu, bf16 on cuda)",
+    "data": "text file, read as bytes (default: CPython's pydoc_data.topics)",
+    "eval_every": "held-out evaluation every N steps, and at the last (default: %(default)s)",
+    "eval_batches": "batches per held-out evaluation (default: %(default)s)",
+    "log_every": "one log line every N steps (default: %(default)s)",
+    "save": "write a checkpoint (model, optimizer state, step, batch sampler, settings) to this file at the end, and every --save-every steps; each write is whole (a temporary file beside it, then a rename)",
+    "save_every": "with --save: also write it every N steps; 0: only at the end (default: %(default)s)",
+    "resume": "continue from a --save checkpoint; the other settings must be the saved run's (log and save options aside), and the losses are then those of an uninterrupted run",
+    "tensorboard": "also write the losses, learning rate and step times as TensorBoard events in this folder (needs tensorboard)",
+}  # fmt: skip
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    """Add the ``train`` options (``--kebab-case``, one per TrainConfig field) to ``parser``;
+    each value is checked as it is parsed (``FIELD_CHECKS``), so a bad one is argparse's
+    one-line error."""
+    d = TrainConfig()
+    choices = {"preset": list(PRESETS), "optimizer": list(OPTIMIZERS), "dtype": list(DTYPE_NAMES),
+               "overlap": list(OVERLAPS)}  # fmt: skip
+    for name, help_text in HELP.items():
+        kwargs = {"choices": choices[name]} if name in choices else {"type": FIELD_CHECKS[name]}
+        metavar = {"data": "FILE", "save": "PATH", "resume": "PATH", "tensorboard": "DIR"}
+        metavar = {"metavar": metavar[name]} if name in metavar else {}
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, default=getattr(d, name), help=help_text, **kwargs, **metavar)
+    a = parser.add_argument
+    a("--mock-data", action="store_true", help="uniform random tokens: loss stays at ln(vocab)")
+    a(
+        "--checkpointing",
+        action="store_true",
+        help="activation checkpointing per block: activations are recomputed in backward",
+    )
+    a(
+        "--release-grads",
+        action="store_true",
+        help="HybridAdamW, --overlap backward: free each offloaded grad once its copy lands on the host",
+    )
+    a("--no-progress", action="store_true", help="no tqdm progress bar on stderr")
+    par = parser.add_mutually_exclusive_group()
+    par.add_argument(
+        "--fsdp",
+        dest="parallel",
+        action="store_const",
+        const="fsdp",
+        help="under torchrun: FSDP2 (fully_shard per block); the optimizer updates each rank's shard",
+    )
+    par.add_argument(
+        "--ddp",
+        dest="parallel",
+        action="store_const",
+        const="ddp",
+        help="under torchrun: DDP; each rank keeps the whole optimizer state",
+    )
+    parser.set_defaults(parallel="none")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of parsed ``add_train_args`` options."""
+    fields = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
+    return TrainConfig(**fields, progress=not args.no_progress)
+
+
+# --- bench --------------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchConfig:
+    preset: str = "gpt2-xl"  # model preset (offloadopt.harness.models.MODEL_PRESETS)
+    device: str = "cuda"  # cuda, or cpu for a smoke test of the harness
+    dtype: str = "bf16"  # model weights: bf16 or fp32
+    batch_size: int = 4  # sequences per step
+    seq_len: int | None = None  # tokens per sequence; None: the preset's longest, at most 1024
+    warmup: int = 3  # untimed steps per configuration
+    steps: int = 10  # timed steps per configuration (medians over these)
+    slow_steps: int = 3  # timed steps for anchors known to take seconds per step
+    lr: float = 6e-4  # AdamW learning rate
+    fractions: list[float] = field(default_factory=lambda: [0.0, 0.1, 0.25, 0.5, 1.0])
+    modes: list[str] = field(default_factory=lambda: ["step"])  # presets.MODES: each a sweep
+    anchors: list[str] = field(default_factory=lambda: list(ANCHOR_NAMES))  # anchors.ANCHORS' keys
+    kernel: bool = True  # also time torch's fused AdamW kernel alone on the host
+    mock_data: bool = False  # uniform random tokens instead of the real text
+    data: str | None = None  # text file (default: CPython's pydoc topics)
+    seed: int = 0
+    out: str = "bench-out"  # folder for bench.json and bench.png
+    audit: bool = True  # audit one training iteration per configuration (pageable copies)
+    progress: bool = True
+    fsdp: bool = False  # under torchrun: every configuration under FSDP2 across the job's ranks
+
+
+# The check of each BenchConfig field that has one: its --flag's argparse type, and
+# resolved()'s check of a config built in Python.
+BENCH_FIELD_CHECKS = {
+    "device": checks.device, "batch_size": checks.positive_int, "seq_len": checks.positive_int,
+    "warmup": checks.nonneg_int, "steps": checks.positive_int, "slow_steps": checks.positive_int,
+    "lr": checks.nonneg_float, "data": checks.input_file, "seed": checks.seed, "out": checks.out_dir,
+}  # fmt: skip
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """Add the ``bench`` options to ``p``; values are checked as they are parsed."""
+    d, t = BenchConfig(), BENCH_FIELD_CHECKS
+    a = p.add_argument
+    # fmt: off
+    a("--preset", default=None, choices=MODEL_PRESETS,
+      help="model; hf-* build a transformers model from its config (default: gpt2-xl with a "
+           "GPU, else tiny)")
+    a("--device", type=t["device"], default=None,
+      help="cuda, cuda:N or cpu (default: cuda if available)")
+    a("--dtype", default=d.dtype, choices=sorted(DTYPE_NAMES))
+    a("--batch-size", type=t["batch_size"], default=d.batch_size, help="sequences per step")
+    a("--seq-len", type=t["seq_len"], default=None,
+      help="tokens per sequence (default: the preset's longest, at most 1024)")
+    a("--warmup", type=t["warmup"], default=d.warmup, help="untimed steps per configuration")
+    a("--steps", type=t["steps"], default=d.steps, help="timed steps per configuration")
+    a("--slow-steps", type=t["slow_steps"], default=d.slow_steps, help="timed steps, slow anchors")
+    a("--lr", type=t["lr"], default=d.lr, help="AdamW learning rate, >= 0")
+    a("--fractions", type=checks.fraction, nargs="+", default=d.fractions,
+      help="HybridAdamW offload fractions, each in [0, 1]")
+    a("--modes", nargs="+", default=d.modes, choices=list(MODES), metavar="MODE",
+      help=f"overlap modes, each a sweep of --fractions beside step mode's (the baseline): any "
+           f"of {list(MODES)} (backward: grads_final, wait='module'; backward-torch-clip: torch's clip_grad_norm_ 1.0 "
+           "before step(), wait='module'; backward-clip: "
+           "max_grad_norm=1.0)")
+    a("--anchors", nargs="*", default=d.anchors, choices=list(ANCHOR_NAMES), metavar="ANCHOR",
+      help=f"any of {sorted(ANCHOR_NAMES)}; none: --anchors")
+    a("--no-kernel", action="store_true", help="skip timing the fused kernel alone")
+    a("--no-audit", action="store_true", help="skip the memcpy audit of each configuration")
+    a("--mock-data", action="store_true", help="uniform random tokens")
+    a("--data", type=t["data"], default=None, help="text file (default: CPython's pydoc topics)")
+    a("--seed", type=t["seed"], default=d.seed, help="0 .. 2**63 - 1")
+    a("--out", type=t["out"], default=d.out, help="folder for bench.json and bench.png")
+    a("--no-progress", action="store_true")
+    a("--fsdp", action="store_true",
+      help="under torchrun: every configuration under FSDP2 across the job's ranks; rank 0 "
+           "writes each rank's figures and the job's totals (the kernel timing is skipped)")
+    # fmt: on
+
+
+# --- audit --------------------------------------------------------------------------------------
+
+AUDIT_OPTIMIZERS = ("hybrid", "adamw", "megatron", "megatron-pinfix-fused", "torchao")
+
+
+def add_audit_args(p: argparse.ArgumentParser) -> None:
+    """Add the ``audit`` options to ``p``; values are checked as they are parsed."""
+    a = p.add_argument
+    # fmt: off
+    a("--device", type=checks.device, default=None,
+      help="cuda, cuda:N or cpu (default: cuda if available)")
+    a("--preset", default="tiny", choices=sorted(PRESETS))
+    a("--dtype", default="bf16", choices=sorted(DTYPE_NAMES))
+    a("--optimizer", default="hybrid", choices=AUDIT_OPTIMIZERS)
+    a("--offload-fraction", type=checks.fraction, default=1.0, help="for hybrid and megatron")
+    a("--mode", default="step", choices=tuple(MODES),
+      help="HybridAdamW's overlap mode (backward: grads_final, wait='module'; backward-clip: "
+           "max_grad_norm=1.0; delayed: the delayed update)")
+    a("--no-pin-memory", action="store_true",
+      help="HybridAdamW(pin_memory=False): the pageable path")
+    a("--steps", type=checks.positive_int, default=1, help="audited training iterations")
+    a("--warmup", type=checks.nonneg_int, default=2,
+      help="iterations before the audit (steady state)")
+    a("--batch-size", type=checks.positive_int, default=4, help="sequences per iteration")
+    a("--seq-len", type=checks.positive_int, default=128,
+      help="tokens per sequence, at most the preset's block_size")
+    a("--lr", type=checks.nonneg_float, default=6e-4)
+    a("--seed", type=checks.seed, default=0, help="0 .. 2**63 - 1")
+    a("--mock-data", action="store_true", help="uniform random tokens")
+    a("--data", type=checks.input_file, default=None,
+      help="text file (default: CPython's pydoc topics)")
+    a("--trace", type=checks.chrome_trace_file, default=None,
+      help="also write the Chrome trace to this file (.json or .json.gz)")
+    a("--json", type=checks.output_file, default=None,
+      help="write the full report as JSON to this file")
+    # fmt: on

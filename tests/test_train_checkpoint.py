@@ -1,0 +1,146 @@
+"""``offloadopt train --save / --resume``: a resumed run's losses are bit for bit those of an
+uninterrupted one, checkpoints are written whole, bad checkpoints are one-line errors; and
+``--tensorboard`` without tensorboard installed is one too (CPU, tiny preset, a few seconds)."""
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from offloadopt.cli import main
+from offloadopt.harness import options, train
+
+N = 3  # steps before the interrupt; the run has 2 * N
+ARGS = ["train", "--steps", str(2 * N), "--batch-size", "2", "--seq-len", "32",
+        "--eval-every", str(N), "--eval-batches", "1", "--log-every", "1", "--no-progress"]  # fmt: skip
+STEP = re.compile(r"^step +(\d+)/\d+ \| loss (\S+) \| held-out +(\S+) \|")
+
+
+def _run(capsys, argv: list[str]) -> tuple[int, dict[int, tuple[str, str]], dict | None]:
+    """Exit status, {step: (loss, held-out) as printed}, the JSON summary (None if absent)."""
+    status = main(argv)
+    lines = capsys.readouterr().out.strip().splitlines()
+    steps = {int(m[1]): (m[2], m[3]) for line in lines if (m := STEP.match(line))}
+    summary = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+    return status, steps, summary
+
+
+@pytest.mark.parametrize(
+    "flags", [["--overlap", "step"], ["--overlap", "delayed"], ["--optimizer", "adamw"]], ids=str
+)
+def test_resume_continues_an_interrupted_run_bit_for_bit(tmp_path, capsys, monkeypatch, flags):
+    argv = [*ARGS, *flags]
+    status, whole, summary = _run(capsys, argv)
+    assert status == 0 and sorted(whole) == list(range(1, 2 * N + 1))
+
+    ck = str(tmp_path / "run.pt")
+    real_get_batch, fetched = train.get_batch, []
+
+    def interrupted(data, split, *args, **kwargs):  # Ctrl-C as step N + 1 fetches its batch
+        if split == "train":
+            fetched.append(1)
+            if len(fetched) == N + 1:
+                raise KeyboardInterrupt
+        return real_get_batch(data, split, *args, **kwargs)
+
+    monkeypatch.setattr(train, "get_batch", interrupted)
+    status, first, _ = _run(capsys, [*argv, "--save", ck, "--save-every", str(N)])
+    monkeypatch.setattr(train, "get_batch", real_get_batch)
+    assert status == 130 and sorted(first) == list(range(1, N + 1))
+    assert torch.load(ck, weights_only=True)["step"] == N
+    assert [p.name for p in tmp_path.iterdir()] == ["run.pt"]  # no temporary file left
+
+    status, rest, resumed = _run(capsys, [*argv, "--resume", ck])
+    assert status == 0 and sorted(rest) == list(range(N + 1, 2 * N + 1))
+    assert {**first, **rest} == whole  # every printed loss and held-out loss
+    for key in ("first_train_loss", "final_train_loss", "final_heldout_loss"):
+        assert resumed[key] == summary[key], key  # the full floats, exactly
+
+
+def test_a_checkpoint_is_written_whole(tmp_path, monkeypatch):
+    cfg = options.TrainConfig(steps=2, batch_size=2, seq_len=16).resolved()
+    model, opt = train.make_model_and_optimizer(cfg)
+    gen = torch.Generator().manual_seed(0)
+    path = str(tmp_path / "ck.pt")
+    train.save_checkpoint(path, cfg, 1, model, opt, gen, 5.0)
+    before = open(path, "rb").read()
+    real_save = torch.save
+
+    def cut_short(obj, f, *args, **kwargs):  # half a file written, then Ctrl-C
+        f.write(b"\x80half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        train.save_checkpoint(path, cfg, 2, model, opt, gen, 5.0)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert open(path, "rb").read() == before and os.listdir(tmp_path) == ["ck.pt"]
+    opt.close()
+
+
+def _error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured
+    return captured.err.removeprefix("offloadopt: error: ").strip()
+
+
+def test_bad_checkpoints_are_one_line_errors_naming_the_file(tmp_path, capsys):
+    missing = str(tmp_path / "none.pt")
+    assert _error(capsys, [*ARGS, "--resume", missing]) == f"--resume: {missing!r}: no such file"
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint\n")
+    assert _error(capsys, [*ARGS, "--resume", str(text)]).startswith(
+        f"--resume: {str(text)!r} is not a checkpoint of offloadopt train"
+    )
+    other = str(tmp_path / "other.pt")
+    torch.save({"tensor": torch.zeros(2)}, other)  # a torch file, not ours
+    assert "is not a checkpoint of offloadopt train" in _error(capsys, [*ARGS, "--resume", other])
+    small = str(tmp_path / "small.pt")
+    cfg = options.TrainConfig(preset="small").resolved()
+    torch.save({"format": train.CHECKPOINT_FORMAT, "version": train.CHECKPOINT_VERSION,
+                "step": 1, "config": vars(cfg).copy()}, small)  # fmt: skip
+    assert _error(capsys, [*ARGS, "--resume", small]) == (
+        f"--resume: {small!r} is a checkpoint of preset 'small', not 'tiny' (--preset)"
+    )
+    assert _error(capsys, [*ARGS, "--save-every", "2"]).startswith("--save-every 2: ")
+
+
+def test_tensorboard_without_the_package_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    real = options.importlib.util.find_spec
+    monkeypatch.setattr(options.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))  # fmt: skip
+    message = _error(capsys, [*ARGS, "--tensorboard", str(tmp_path)])
+    assert message.startswith(f"--tensorboard {tmp_path}: needs the tensorboard package")
+
+
+def test_train_logs_through_logging_to_a_callers_handler(capsys):
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("offloadopt.train")
+    logger.addHandler(handler)
+    try:
+        cfg = options.TrainConfig(steps=2, batch_size=2, seq_len=16, eval_batches=1, progress=False)
+        train.train(cfg)
+    finally:
+        logger.removeHandler(handler)
+    assert capsys.readouterr().out == ""  # the caller's handler replaces the stdout one
+    assert records[0].startswith("data: ") and sum(STEP.match(r) is not None for r in records) == 2
+    assert logger.level == logging.NOTSET and logger.handlers == []  # as it was
+
+
+def test_tensorboard_gets_the_losses(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert main([*ARGS, "--tensorboard", str(tmp_path)]) == 0
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("loss/train")]
+    assert steps == list(range(1, 2 * N + 1))
+    assert [e.step for e in events.Scalars("loss/heldout")] == [N, 2 * N]
