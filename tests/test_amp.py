@@ -214,6 +214,7 @@ def test_disabled_scaler_changes_nothing():
     assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 def test_grad_scaler_with_the_delayed_update(fraction):
     """overlap="delayed" reads the scale in step(): without bad steps it trains bitwise as the

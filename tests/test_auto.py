@@ -37,6 +37,7 @@ def train(m, opt, steps=STEPS, before_step=None):
     return {k: v.clone() for k, v in m.state_dict().items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{}, dict(overlap="backward", grads_final=True)])
 def test_auto_moves_the_state_and_trains_bitwise_as_torch(kw):
     m = model()
@@ -306,6 +307,7 @@ def test_the_probe_times_the_device_update_alone_then_overlaps_it_again(monkeypa
     assert all(o[0] == "feed" for o in orders[probe:]), orders  # then device, if any is left
 
 
+@pytest.mark.slow
 def test_a_refused_set_offload_fraction_changes_nothing():
     """Refused (a backward announced grads), the caller's call must leave auto and its
     choice as they were."""
@@ -381,6 +383,7 @@ def test_ctrl_c_at_the_end_of_autos_move_leaves_a_true_choice(monkeypatch, where
     assert opt._auto.phase == ("baseline" if where == "baseline" else "verify")
 
 
+@pytest.mark.slow
 def test_nothing_to_offload_is_said_in_the_choice():
     m = model()
     opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=10**9, offload_fraction="auto")

@@ -212,6 +212,7 @@ def test_interrupt_and_help(monkeypatch, capsys):
     assert one_error_line(["train", "--stepz", "3"]) == "unrecognized arguments: --stepz 3"
 
 
+@pytest.mark.slow
 def test_the_real_exit_status_and_stderr_of_the_console_command(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     p = subprocess.run(
@@ -407,6 +408,7 @@ def test_a_folder_nobody_can_write_in_is_a_usage_error_before_anything_runs(argv
     assert err.startswith(f"{argv[1]}: '{argv[2]}': cannot write in '/proc'"), err
 
 
+@pytest.mark.slow
 def test_sigterm_stops_train_as_ctrl_c_does_and_keeps_its_log(tmp_path):
     """A fresh user's finding: SIGTERM (what schedulers, Docker and torchrun send) killed
     ``offloadopt train`` at once (status -15, no message), and the step lines a redirected

@@ -19,6 +19,7 @@ def tiny(tmp_path, **kw):
                        out=str(tmp_path), progress=False, **kw)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_run_bench_writes_json_and_every_hybrid_fraction_matches_the_baseline(tmp_path, capsys):
     results = run_bench(tiny(tmp_path, fractions=[0.0, 0.5, 1.0]))
     names = [r["name"] for r in results]
@@ -41,6 +42,7 @@ def test_run_bench_writes_json_and_every_hybrid_fraction_matches_the_baseline(tm
     assert "hybrid:0.5" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_drifting_configuration_is_flagged_not_hidden(tmp_path):
     bench = Bench(tiny(tmp_path))
 
@@ -77,6 +79,7 @@ def test_a_builder_that_takes_batch_size_gets_the_benchs_and_its_close_runs_once
     assert seen == [2, "closed"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["hf-gpt2-tiny", "hf-llama-tiny"])
 def test_transformers_presets_run_through_the_bench_and_fraction_1_matches(tmp_path, preset):
     pytest.importorskip("transformers")
@@ -97,6 +100,7 @@ def test_an_hf_preset_without_transformers_says_what_to_install(monkeypatch):
     assert {"hf-gpt2-xl", "hf-llama-1b", "gpt2-xl"} <= set(models.MODEL_PRESETS)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 @pytest.mark.parametrize("preset", ["tiny", "hf-llama-tiny"])
 def test_fsdp2_anchor_is_bitwise_the_baseline_on_cpu_and_leaves_the_shared_model(tmp_path, preset):
@@ -119,6 +123,7 @@ def test_fsdp2_anchor_is_bitwise_the_baseline_on_cpu_and_leaves_the_shared_model
     assert again["checksum"] == base["checksum"]  # the shared model was left as it was
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 def test_hybrid_under_fsdp2_of_one_rank_is_bitwise_the_single_process_path(tmp_path):
     bench = Bench(tiny(tmp_path, dtype="bf16"))
@@ -150,6 +155,7 @@ def test_the_new_anchors_are_cleanly_unavailable_on_a_cpu_only_machine(tmp_path,
     assert all(r["status"] == "skipped: needs a CUDA device" for r in results[:2])
 
 
+@pytest.mark.slow
 def test_modes_run_a_sweep_each_and_the_summary_names_the_largest_fraction(tmp_path, capsys):
     modes = ["step", "backward", "backward-torch-clip", "delayed"]
     results = run_bench(tiny(tmp_path, fractions=[0.0, 1.0], modes=modes, kernel=False))
@@ -238,6 +244,7 @@ def test_the_plot_keeps_its_axis_labels_with_several_modes(tmp_path, monkeypatch
     assert labels == ["step time (ms, median)", "peak GPU memory (GB)"]
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_leaves_the_previous_bench_json_as_it_was(tmp_path):
     """A fresh user's finding: Ctrl-C during a second run in the same --out replaced a finished
     run's bench.json with the few rows done (and left the old bench.png beside it)."""

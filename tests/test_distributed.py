@@ -118,6 +118,7 @@ def test_fsdp2_matches_torch_bitwise_at_every_fraction_and_mode(tmp_path, job):
     assert r["state_types"] == ["DTensor"]
 
 
+@pytest.mark.slow
 def test_ddp_and_zero_match_torch_bitwise(tmp_path, job):
     ranks = launch(tmp_path, "run_ddp", 2)
     r = ranks[0]
@@ -137,6 +138,7 @@ def test_ddp_and_zero_match_torch_bitwise(tmp_path, job):
         assert max_diff(ranks[0][name], ranks[1][name]) == 0.0, name
 
 
+@pytest.mark.slow
 def test_dcp_checkpoint_reshards_2_to_1_to_2_ranks_exactly(tmp_path):
     a, b = tmp_path / "ckpt-2ranks", tmp_path / "ckpt-1rank"
     saved = launch(tmp_path, "run_dcp", 2, f"save:{a}")
@@ -195,6 +197,7 @@ def _exit_abort(r) -> bool:
     return bool(done) and "terminate called without an active exception" in r.stderr
 
 
+@pytest.mark.slow
 def test_main_job_under_torchrun_fsdp_and_ddp():
     results = {}
     for parallel in ("fsdp", "ddp"):
@@ -228,6 +231,7 @@ def test_main_job_under_torchrun_fsdp_and_ddp():
     )
 
 
+@pytest.mark.slow
 def test_bench_under_torchrun_fsdp_gathers_every_rank(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

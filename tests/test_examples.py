@@ -16,6 +16,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
     [("trainer_resume.py", "transformers"), ("accelerate_loop.py", "accelerate"),
      ("lightning_resume.py", "lightning"), ("delayed_resume.py", "lightning")],
 )  # fmt: skip
+@pytest.mark.slow
 def test_example_runs_and_is_exact(script, package):
     pytest.importorskip(package)
     r = subprocess.run(

@@ -140,6 +140,7 @@ def test_lr_schedule():
     assert lr_at(1, 1.0, 0, 100) == pytest.approx(1.0, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_train_returns_summary_and_loss_decreases():
     out = train(TrainConfig(optimizer="adamw", **SHORT))
     for key in (
@@ -162,6 +163,7 @@ def test_train_returns_summary_and_loss_decreases():
     json.dumps(out)  # the summary is the last line: it must serialise
 
 
+@pytest.mark.slow
 def test_hybrid_trains_bitwise_like_fused_adamw():
     # fp32 on the CPU: HybridAdamW at fraction 1 runs torch's fused kernel on its own state,
     # so the whole run must match torch.optim.AdamW(fused=True) exactly (README, "How it works")
@@ -234,6 +236,7 @@ def test_main_job_takes_a_gpu_budget_and_reports_the_choice(capsys):
     assert "max_gpu_memory 20,000,000 bytes" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_main_job_says_why_a_gpu_budget_cannot_be_met():
     import subprocess
     import sys
@@ -280,6 +283,7 @@ def test_the_model_is_built_in_its_dtype_never_in_fp32_first(monkeypatch):
     assert torch.get_default_dtype() == torch.float32  # restored
 
 
+@pytest.mark.slow
 def test_main_job_backward_mode_with_auto_fraction_release_and_checkpointing(capsys):
     out = train(TrainConfig(overlap="backward", release_grads=True, grad_clip=0.0,
                             checkpointing=True, offload_fraction="auto", **SHORT))  # fmt: skip
@@ -290,6 +294,7 @@ def test_main_job_backward_mode_with_auto_fraction_release_and_checkpointing(cap
     assert "placement: offload fraction" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_main_job_backward_mode_clips_through_the_optimizer(monkeypatch):
     """--overlap backward with --grad-clip clips inside the update: torch's clip_grad_norm_
     is never called (it would make the updates wait for step())."""

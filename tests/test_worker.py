@@ -218,6 +218,7 @@ def test_close_and_context_manager_stop_the_worker():
     assert opt.state_dict()["state"][0]["step"] == 1  # the state stays readable
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "del", "exception", "open-step"])
 def test_the_process_exits_cleanly_with_a_live_optimizer(how):
     code = textwrap.dedent(f"""
