@@ -64,9 +64,11 @@ class HybridAdamW(HybridOptimizer):
         offload_fraction: share in [0, 1] of the eligible params' optimizer-state bytes kept
             on the host (see :mod:`offloadopt.placement`), or ``"auto"``: the first steps run
             at 0.5 and are measured (forward+backward, both kernels, the link), the cost model
-            (:mod:`offloadopt.costmodel`) predicts every fraction, and the state moves without
-            loss to the largest fraction predicted within ``1 + auto_tolerance`` of fraction
-            0's step; with ``max_gpu_memory`` the budget's choice stays (the smallest fraction
+            (:mod:`offloadopt.costmodel`) predicts every fraction and picks the largest predicted
+            within half of ``auto_tolerance`` of fraction 0's step; the state moves without
+            loss to fraction 0, whose step is measured, then to that choice, whose step is
+            measured against ``1 + auto_tolerance`` times fraction 0's (a step above moves it
+            down, twice at most; still above, a warning says so); with ``max_gpu_memory`` the budget's choice stays (the smallest fraction
             that fits is the fastest that fits) and is measured. ``opt.placement_choice``
             holds the inputs and the predicted and measured step times (ms); see
             :mod:`offloadopt.auto`. One process only (``ValueError`` with several ranks); not
