@@ -3,12 +3,17 @@ chosen fraction of its state on the host, on the machinery of :class:`HybridOpti
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from offloadopt.optim import HybridOptimizer
 from offloadopt.rules import ADAM
+
+if TYPE_CHECKING:  # the keywords of **options, for IDEs and type checkers
+    from typing_extensions import Unpack
+
+    from offloadopt.options import OffloadOptions
 
 __all__ = ["HybridAdam"]
 
@@ -51,7 +56,7 @@ class HybridAdam(HybridOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         decoupled_weight_decay: bool = False,
-        **options: Any,
+        **options: Unpack[OffloadOptions],
     ):
         if decoupled_weight_decay:
             raise ValueError(

@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from offloadopt.optim import HybridOptimizer
 from offloadopt.rules import ADAMW
+
+if TYPE_CHECKING:  # the keywords of **options, for IDEs and type checkers
+    from typing_extensions import Unpack
+
+    from offloadopt.options import OffloadOptions
 
 __all__ = ["HybridAdamW"]
 
@@ -177,36 +182,8 @@ class HybridAdamW(HybridOptimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        offload_fraction: float | str = 1.0,
-        min_offload_numel: int = 4096,
-        master_weights: bool = True,
-        pin_memory: bool = True,
-        bucket_nbytes: int | None = None,
-        flush_denormal: bool = True,
-        cpu_threads: int | None = None,
-        timeout_s: float = 600.0,
-        overlap: str = "step",
-        wait: str = "step",
-        max_grad_norm: float | None = None,
-        grads_final: bool = False,
-        release_grads: bool = False,
-        ddp: Any = None,
-        grad_scaler: Any = None,
-        delay_after: int = 0,
-        max_gpu_memory: int | str | None = None,
-        max_host_memory: int | str | None = None,
-        activation_bytes: int | str | None = None,
-        auto_tolerance: float = 0.05,
+        **options: Unpack[OffloadOptions],
     ):
-        super().__init__(
-            params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize),
-            amsgrad=amsgrad, capturable=capturable, differentiable=differentiable,
-            offload_fraction=offload_fraction, min_offload_numel=min_offload_numel,
-            master_weights=master_weights, pin_memory=pin_memory, bucket_nbytes=bucket_nbytes,
-            flush_denormal=flush_denormal, cpu_threads=cpu_threads, timeout_s=timeout_s,
-            overlap=overlap, wait=wait, max_grad_norm=max_grad_norm, grads_final=grads_final,
-            release_grads=release_grads, ddp=ddp, grad_scaler=grad_scaler, delay_after=delay_after,
-            max_gpu_memory=max_gpu_memory,
-            max_host_memory=max_host_memory, activation_bytes=activation_bytes,
-            auto_tolerance=auto_tolerance,
-        )  # fmt: skip
+        hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, hyper, amsgrad=amsgrad, capturable=capturable,
+                         differentiable=differentiable, **options)  # fmt: skip

@@ -18,6 +18,7 @@ from offloadopt import budget, checkpoint
 from offloadopt.auto import PROBE_FRACTION, AutoFraction
 from offloadopt.hooks import GradHooks
 from offloadopt.layout import Arena, Bucket
+from offloadopt.options import Options
 from offloadopt.pipeline import Pipeline
 from offloadopt.placement import ParamInfo, Placement, format_placement, place
 from offloadopt.placing import Placing
@@ -74,59 +75,27 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         amsgrad: bool = False,
         capturable: bool = False,
         differentiable: bool = False,
-        offload_fraction: float = 1.0,
-        min_offload_numel: int = 4096,
-        master_weights: bool = True,
-        pin_memory: bool = True,
-        bucket_nbytes: int | None = None,
-        flush_denormal: bool = True,
-        cpu_threads: int | None = None,
-        timeout_s: float = 600.0,
-        overlap: str = "step",
-        wait: str = "step",
-        max_grad_norm: float | None = None,
-        grads_final: bool = False,
-        release_grads: bool = False,
-        ddp: Any = None,
-        grad_scaler: Any = None,
-        delay_after: int = 0,
-        max_gpu_memory: int | str | None = None,
-        max_host_memory: int | str | None = None,
-        activation_bytes: int | str | None = None,
-        auto_tolerance: float = 0.05,
-        placement_policy: str = "state-bytes",
-        **unknown: Any,
+        **options: Any,
     ):
-        if unknown:  # named for the class the caller built, not this base (a fresh user's nit)
-            raise TypeError(
-                f"{type(self).__name__}.__init__() got an unexpected keyword argument "
-                f"{next(iter(unknown))!r}"
-            )
-        if placement_policy not in ("state-bytes", "megatron"):
+        # One Options from the keywords (offloadopt/options.py); an unknown one is named for
+        # the class the caller built, not this base (a fresh user's nit).
+        o = Options.parse(type(self).__name__, options)
+        if o.placement_policy not in ("state-bytes", "megatron"):
             raise ValueError(
-                f"Invalid placement_policy: {placement_policy!r} (expected 'state-bytes' or 'megatron')"
+                f"Invalid placement_policy: {o.placement_policy!r} (expected 'state-bytes' or 'megatron')"
             )
-        self.placement_policy = placement_policy
-        validate_options(
-            self.rule, hyper, amsgrad=amsgrad, capturable=capturable,
-            differentiable=differentiable, offload_fraction=offload_fraction,
-            min_offload_numel=min_offload_numel, master_weights=master_weights,
-            pin_memory=pin_memory, bucket_nbytes=bucket_nbytes, flush_denormal=flush_denormal,
-            cpu_threads=cpu_threads, timeout_s=timeout_s, overlap=overlap, wait=wait,
-            max_grad_norm=max_grad_norm, grads_final=grads_final, release_grads=release_grads,
-            ddp=ddp, auto_tolerance=auto_tolerance, grad_scaler=grad_scaler,
-            delay_after=delay_after,
-        )  # fmt: skip
+        validate_options(self.rule, hyper, o, amsgrad=amsgrad, capturable=capturable,
+                         differentiable=differentiable)  # fmt: skip
         params = validate_params_arg(params)
-        sizes = budget.sizes(max_gpu_memory=max_gpu_memory, max_host_memory=max_host_memory,
-                             activation_bytes=activation_bytes)  # fmt: skip
-        auto = offload_fraction == "auto"
-        if sizes["max_gpu_memory"] is not None and not auto and offload_fraction != 1.0:
+        sizes = budget.sizes(max_gpu_memory=o.max_gpu_memory, max_host_memory=o.max_host_memory,
+                             activation_bytes=o.activation_bytes)  # fmt: skip
+        auto = o.offload_fraction == "auto"
+        if sizes["max_gpu_memory"] is not None and not auto and o.offload_fraction != 1.0:
             raise ValueError(
-                f"offload_fraction={offload_fraction!r} with max_gpu_memory={max_gpu_memory!r}: "
+                f"offload_fraction={o.offload_fraction!r} with max_gpu_memory={o.max_gpu_memory!r}: "
                 "give one (the budget chooses the fraction), or offload_fraction='auto'"
             )
-        if auto and overlap == "delayed" and sizes["max_gpu_memory"] is None:
+        if auto and o.overlap == "delayed" and sizes["max_gpu_memory"] is None:
             raise ValueError(
                 "offload_fraction='auto' with overlap='delayed': the fraction decides which "
                 "params train on weights one step old, so a fraction chosen from timings would "
@@ -134,12 +103,12 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
                 "usual one), or max_gpu_memory="
             )
         for name, value in (
-            ("max_host_memory", max_host_memory),
-            ("activation_bytes", activation_bytes),
+            ("max_host_memory", o.max_host_memory),
+            ("activation_bytes", o.activation_bytes),
         ):
             if value is not None and sizes["max_gpu_memory"] is None:
                 raise ValueError(f"{name}={value!r} without max_gpu_memory does nothing")
-        if grad_scaler is not None and world_size() > 1 and ddp is None:
+        if o.grad_scaler is not None and world_size() > 1 and o.ddp is None:
             raise ValueError(
                 f"grad_scaler= with {world_size()} ranks and no ddp=: the check for infs would "
                 "see this rank's shard alone; leave it out (step() takes the scaler's values, as "
@@ -150,27 +119,31 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
                 f"offload_fraction='auto' with {world_size()} ranks: it measures one process, and "
                 "ranks choosing apart would train unevenly; give each rank the same number"
             )
+        self.options = o  # as given; offload_fraction and the like change below and later
+        self.placement_policy = o.placement_policy
         self._budget = sizes  # max_gpu_memory: the fraction is chosen at the first step()
         self.placement_choice: dict[str, Any] | None = None  # what chose the fraction, and why
         # offload_fraction="auto" (offloadopt/auto.py): probe, choose, verify in the first steps
-        self._auto = (AutoFraction(auto_tolerance, sizes["max_gpu_memory"] is not None, release_grads)
+        self._auto = (AutoFraction(o.auto_tolerance, sizes["max_gpu_memory"] is not None, o.release_grads)
                       if auto else None)  # fmt: skip
-        self.offload_fraction = PROBE_FRACTION if auto else float(offload_fraction)
-        self.min_offload_numel = min_offload_numel
-        self.master_weights = master_weights
-        self.pin_memory = pin_memory
-        self.bucket_nbytes = bucket_nbytes if bucket_nbytes is not None else BUCKET_NBYTES[overlap]
-        self.flush_denormal = flush_denormal
-        self.overlap, self.wait = overlap, wait
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self.grads_final, self.release_grads = grads_final, release_grads
-        self.grad_scaler = grad_scaler  # attached: backward mode checks found_inf (amp.py)
-        self.delay_after = int(delay_after)  # overlap="delayed": synchronous steps first
+        self.offload_fraction = PROBE_FRACTION if auto else float(o.offload_fraction)
+        self.min_offload_numel = o.min_offload_numel
+        self.master_weights = o.master_weights
+        self.pin_memory = o.pin_memory
+        self.bucket_nbytes = (
+            o.bucket_nbytes if o.bucket_nbytes is not None else BUCKET_NBYTES[o.overlap]
+        )
+        self.flush_denormal = o.flush_denormal
+        self.overlap, self.wait = o.overlap, o.wait
+        self.max_grad_norm = None if o.max_grad_norm is None else float(o.max_grad_norm)
+        self.grads_final, self.release_grads = o.grads_final, o.release_grads
+        self.grad_scaler = o.grad_scaler  # attached: backward mode checks found_inf (amp.py)
+        self.delay_after = int(o.delay_after)  # overlap="delayed": synchronous steps first
         # Step mode: the training thread waits in step() while the worker runs; when updates
         # overlap backward or the next forward, it needs a core of its own.
-        busy = overlap != "step" or wait != "step"
-        self.cpu_threads = cpu_threads or default_cpu_threads(training_thread_busy=busy)
-        self.timeout_s = float(timeout_s)
+        busy = o.overlap != "step" or o.wait != "step"
+        self.cpu_threads = o.cpu_threads or default_cpu_threads(training_thread_busy=busy)
+        self.timeout_s = float(o.timeout_s)
         self._ready = False
         self._lock = threading.RLock()  # the step state, from the training and autograd threads
         self._step = None  # the step in flight (steps.StepState), from its first bucket
@@ -186,7 +159,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         self._unwaited = False  # a forward ran past its waits (steps._begin): wait in step()
         self._watched: list = []  # weak references to the models given to watch()
         self._watch_later: list = []  # watch() before a budget's choice: registered after it
-        self._ddp = ddp  # the DDP model whose all-reduced buckets announce grads (hooks.DDPGrads)
+        self._ddp = o.ddp  # the DDP model whose all-reduced buckets announce grads (hooks.DDPGrads)
         self._ddp_hook = None
         self._reductions: list = []  # ddp=: this backward's all-reduce futures
         # torch's group flags, so a cross-load into torch's optimizer keeps its fused kernel.
@@ -205,15 +178,15 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         self.state = OptimizerState(self)  # assignments copy into the buffers (state.py)
         for g in self.param_groups:
             self._check_auto_group(g)
-        if ddp is not None:
-            check_ddp(ddp, self.param_groups, self._name)
-        check_zero(overlap, self.param_groups, world_size())
+        if o.ddp is not None:
+            check_ddp(o.ddp, self.param_groups, self._name)
+        check_zero(o.overlap, self.param_groups, world_size())
         self._place_or_defer(list(range(len(self.param_groups))))
-        if ddp is not None:
+        if o.ddp is not None:
             from offloadopt.hooks import DDPGrads
 
             try:
-                self._ddp_hook = DDPGrads(self, ddp)
+                self._ddp_hook = DDPGrads(self, o.ddp)
             except RuntimeError as e:  # DDP takes one comm hook per model
                 self.close()
                 raise RuntimeError(

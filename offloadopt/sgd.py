@@ -4,12 +4,17 @@ on the host for a chosen fraction of the params, on the machinery of :class:`Hyb
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from offloadopt.optim import HybridOptimizer
 from offloadopt.rules import SGD
+
+if TYPE_CHECKING:  # the keywords of **options, for IDEs and type checkers
+    from typing_extensions import Unpack
+
+    from offloadopt.options import OffloadOptions
 
 __all__ = ["HybridSGD"]
 
@@ -68,7 +73,7 @@ class HybridSGD(HybridOptimizer):
         foreach: bool | None = None,
         differentiable: bool = False,
         fused: bool | None = None,
-        **options: Any,
+        **options: Unpack[OffloadOptions],
     ):
         hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                      nesterov=nesterov, maximize=maximize)  # fmt: skip

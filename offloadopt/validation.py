@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from offloadopt.options import Options
 from offloadopt.rules import Rule
 
 __all__ = ["validate_options", "validate_group", "validate_params_arg"]
@@ -47,29 +48,14 @@ def validate_params_arg(params: Any) -> list:
 def validate_options(
     rule: Rule,
     hyper: dict[str, Any],
+    o: Options,
     *,
-    amsgrad,
-    capturable,
-    differentiable,
-    offload_fraction,
-    min_offload_numel,
-    master_weights,
-    pin_memory,
-    bucket_nbytes,
-    flush_denormal,
-    cpu_threads,
-    timeout_s,
-    overlap="step",
-    wait="step",
-    max_grad_norm=None,
-    grads_final=False,
-    release_grads=False,
-    ddp=None,
-    auto_tolerance=0.05,
-    grad_scaler=None,
-    delay_after=0,
+    amsgrad: bool = False,
+    capturable: bool = False,
+    differentiable: bool = False,
 ) -> None:
-    """The constructor's arguments: the rule's hyperparameters ``hyper`` and ours.
+    """The constructor's arguments: the rule's hyperparameters ``hyper``, the offloading
+    options ``o`` (offloadopt/options.py) and torch's flags that the hybrid optimizers refuse.
 
     Raises:
         ValueError, TypeError: a bad value, named in the message.
@@ -83,95 +69,95 @@ def validate_options(
     def count(x) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
 
-    _check(offload_fraction == "auto" or (number(offload_fraction) and 0.0 <= offload_fraction <= 1.0),
-           f"Invalid offload_fraction: {offload_fraction!r} (expected a number in [0, 1], or 'auto')")  # fmt: skip
-    _check(number(auto_tolerance) and 0.0 <= auto_tolerance < float("inf"),
-           f"Invalid auto_tolerance: {auto_tolerance!r} (expected a finite number >= 0, like 0.05)")  # fmt: skip
-    _check(auto_tolerance == 0.05 or offload_fraction == "auto",
-           f"auto_tolerance={auto_tolerance!r} without offload_fraction='auto' does nothing")  # fmt: skip
-    _check(count(min_offload_numel) and min_offload_numel >= 0,
-           f"Invalid min_offload_numel: {min_offload_numel!r} (expected an int >= 0)")  # fmt: skip
-    _check(bucket_nbytes is None or (count(bucket_nbytes) and bucket_nbytes > 0),
-           f"Invalid bucket_nbytes: {bucket_nbytes!r} (expected None or an int > 0)")  # fmt: skip
-    _check(cpu_threads is None or (count(cpu_threads) and cpu_threads > 0),
-           f"Invalid cpu_threads: {cpu_threads!r} (expected None or an int > 0)")  # fmt: skip
-    _check(number(timeout_s) and 0 < timeout_s < 1e7,
-           f"Invalid timeout_s: {timeout_s!r} (expected seconds, finite and > 0)")  # fmt: skip
-    _check(overlap in ("step", "backward", "delayed"),
-           f"Invalid overlap: {overlap!r} (expected 'step', 'backward' or 'delayed')")  # fmt: skip
-    _check(wait in ("step", "module"), f"Invalid wait: {wait!r} (expected 'step' or 'module')")
-    _check(max_grad_norm is None or (number(max_grad_norm) and 0 < max_grad_norm < float("inf")),
-           f"Invalid max_grad_norm: {max_grad_norm!r} (expected None or a finite number > 0)")  # fmt: skip
+    _check(o.offload_fraction == "auto" or (number(o.offload_fraction) and 0.0 <= o.offload_fraction <= 1.0),
+           f"Invalid offload_fraction: {o.offload_fraction!r} (expected a number in [0, 1], or 'auto')")  # fmt: skip
+    _check(number(o.auto_tolerance) and 0.0 <= o.auto_tolerance < float("inf"),
+           f"Invalid auto_tolerance: {o.auto_tolerance!r} (expected a finite number >= 0, like 0.05)")  # fmt: skip
+    _check(o.auto_tolerance == 0.05 or o.offload_fraction == "auto",
+           f"auto_tolerance={o.auto_tolerance!r} without offload_fraction='auto' does nothing")  # fmt: skip
+    _check(count(o.min_offload_numel) and o.min_offload_numel >= 0,
+           f"Invalid min_offload_numel: {o.min_offload_numel!r} (expected an int >= 0)")  # fmt: skip
+    _check(o.bucket_nbytes is None or (count(o.bucket_nbytes) and o.bucket_nbytes > 0),
+           f"Invalid bucket_nbytes: {o.bucket_nbytes!r} (expected None or an int > 0)")  # fmt: skip
+    _check(o.cpu_threads is None or (count(o.cpu_threads) and o.cpu_threads > 0),
+           f"Invalid cpu_threads: {o.cpu_threads!r} (expected None or an int > 0)")  # fmt: skip
+    _check(number(o.timeout_s) and 0 < o.timeout_s < 1e7,
+           f"Invalid timeout_s: {o.timeout_s!r} (expected seconds, finite and > 0)")  # fmt: skip
+    _check(o.overlap in ("step", "backward", "delayed"),
+           f"Invalid overlap: {o.overlap!r} (expected 'step', 'backward' or 'delayed')")  # fmt: skip
+    _check(o.wait in ("step", "module"), f"Invalid wait: {o.wait!r} (expected 'step' or 'module')")
+    _check(o.max_grad_norm is None or (number(o.max_grad_norm) and 0 < o.max_grad_norm < float("inf")),
+           f"Invalid max_grad_norm: {o.max_grad_norm!r} (expected None or a finite number > 0)")  # fmt: skip
     for flag, value in [
-        ("master_weights", master_weights),
-        ("pin_memory", pin_memory),
-        ("flush_denormal", flush_denormal),
-        ("grads_final", grads_final),
-        ("release_grads", release_grads),
+        ("master_weights", o.master_weights),
+        ("pin_memory", o.pin_memory),
+        ("flush_denormal", o.flush_denormal),
+        ("grads_final", o.grads_final),
+        ("release_grads", o.release_grads),
     ]:
         _check(isinstance(value, bool), f"Invalid {flag}: {value!r} (expected a bool)", TypeError)
-    if grad_scaler is not None:
+    if o.grad_scaler is not None:
         _check(
-            isinstance(grad_scaler, torch.amp.GradScaler),
-            f"Invalid grad_scaler: {type(grad_scaler).__name__} (expected a torch.amp.GradScaler)",
+            isinstance(o.grad_scaler, torch.amp.GradScaler),
+            f"Invalid grad_scaler: {type(o.grad_scaler).__name__} (expected a torch.amp.GradScaler)",
             TypeError,
         )
-    through = grads_final or max_grad_norm is not None or grad_scaler is not None
+    through = o.grads_final or o.max_grad_norm is not None or o.grad_scaler is not None
     _check(
-        not release_grads or (overlap == "backward" and through),
+        not o.release_grads or (o.overlap == "backward" and through),
         "release_grads=True frees grads once their copy lands during backward: it needs "
         "overlap='backward' and grads_final=True, max_grad_norm= (clipping through the "
         "optimizer) or grad_scaler= (a GradScaler attached)",
     )
-    if ddp is not None:
+    if o.ddp is not None:
         from torch.nn.parallel import DistributedDataParallel
 
         _check(
-            isinstance(ddp, DistributedDataParallel),
-            f"Invalid ddp: {type(ddp).__name__} (expected the DistributedDataParallel model whose "
+            isinstance(o.ddp, DistributedDataParallel),
+            f"Invalid ddp: {type(o.ddp).__name__} (expected the DistributedDataParallel model whose "
             "all-reduced grads this optimizer reads)",
             TypeError,
         )
         _check(
-            overlap == "backward" and through,
+            o.overlap == "backward" and through,
             "ddp= is the grad source of overlap='backward' with grads_final=True, "
-            f"max_grad_norm= or grad_scaler= (got overlap={overlap!r}); without them step() "
+            f"max_grad_norm= or grad_scaler= (got overlap={o.overlap!r}); without them step() "
             "reads DDP's reduced "
             "grads, and needs no ddp=",
         )
         _check(
-            ddp.gradient_as_bucket_view,
+            o.ddp.gradient_as_bucket_view,
             "ddp=: build DistributedDataParallel(..., gradient_as_bucket_view=True), so that a "
             "bucket's grads are reduced in place once its all-reduce is done (otherwise DDP "
             "copies them into p.grad only at the end of backward)",
         )
         _check(
-            not release_grads,
+            not o.release_grads,
             "release_grads=True with ddp=: DDP owns its grad buckets (their memory stays)",
         )
     _check(
-        isinstance(delay_after, numbers.Integral) and not isinstance(delay_after, bool) and delay_after >= 0,
-        f"Invalid delay_after: {delay_after!r} (expected an int >= 0: synchronous steps before the delay)",
+        isinstance(o.delay_after, numbers.Integral) and not isinstance(o.delay_after, bool) and o.delay_after >= 0,
+        f"Invalid delay_after: {o.delay_after!r} (expected an int >= 0: synchronous steps before the delay)",
     )  # fmt: skip
     _check(
-        delay_after == 0 or overlap == "delayed",
-        f"delay_after={delay_after} applies to overlap='delayed' (got overlap={overlap!r})",
+        o.delay_after == 0 or o.overlap == "delayed",
+        f"delay_after={o.delay_after} applies to overlap='delayed' (got overlap={o.overlap!r})",
     )
     _check(
-        delay_after == 0 or rule.has_step,
-        f"delay_after={delay_after}: {rule.name} keeps no step count to tell the synchronous "
+        o.delay_after == 0 or rule.has_step,
+        f"delay_after={o.delay_after}: {rule.name} keeps no step count to tell the synchronous "
         "steps by (it resumes from a checkpoint by the params' step); use delay_after=0",
     )
     _check(
-        not grads_final or overlap == "backward",
-        f"grads_final=True applies to overlap='backward' (got overlap={overlap!r}, which reads "
+        not o.grads_final or o.overlap == "backward",
+        f"grads_final=True applies to overlap='backward' (got overlap={o.overlap!r}, which reads "
         "the grads in step())",
     )
-    if overlap == "delayed":
+    if o.overlap == "delayed":
         _check(
-            wait == "step",
+            o.wait == "step",
             f"overlap='delayed' publishes the new weights at the next step() (or "
-            f"opt.synchronize()): wait={wait!r} does not apply; leave wait='step'",
+            f"opt.synchronize()): wait={o.wait!r} does not apply; leave wait='step'",
         )
     name = f"Hybrid{rule.name}"
     _check(not amsgrad, f"{name} does not support amsgrad=True yet", NotImplementedError)

@@ -325,3 +325,25 @@ def test_masters_loaded_into_an_optimizer_without_masters_warn_accurately():
     sd = copy.deepcopy(opt.state_dict())
     with pytest.warns(UserWarning, match="master_weights=False"):
         hybrid(params, 1.0, master_weights=False).load_state_dict(sd)
+
+
+def test_the_options_are_declared_once_and_documented():
+    """The offloading options live in one frozen dataclass (offloadopt/options.py); the
+    TypedDict that IDEs read for ``**options`` lists the same names, and HybridAdamW's
+    docstring documents each one."""
+    import dataclasses
+    import typing
+
+    from offloadopt.options import OffloadOptions, Options
+
+    fields = {f.name for f in dataclasses.fields(Options)}
+    assert set(typing.get_type_hints(OffloadOptions, include_extras=False)) == fields - {
+        "placement_policy"  # HybridDeviceOptimizer's, set by its constructor
+    }
+    doc = HybridAdamW.__doc__
+    undocumented = [n for n in fields - {"placement_policy"} if f"{n}:" not in doc]
+    assert not undocumented, undocumented
+    opt = HybridAdamW([w()], overlap="backward", grads_final=True, min_offload_numel=1)
+    assert opt.options == Options(overlap="backward", grads_final=True, min_offload_numel=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opt.options.overlap = "step"
