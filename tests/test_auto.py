@@ -238,7 +238,10 @@ def test_with_release_grads_the_probe_does_not_hold_the_grads():
 
 def test_a_verified_step_over_the_limit_moves_the_fraction_down(monkeypatch):
     """A model that promised too much (here: told to pick fraction 1 whatever it predicts)
-    is corrected by the measured period: the state moves down, bitwise as ever."""
+    is corrected by the measured period: the state moves down, bitwise as ever. (Fraction 0's
+    baseline is left out, so the limit is its prediction: a baseline measured on a loaded core
+    could make the limit loose enough for fraction 1.)"""
+    monkeypatch.setattr(auto.AutoFraction, "_baseline", lambda self, opt, f: self._move(opt, f))
     monkeypatch.setattr(auto.costmodel, "largest_hidden",
                         lambda m, tol, mode: costmodel.predict(m, 1.0, mode))  # fmt: skip
     m = model()
@@ -252,6 +255,7 @@ def test_a_verified_step_over_the_limit_moves_the_fraction_down(monkeypatch):
     # the worker's 2 ms a bucket are measured in the probe; a loaded CI core once measured
     # 386 ms against a prediction of 390, above the limit all the same)
     limit = (1 + opt._auto.tolerance) * choice["predicted_step_ms_at_0"]
+    assert choice["measured_step_ms_at_0"] is None  # the limit is fraction 0's prediction
     assert first["fraction"] == 1.0 and first["measured_step_ms"] > limit
     assert choice["fraction"] < 1.0 and not opt._auto.active and "within_tolerance" in choice
     ref_m = model()
@@ -264,7 +268,9 @@ def test_a_choice_left_above_the_limit_warns_with_what_was_kept(monkeypatch):
     """A fresh user's finding: on a noisy host auto ended at a fraction whose measured step was
     above its own limit (within_tolerance False) and said nothing. Now a warning names the
     fraction kept, the measured step and the limit. (Forced here: the model picks fraction 1
-    whatever it predicts, each bucket costs 2 ms, and no correction is allowed.)"""
+    whatever it predicts, each bucket costs 2 ms, and no correction is allowed; no baseline,
+    as in the test above.)"""
+    monkeypatch.setattr(auto.AutoFraction, "_baseline", lambda self, opt, f: self._move(opt, f))
     monkeypatch.setattr(auto.costmodel, "largest_hidden",
                         lambda m, tol, mode: costmodel.predict(m, 1.0, mode))  # fmt: skip
     monkeypatch.setattr(auto, "CORRECTIONS", 0)
