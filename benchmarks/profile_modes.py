@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import inspect
 import json
 import statistics
@@ -26,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from offloadopt import HybridAdamW
 from offloadopt.harness import anchors, checks
 from offloadopt.harness.bench import Bench, BenchConfig
+from offloadopt.options import Options
 
 
 def _config(text: str) -> tuple[str, float, dict]:
@@ -50,7 +52,10 @@ def _config(text: str) -> tuple[str, float, dict]:
             f"{text!r}: expected MODE:FRACTION[:key=value,...], each value a Python literal "
             "(True, 8, 'module')"
         ) from None
-    known = inspect.signature(HybridAdamW).parameters
+    known = {
+        *inspect.signature(HybridAdamW).parameters,
+        *(f.name for f in dataclasses.fields(Options)),
+    }
     unknown = [k for k in options if k not in known or k in ("params", "offload_fraction")]
     if unknown:
         raise argparse.ArgumentTypeError(f"{text!r}: {unknown[0]!r} is not a HybridAdamW option")
