@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from offloadopt import budget, checkpoint
 from offloadopt.auto import PROBE_FRACTION, AutoFraction
 from offloadopt.hooks import GradHooks
+from offloadopt.interrupts import no_grad_whole, signals_deferred
 from offloadopt.layout import Arena, Bucket
 from offloadopt.pipeline import Pipeline
 from offloadopt.placement import ParamInfo, Placement, format_placement, place
@@ -25,7 +26,7 @@ from offloadopt.records import ParamRecord
 from offloadopt.rules import ADAMW, Rule
 from offloadopt.shards import is_dtensor, local, local_state, world_size, wrap_like
 from offloadopt.state import OptimizerState
-from offloadopt.steps import Stepping, signals_deferred
+from offloadopt.steps import Stepping
 from offloadopt.transfer import Transfer
 from offloadopt.validation import (
     check_ddp,
@@ -433,7 +434,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
                         entry[key] = wrap_like(p, v)
         return sd
 
-    @torch.no_grad()  # copies from tensors that require grad record nothing
+    @no_grad_whole  # no grad (copies record nothing); signals deferred around it
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Validate the whole dict, then copy it into the existing buffers.
 
