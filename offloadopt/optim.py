@@ -394,6 +394,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         entry beats two). Device-resident state is copied to the host with a blocking D2H,
         never duplicated on the GPU. ``load_state_dict`` copies values into the optimizer's
         buffers wherever they come from; ``torch.optim`` optimizers move them to their params.
+        The groups leave out the ``"offload"`` key: placement is the loading optimizer's own.
         """
         if not self._budget_pending():  # a budget waits for the first step(): no state yet
             self.ensure_placed()
@@ -423,6 +424,13 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
                 "with overlap='backward') and end in step(); call state_dict() after step()"
             )
         sd = checkpoint.pack(super().state_dict(), on_device=self._snapshot_on_device)
+        for g in sd["param_groups"]:
+            # Placement is the loading optimizer's own (load_state_dict keeps its groups'
+            # "offload"), so a checkpoint carries none: torch.distributed.checkpoint loads
+            # only keys the checkpoint has, and one of torch's AdamW, or one taken at another
+            # placement, must load here (found by benchmarks/faults.py: "Missing key in
+            # checkpoint state_dict: optim.param_groups.0.offload").
+            g.pop("offload", None)
         params = [p for g in self.param_groups for p in g["params"]]
         for index, entry in sd["state"].items():
             p = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
