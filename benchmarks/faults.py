@@ -766,11 +766,12 @@ def resume_mismatches(folder: str) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------- the run
-def cases(rng: random.Random) -> dict:
+def cases(rng: random.Random, round_: int = 0) -> dict:
     """One random instance of each case (name -> a zero-argument call); the long run's
-    parameters, larger than CI's."""
+    parameters, larger than CI's. ``endurance`` takes the modes in turn (``round_``)."""
     seed = rng.randrange(2**31)
     mode, fraction = rng.choice(list(MODES)), rng.choice(FRACTIONS)
+    turn = list(MODES)[round_ % len(MODES)]
     return {
         "signal_step": lambda: signal_step(seed, mode, fraction, iters=16),
         "signal_record": lambda: signal_record(seed, mode, fraction),
@@ -790,7 +791,7 @@ def cases(rng: random.Random) -> dict:
             rng.randint(1, 3),
             rng.choice(["load", "discard"]),
         ),  # fmt: skip
-        "endurance": lambda: endurance(seed, mode, steps=2000, every=100),
+        "endurance": lambda: endurance(seed, turn, steps=2000, every=100),
         "lifetimes": lambda: lifetimes(seed, 200),
     }
 
@@ -825,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             run[name] += 1
             try:
-                outcomes[name][cases(rng)[name]()] += 1
+                outcomes[name][cases(rng, run[name] - 1)[name]()] += 1
             except Exception:  # noqa: BLE001 - counted and reported, the loop goes on
                 failed[name] += 1
                 first.setdefault(name, traceback.format_exc(limit=6))
