@@ -29,7 +29,8 @@ Cases:
   ``discard_failed_step()`` it goes on from the half-applied step.
 - ``endurance``: N steps per mode with ``set_offload_fraction`` and a ``state_dict`` /
   ``load_state_dict`` cycle every few steps, bitwise against the reference, while host RSS,
-  the process's threads and open file descriptors stay flat after warm-up.
+  the process's threads and open file descriptors stay flat after warm-up (fds and Python
+  threads exactly, OS threads within one, RSS within 32 MiB).
 - ``lifetimes``: optimizers created, stepped once and dropped (some ``close()``d): threads,
   fds and RSS do not grow, and a weak reference to each dies after ``gc.collect()``.
 
@@ -242,10 +243,12 @@ def signal_step(seed: int, mode: str = "step", fraction: float = 0.5, iters: int
             took.append(time.perf_counter() - t)
             opt.synchronize()
             ref.step(grads)
-            if same(model, ref):
+            # declared backward mode: the weights are new before step() ends the step
+            ended = opt._step is None
+            if same(model, ref) and ended:
                 outcomes["whole" if alarmed else "clean"] += 1
             elif not alarmed:
-                raise AssertionError(f"step {s}: step() returned, weights differ")
+                raise AssertionError(f"step {s}: step() returned, weights differ or step open")
             else:
                 opt.step()  # the step did not start (alarm before it): the retry is it
                 opt.synchronize()
@@ -542,13 +545,19 @@ def process_figures() -> dict:
     }
 
 
+THREAD_SLACK = 1  # OS threads above the first sample: a finished worker's OpenMP thread
+# leaves a moment later, so one sample in a few counts one more (a leak of one thread per
+# optimizer or per cycle would count tens)
+
+
 def flat(samples: list[dict], rss_slack: int = RSS_SLACK_NBYTES) -> list[str]:
-    """What grew over ``samples`` (after the first): threads and fds not at all, RSS by at most
-    ``rss_slack`` bytes above the first sample."""
+    """What grew over ``samples`` (after the first): Python threads and fds not at all, OS
+    threads by at most ``THREAD_SLACK``, RSS by at most ``rss_slack`` bytes above the first
+    sample."""
     first, bad = samples[0], []
-    for key in ("threads", "fds", "py_threads"):
+    for key, slack in (("threads", THREAD_SLACK), ("fds", 0), ("py_threads", 0)):
         top = max(s[key] for s in samples)
-        if top > first[key]:
+        if top > first[key] + slack:
             bad.append(f"{key} {first[key]} -> {top}")
     top = max(s["rss_nbytes"] for s in samples)
     if top - first["rss_nbytes"] > rss_slack:
