@@ -34,6 +34,10 @@ Cases:
 - ``lifetimes``: optimizers created, stepped once and dropped (some ``close()``d): threads,
   fds and RSS do not grow, and a weak reference to each dies after ``gc.collect()``.
 
+``resume_configs``, ``resume_phase`` and ``resume_mismatches`` are tests/test_resume_matrix.py's
+fresh-process resumes (torch.save and torch.distributed.checkpoint, across modes, fractions
+and classes); they run there, in two processes, not in this loop.
+
 Usage: python benchmarks/faults.py --minutes 10 [--cases signal_step,worker_error]
 Prints one line per case (``run``, ``failed``, outcomes) and the first failures; exit status
 1 if any case failed, 2 for bad arguments.
