@@ -9,7 +9,8 @@ The model (:class:`Probe`) is a list of params whose loss is ``sum(p * G)`` with
 per step: backward gives every param the grad ``G`` exactly (grad hooks fire as in any
 backward), and the grads do not depend on the weights, so every mode (step, backward, delayed)
 trains to the same weights, bitwise ``torch.optim.AdamW(fused=True)`` for fp32 params on the
-CPU (the reference of every case).
+CPU (the reference of every case). The long run also draws ``wait="module"`` (step and
+declared backward mode), where ``step()`` returns before the copies back land.
 
 Cases:
 
@@ -71,6 +72,12 @@ MODES = {
     "backward": dict(overlap="backward", grads_final=True),
     "delayed": dict(overlap="delayed"),
 }
+# wait="module": step() returns before the copies back land; the long run draws these too
+WAIT_MODULE = {
+    "module": dict(overlap="backward", grads_final=True, wait="module"),
+    "step-module": dict(wait="module"),
+}
+ALL_MODES = {**MODES, **WAIT_MODULE}
 FRACTIONS = (0.0, 0.5, 1.0)
 TIMEOUT_S = 30.0  # the optimizer's timeout_s in every case: nothing may hang past it
 RSS_SLACK_NBYTES = 32 * 2**20  # host RSS growth allowed after warm-up
@@ -111,7 +118,7 @@ def hybrid(model: Probe, fraction: float, mode: str, **kw) -> HybridAdamW:
     """HybridAdamW over ``groups(model)``; a bucket of about 1,000 elements, so each case
     runs several buckets."""
     kw = {"min_offload_numel": 1, "bucket_nbytes": 4 * 1024, "timeout_s": TIMEOUT_S,
-          **MODES[mode], **kw}  # fmt: skip
+          **ALL_MODES[mode], **kw}  # fmt: skip
     return HybridAdamW(groups(list(model.parameters())), offload_fraction=fraction, **kw)
 
 
@@ -783,8 +790,8 @@ def cases(rng: random.Random, round_: int = 0) -> dict:
     """One random instance of each case (name -> a zero-argument call); the long run's
     parameters, larger than CI's. ``endurance`` takes the modes in turn (``round_``)."""
     seed = rng.randrange(2**31)
-    mode, fraction = rng.choice(list(MODES)), rng.choice(FRACTIONS)
-    turn = list(MODES)[round_ % len(MODES)]
+    mode, fraction = rng.choice(list(ALL_MODES)), rng.choice(FRACTIONS)
+    turn = list(ALL_MODES)[round_ % len(ALL_MODES)]
     return {
         "signal_step": lambda: signal_step(seed, mode, fraction, iters=16),
         "signal_record": lambda: signal_record(seed, mode, fraction),

@@ -95,6 +95,15 @@ def test_an_exception_in_a_users_grad_hook_is_refused_clearly_and_recovers(fault
     assert faults.hook_error(4, 1.0, when, kind)
 
 
+@pytest.mark.filterwarnings("ignore:wait='module' with no model given")  # the Probe's sums
+@pytest.mark.parametrize("mode", ["module", "step-module"])
+def test_with_wait_module_signals_and_a_failing_bucket_are_handled_alike(faults, mode):
+    # step() returns before the copies back land: the next step() or synchronize() ends it
+    assert faults.signal_step(0, mode, 1.0, iters=6)
+    assert faults.worker_error(0, mode, 1.0, 2, "discard") == "discard"
+    assert faults.worker_error(1, mode, 0.5, 1, "load") == "load"
+
+
 @pytest.mark.parametrize("recover", ["load", "discard"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_worker_kernel_failing_on_the_nth_bucket_raises_and_recovers(faults, mode, recover):
