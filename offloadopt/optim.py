@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from offloadopt import budget, checkpoint
 from offloadopt.auto import PROBE_FRACTION, AutoFraction
 from offloadopt.hooks import GradHooks
+from offloadopt.interrupts import no_grad_whole, signals_deferred
 from offloadopt.layout import Arena, Bucket
 from offloadopt.options import Options
 from offloadopt.pipeline import Pipeline
@@ -26,7 +27,7 @@ from offloadopt.records import ParamRecord
 from offloadopt.rules import ADAMW, Rule
 from offloadopt.shards import is_dtensor, local, local_state, world_size, wrap_like
 from offloadopt.state import OptimizerState
-from offloadopt.steps import Stepping, signals_deferred
+from offloadopt.steps import Stepping
 from offloadopt.transfer import Transfer
 from offloadopt.validation import (
     check_ddp,
@@ -411,6 +412,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         entry beats two). Device-resident state is copied to the host with a blocking D2H,
         never duplicated on the GPU. ``load_state_dict`` copies values into the optimizer's
         buffers wherever they come from; ``torch.optim`` optimizers move them to their params.
+        The groups leave out the ``"offload"`` key: placement is the loading optimizer's own.
         """
         if not self._budget_pending():  # a budget waits for the first step(): no state yet
             self.ensure_placed()
@@ -440,6 +442,13 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
                 "with overlap='backward') and end in step(); call state_dict() after step()"
             )
         sd = checkpoint.pack(super().state_dict(), on_device=self._snapshot_on_device)
+        for g in sd["param_groups"]:
+            # Placement is the loading optimizer's own (load_state_dict keeps its groups'
+            # "offload"), so a checkpoint carries none: torch.distributed.checkpoint loads
+            # only keys the checkpoint has, and one of torch's AdamW, or one taken at another
+            # placement, must load here (found by benchmarks/faults.py: "Missing key in
+            # checkpoint state_dict: optim.param_groups.0.offload").
+            g.pop("offload", None)
         params = [p for g in self.param_groups for p in g["params"]]
         for index, entry in sd["state"].items():
             p = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
@@ -451,7 +460,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
                         entry[key] = wrap_like(p, v)
         return sd
 
-    @torch.no_grad()  # copies from tensors that require grad record nothing
+    @no_grad_whole  # no grad (copies record nothing); signals deferred around it
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Validate the whole dict, then copy it into the existing buffers.
 

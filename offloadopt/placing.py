@@ -15,13 +15,13 @@ from torch.optim import Optimizer
 from offloadopt import budget, checkpoint
 from offloadopt.costmodel import format_bytes
 from offloadopt.hooks import GradHooks
+from offloadopt.interrupts import no_grad_whole, signals_deferred
 from offloadopt.layout import build_arenas
 from offloadopt.pipeline import Pipeline
 from offloadopt.placement import ParamInfo, place, update_dtype
 from offloadopt.records import ParamRecord
 from offloadopt.shards import check_setup, local
 from offloadopt.state import OptimizerState
-from offloadopt.steps import signals_deferred
 from offloadopt.transfer import Transfer
 
 __all__ = ["Placing"]
@@ -158,7 +158,7 @@ class Placing:
         )  # fmt: skip
         self.offload_fraction = self.placement_choice["fraction"]
 
-    @torch.no_grad()
+    @no_grad_whole
     def set_offload_fraction(self, fraction: float) -> None:
         """Place every param again at ``fraction``, between steps, moving state between the
         device and the host; nothing is lost and no result changes (the state is copied out

@@ -36,12 +36,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +47,7 @@ import torch
 
 from offloadopt.amp import AmpInputs, scaler_inputs
 from offloadopt.backward import FromBackward
+from offloadopt.interrupts import no_grad_whole, signals_deferred
 from offloadopt.layout import Bucket
 from offloadopt.pipeline import BucketWork, StepRun
 from offloadopt.rules import Hyper
@@ -58,42 +57,12 @@ from offloadopt.updates import Updates
 from offloadopt.waits import Waits
 from offloadopt.worker import local_ranks
 
-__all__ = ["Stepping", "StepState"]
+__all__ = ["Stepping", "StepState", "signals_deferred"]
 
 
 def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """fp32 L2 norms of ``grads`` (one foreach launch per device and dtype, no copies)."""
     return list(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else []
-
-
-@contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Signals with a Python handler (Ctrl-C's SIGINT, a preemption handler's SIGTERM or
-    SIGUSR1, a timer's SIGALRM: every signal whose handler is a Python callable) that arrive
-    inside the block reach their handler when it ends, so an exception raised there cannot
-    leave a step half done (tests/test_state_contract.py, tests/test_delayed.py; a fresh user's
-    finding: a SIGALRM handler that raised inside a delayed step left some weights published
-    and others not, silently). Main thread only: Python runs signal handlers there alone."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[tuple[int, Any]] = []
-    previous = {}
-    for sig in signal.valid_signals():
-        try:
-            handler = signal.getsignal(sig)
-        except (OSError, ValueError):  # a number this platform lists but cannot query
-            continue
-        if callable(handler):
-            previous[sig] = handler
-            signal.signal(sig, lambda signum, frame: pending.append((signum, frame)))
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for signum, frame in pending:
-            previous[signum](signum, frame)  # KeyboardInterrupt for SIGINT: raised from here
 
 
 @dataclass(eq=False)
@@ -135,7 +104,6 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
 
     # ------------------------------------------------------------------ public
     @torch.compiler.disable  # under torch.compile the step runs eagerly (a graph break)
-    @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One update of every param with a grad; params whose grad is None are skipped.
 
@@ -151,6 +119,12 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step_whole()
+        return loss
+
+    @no_grad_whole  # the closure above runs with signals delivered as they come
+    def _step_whole(self) -> None:
+        """The step after the closure: without grad, signals deferred until it is whole."""
         t0 = time.perf_counter()
         self.ensure_placed()  # params built on the meta device, materialized since
         auto = self._auto if self._auto is not None and self._auto.active else None
@@ -264,6 +238,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                     if st.run is not None:  # a bucket failed while others were fed
                         st.run.abort()
                         self._broken = "an offloaded update failed"
+                        self._publish_after_failure(st, streams)
                     raise
 
             # Phase 2 starts first (the worker copies and updates the offloaded buckets while
@@ -316,7 +291,6 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
             # offload_fraction="auto": a sample (a step that updated nothing is none); may move
             # the state, between steps
             auto.end(self, worked=bool(st.prepared))
-        return loss
 
     def _warn_if_hypers_moved(self, st: StepState) -> None:
         """A group value set between backward and ``step()`` after this step's updates began

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from offloadopt.interrupts import signals_deferred
 from offloadopt.shards import local
 from offloadopt.warn import warn
 from offloadopt.worker import WaitTimeout
@@ -61,6 +62,14 @@ class Waits:
             self._wait_started()
             return
         self._refuse_other_thread()
+        # A signal whose handler raises (Ctrl-C, a watchdog's SIGALRM) reaches it once the
+        # step is whole: raised from the wait below it skipped the publication, so a delayed
+        # update's masters and moments moved while the weights did not, silently, and the
+        # next state_dict() paired them (found by benchmarks/faults.py).
+        with signals_deferred():
+            self._synchronize(st)
+
+    def _synchronize(self, st: StepState) -> None:
         self._inflight = None
         streams = self._inflight_streams
         try:
@@ -75,6 +84,8 @@ class Waits:
                 st.run.job.done.wait(self.timeout_s)
             if timed_out or not st.run.job.done.is_set() or st.run.job.error is not None:
                 self._broken = "an offloaded update failed or was interrupted"
+            if st.run.job.done.is_set():
+                self._publish_after_failure(st, streams)
             raise
         finally:
             self._pipeline.publish(streams, st.run)  # (I4) whatever landed is waited for
@@ -144,6 +155,40 @@ class Waits:
                 "write, not the update (a framework moving the model at the end of training: "
                 "call opt.synchronize() before it)"
             )
+
+    def _publish_after_failure(self, st: StepState, streams) -> None:
+        """overlap="delayed", a step whose run failed (the worker stopped): the buckets whose
+        update completed publish their weights (:meth:`_publish_completed`)."""
+        if st.delayed and st.run is not None and st.run.job.done.wait(self.timeout_s):
+            self._pipeline.publish(streams, st.run)
+            self._publish_completed(st, streams)
+
+    @torch.no_grad()
+    def _publish_completed(self, st: StepState, streams) -> None:
+        """overlap="delayed", a step whose run failed: copy in the new weights of the buckets
+        whose update completed (their fed segments), so that those params' weights agree with
+        their masters and moments, as in the other modes, where each bucket's H2D writes its
+        params; the others keep theirs. Without it, after ``discard_failed_step()`` the
+        updated params trained on from masters their weights did not show, and a checkpoint
+        paired the old fp32 weights with the new moments (found by benchmarks/faults.py)."""
+        with st.run._cond:
+            completed = [st.fed[b] for b in st.run.h2d_queued if b in st.fed]
+        fresh: dict = {}  # param -> whether it takes the landed weights (checked before any copy)
+        for work in completed:
+            for n in work.idx:
+                seg = work.bucket.segments[n]
+                p = work.bucket.arena.params[seg.k]
+                rec = self._records[p]
+                if p not in fresh:  # an outside write wins, as in _publish_delayed
+                    fresh[p] = rec.landing is not None and not rec.is_stale(p)
+                if not fresh[p]:
+                    continue
+                stream = streams.get(p.device)
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    local(p).view(-1)[seg.lo : seg.hi].copy_(rec.landing.view(-1)[seg.lo : seg.hi])
+        for p, ok in fresh.items():
+            if ok:
+                self._records[p].mark_written(p)
 
     def watch(self, model: torch.nn.Module) -> None:
         """Register forward pre-hooks on the modules of ``model`` that own offloaded params;
