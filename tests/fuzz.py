@@ -92,6 +92,7 @@ class Case:
     peek: tuple = ()  # steps after which opt.state[p] is read for every param (a logger's way)
     poison: tuple = ()  # steps after which a master element gets a NaN with a payload (bf16)
     delay_after: int = 0
+    master_weights: bool = True  # False: bf16 params update in bf16, against torch on them
 
     def __repr__(self) -> str:
         fields = ", ".join(
@@ -153,6 +154,7 @@ def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
     case.reload = tuple(s for s in range(case.steps - 1) if r.random() < 0.15)
     case.edit = tuple(s for s in range(case.steps - 1) if r.random() < 0.15)
     case.peek = tuple(s for s in range(case.steps - 1) if r.random() < 0.15)
+    case.master_weights = dtype == "float32" or r.random() < 0.75
     if case.overlap == "delayed" and kind != "sgd" and r.random() < 0.3:
         case.delay_after = r.randint(1, 3)
     if known:
@@ -305,7 +307,8 @@ class Reference:
 
     def __init__(self, case: Case, params: list[torch.nn.Parameter]):
         self.case, self.params = case, params
-        self.masters = [p.detach().float().clone() for p in params]
+        udt = torch.float32 if case.master_weights else DTYPES[case.dtype]
+        self.masters = [p.detach().to(udt).clone() for p in params]
         for p, m in zip(params, self.masters, strict=True):
             m.requires_grad_(p.requires_grad)
         torch_cls = KINDS[case.kind][1]
@@ -326,7 +329,7 @@ class Reference:
         have = [i for i, p in enumerate(self.params) if p.grad is not None]
         self.synchronize()
         for p, m in zip(self.params, self.masters, strict=True):
-            m.grad = p.grad.float() if p.grad is not None else None
+            m.grad = p.grad.to(m.dtype) if p.grad is not None else None
         if self.scaler is not None and found_inf is None:
             fresh = [m for m in self.masters if not self.opt.state.get(m)]
             if case.clip == "optimizer":
@@ -381,8 +384,16 @@ def _found_inf(scaler, shadow) -> bool:
 
 
 def _clip(masters: list[torch.Tensor], max_norm: float) -> None:
-    """torch's clip_grad_norm_ over fp32 grads, in param-group order (the optimizer's)."""
-    torch.nn.utils.clip_grad_norm_(masters, max_norm)
+    """torch's clip_grad_norm_ in param-group order (the optimizer's), its norms taken in
+    fp32 and its coefficient applied in fp32 (rounded once to bf16 grads without masters),
+    as the README says the optimizer clips."""
+    grads = [m.grad for m in masters if m.grad is not None]
+    if not grads:
+        return
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    norm = torch.linalg.vector_norm(torch.stack(list(norms)))
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef)
 
 
 def new_scaler() -> torch.amp.GradScaler:
@@ -421,6 +432,8 @@ def make_opt(case: Case, model: Net, scaler) -> Any:
         kw["grad_scaler"] = scaler
     if case.delay_after:
         kw["delay_after"] = case.delay_after
+    if not case.master_weights:
+        kw["master_weights"] = False
     opt = cls(groups_of(case, _params(model)), **kw)
     if case.wait == "module":
         opt.watch(model)
@@ -628,7 +641,7 @@ def _edit(case: Case, step: int, opt, params, ref: Reference) -> None:
     value = torch.tensor(r.uniform(-2, 2)).to(params[i].dtype)
     for p in (params[i], ref.params[i]):
         p.view(-1)[k] = value
-    ref.masters[i].view(-1)[k] = value.float()
+    ref.masters[i].view(-1)[k] = value.to(ref.masters[i].dtype)
 
 
 @torch.no_grad()
