@@ -40,7 +40,7 @@ KINDS = {
     "adam": (HybridAdam, torch.optim.Adam),
     "sgd": (HybridSGD, torch.optim.SGD),
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BATCH = 4
 # The known failures (issue 28, part 2) by a piece of their message, so that the long run can
 # tell them from new ones. Each has a strict xfail test in tests/test_fuzz.py.
@@ -68,6 +68,7 @@ class Case:
     embedding: bool = False
     tie: bool = False  # the head's weight is the embedding's (one Parameter, two modules)
     extras: tuple = ()  # shapes of raw Parameters: () is 0-d, a 0 in a shape is empty
+    transposed: tuple = ()  # (a, b): a raw Parameter that is a (b, a) tensor's .t() (strided)
     frozen: tuple = ()  # indices into the param list whose requires_grad is False
     n_groups: int = 1
     hyper: tuple = ()  # per group: dict of hyperparameters
@@ -93,6 +94,9 @@ class Case:
     poison: tuple = ()  # steps after which a master element gets a NaN with a payload (bf16)
     delay_after: int = 0
     master_weights: bool = True  # False: bf16 params update in bf16, against torch on them
+    zero_to_zeros: bool = False  # zero_grad(set_to_none=False) on both sides
+    lr_at: dict = field(default_factory=dict)  # step -> factor on every group's lr after it
+    reload_via_torch: bool = False  # reload through torch's optimizer's load/state_dict
 
     def __repr__(self) -> str:
         fields = ", ".join(
@@ -104,7 +108,7 @@ class Case:
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Case) if f.name != "seed"}
-_DEFAULTS.update(bad={}, refraction={})
+_DEFAULTS.update(bad={}, refraction={}, lr_at={})
 
 
 def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
@@ -116,7 +120,7 @@ def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
     """
     r = random.Random(seed)
     kind = r.choice(["adamw", "adamw", "adam", "sgd"])
-    dtype = r.choice(["float32", "float32", "bfloat16"])
+    dtype = r.choice(["float32", "float32", "float32", "bfloat16", "bfloat16", "float16"])
     layers = tuple(
         r.choice(["linear", "linear", "linear-nobias", "layernorm", "tanh"])
         for _ in range(r.randint(1, 3))
@@ -127,6 +131,8 @@ def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
     )
     case = Case(seed=seed, kind=kind, dtype=dtype, dim=r.choice([4, 8, 12]), layers=layers,
                 embedding=embedding, tie=embedding and r.random() < 0.5, extras=extras)  # fmt: skip
+    if r.random() < 0.2:
+        case.transposed = (r.choice([(3, 5), (8, 2), (1, 4)]),)
     n = len(_params(build_model(case)))
     case.frozen = tuple(i for i in range(n) if r.random() < 0.1)[: n - 1]  # one trains
     case.n_groups = r.randint(1, min(3, n))
@@ -154,7 +160,15 @@ def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
     case.reload = tuple(s for s in range(case.steps - 1) if r.random() < 0.15)
     case.edit = tuple(s for s in range(case.steps - 1) if r.random() < 0.15)
     case.peek = tuple(s for s in range(case.steps - 1) if r.random() < 0.15)
+    case.zero_to_zeros = r.random() < 0.2
+    case.lr_at = {s: r.choice([0.5, 2.0, 0.0]) for s in range(case.steps - 1) if r.random() < 0.15}
     case.master_weights = dtype == "float32" or r.random() < 0.75
+    if kind == "sgd" and dtype != "float32" and not case.master_weights and r.random() < 0.8:
+        case.master_weights = True  # refused (torch's fused CPU SGD on bf16): rarely drawn
+    # torch's load_state_dict casts state to the param's dtype: lossless only where the state
+    # is in that dtype already
+    lossless = dtype == "float32" or not case.master_weights
+    case.reload_via_torch = bool(case.reload) and lossless and r.random() < 0.5
     if case.overlap == "delayed" and kind != "sgd" and r.random() < 0.3:
         case.delay_after = r.randint(1, 3)
     if known:
@@ -166,7 +180,8 @@ def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
     _runtime_refusals_out(case)
     if not known and case.scaler == "attached" and case.overlap == "backward":
         case.extras = tuple(s for s in case.extras if 0 not in s)
-        case.frozen = tuple(i for i in case.frozen if i < len(_params(build_model(case))))
+        n = len(_params(build_model(case)))
+        case.frozen = tuple(i for i in case.frozen if i < n)[: n - 1]
     return case
 
 
@@ -212,6 +227,8 @@ def _accepted(case: Case) -> None:
 def _runtime_refusals_out(case: Case) -> None:
     """Leave out the combinations refused at step() (README's table): torch's clip or an
     unattached scaler after updates that started in backward."""
+    if case.dtype == "float16" and case.scaler != "none" and case.clip == "torch":
+        case.clip = "optimizer"  # torch's GradScaler.unscale_ refuses fp16 grads, as for torch
     declared = case.overlap == "backward" and (
         case.grads_final or case.clip == "optimizer" or case.scaler == "attached"
     )
@@ -219,8 +236,13 @@ def _runtime_refusals_out(case: Case) -> None:
         case.clip = "optimizer"
     if case.overlap == "backward" and case.grads_final and case.scaler == "unattached":
         case.scaler = "attached"
-    if case.clip == "optimizer" and case.scaler == "unattached":
+    if case.clip == "optimizer" and case.scaler == "unattached" and case.overlap == "backward":
         case.scaler = "attached"  # max_grad_norm with an unattached scaler clips scaled grads
+    fp16_grads = case.dtype == "float16" and not case.master_weights
+    if fp16_grads and case.scaler != "none" and case.clip == "optimizer":
+        case.clip = "none"  # no torch flow to compare with: it cannot unscale fp16 grads
+    if case.zero_to_zeros and case.release_grads:
+        case.zero_to_zeros = False  # documented: released grads cannot be kept as zeros
     if case.poison and case.overlap == "delayed":
         case.poison = ()
     if case.edit and case.overlap == "delayed":
@@ -254,8 +276,10 @@ class Net(torch.nn.Module):
             self.head.weight = self.emb.weight
         self.extras = torch.nn.ParameterList(
             [torch.nn.Parameter(torch.randn(s) * 0.5) for s in case.extras]
+            + [torch.nn.Parameter(torch.randn(b, a).t() * 0.5) for a, b in case.transposed]
         )
         self.coefs = [torch.randn(s) for s in case.extras]
+        self.coefs += [torch.randn(a, b) for a, b in case.transposed]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x) if self.emb is not None else x
@@ -526,8 +550,12 @@ def _run(case: Case, seen: list[int]) -> None:
                     f"after step {step}: scale {scaler.get_scale()} against "
                     f"{ref.scaler.get_scale()}"
                 )
-            opt.zero_grad()
-            twin.zero_grad()
+            opt.zero_grad(set_to_none=not case.zero_to_zeros)
+            twin.zero_grad(set_to_none=not case.zero_to_zeros)
+            if step in case.lr_at:
+                for o in (opt, ref.opt):
+                    for g in o.param_groups:
+                        g["lr"] *= case.lr_at[step]
             if step in case.refraction:
                 opt.set_offload_fraction(case.refraction[step])
                 ref.synchronize()  # it publishes the update in flight, as state_dict() does
@@ -536,6 +564,11 @@ def _run(case: Case, seen: list[int]) -> None:
                 sd = copy.deepcopy(opt.state_dict())
                 ref.synchronize()
                 opt.close()
+                if case.reload_via_torch:  # a torch optimizer in between: its layout both ways
+                    groups = groups_of(case, _params(model), forced=False)
+                    through = KINDS[case.kind][1](groups, fused=True)
+                    through.load_state_dict(sd)
+                    sd = copy.deepcopy(through.state_dict())
                 opt = make_opt(case, model, scaler)
                 opt.load_state_dict(sd)
                 ref.delayed = offloaded()
@@ -637,11 +670,17 @@ def _edit(case: Case, step: int, opt, params, ref: Reference) -> None:
     if not cands:
         return
     i = r.choice(cands)
-    k = r.randrange(params[i].numel())
+    at = _element(params[i], r)
     value = torch.tensor(r.uniform(-2, 2)).to(params[i].dtype)
     for p in (params[i], ref.params[i]):
-        p.view(-1)[k] = value
-    ref.masters[i].view(-1)[k] = value.to(ref.masters[i].dtype)
+        p[at] = value
+    ref.masters[i][at] = value.to(ref.masters[i].dtype)
+
+
+def _element(p: torch.Tensor, r: random.Random) -> tuple:
+    """A random element's index (any strides: a transposed param has no flat view)."""
+    k = r.randrange(p.numel())
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(k), p.shape))
 
 
 @torch.no_grad()
@@ -654,12 +693,12 @@ def _poison(case: Case, step: int, opt, params, ref: Reference) -> None:
     if not cands:
         return
     i = r.choice(cands)
-    k = r.randrange(params[i].numel())
-    nan = torch.tensor([0x7FC00123], dtype=torch.int32).view(torch.float32)
+    at = _element(params[i], r)
+    nan = torch.tensor(0x7FC00123, dtype=torch.int32).view(torch.float32)
     for master in (opt.state[params[i]]["master"], ref.masters[i]):
-        master.view(-1)[k : k + 1].copy_(nan)
+        master[at].copy_(nan)
     for p in (params[i], ref.params[i]):
-        p.view(-1)[k : k + 1].copy_(nan.to(p.dtype))
+        p[at].copy_(nan.to(p.dtype))
 
 
 def _check_payloads(opt, params, ref: Reference) -> None:

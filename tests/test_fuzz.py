@@ -48,7 +48,7 @@ def test_the_generator_draws_every_feature_it_claims():
         return any(pred(c) for c in cases)
 
     assert {c.kind for c in cases} == {"adamw", "adam", "sgd"}
-    assert {c.dtype for c in cases} == {"float32", "bfloat16"}
+    assert {c.dtype for c in cases} == {"float32", "bfloat16", "float16"}
     assert {c.overlap for c in cases} == {"step", "backward", "delayed"}
     assert {c.wait for c in cases} == {"step", "module"}
     assert {c.clip for c in cases} == {"none", "optimizer", "torch"}
@@ -60,7 +60,9 @@ def test_the_generator_draws_every_feature_it_claims():
     assert some(lambda c: c.accum > 1) and some(lambda c: c.delay_after)
     assert some(lambda c: "inf" in c.bad.values()) and some(lambda c: "nan" in c.bad.values())
     assert some(lambda c: c.refraction) and some(lambda c: c.reload) and some(lambda c: c.edit)
-    assert some(lambda c: c.peek)
+    assert some(lambda c: c.peek) and some(lambda c: c.transposed) and some(lambda c: c.lr_at)
+    assert some(lambda c: c.zero_to_zeros) and some(lambda c: c.reload_via_torch)
+    assert some(lambda c: c.dtype != "float32" and not c.master_weights)
     assert some(lambda c: c.grads_final) and some(lambda c: c.release_grads)
     assert some(lambda c: c.reset_state) and some(lambda c: c.poison)  # the known failures
     assert some(lambda c: c.overlap == "backward" and c.scaler == "attached"
