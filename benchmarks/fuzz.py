@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import torch  # noqa: E402
-from fuzz import draw, run_case  # noqa: E402
+from fuzz import draw, minimise, run_case  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--replay", type=int, default=None, help="run one seed, print its traceback")
     ap.add_argument("--every", type=int, default=50, help="progress line every N cases")
+    ap.add_argument(
+        "--minimise",
+        action="store_true",
+        help="with --replay: shrink the failing case, field by field, to a small one "
+        "that fails the same way (same exception type or mismatch kind)",
+    )
     args = ap.parse_args(argv)
     if args.cases < 1:
         ap.error(f"--cases must be >= 1 (got {args.cases})")
@@ -54,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAIL seed={seed} ({tag}): {out.message[:300]}", flush=True)
             if args.replay is not None:
                 print(out.trace)
+                if args.minimise:
+                    kind = out.message.split(":")[0]
+                    small = minimise(
+                        out.case,
+                        lambda o, kind=kind: o.status == "failed" and o.message.startswith(kind),
+                    )
+                    print(f"minimised: run_case({small!r})\n{run_case(small).message}")
         if n % args.every == 0 or n == len(seeds):
             print(f"[{n}/{len(seeds)}] {time.monotonic() - t0:.0f} s: "
                   f"passed {counts['passed']}, refused {counts['refused']}, "

@@ -97,6 +97,9 @@ class Case:
     zero_to_zeros: bool = False  # zero_grad(set_to_none=False) on both sides
     lr_at: dict = field(default_factory=dict)  # step -> factor on every group's lr after it
     reload_via_torch: bool = False  # reload through torch's optimizer's load/state_dict
+    late: int | None = None  # the last param joins (add_param_group) after this step
+    sparse_extras: bool = False  # raw params enter the loss (get grads) at even steps only
+    idle: tuple = ()  # steps with no backward: step() with every grad None (or zeros)
 
     def __repr__(self) -> str:
         fields = ", ".join(
@@ -169,13 +172,22 @@ def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
     # is in that dtype already
     lossless = dtype == "float32" or not case.master_weights
     case.reload_via_torch = bool(case.reload) and lossless and r.random() < 0.5
+    if n >= 2 and n - 1 not in case.frozen and r.random() < 0.2:
+        case.late = r.randrange(case.steps - 1)
+    # torch 2.13's fused SGD raises TypeError when a param gets its first grad after others
+    # have momentum buffers: no reference for HybridSGD there
+    sgd = kind == "sgd"
+    case.sparse_extras = bool(extras) and r.random() < 0.25 and not sgd
+    case.idle = tuple(s for s in range(case.steps) if r.random() < 0.08)
     if case.overlap == "delayed" and kind != "sgd" and r.random() < 0.3:
         case.delay_after = r.randint(1, 3)
-    if known:
-        case.reset_state = tuple(s for s in range(case.steps - 1) if r.random() < 0.05)
-        if dtype == "bfloat16":
-            case.poison = tuple(s for s in range(case.steps - 1) if r.random() < 0.1)
-    if not refusals or r.random() < 0.85:
+    # Drawn either way, so that a seed's other fields do not depend on ``known``.
+    case.reset_state = tuple(s for s in range(case.steps - 1) if r.random() < 0.05)
+    poison = tuple(s for s in range(case.steps - 1) if r.random() < 0.1)
+    case.poison = poison if dtype == "bfloat16" else ()
+    if not known:
+        case.reset_state, case.poison = (), ()
+    if r.random() < 0.85 or not refusals:
         _accepted(case)
     _runtime_refusals_out(case)
     if not known and case.scaler == "attached" and case.overlap == "backward":
@@ -241,6 +253,8 @@ def _runtime_refusals_out(case: Case) -> None:
     fp16_grads = case.dtype == "float16" and not case.master_weights
     if fp16_grads and case.scaler != "none" and case.clip == "optimizer":
         case.clip = "none"  # no torch flow to compare with: it cannot unscale fp16 grads
+    if case.scaler != "none":
+        case.idle = ()  # GradScaler.step() needs a scale() in the iteration
     if case.zero_to_zeros and case.release_grads:
         case.zero_to_zeros = False  # documented: released grads cannot be kept as zeros
     if case.poison and case.overlap == "delayed":
@@ -281,12 +295,12 @@ class Net(torch.nn.Module):
         self.coefs = [torch.randn(s) for s in case.extras]
         self.coefs += [torch.randn(a, b) for a, b in case.transposed]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, extras: bool = True) -> torch.Tensor:
         h = self.emb(x) if self.emb is not None else x
         h = self.body(h)
         loss = self.head(h).float().pow(2).mean()
         m = h.float().mean()
-        for p, c in zip(self.extras, self.coefs, strict=True):
+        for p, c in zip(self.extras if extras else [], self.coefs, strict=False):
             loss = loss + (p.float() * c).sum() * m
         return loss
 
@@ -307,8 +321,19 @@ def batch(case: Case, step: int, micro: int) -> torch.Tensor:
     return torch.randn(BATCH, case.dim, generator=g).to(DTYPES[case.dtype])
 
 
-def groups_of(case: Case, params: list[torch.Tensor], forced: bool = True) -> list[dict]:
-    """Contiguous slices of the params in model order, one per group."""
+def groups_of(
+    case: Case, params: list[torch.Tensor], forced: bool = True, added: bool = False
+) -> list[dict]:
+    """Contiguous slices of the params in model order, one per group; with ``case.late`` the
+    last param is left out, or (``added``) makes a group of its own at the end."""
+    if case.late is not None:
+        late = params[-1]
+        params = params[:-1]
+        if added:
+            return [
+                *groups_of(dataclasses.replace(case, late=None), params, forced),
+                late_group(case, late),
+            ]
     n, k = len(params), case.n_groups
     cuts = [round(i * n / k) for i in range(k + 1)]
     out = []
@@ -318,6 +343,12 @@ def groups_of(case: Case, params: list[torch.Tensor], forced: bool = True) -> li
             g["offload"] = case.offload[i]
         out.append(g)
     return [g for g in out if g["params"]]
+
+
+def late_group(case: Case, p: torch.Tensor) -> dict:
+    if case.kind == "sgd":
+        return {"params": [p], "lr": 0.05, "momentum": 0.9}
+    return {"params": [p], "lr": 0.02, "weight_decay": 0.05}
 
 
 def _at(values: tuple, i: int, default: Any) -> Any:
@@ -339,19 +370,40 @@ class Reference:
         self.opt = torch_cls(groups_of(case, self.masters, forced=False), fused=True)
         # unscale_ of the twin's own grads (torch's clip after unscale_) goes through this
         # never-stepped optimizer over the twin's params, as the user's does on the hybrid's.
-        self.shadow = torch.optim.SGD([p for p in params if p.requires_grad] or params, lr=0.0)
+        self.added = False
+        self.shadow = self._shadow()
         self.scaler = new_scaler() if case.scaler != "none" else None
         self.delayed: set[int] = set()
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.taken = 0
+        # weights written outside the optimizer: param index -> [(element, value)]; a master
+        # takes them at the param's next update, as the optimizer refreshes stale masters
+        self.stale: dict[int, list] = {}
+
+    def _shadow(self) -> torch.optim.Optimizer:
+        mine = {id(m) for g in self.opt.param_groups for m in g["params"]}
+        ps = [p for p, m in zip(self.params, self.masters, strict=True) if id(m) in mine]
+        return torch.optim.SGD(ps, lr=0.0)
+
+    def add_late(self) -> None:
+        self.synchronize()  # add_param_group() waits for the update in flight, publishing it
+        self.opt.add_param_group(late_group(self.case, self.masters[-1]))
+        self.added = True
+        self.shadow = self._shadow()
+
+    def in_opt(self, i: int) -> bool:
+        return self.case.late is None or self.added or i != len(self.params) - 1
 
     @torch.no_grad()
     def step(self, found_inf: bool | None = None) -> None:
         """One step on the twin's grads; ``found_inf``: the caller already unscaled them
         through :attr:`shadow` (torch's clip with a scaler) and found infs or not."""
         case = self.case
-        have = [i for i, p in enumerate(self.params) if p.grad is not None]
+        have = [i for i, p in enumerate(self.params) if p.grad is not None and self.in_opt(i)]
         self.synchronize()
+        for i in have:
+            for at, value in self.stale.pop(i, []):
+                self.masters[i][at] = value
         for p, m in zip(self.params, self.masters, strict=True):
             m.grad = p.grad.to(m.dtype) if p.grad is not None else None
         if self.scaler is not None and found_inf is None:
@@ -393,6 +445,7 @@ class Reference:
         for p, m in zip(self.params, self.masters, strict=True):
             m.copy_(p)
         self.taken = 0
+        self.stale = {}
 
     @torch.no_grad()
     def synchronize(self) -> None:
@@ -439,7 +492,7 @@ class Outcome:
         return self.status != "failed"
 
 
-def make_opt(case: Case, model: Net, scaler) -> Any:
+def make_opt(case: Case, model: Net, scaler, added: bool = False) -> Any:
     cls = KINDS[case.kind][0]
     kw: dict[str, Any] = dict(
         offload_fraction=case.fraction, min_offload_numel=case.min_offload_numel,
@@ -458,7 +511,7 @@ def make_opt(case: Case, model: Net, scaler) -> Any:
         kw["delay_after"] = case.delay_after
     if not case.master_weights:
         kw["master_weights"] = False
-    opt = cls(groups_of(case, _params(model)), **kw)
+    opt = cls(groups_of(case, _params(model), added=added), **kw)
     if case.wait == "module":
         opt.watch(model)
     return opt
@@ -540,8 +593,7 @@ def _run(case: Case, seen: list[int]) -> None:
             seen[0] = max(seen[0], sum(opt.is_offloaded(p) for p in params))
             if case.overlap == "delayed":
                 # The offloaded params still hold the weights of the step before, on both sides.
-                opt.zero_grad()
-                twin.zero_grad()
+                _zero_grad(opt, twin, params, ref)
             else:
                 opt.synchronize()
             _compare_params(params, ref_params, f"after step {step}")
@@ -550,12 +602,15 @@ def _run(case: Case, seen: list[int]) -> None:
                     f"after step {step}: scale {scaler.get_scale()} against "
                     f"{ref.scaler.get_scale()}"
                 )
-            opt.zero_grad(set_to_none=not case.zero_to_zeros)
-            twin.zero_grad(set_to_none=not case.zero_to_zeros)
+            _zero_grad(opt, twin, params, ref, set_to_none=not case.zero_to_zeros)
             if step in case.lr_at:
                 for o in (opt, ref.opt):
                     for g in o.param_groups:
                         g["lr"] *= case.lr_at[step]
+            if step == case.late:
+                opt.add_param_group(late_group(case, params[-1]))
+                ref.add_late()
+                ref.delayed = offloaded()
             if step in case.refraction:
                 opt.set_offload_fraction(case.refraction[step])
                 ref.synchronize()  # it publishes the update in flight, as state_dict() does
@@ -565,19 +620,20 @@ def _run(case: Case, seen: list[int]) -> None:
                 ref.synchronize()
                 opt.close()
                 if case.reload_via_torch:  # a torch optimizer in between: its layout both ways
-                    groups = groups_of(case, _params(model), forced=False)
+                    groups = groups_of(case, _params(model), forced=False, added=ref.added)
                     through = KINDS[case.kind][1](groups, fused=True)
                     through.load_state_dict(sd)
                     sd = copy.deepcopy(through.state_dict())
-                opt = make_opt(case, model, scaler)
+                opt = make_opt(case, model, scaler, added=ref.added)
                 opt.load_state_dict(sd)
                 ref.delayed = offloaded()
             if step in case.reset_state:
                 opt.state = collections.defaultdict(dict)
                 ref.reset()
             if step in case.peek:  # leaves {} for params without state, as in torch
-                for p, m in zip(params, ref.masters, strict=True):
-                    _ = opt.state[p], ref.opt.state[m]
+                for i, (p, m) in enumerate(zip(params, ref.masters, strict=True)):
+                    if ref.in_opt(i):  # a param outside both optimizers breaks state_dict()
+                        _ = opt.state[p], ref.opt.state[m]
             if step in case.edit:
                 _edit(case, step, opt, params, ref)
             if step in case.poison:
@@ -593,17 +649,22 @@ def _run(case: Case, seen: list[int]) -> None:
 
 
 def _one_step(case, step, model, opt, scaler, twin, ref) -> None:
+    if step in case.idle:  # no backward: every grad None (or the zeros zero_grad left)
+        opt.step()
+        ref.step()
+        return
     for side, m, s in (("hybrid", model, scaler), ("reference", twin, ref.scaler)):
         o = opt if side == "hybrid" else None
         for micro in range(case.accum):
             final = micro == case.accum - 1
             handle = None
             if final and step in case.bad:
-                p = next((p for p in m.parameters() if p.requires_grad and p.numel()), None)
+                ps = [p for i, p in enumerate(m.parameters()) if ref.in_opt(i)]
+                p = next((p for p in ps if p.requires_grad and p.numel()), None)
                 bad = float(case.bad[step])
                 if p is not None:
                     handle = p.register_hook(lambda g, bad=bad: _poisoned(g, bad))
-            loss = m(batch(case, step, micro))
+            loss = m(batch(case, step, micro), extras=not case.sparse_extras or step % 2 == 0)
             if s is not None:
                 loss = s.scale(loss)
             ctx = o.accumulating() if (o is not None and not final) else _null()
@@ -628,6 +689,16 @@ def _one_step(case, step, model, opt, scaler, twin, ref) -> None:
                     found = _found_inf(s, ref.shadow)  # the user's unscale_, on the twin
                 torch.nn.utils.clip_grad_norm_(m.parameters(), case.max_norm)
             ref.step(found)
+
+
+def _zero_grad(opt, twin, params, ref: Reference, set_to_none: bool = True) -> None:
+    """opt.zero_grad() on the hybrid's side, model.zero_grad() for a param not (yet) in it,
+    as a training loop that adds a group later has its grads dropped (the twin: all)."""
+    opt.zero_grad(set_to_none=set_to_none)
+    twin.zero_grad(set_to_none=set_to_none)
+    for i, p in enumerate(params):
+        if not ref.in_opt(i) and p.grad is not None:
+            p.grad = None if set_to_none else p.grad.zero_()
 
 
 class _null:
@@ -674,7 +745,7 @@ def _edit(case: Case, step: int, opt, params, ref: Reference) -> None:
     value = torch.tensor(r.uniform(-2, 2)).to(params[i].dtype)
     for p in (params[i], ref.params[i]):
         p[at] = value
-    ref.masters[i][at] = value.to(ref.masters[i].dtype)
+    ref.stale.setdefault(i, []).append((at, value.to(ref.masters[i].dtype)))
 
 
 def _element(p: torch.Tensor, r: random.Random) -> tuple:
@@ -706,3 +777,36 @@ def _check_payloads(opt, params, ref: Reference) -> None:
         mine = opt.state[p].get("master")
         if mine is not None and not torch.equal(bits(mine), bits(m)):
             raise Mismatch(f"NaN payload of the master of param {i} changed")
+
+
+SIMPLER = dict(
+    kind="adamw", dtype="float32", layers=("linear",), embedding=False, tie=False, extras=(),
+    transposed=(), frozen=(), n_groups=1, hyper=(), offload=(), fraction=1.0,
+    min_offload_numel=1, bucket_nbytes=None, overlap="step", wait="step", grads_final=False,
+    release_grads=False, clip="none", scaler="none", accum=1, bad={}, refraction={}, reload=(),
+    reset_state=(), edit=(), peek=(), poison=(), delay_after=0, master_weights=True,
+    zero_to_zeros=False, lr_at={}, reload_via_torch=False, late=None, sparse_extras=False,
+    idle=(),
+)  # fmt: skip
+
+
+def minimise(case: Case, still_fails) -> Case:
+    """Greedy: each field set to its simplest value, and steps cut, while ``still_fails``
+    (a function of an :class:`Outcome`) holds; twice over, since one change can unblock
+    another."""
+    for _ in range(2):
+        for name, simple in SIMPLER.items():
+            if getattr(case, name) == simple:
+                continue
+            trial = dataclasses.replace(case, **{name: simple})
+            try:
+                if still_fails(run_case(trial)):
+                    case = trial
+            except Exception:  # noqa: BLE001 - a field the others depend on: keep it
+                pass
+        while case.steps > 1:
+            trial = dataclasses.replace(case, steps=case.steps - 1)
+            if not still_fails(run_case(trial)):
+                break
+            case = trial
+    return case

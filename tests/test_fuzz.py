@@ -62,6 +62,8 @@ def test_the_generator_draws_every_feature_it_claims():
     assert some(lambda c: c.refraction) and some(lambda c: c.reload) and some(lambda c: c.edit)
     assert some(lambda c: c.peek) and some(lambda c: c.transposed) and some(lambda c: c.lr_at)
     assert some(lambda c: c.zero_to_zeros) and some(lambda c: c.reload_via_torch)
+    assert some(lambda c: c.late is not None) and some(lambda c: c.sparse_extras)
+    assert some(lambda c: c.idle)
     assert some(lambda c: c.dtype != "float32" and not c.master_weights)
     assert some(lambda c: c.grads_final) and some(lambda c: c.release_grads)
     assert some(lambda c: c.reset_state) and some(lambda c: c.poison)  # the known failures
