@@ -100,6 +100,8 @@ class Case:
     late: int | None = None  # the last param joins (add_param_group) after this step
     sparse_extras: bool = False  # raw params enter the loss (get grads) at even steps only
     idle: tuple = ()  # steps with no backward: step() with every grad None (or zeros)
+    reload_fraction: float | None = None  # the fresh optimizer of a reload takes this fraction
+    closure: bool = False  # forward and backward inside opt.step(closure), as torch allows
 
     def __repr__(self) -> str:
         fields = ", ".join(
@@ -179,6 +181,11 @@ def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
     sgd = kind == "sgd"
     case.sparse_extras = bool(extras) and r.random() < 0.25 and not sgd
     case.idle = tuple(s for s in range(case.steps) if r.random() < 0.08)
+    if case.reload and r.random() < 0.4:
+        case.reload_fraction = r.choice([0.0, 0.5, 1.0, round(r.random(), 3)])
+    case.closure = r.random() < 0.1
+    if r.random() < 0.05:
+        case.fraction = "auto"  # timed: placed differently run to run, results the same
     if case.overlap == "delayed" and kind != "sgd" and r.random() < 0.3:
         case.delay_after = r.randint(1, 3)
     # Drawn either way, so that a seed's other fields do not depend on ``known``.
@@ -255,6 +262,9 @@ def _runtime_refusals_out(case: Case) -> None:
         case.clip = "none"  # no torch flow to compare with: it cannot unscale fp16 grads
     if case.scaler != "none":
         case.idle = ()  # GradScaler.step() needs a scale() in the iteration
+        case.closure = False  # scaler.step(opt) takes no closure of a scaled loss
+    if case.clip == "torch" or case.accum > 1:
+        case.closure = False  # the closure is the whole forward and backward
     if case.zero_to_zeros and case.release_grads:
         case.zero_to_zeros = False  # documented: released grads cannot be kept as zeros
     if case.poison and case.overlap == "delayed":
@@ -428,7 +438,7 @@ class Reference:
         if self.scaler is not None:
             self.scaler.update()
         late = self.taken >= case.delay_after
-        self.taken += not found_inf  # delay_after counts the steps taken (the params' step)
+        self.taken += bool(have) and not found_inf  # delay_after counts the params' step
         for i in have:
             p, m = self.params[i], self.masters[i]
             if i in self.delayed and late:
@@ -492,10 +502,10 @@ class Outcome:
         return self.status != "failed"
 
 
-def make_opt(case: Case, model: Net, scaler, added: bool = False) -> Any:
+def make_opt(case: Case, model: Net, scaler, added: bool = False, fraction=None) -> Any:
     cls = KINDS[case.kind][0]
     kw: dict[str, Any] = dict(
-        offload_fraction=case.fraction, min_offload_numel=case.min_offload_numel,
+        offload_fraction=case.fraction if fraction is None else fraction, min_offload_numel=case.min_offload_numel,
         bucket_nbytes=case.bucket_nbytes, overlap=case.overlap, wait=case.wait,
         cpu_threads=1,
     )  # fmt: skip
@@ -624,7 +634,7 @@ def _run(case: Case, seen: list[int]) -> None:
                     through = KINDS[case.kind][1](groups, fused=True)
                     through.load_state_dict(sd)
                     sd = copy.deepcopy(through.state_dict())
-                opt = make_opt(case, model, scaler, added=ref.added)
+                opt = make_opt(case, model, scaler, ref.added, case.reload_fraction)
                 opt.load_state_dict(sd)
                 ref.delayed = offloaded()
             if step in case.reset_state:
@@ -653,17 +663,28 @@ def _one_step(case, step, model, opt, scaler, twin, ref) -> None:
         opt.step()
         ref.step()
         return
+    if case.closure:
+        for m in (model, twin):
+            handle = _bad_hook(case, step, m, ref)
+
+            def closure(m=m):
+                loss = m(batch(case, step, 0), extras=not case.sparse_extras or step % 2 == 0)
+                loss.backward()
+                return loss
+
+            if m is model:
+                opt.step(closure)
+            else:
+                closure()
+                ref.step()
+            if handle is not None:
+                handle.remove()
+        return
     for side, m, s in (("hybrid", model, scaler), ("reference", twin, ref.scaler)):
         o = opt if side == "hybrid" else None
         for micro in range(case.accum):
             final = micro == case.accum - 1
-            handle = None
-            if final and step in case.bad:
-                ps = [p for i, p in enumerate(m.parameters()) if ref.in_opt(i)]
-                p = next((p for p in ps if p.requires_grad and p.numel()), None)
-                bad = float(case.bad[step])
-                if p is not None:
-                    handle = p.register_hook(lambda g, bad=bad: _poisoned(g, bad))
+            handle = _bad_hook(case, step, m, ref) if final else None
             loss = m(batch(case, step, micro), extras=not case.sparse_extras or step % 2 == 0)
             if s is not None:
                 loss = s.scale(loss)
@@ -689,6 +710,16 @@ def _one_step(case, step, model, opt, scaler, twin, ref) -> None:
                     found = _found_inf(s, ref.shadow)  # the user's unscale_, on the twin
                 torch.nn.utils.clip_grad_norm_(m.parameters(), case.max_norm)
             ref.step(found)
+
+
+def _bad_hook(case: Case, step: int, m: Net, ref: Reference):
+    """At a bad step, a hook that puts an inf or a NaN in one grad, inside backward."""
+    if step not in case.bad:
+        return None
+    ps = [p for i, p in enumerate(m.parameters()) if ref.in_opt(i)]
+    p = next((p for p in ps if p.requires_grad and p.numel()), None)
+    bad = float(case.bad[step])
+    return None if p is None else p.register_hook(lambda g, bad=bad: _poisoned(g, bad))
 
 
 def _zero_grad(opt, twin, params, ref: Reference, set_to_none: bool = True) -> None:
@@ -786,7 +817,7 @@ SIMPLER = dict(
     release_grads=False, clip="none", scaler="none", accum=1, bad={}, refraction={}, reload=(),
     reset_state=(), edit=(), peek=(), poison=(), delay_after=0, master_weights=True,
     zero_to_zeros=False, lr_at={}, reload_via_torch=False, late=None, sparse_extras=False,
-    idle=(),
+    idle=(), reload_fraction=None, closure=False,
 )  # fmt: skip
 
 

@@ -53,7 +53,7 @@ def test_the_generator_draws_every_feature_it_claims():
     assert {c.wait for c in cases} == {"step", "module"}
     assert {c.clip for c in cases} == {"none", "optimizer", "torch"}
     assert {c.scaler for c in cases} == {"none", "attached", "unattached"}
-    assert {0.0, 0.5, 1.0} < {c.fraction for c in cases}
+    assert {0.0, 0.5, 1.0, "auto"} < {c.fraction for c in cases}
     assert some(lambda c: () in c.extras) and some(lambda c: any(0 in s for s in c.extras))
     assert some(lambda c: c.frozen) and some(lambda c: c.tie) and some(lambda c: c.n_groups == 3)
     assert some(lambda c: True in c.offload) and some(lambda c: False in c.offload)
@@ -63,7 +63,8 @@ def test_the_generator_draws_every_feature_it_claims():
     assert some(lambda c: c.peek) and some(lambda c: c.transposed) and some(lambda c: c.lr_at)
     assert some(lambda c: c.zero_to_zeros) and some(lambda c: c.reload_via_torch)
     assert some(lambda c: c.late is not None) and some(lambda c: c.sparse_extras)
-    assert some(lambda c: c.idle)
+    assert some(lambda c: c.idle) and some(lambda c: c.closure)
+    assert some(lambda c: c.reload_fraction is not None) and some(lambda c: c.fraction == "auto")
     assert some(lambda c: c.dtype != "float32" and not c.master_weights)
     assert some(lambda c: c.grads_final) and some(lambda c: c.release_grads)
     assert some(lambda c: c.reset_state) and some(lambda c: c.poison)  # the known failures
