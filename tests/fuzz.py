@@ -174,12 +174,15 @@ def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
     # is in that dtype already
     lossless = dtype == "float32" or not case.master_weights
     case.reload_via_torch = bool(case.reload) and lossless and r.random() < 0.5
-    if n >= 2 and n - 1 not in case.frozen and r.random() < 0.2:
+    others = [i for i in range(n - 1) if i not in case.frozen]  # the group has a trainable one
+    if others and n - 1 not in case.frozen and r.random() < 0.2:
         case.late = r.randrange(case.steps - 1)
     # torch 2.13's fused SGD raises TypeError when a param gets its first grad after others
     # have momentum buffers: no reference for HybridSGD there
     sgd = kind == "sgd"
-    case.sparse_extras = bool(extras) and r.random() < 0.25 and not sgd
+    n_extras = len(extras) + len(case.transposed)
+    inner = [i for i in range(n - n_extras) if i not in case.frozen]  # odd steps' grads
+    case.sparse_extras = bool(n_extras) and r.random() < 0.25 and not sgd and bool(inner)
     case.idle = tuple(s for s in range(case.steps) if r.random() < 0.08)
     if case.reload and r.random() < 0.4:
         case.reload_fraction = r.choice([0.0, 0.5, 1.0, round(r.random(), 3)])
@@ -385,7 +388,6 @@ class Reference:
         self.scaler = new_scaler() if case.scaler != "none" else None
         self.delayed: set[int] = set()
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.taken = 0
         # weights written outside the optimizer: param index -> [(element, value)]; a master
         # takes them at the param's next update, as the optimizer refreshes stale masters
         self.stale: dict[int, list] = {}
@@ -411,6 +413,10 @@ class Reference:
         case = self.case
         have = [i for i, p in enumerate(self.params) if p.grad is not None and self.in_opt(i)]
         self.synchronize()
+        # delay_after counts the offloaded params' updates: the largest step among them
+        taken = max((int(self.opt.state[self.masters[i]]["step"]) for i in self.delayed
+                     if "step" in self.opt.state.get(self.masters[i], {})), default=0)  # fmt: skip
+        late = taken >= case.delay_after
         for i in have:
             for at, value in self.stale.pop(i, []):
                 self.masters[i][at] = value
@@ -437,8 +443,6 @@ class Reference:
             self.opt.step()
         if self.scaler is not None:
             self.scaler.update()
-        late = self.taken >= case.delay_after
-        self.taken += bool(have) and not found_inf  # delay_after counts the params' step
         for i in have:
             p, m = self.params[i], self.masters[i]
             if i in self.delayed and late:
@@ -454,7 +458,6 @@ class Reference:
         self.opt.state = collections.defaultdict(dict)
         for p, m in zip(self.params, self.masters, strict=True):
             m.copy_(p)
-        self.taken = 0
         self.stale = {}
 
     @torch.no_grad()
