@@ -102,6 +102,9 @@ class Case:
     idle: tuple = ()  # steps with no backward: step() with every grad None (or zeros)
     reload_fraction: float | None = None  # the fresh optimizer of a reload takes this fraction
     closure: bool = False  # forward and backward inside opt.step(closure), as torch allows
+    # a combination refused at step() when updates started in backward (torch's clip, an
+    # unattached scaler): a RuntimeError there that says so counts as refused, not failed
+    step_refusal: bool = False
 
     def __repr__(self) -> str:
         fields = ", ".join(
@@ -199,7 +202,13 @@ def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
         case.reset_state, case.poison = (), ()
     if r.random() < 0.85 or not refusals:
         _accepted(case)
-    _runtime_refusals_out(case)
+    if case.dtype == "float16" and case.scaler != "none" and case.clip == "torch":
+        case.clip = "optimizer"  # torch's GradScaler.unscale_ refuses fp16 grads, as for torch
+    if refusals and r.random() < 0.1:
+        case.step_refusal = _refused_at_step(case)
+    else:
+        _runtime_refusals_out(case)
+    _consistent(case)
     if not known and case.scaler == "attached" and case.overlap == "backward":
         case.extras = tuple(s for s in case.extras if 0 not in s)
         n = len(_params(build_model(case)))
@@ -246,11 +255,25 @@ def _accepted(case: Case) -> None:
         case.delay_after = 0
 
 
+def _refused_at_step(case: Case) -> bool:
+    """Whether ``step()`` refuses the case (README's table) once an update started during
+    backward, which needs an offloaded param."""
+    declared = case.overlap == "backward" and (
+        case.grads_final or case.clip == "optimizer" or case.scaler == "attached"
+    )
+    return declared and (case.clip == "torch" or case.scaler == "unattached")
+
+
+# What step() says when it refuses such a case (offloadopt/steps.py, offloadopt/amp.py).
+STEP_REFUSALS = (
+    "changed after its bucket's update started during backward",
+    "updates of this step started during backward",
+)
+
+
 def _runtime_refusals_out(case: Case) -> None:
     """Leave out the combinations refused at step() (README's table): torch's clip or an
     unattached scaler after updates that started in backward."""
-    if case.dtype == "float16" and case.scaler != "none" and case.clip == "torch":
-        case.clip = "optimizer"  # torch's GradScaler.unscale_ refuses fp16 grads, as for torch
     declared = case.overlap == "backward" and (
         case.grads_final or case.clip == "optimizer" or case.scaler == "attached"
     )
@@ -260,6 +283,10 @@ def _runtime_refusals_out(case: Case) -> None:
         case.scaler = "attached"
     if case.clip == "optimizer" and case.scaler == "unattached" and case.overlap == "backward":
         case.scaler = "attached"  # max_grad_norm with an unattached scaler clips scaled grads
+
+
+def _consistent(case: Case) -> None:
+    """What the harness or torch itself cannot run (no reference, or torch refuses it)."""
     fp16_grads = case.dtype == "float16" and not case.master_weights
     if fp16_grads and case.scaler != "none" and case.clip == "optimizer":
         case.clip = "none"  # no torch flow to compare with: it cannot unscale fp16 grads
@@ -697,15 +724,20 @@ def _one_step(case, step, model, opt, scaler, twin, ref) -> None:
             if handle is not None:
                 handle.remove()
         if side == "hybrid":
-            if case.clip == "torch":
+            try:
+                if case.clip == "torch":
+                    if s is not None:
+                        s.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), case.max_norm)
                 if s is not None:
-                    s.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(m.parameters(), case.max_norm)
-            if s is not None:
-                s.step(opt)
-                s.update()
-            else:
-                opt.step()
+                    s.step(opt)
+                    s.update()
+                else:
+                    opt.step()
+            except RuntimeError as e:
+                if case.step_refusal and any(said in str(e) for said in STEP_REFUSALS):
+                    raise _Refused(f"at step {step}: {e}") from e
+                raise
         else:
             found = None
             if case.clip == "torch":
@@ -820,7 +852,7 @@ SIMPLER = dict(
     release_grads=False, clip="none", scaler="none", accum=1, bad={}, refraction={}, reload=(),
     reset_state=(), edit=(), peek=(), poison=(), delay_after=0, master_weights=True,
     zero_to_zeros=False, lr_at={}, reload_via_torch=False, late=None, sparse_extras=False,
-    idle=(), reload_fraction=None, closure=False,
+    idle=(), reload_fraction=None, closure=False, step_refusal=False,
 )  # fmt: skip
 
 
