@@ -178,3 +178,17 @@ def test_the_known_failures_are_told_apart():
         if out.status == "passed":  # fixed: the xfail above turns into a failure to remove
             continue
         assert out.known == known, explain(out)
+
+
+@pytest.mark.parametrize("fraction,status", [(0.0, "passed"), (1.0, "refused")])
+def test_a_refusal_at_step_counts_only_where_documented(fraction, status):
+    """torch's clip after updates that started during backward is refused at step() (README's
+    table), which the fuzz counts as refused; with nothing offloaded no update starts early,
+    so the same loop must pass, bitwise. Unflagged, the refusal is a failure."""
+    kw = dict(seed=1, layers=("linear",), overlap="backward", grads_final=True, clip="torch",
+              fraction=fraction, steps=2)  # fmt: skip
+    out = run_case(Case(step_refusal=True, **kw))
+    assert out.status == status, explain(out)
+    if status == "refused":
+        assert "changed after its bucket's update started during backward" in out.message
+        assert run_case(Case(**kw)).status == "failed"
