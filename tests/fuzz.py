@@ -213,6 +213,11 @@ def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
         case.extras = tuple(s for s in case.extras if 0 not in s)
         n = len(_params(build_model(case)))
         case.frozen = tuple(i for i in case.frozen if i < n)[: n - 1]
+        if not [i for i in range(n - 1) if i not in case.frozen] or n - 1 in case.frozen:
+            case.late = None  # the params moved up: the late one needs a trainable one beside
+        inner = n - len(case.extras) - len(case.transposed)
+        if not [i for i in range(inner) if i not in case.frozen]:
+            case.sparse_extras = False
     return case
 
 
