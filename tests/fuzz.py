@@ -80,7 +80,8 @@ class Case:
     wait: str = "step"
     grads_final: bool = False
     release_grads: bool = False
-    clip: str = "none"  # none | optimizer (max_grad_norm=) | torch (clip_grad_norm_)
+    # none | optimizer (max_grad_norm=) | torch (clip_grad_norm_) | method (opt.clip_grad_norm_)
+    clip: str = "none"
     max_norm: float = 0.1
     scaler: str = "none"  # none | attached (grad_scaler=) | unattached (scaler.step(opt))
     accum: int = 1  # backward passes per step
@@ -151,7 +152,7 @@ def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
     case.bucket_nbytes = r.choice([None, 256, 512, 4096])
     case.overlap = r.choice(["step", "backward", "backward", "delayed"])
     case.wait = r.choice(["step", "step", "module"])
-    case.clip = r.choice(["none", "none", "optimizer", "torch"])
+    case.clip = r.choice(["none", "none", "optimizer", "torch", "method"])
     case.max_norm = r.choice([0.01, 0.1, 10.0])
     case.scaler = r.choice(["none", "none", "attached", "unattached"])
     case.grads_final = r.random() < 0.3
@@ -204,6 +205,8 @@ def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
         _accepted(case)
     if case.dtype == "float16" and case.scaler != "none" and case.clip == "torch":
         case.clip = "optimizer"  # torch's GradScaler.unscale_ refuses fp16 grads, as for torch
+    if case.clip == "method" and case.scaler != "none":
+        case.clip = "optimizer"  # refused with grad_scaler= attached; unscale_ first otherwise
     if refusals and r.random() < 0.1:
         case.step_refusal = _refused_at_step(case)
     else:
@@ -266,13 +269,14 @@ def _refused_at_step(case: Case) -> bool:
     declared = case.overlap == "backward" and (
         case.grads_final or case.clip == "optimizer" or case.scaler == "attached"
     )
-    return declared and (case.clip == "torch" or case.scaler == "unattached")
+    return declared and (case.clip in ("torch", "method") or case.scaler == "unattached")
 
 
 # What step() says when it refuses such a case (offloadopt/steps.py, offloadopt/amp.py).
 STEP_REFUSALS = (
     "changed after its bucket's update started during backward",
     "updates of this step started during backward",
+    "updates of this step already started from the unclipped grads",
 )
 
 
@@ -282,7 +286,7 @@ def _runtime_refusals_out(case: Case) -> None:
     declared = case.overlap == "backward" and (
         case.grads_final or case.clip == "optimizer" or case.scaler == "attached"
     )
-    if declared and case.clip == "torch":
+    if declared and case.clip in ("torch", "method"):
         case.clip = "optimizer"
     if case.overlap == "backward" and case.grads_final and case.scaler == "unattached":
         case.scaler = "attached"
@@ -298,7 +302,7 @@ def _consistent(case: Case) -> None:
     if case.scaler != "none":
         case.idle = ()  # GradScaler.step() needs a scale() in the iteration
         case.closure = False  # scaler.step(opt) takes no closure of a scaled loss
-    if case.clip == "torch" or case.accum > 1:
+    if case.clip in ("torch", "method") or case.accum > 1:
         case.closure = False  # the closure is the whole forward and backward
     if case.zero_to_zeros and case.release_grads:
         case.zero_to_zeros = False  # documented: released grads cannot be kept as zeros
@@ -470,7 +474,7 @@ class Reference:
                 for m in fresh:
                     self.opt.state.pop(m, None)
         elif not found_inf:  # None without a scaler
-            if case.clip == "optimizer":
+            if case.clip in ("optimizer", "method"):
                 _clip([self.masters[i] for i in have], case.max_norm)
             self.opt.step()
         if self.scaler is not None:
@@ -734,6 +738,8 @@ def _one_step(case, step, model, opt, scaler, twin, ref) -> None:
                     if s is not None:
                         s.unscale_(opt)
                     torch.nn.utils.clip_grad_norm_(m.parameters(), case.max_norm)
+                if case.clip == "method":
+                    opt.clip_grad_norm_(case.max_norm)
                 if s is not None:
                     s.step(opt)
                     s.update()

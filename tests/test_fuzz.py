@@ -51,7 +51,7 @@ def test_the_generator_draws_every_feature_it_claims():
     assert {c.dtype for c in cases} == {"float32", "bfloat16", "float16"}
     assert {c.overlap for c in cases} == {"step", "backward", "delayed"}
     assert {c.wait for c in cases} == {"step", "module"}
-    assert {c.clip for c in cases} == {"none", "optimizer", "torch"}
+    assert {c.clip for c in cases} == {"none", "optimizer", "torch", "method"}
     assert {c.scaler for c in cases} == {"none", "attached", "unattached"}
     assert {0.0, 0.5, 1.0, "auto"} < {c.fraction for c in cases}
     assert some(lambda c: () in c.extras) and some(lambda c: any(0 in s for s in c.extras))
