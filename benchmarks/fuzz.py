@@ -75,10 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run {len(seeds)}, passed {counts['passed']}, refused {counts['refused']}, "
           f"failed {counts['failed']} (new {counts['new']}, known {counts['known']}); "
           f"{counts['offloaded']} ran with params offloaded; {time.monotonic() - t0:.0f} s")  # fmt: skip
+    flags = " --no-known" * args.no_known + " --no-refusals" * args.no_refusals
     for out in failures:
         print(f"\nseed {out.case.seed}{' (known: ' + out.known + ')' if out.known else ''}: "
               f"{out.message[:500]}\n  reproduce: python benchmarks/fuzz.py --replay "
-              f"{out.case.seed}\n  or: run_case({out.case!r})")  # fmt: skip
+              f"{out.case.seed}{flags} (--minimise for a smaller case)\n"
+              f"  or, in tests/: from fuzz import *; run_case({out.case!r})")  # fmt: skip
     return 1 if counts["new"] else 0
 
 
