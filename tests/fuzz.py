@@ -1,23 +1,35 @@
 """A differential fuzz of the hybrid optimizers against torch's fused optimizers on the CPU.
 
-:func:`draw` turns a seed into a :class:`Case` (a random small model, its param groups and a
-random run: mode, fraction, accumulation, clipping, a GradScaler with inf/NaN steps,
-re-placement, checkpoint round-trips, weight edits); :func:`run_case` trains it with the
-hybrid optimizer and with the reference below in lockstep and returns an :class:`Outcome`.
+:func:`draw` turns a seed into a :class:`Case`: a random small model (Linear, LayerNorm,
+Embedding, a tied head, raw 0-d, empty and strided params, frozen ones), its param groups
+(their own hyperparameters, ``"offload"`` forced either way, one added mid-run) and a random
+run (class, dtype, fraction or ``"auto"``, mode, wait, accumulation, three ways to clip, a
+GradScaler attached or not with inf/NaN steps, set_offload_fraction, state_dict reloads through
+a fresh optimizer or torch's, ``opt.state`` reads, weight edits, lr changes, steps without
+grads, a closure). :func:`run_case` trains it with the hybrid optimizer and with the reference
+below in lockstep and returns an :class:`Outcome`; :func:`minimise` shrinks a failing case.
 
 The reference: a twin of the model (same seed, same dtype) whose fp32 masters (for fp32
-params, bitwise copies of them) are updated by ``torch.optim.AdamW/Adam/SGD(fused=True)`` and
-copied into the twin's params after each step; with ``overlap="delayed"`` the offloaded params
-get their new weights only at the next ``step()`` or ``synchronize()``, as
-``tests/oracle.DelayedReference`` does. Every comparison is bitwise (the bits of the params,
-NaN payloads included, of the state and of the scaler's scale): the CPU stands in for the
-device and both sides run torch's fused kernels on the same inputs.
+params, bitwise copies of them; without masters, copies in the params' dtype) are updated by
+``torch.optim.AdamW/Adam/SGD(fused=True)`` and copied into the twin's params after each step;
+with ``overlap="delayed"`` the offloaded params get their new weights only at the next
+``step()`` or ``synchronize()``, as ``tests/oracle.DelayedReference`` does. Every comparison is
+bitwise (the bits of the params, NaN payloads included, of the state and of the scaler's
+scale): the CPU stands in for the device and both sides run torch's fused kernels on the same
+inputs. Every step's grads come from a forward and backward on each side, so in delayed mode
+they depend on the stale weights the same way on both.
 
-Every step's grads come from a forward and backward on each side, so in delayed mode they
-depend on the stale weights the same way on both. Documented refusals (a ``ValueError``,
-``NotImplementedError`` or ``TypeError`` from the constructor, e.g. ``grads_final`` outside
-backward mode) count as ``refused``, never as a pass of the run; anything else raised is a
-failure. ``benchmarks/fuzz.py`` is the long run; ``tests/test_fuzz.py`` the CI slice.
+Documented refusals count as ``refused``, never as a pass: a ``ValueError``,
+``NotImplementedError`` or ``TypeError`` from the constructor (``grads_final`` outside backward
+mode, ...), and, in cases drawn with ``step_refusal``, the ``RuntimeError`` that ``step()`` (or
+``scaler.step()``, ``opt.clip_grad_norm_()``) raises naming the cause when an update started
+during backward. Anything else raised, anywhere, is a failure; so is any bit that differs.
+Left out, with no torch reference: what torch itself refuses or gets wrong (GradScaler's
+unscale_ of fp16 grads; torch 2.13's fused SGD with a param whose first grad comes late, where
+it raises TypeError; tests/test_adam_sgd.py checks HybridSGD there against torch's for-loop
+SGD). Where a GradScaler skips fused SGD's first step, the reference drops the uninitialised
+momentum buffers torch's kernel leaves, as the for-loop SGD never makes them.
+``benchmarks/fuzz.py`` is the long run; ``tests/test_fuzz.py`` the CI slice.
 """
 
 from __future__ import annotations
