@@ -150,7 +150,7 @@ def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
     extras = tuple(
         r.choice([(), (0,), (0, 3), (3,), (2, 5), (7,), (4, 4)]) for _ in range(r.randint(0, 3))
     )
-    case = Case(seed=seed, kind=kind, dtype=dtype, dim=r.choice([4, 8, 12]), layers=layers,
+    case = Case(seed=seed, kind=kind, dtype=dtype, dim=r.choice([4, 8, 12, 12, 40]), layers=layers,
                 embedding=embedding, tie=embedding and r.random() < 0.5, extras=extras)  # fmt: skip
     if r.random() < 0.2:
         case.transposed = (r.choice([(3, 5), (8, 2), (1, 4)]),)
@@ -161,7 +161,7 @@ def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
     case.offload = tuple(r.choice([None, None, None, True, False]) for _ in range(case.n_groups))
     case.fraction = r.choice([0.0, 0.5, 1.0, round(r.random(), 3)])
     case.min_offload_numel = r.choice([0, 1, 1, 8, 32])
-    case.bucket_nbytes = r.choice([None, 256, 512, 4096])
+    case.bucket_nbytes = r.choice([None, 64, 256, 512, 1000, 4096])
     case.overlap = r.choice(["step", "backward", "backward", "delayed"])
     case.wait = r.choice(["step", "step", "module"])
     case.clip = r.choice(["none", "none", "optimizer", "torch", "method"])
