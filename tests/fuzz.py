@@ -221,6 +221,11 @@ def draw(seed: int, known: bool = True, refusals: bool = True) -> Case:
         case.clip = "optimizer"  # refused with grad_scaler= attached; unscale_ first otherwise
     if refusals and r.random() < 0.1:
         case.step_refusal = _refused_at_step(case)
+        if case.step_refusal and case.release_grads and case.clip == "torch":
+            # torch's clip then sees only the grads whose copies have not landed: an error
+            # when some are left, and when every one was released a clip of nothing, silently
+            # (timing decides; README's table says "no" to the combination)
+            case.release_grads = False
     else:
         _runtime_refusals_out(case)
     _consistent(case)
