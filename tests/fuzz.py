@@ -854,7 +854,7 @@ def _poison(case: Case, step: int, opt, params, ref: Reference) -> None:
     that master's bf16 value: the weight equals its master's rounding, so the optimizer must
     keep the master's bits (issue 28, part 2: the refresh replaced them)."""
     r = random.Random(case.seed * 37 + step)
-    cands = [i for i, p in enumerate(params) if p.numel() > 0 and "master" in opt.state[p]]
+    cands = [i for i, p in enumerate(params) if p.numel() and "master" in opt.state.get(p, {})]
     if not cands:
         return
     i = r.choice(cands)
