@@ -204,7 +204,10 @@ class Updates:
                     if theirs:
                         scaled = torch._foreach_mul([grads[n] for n in theirs], factors[0])
                         for n, g in zip(theirs, scaled, strict=True):
-                            grads[n] = g
+                            # A 0-d bf16 grad times the 0-d fp32 factor promotes to fp32
+                            # (0-d operands promote as equals): back to the grad's dtype, the
+                            # one rounding an n-d grad's product gets.
+                            grads[n] = g.to(grads[n].dtype)
                     for f in factors[1:]:
                         torch._foreach_mul_(grads, f)
                 self._device_rule(hyper, chunk, targets, grads, first, amp)

@@ -341,3 +341,28 @@ def test_an_unmet_budget_names_every_part_of_what_the_device_needs():
         opt.step()
     said = str(e.value)
     assert "staging" in said and "+ delayed landing buffers" in said, said
+
+
+def test_set_offload_fraction_after_a_read_of_state_for_a_param_without_state():
+    """``opt.state[p]`` read for a param that has no state yet (a frozen one, one without a
+    grad) leaves an empty entry, as torch's defaultdict does; set_offload_fraction() then
+    raised KeyError 'step' moving that empty entry. Found by the fuzz (seed 2015)."""
+    a, b = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8))
+    ref_a, ref_b = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8))
+    opt = HybridAdamW([a, b], lr=0.1, min_offload_numel=1, offload_fraction=0.0)
+    ref = torch.optim.AdamW([ref_a, ref_b], lr=0.1, fused=True)
+    for p in (a, ref_a):
+        p.grad = torch.ones(8)
+    opt.step()
+    ref.step()
+    assert opt.state[b] == {} and ref.state[ref_b] == {}
+    opt.set_offload_fraction(1.0)
+    assert opt.is_offloaded(b) and opt.state.get(b, {}) == {}
+    for p, q in ((a, ref_a), (b, ref_b)):
+        p.grad, q.grad = torch.full((8,), 0.5), torch.full((8,), 0.5)
+    opt.step()
+    ref.step()
+    for p, q in ((a, ref_a), (b, ref_b)):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+        assert opt.state[p]["step"].item() == ref.state[q]["step"].item()
+    opt.close()

@@ -226,3 +226,31 @@ def test_back_to_back_segments_join_into_one_kernel_call_bitwise(monkeypatch):
     assert calls[-1] == [64, 320, 37, 256, 64 + 100, 192 + 128]
     for p, r in zip(params, refs, strict=True):
         assert_bitwise([opt.state[p]["exp_avg_sq"]], [ref.state[r]["exp_avg_sq"]])
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_max_grad_norm_with_a_0d_bf16_param_without_masters(fraction):
+    """master_weights=False, a 0-d bf16 param and max_grad_norm: the clip factor (0-d fp32)
+    times the 0-d bf16 grad promoted to fp32, and torch's fused kernel refused the mix
+    ('expected scalar type BFloat16 but found Float'). Found by the differential fuzz
+    (tests/fuzz.py, seed 50029). Against torch on the bf16 params with the grads clipped as the
+    README says: fp32 norms, the coefficient applied in fp32, one rounding to bf16."""
+    shapes = [(), (5,), (3, 4)]
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).bfloat16()) for s in shapes]
+    refs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = HybridAdamW(params, lr=1e-2, master_weights=False, max_grad_norm=0.1,
+                      offload_fraction=fraction, min_offload_numel=1)  # fmt: skip
+    ref = torch.optim.AdamW(refs, lr=1e-2, fused=True)
+    for _ in range(3):
+        grads = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        coef = torch.clamp(
+            0.1 / (torch.linalg.vector_norm(torch.stack(list(norms))) + 1e-6), max=1.0
+        )
+        for p, r, g in zip(params, refs, grads, strict=True):
+            p.grad, r.grad = g.clone(), (g.float() * coef).bfloat16()
+        opt.step()
+        ref.step()
+        assert_bitwise(params, refs)
+    opt.close()
