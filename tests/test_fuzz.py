@@ -112,23 +112,14 @@ def test_fuzz_case_of_the_empty_state_entry():
     assert out.ok, explain(out)
 
 
-# ---------------------------------------------------------------------------- known (issue 28)
+# ----------------------------------------------- the three failures of issue 28 part 2, fixed
 EMPTY = dict(extras=((0,), (0, 3), (3,)), layers=("linear",), steps=3, min_offload_numel=1)
-
-
-BACKWARD_EMPTY = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "issue 28 part 2 (a): backward mode with an attached GradScaler and a 0-element param "
-        "ends backward in _foreach_norm's 'infinity norm on an empty tensor' (with offloaded params)"
-    ),
-)
 
 
 @pytest.mark.parametrize(
     "mode,fraction",
-    [("step", 0.0), ("step", 1.0), ("backward", 0.0), pytest.param("backward", 1.0, marks=BACKWARD_EMPTY),
-     ("delayed", 0.0), ("delayed", 1.0)],
+    [("step", 0.0), ("step", 1.0), ("backward", 0.0), ("backward", 1.0), ("delayed", 0.0),
+     ("delayed", 1.0)],
 )  # fmt: skip
 def test_empty_params_with_an_attached_grad_scaler(mode, fraction):
     case = Case(seed=7, overlap=mode, scaler="attached", fraction=fraction,
@@ -137,25 +128,12 @@ def test_empty_params_with_an_attached_grad_scaler(mode, fraction):
     assert out.ok, explain(out)
 
 
-STATE_REPLACED = (
-    "issue 28 part 2 (b): opt.state = defaultdict(dict) between steps: the next step() raises "
-    "AttributeError (no attribute 'install'); torch's state starts afresh"
-)
-
-
 @pytest.mark.parametrize(
     "mode,extra",
-    [
-        pytest.param(mode, {}, marks=pytest.mark.xfail(strict=True, reason=STATE_REPLACED))
-        for mode in ("step", "backward", "delayed")
-    ]
+    [(mode, {}) for mode in ("step", "backward", "delayed")]
     + [
         pytest.param("delayed", dict(clip="optimizer", max_norm=0.01, scaler="attached",
-                                     steps=1, reset_state=(0,)),
-                     marks=pytest.mark.xfail(strict=True, reason=(
-                         "issue 28 part 2 (b) with a delayed update in flight and an attached "
-                         "GradScaler: the next step() raises KeyError 'step' finishing it")),
-                     id="delayed-in-flight"),
+                                     steps=1, reset_state=(0,)), id="delayed-in-flight"),
     ],
 )  # fmt: skip
 def test_opt_state_replaced_by_a_new_mapping_starts_afresh(mode, extra):
@@ -165,9 +143,6 @@ def test_opt_state_replaced_by_a_new_mapping_starts_afresh(mode, extra):
     assert out.ok, explain(out)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 28 part 2 (c): a master refreshed from an edited weight loses its NaN payload "
-    "(NaN != NaN counts the element as changed)"))  # fmt: skip
 @pytest.mark.parametrize("fraction", [0.0, 1.0])
 def test_nan_payloads_of_masters_are_kept_bit_for_bit(fraction):
     case = Case(seed=5, dtype="bfloat16", layers=("linear",), fraction=fraction,
