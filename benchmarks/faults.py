@@ -64,7 +64,7 @@ from collections import Counter
 import torch
 
 from offloadopt import HybridAdamW
-from offloadopt.worker import WorkerError
+from offloadopt.link.worker import WorkerError
 
 SHAPES = [(64, 32), (64,), (48, 64), (48,), (32, 48), (32,), (7, 5, 3)]
 MODES = {

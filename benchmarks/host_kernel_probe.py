@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from offloadopt.host import _pin
-from offloadopt.worker import Worker, usable_cores
+from offloadopt.link.host import _pin
+from offloadopt.link.worker import Worker, usable_cores
 
 BLOCK = [(1600,), (1600,), (1600, 4800), (4800,), (1600, 1600), (1600,), (1600,), (1600,),
          (1600, 6400), (6400,), (6400, 1600), (1600,)]  # fmt: skip

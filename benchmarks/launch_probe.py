@@ -25,7 +25,7 @@ import torch
 
 from offloadopt import HybridAdamW
 from offloadopt.harness import checks, models
-from offloadopt.transfer import _OnStream
+from offloadopt.link.transfer import _OnStream
 
 
 def per_call_us(fn, reps: int, rounds: int, sync_every: int = 25) -> float:

@@ -21,11 +21,13 @@ from pathlib import Path
 
 import torch
 
-from offloadopt import HybridAdamW, auto, updates
+from offloadopt import HybridAdamW
 from offloadopt.harness import anchors, checks, models
 from offloadopt.harness.data import get_batch, load_text
 from offloadopt.harness.probes import time_kernel_under_link
-from offloadopt.pipeline import StepRun
+from offloadopt.link.pipeline import StepRun
+from offloadopt.place import auto
+from offloadopt.step import updates
 
 SWEEP = [0.05, 0.1, 0.15, 0.2, 0.25, 0.3]
 BEST = dict(overlap="backward", wait="module", grads_final=True)  # nothing edits grads

@@ -24,8 +24,8 @@ import torch
 from offloadopt import HybridAdamW
 from offloadopt.harness import checks, models
 from offloadopt.harness.data import get_batch, load_text
-from offloadopt.pipeline import Pipeline
-from offloadopt.transfer import Transfer
+from offloadopt.link.pipeline import Pipeline
+from offloadopt.link.transfer import Transfer
 
 MODES = {
     "step": {},

@@ -21,9 +21,9 @@ _LAZY = {
     "HybridSGD": "offloadopt.sgd",
     "HybridDeviceOptimizer": "offloadopt.compat.megatron",
     "HybridOptimizer": "offloadopt.optim",
-    "PinnedAllocationError": "offloadopt.host",
+    "PinnedAllocationError": "offloadopt.link.host",
     "PageableCopyError": "offloadopt.audit",
-    "Placement": "offloadopt.placement",
+    "Placement": "offloadopt.place.placement",
     "audit": "offloadopt.audit",
     "check_pinned": "offloadopt.audit",
     "summarize": "offloadopt.audit",
@@ -49,9 +49,9 @@ if TYPE_CHECKING:
     from offloadopt.adamw import HybridAdamW
     from offloadopt.audit import PageableCopyError, audit, check_pinned, summarize
     from offloadopt.compat.megatron import HybridDeviceOptimizer
-    from offloadopt.host import PinnedAllocationError
+    from offloadopt.link.host import PinnedAllocationError
     from offloadopt.optim import HybridOptimizer
-    from offloadopt.placement import Placement
+    from offloadopt.place.placement import Placement
     from offloadopt.sgd import HybridSGD
 
 

@@ -22,7 +22,7 @@ class HybridAdamW(HybridOptimizer):
     r"""AdamW with exactly the math of ``torch.optim.AdamW(fused=True)``, whose optimizer state
     and fp32 master weights live on the host for a chosen fraction of the parameters.
 
-    Timeline of one training step (``overlap="step"``, the default; offloadopt/steps.py's note
+    Timeline of one training step (``overlap="step"``, the default; offloadopt/step/steps.py's note
     says what ``overlap="backward"`` and ``wait="module"`` move earlier):
 
     1. *Backward* (unchanged): grads appear on the device as usual.
@@ -67,16 +67,16 @@ class HybridAdamW(HybridOptimizer):
             ``False`` (none do).
         lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``; ``lr`` may be a Tensor.
         offload_fraction: share in [0, 1] of the eligible params' optimizer-state bytes kept
-            on the host (see :mod:`offloadopt.placement`), or ``"auto"``: the first steps run
+            on the host (see :mod:`offloadopt.place.placement`), or ``"auto"``: the first steps run
             at 0.5 and are measured (forward+backward, both kernels, the link), the cost model
-            (:mod:`offloadopt.costmodel`) predicts every fraction and picks the largest predicted
+            (:mod:`offloadopt.place.costmodel`) predicts every fraction and picks the largest predicted
             within half of ``auto_tolerance`` of fraction 0's step; the state moves without
             loss to fraction 0, whose step is measured, then to that choice, whose step is
             measured against ``1 + auto_tolerance`` times fraction 0's (a step above moves it
             down, twice at most; still above, a warning says so); with ``max_gpu_memory`` the budget's choice stays (the smallest fraction
             that fits is the fastest that fits) and is measured. ``opt.placement_choice``
             holds the inputs and the predicted and measured step times (ms); see
-            :mod:`offloadopt.auto`. One process only (``ValueError`` with several ranks); not
+            :mod:`offloadopt.place.auto`. One process only (``ValueError`` with several ranks); not
             with ``overlap="delayed"`` unless ``max_gpu_memory`` is given (the fraction decides
             which params are stale), nor with groups that force ``"offload"``. During the probe
             ``overlap="backward"``'s updates wait for ``step()``, so what backward mode refuses
@@ -123,7 +123,7 @@ class HybridAdamW(HybridOptimizer):
             that ``overlap="backward"`` can start the updates at the end of backward: there
             the optimizer checks every grad for infs and NaNs itself (on the device, no
             ``.item()``), the worker's kernel divides by the scale, and ``scaler.step(opt)``
-            then gets that found_inf into its ``update()`` (offloadopt/amp.py). Without it a
+            then gets that found_inf into its ``update()`` (offloadopt/step/amp.py). Without it a
             GradScaler still works in every mode, as with ``torch.optim.AdamW(fused=True)``:
             ``scaler.step(opt)`` hands its scale and found_inf to ``step()``, and backward
             mode's updates wait for ``step()`` (with ``grads_final=True`` an unattached

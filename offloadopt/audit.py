@@ -118,7 +118,7 @@ _ROW_DERIVED = ("label", "is_pageable", "time_ms", "avg_us", "bandwidth_gbps", "
                 "overlap_backward_pct")  # fmt: skip
 # The record_function name that marks backward on the host (offloadopt audit wraps each
 # loss.backward() in it): kernels launched while one is open are backward's.
-BACKWARD_RANGE = "offloadopt.backward"
+BACKWARD_RANGE = "offloadopt.step.backward"
 
 
 @dataclass

@@ -14,21 +14,23 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from offloadopt import budget, checkpoint
-from offloadopt.auto import PROBE_FRACTION, AutoFraction
-from offloadopt.hooks import GradHooks
 from offloadopt.interrupts import no_grad_whole, signals_deferred
-from offloadopt.layout import Arena, Bucket
+from offloadopt.link.layout import Arena, Bucket
+from offloadopt.link.pipeline import Pipeline
+from offloadopt.link.transfer import Transfer
+from offloadopt.link.worker import Worker, default_cpu_threads, local_ranks, usable_cores
 from offloadopt.options import Options
-from offloadopt.pipeline import Pipeline
-from offloadopt.placement import ParamInfo, Placement, format_placement, place
+from offloadopt.place import budget
+from offloadopt.place.auto import PROBE_FRACTION, AutoFraction
+from offloadopt.place.placement import ParamInfo, Placement, format_placement, place
+from offloadopt.place.records import ParamRecord
 from offloadopt.placing import Placing
-from offloadopt.records import ParamRecord
 from offloadopt.rules import ADAMW, Rule
 from offloadopt.shards import is_dtensor, local, local_state, world_size, wrap_like
-from offloadopt.state import OptimizerState
-from offloadopt.steps import Stepping
-from offloadopt.transfer import Transfer
+from offloadopt.state import checkpoint
+from offloadopt.state.store import OptimizerState
+from offloadopt.step.hooks import GradHooks
+from offloadopt.step.steps import Stepping
 from offloadopt.validation import (
     check_ddp,
     check_zero,
@@ -37,7 +39,6 @@ from offloadopt.validation import (
     validate_params_arg,
 )
 from offloadopt.warn import warn
-from offloadopt.worker import Worker, default_cpu_threads, local_ranks, usable_cores
 
 __all__ = ["HybridOptimizer"]
 
@@ -64,7 +65,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
     # (True: Megatron's HybridDeviceOptimizer layout, which its tests check).
     _snapshot_on_device = False
     # torch.amp.GradScaler.step() sets opt.grad_scale and opt.found_inf and calls step(), which
-    # hands them to the kernels (offloadopt/amp.py), instead of unscaling grads on the device
+    # hands them to the kernels (offloadopt/step/amp.py), instead of unscaling grads on the device
     # and reading found_inf with .item().
     _step_supports_amp_scaling = True
 
@@ -124,7 +125,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         self.placement_policy = o.placement_policy
         self._budget = sizes  # max_gpu_memory: the fraction is chosen at the first step()
         self.placement_choice: dict[str, Any] | None = None  # what chose the fraction, and why
-        # offload_fraction="auto" (offloadopt/auto.py): probe, choose, verify in the first steps
+        # offload_fraction="auto" (offloadopt/place/auto.py): probe, choose, verify in the first steps
         self._auto = (AutoFraction(o.auto_tolerance, sizes["max_gpu_memory"] is not None, o.release_grads)
                       if auto else None)  # fmt: skip
         self.offload_fraction = PROBE_FRACTION if auto else float(o.offload_fraction)
@@ -184,7 +185,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         check_zero(o.overlap, self.param_groups, world_size())
         self._place_or_defer(list(range(len(self.param_groups))))
         if o.ddp is not None:
-            from offloadopt.hooks import DDPGrads
+            from offloadopt.step.hooks import DDPGrads
 
             try:
                 self._ddp_hook = DDPGrads(self, o.ddp)
@@ -283,7 +284,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
             )
 
     def placement_table(self) -> str:
-        """The placement as a fixed-width table (see :func:`offloadopt.placement.format_placement`);
+        """The placement as a fixed-width table (see :func:`offloadopt.place.placement.format_placement`);
         while params are still on the meta device, a line saying so."""
         if self._unplaced:
             n = sum(len(self.param_groups[gi]["params"]) for gi in self._unplaced)
@@ -345,7 +346,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
     # ------------------------------------------------------------------ opt.state
     @property
     def state(self) -> OptimizerState:
-        """``opt.state``: param -> its state dict (offloadopt/state.py)."""
+        """``opt.state``: param -> its state dict (offloadopt/state/store.py)."""
         return self.__dict__["state"]
 
     @state.setter

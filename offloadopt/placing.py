@@ -2,7 +2,7 @@
 or at the first ``step()`` (params on the meta device, a ``max_gpu_memory`` budget to choose
 from measurements), the budget's choice, ``set_offload_fraction()``, and the host buffers and
 staging each placement allocates. A mixin of :class:`offloadopt.optim.HybridOptimizer`, which
-holds the state it reads (the pure policy is offloadopt/placement.py)."""
+holds the state it reads (the pure policy is offloadopt/place/placement.py)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,18 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from offloadopt import budget, checkpoint
-from offloadopt.costmodel import format_bytes
-from offloadopt.hooks import GradHooks
 from offloadopt.interrupts import no_grad_whole, signals_deferred
-from offloadopt.layout import build_arenas
-from offloadopt.pipeline import Pipeline
-from offloadopt.placement import ParamInfo, place, update_dtype
-from offloadopt.records import ParamRecord
+from offloadopt.link.layout import build_arenas
+from offloadopt.link.pipeline import Pipeline
+from offloadopt.link.transfer import Transfer
+from offloadopt.place import budget
+from offloadopt.place.costmodel import format_bytes
+from offloadopt.place.placement import ParamInfo, place, update_dtype
+from offloadopt.place.records import ParamRecord
 from offloadopt.shards import check_setup, local
-from offloadopt.state import OptimizerState
-from offloadopt.transfer import Transfer
+from offloadopt.state import checkpoint
+from offloadopt.state.store import OptimizerState
+from offloadopt.step.hooks import GradHooks
 
 __all__ = ["Placing"]
 

@@ -105,7 +105,7 @@ class Rule:
         order, ``steps`` already advanced); ``host`` selects :attr:`Hyper.lr_host`; ``first``:
         these params' first update (for :attr:`lazy_state` rules); ``amp``: a GradScaler's
         ``grad_scale`` and ``found_inf`` for the kernel, on the tensors' device
-        (offloadopt/amp.py), or None."""
+        (offloadopt/step/amp.py), or None."""
         raise NotImplementedError  # pragma: no cover - abstract
 
 

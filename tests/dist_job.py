@@ -149,7 +149,7 @@ def run_fsdp(rank: int, world: int, arg: str) -> dict:
         if "module" in name:
             opt.watch(model)
             out[f"{name}.hooks"] = opt._module_waits[0].modules  # on the FSDP2 modules only
-            from offloadopt.hooks import _fsdp_shards  # FSDP2's private state, read as it is
+            from offloadopt.step.hooks import _fsdp_shards  # FSDP2's private state, read as it is
 
             out[f"{name}.shards"] = len(_fsdp_shards(model.transformer.h[0])[0])
         train(model, opt, rank, clip=clip)

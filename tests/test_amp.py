@@ -1,5 +1,5 @@
 """A GradScaler in every mode against torch.optim.AdamW(fused=True) with the same scaler flow,
-bitwise (CPU stands in for the GPU; offloadopt/amp.py's note): the scale reaches both kernels,
+bitwise (CPU stands in for the GPU; offloadopt/step/amp.py's note): the scale reaches both kernels,
 a step with an inf or a NaN is skipped and not counted, and the scaler backs off and grows
 exactly as with torch's optimizer."""
 

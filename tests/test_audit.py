@@ -123,7 +123,7 @@ def test_overlap_counts_the_union_of_kernels_on_the_same_device_only():
 
 def test_overlap_with_backward_counts_kernels_launched_inside_a_backward_range():
     """A kernel is backward's when its runtime launch (on any thread: autograd's) falls inside
-    an offloadopt.backward annotation; the copy's overlap with those alone is "w/ bwd"."""
+    an offloadopt.step.backward annotation; the copy's overlap with those alone is "w/ bwd"."""
     from offloadopt.audit import BACKWARD_RANGE
 
     backward = {"ph": "X", "cat": "user_annotation", "name": BACKWARD_RANGE, "pid": PID,

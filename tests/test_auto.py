@@ -7,8 +7,9 @@ import warnings
 import pytest
 import torch
 
-from offloadopt import HybridAdamW, auto, costmodel
+from offloadopt import HybridAdamW
 from offloadopt.harness.gpt import GPT, GPTConfig
+from offloadopt.place import auto, costmodel
 
 CFG = GPTConfig(n_layer=3, n_head=2, n_embd=64, vocab_size=128, block_size=32)
 # probe (the first step unmeasured), baseline at fraction 0, move, verify, the corrections', more

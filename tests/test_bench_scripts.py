@@ -292,8 +292,8 @@ def test_timeline_marks_every_bucket_and_replays_its_table(tmp_path, capsys):
     marks for every bucket, the table from the run and from its JSON, the patches undone."""
     import timeline
 
-    from offloadopt.pipeline import Pipeline
-    from offloadopt.transfer import Transfer
+    from offloadopt.link.pipeline import Pipeline
+    from offloadopt.link.transfer import Transfer
 
     before = (Pipeline._start_d2h, Pipeline._update, Transfer.start_h2d)
     argv = ["--device", "cpu", "--preset", "tiny", "--batch-size", "2", "--seq-len", "32",

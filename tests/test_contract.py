@@ -8,7 +8,7 @@ import pytest
 import torch
 from oracle import FRACTIONS, hybrid, make_params, seeded_grads
 
-import offloadopt.host as host
+import offloadopt.link.host as host
 from offloadopt import HybridAdamW, PinnedAllocationError
 
 

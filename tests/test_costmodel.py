@@ -1,4 +1,4 @@
-"""The cost model (offloadopt/costmodel.py): its arithmetic, its choices, byte sizes, and its
+"""The cost model (offloadopt/place/costmodel.py): its arithmetic, its choices, byte sizes, and its
 predictions against the H200 runs recorded in benchmarks/results/ (GPT-2 1.5B, bf16), each predicted
 from measurements taken at one fraction of the same run, within 15% at every other."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from offloadopt.costmodel import (
+from offloadopt.place.costmodel import (
     Measurements,
     format_bytes,
     largest_hidden,

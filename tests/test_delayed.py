@@ -13,7 +13,7 @@ import torch
 from oracle import FRACTIONS, DelayedReference, assert_bitwise
 
 from offloadopt import HybridAdamW
-from offloadopt.worker import WorkerError
+from offloadopt.link.worker import WorkerError
 
 DTYPES = (torch.float32, torch.bfloat16)
 

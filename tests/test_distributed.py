@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from offloadopt.harness.gpt import GPT
-from offloadopt.worker import usable_cores
+from offloadopt.link.worker import usable_cores
 
 JOB = Path(__file__).parent / "dist_job.py"
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
@@ -263,7 +263,7 @@ def test_main_job_refuses_fsdp_without_torchrun():
 def test_fsdp2_state_named_otherwise_is_refused_not_waited_past():
     """wait='module' under FSDP2 reads FSDP2's private state; a torch that names it otherwise
     must fail loudly, not wait for no shards (the forward would race the H2D)."""
-    from offloadopt.hooks import _fsdp_shards
+    from offloadopt.step.hooks import _fsdp_shards
 
     class State:  # neither _fsdp_param_groups nor _fsdp_param_group
         pass

@@ -11,7 +11,7 @@ import torch
 from oracle import FRACTIONS, assert_bitwise
 
 from offloadopt import HybridAdamW
-from offloadopt.transfer import SLOTS
+from offloadopt.link.transfer import SLOTS
 
 MODES = {
     "step": dict(overlap="step"),
@@ -527,7 +527,7 @@ def test_an_interrupt_in_a_grad_hook_leaves_no_half_fed_step(monkeypatch):
     begun with nothing queued; the next backward was accepted, and step() then waited for
     that step until timeout_s. Now the hook queues its buckets whole and the interrupt
     arrives after: the interrupted step is refused at once, and discarding it goes on."""
-    from offloadopt.layout import Bucket
+    from offloadopt.link.layout import Bucket
 
     model = mlp()
     opt = make_opt(model, 1.0, **MODES["backward"], timeout_s=5.0)

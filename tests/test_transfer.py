@@ -8,7 +8,7 @@ import weakref
 import torch
 
 from offloadopt import HybridAdamW
-from offloadopt.transfer import Slot
+from offloadopt.link.transfer import Slot
 
 
 def _setup():
@@ -135,7 +135,7 @@ def test_link_times_hold_few_events_however_long_nothing_reads_them():
     # A review's finding: every bucket's copies added two CUDA events per direction to a list
     # that only opt.stats emptied; a run that never read stats grew it by ~370 events a step
     # (GPT-2 1.5B, backward mode). Completed pairs are now folded into sums as they come.
-    from offloadopt.transfer import FOLD_AT, LinkTimes
+    from offloadopt.link.transfer import FOLD_AT, LinkTimes
 
     clock = [0.0]
     times = LinkTimes()

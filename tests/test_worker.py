@@ -13,7 +13,7 @@ from oracle import assert_bitwise
 
 import offloadopt.optim as optim_mod
 from offloadopt import HybridAdamW
-from offloadopt.worker import WorkerError
+from offloadopt.link.worker import WorkerError
 
 
 def subnormal_case(n=1 << 16, seed=0):
@@ -101,7 +101,7 @@ def test_training_thread_keeps_its_floating_point_mode_and_thread_count():
 def test_default_threads_are_the_affinity_over_local_ranks_minus_a_busy_training_thread(
     monkeypatch,
 ):
-    from offloadopt import worker
+    from offloadopt.link import worker
 
     monkeypatch.setattr(worker, "usable_cores", lambda: 16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

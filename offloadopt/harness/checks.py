@@ -121,7 +121,7 @@ def fraction_or_auto(value: Any) -> float | str:
 
 def size(value: Any) -> int:
     """A byte size: a number of bytes, or a string like ``120GB`` or ``112GiB``."""
-    from offloadopt.costmodel import parse_bytes
+    from offloadopt.place.costmodel import parse_bytes
 
     try:
         return parse_bytes(value)

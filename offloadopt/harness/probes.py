@@ -89,7 +89,7 @@ def time_kernel_under_link(
     training thread and on an offloadopt worker (flush-to-zero), alone and while
     ``link_nbytes`` cross the link each way (pinned, 64 MiB copies on two side streams): the
     CPU pass as the offloaded step sees it. Medians in ms, and ns per param."""
-    from offloadopt.worker import Worker, usable_cores
+    from offloadopt.link.worker import Worker, usable_cores
 
     tensors = [torch.randn(n_params).to(dtype), torch.randn(n_params).to(dtype),
                torch.zeros(n_params, dtype=dtype), torch.zeros(n_params, dtype=dtype)]  # fmt: skip

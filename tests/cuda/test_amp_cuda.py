@@ -1,4 +1,4 @@
-"""A GradScaler on the GPU (offloadopt/amp.py): fp16 autocast, fp32 params, a step with an inf
+"""A GradScaler on the GPU (offloadopt/step/amp.py): fp16 autocast, fp32 params, a step with an inf
 and one with a NaN. Backward mode with the scaler attached equals step mode bitwise with the
 side streams and the worker slowed; both follow torch.optim.AdamW(fused=True) with the same
 scaler (exact at fraction 0, the CPU kernel's rounding otherwise); the scales match exactly;
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from offloadopt import HybridAdamW
-from offloadopt.amp import found_inf
+from offloadopt.step.amp import found_inf
 
 BAD = {3: float("inf"), 5: float("nan")}  # step -> the value one element of a grad gets
 LR = 1e-3

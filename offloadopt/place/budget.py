@@ -8,9 +8,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from offloadopt.costmodel import format_bytes, parse_bytes
-from offloadopt.placement import ParamInfo, Placement
-from offloadopt.transfer import SLOTS
+from offloadopt.link.transfer import SLOTS
+from offloadopt.place.costmodel import format_bytes, parse_bytes
+from offloadopt.place.placement import ParamInfo, Placement
 
 __all__ = ["sizes", "mem_available", "choose", "IN_FLIGHT_BUCKETS"]
 

@@ -7,17 +7,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
 from offloadopt.interrupts import signals_deferred
+from offloadopt.link.worker import WaitTimeout
 from offloadopt.shards import local
+from offloadopt.step.stepstate import StepState
 from offloadopt.warn import warn
-from offloadopt.worker import WaitTimeout
-
-if TYPE_CHECKING:  # annotations only: steps.py imports this module
-    from offloadopt.steps import StepState
 
 __all__ = ["Waits"]
 
@@ -211,7 +208,7 @@ class Waits:
             ValueError: FSDP2 params (DTensors) in a model with no FSDP2 module (``watch()``
                 before ``fully_shard``).
         """
-        from offloadopt.hooks import ModuleWaits
+        from offloadopt.step.hooks import ModuleWaits
 
         if self._budget_pending():  # placed at the first step(): the waits are registered then
             self._watch_later.append(weakref.ref(model))

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from offloadopt.host import HostBuffers
-from offloadopt.layout import Bucket
+from offloadopt.link.host import HostBuffers
+from offloadopt.link.layout import Bucket
+from offloadopt.link.worker import WaitTimeout
 from offloadopt.shards import local
-from offloadopt.worker import WaitTimeout
 
 __all__ = ["SLOTS", "LinkTimes", "Slot", "SlotRing", "Transfer", "wait_event"]
 

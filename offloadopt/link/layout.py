@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offloadopt.host import HostBuffers
+from offloadopt.link.host import HostBuffers
 from offloadopt.shards import local
 
 __all__ = ["CUT_ALIGN", "Arena", "Segment", "Bucket", "build_arenas"]

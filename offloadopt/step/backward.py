@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
-from offloadopt.amp import found_inf
-from offloadopt.layout import Bucket
+from offloadopt.link.layout import Bucket
+from offloadopt.link.transfer import SLOTS
 from offloadopt.shards import is_dtensor, local
-from offloadopt.transfer import SLOTS
+from offloadopt.step.amp import found_inf
+from offloadopt.step.stepstate import StepState
 
 _PENDING = -2  # StepState.task_id of a step begun by DDP's comm hook, before any grad hook
-
-if TYPE_CHECKING:  # annotations only: steps.py imports this module
-    from offloadopt.steps import StepState
 
 __all__ = ["FromBackward"]
 
@@ -160,7 +157,7 @@ class FromBackward:
             scale = self._attached_scale()
             if self.max_grad_norm is not None or scale is not None:
                 inf = None
-                if scale is not None:  # the scaler's check, made here (offloadopt/amp.py)
+                if scale is not None:  # the scaler's check, made here (offloadopt/step/amp.py)
                     inf = found_inf([local(p.grad) for p in params], scale.device)
                 self._scaling(st, params, scale, inf)
             elif not self.grads_final:

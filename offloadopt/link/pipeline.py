@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from offloadopt.layout import Bucket
-from offloadopt.transfer import SLOTS, Slot, Transfer, wait_event
-from offloadopt.worker import WaitTimeout, Worker
+from offloadopt.link.layout import Bucket
+from offloadopt.link.transfer import SLOTS, Slot, Transfer, wait_event
+from offloadopt.link.worker import WaitTimeout, Worker
 
 __all__ = ["BucketWork", "BucketError", "StepRun", "Pipeline"]
 
@@ -68,7 +68,7 @@ class BucketWork:
     the worker drops ``grads`` once the D2H has landed (overlap="delayed" took them from their
     params: their device memory goes back at once; otherwise it goes when the caller drops
     ``p.grad``, not when this step ends, which with ``wait="module"`` is the next forward);
-    ``amp``: the step's GradScaler inputs (offloadopt/amp.py ``AmpInputs``), or None.
+    ``amp``: the step's GradScaler inputs (offloadopt/step/amp.py ``AmpInputs``), or None.
     """
 
     bucket: Bucket

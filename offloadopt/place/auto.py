@@ -1,5 +1,5 @@
 """``offload_fraction="auto"``: measure the first steps, predict every fraction with the cost
-model (offloadopt/costmodel.py), move to the one it picks, then measure that.
+model (offloadopt/place/costmodel.py), move to the one it picks, then measure that.
 
 Timeline (each phase is :data:`MEASURED_STEPS` steps; the optimizer calls :meth:`begin`,
 :meth:`mark` and :meth:`end` from ``step()``):
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from offloadopt import costmodel
+from offloadopt.place import costmodel
 from offloadopt.warn import warn
 
 __all__ = ["AutoFraction", "PROBE_FRACTION", "MEASURED_STEPS", "CORRECTIONS", "measurements"]

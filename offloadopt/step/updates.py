@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from offloadopt.layout import CUT_ALIGN
-from offloadopt.pipeline import BucketWork
-from offloadopt.placement import update_dtype
-from offloadopt.records import ParamRecord
+from offloadopt.link.layout import CUT_ALIGN
+from offloadopt.link.pipeline import BucketWork
+from offloadopt.place.placement import update_dtype
+from offloadopt.place.records import ParamRecord
 from offloadopt.rules import Hyper
 from offloadopt.shards import local
 from offloadopt.warn import warn
@@ -43,13 +43,13 @@ def _dense(p: torch.Tensor) -> bool:
 def _joined(segs: list, columns: list[list[torch.Tensor]], steps: list[torch.Tensor]):
     """The kernel's operands with runs of back-to-back segments joined into one flat view.
 
-    ``segs`` are the bucket's segments (:class:`offloadopt.layout.Segment`, in bucket order
+    ``segs`` are the bucket's segments (:class:`offloadopt.link.layout.Segment`, in bucket order
     for each position), ``columns`` equal-length lists of their flat views (weights, grads,
     then each state: views of an arena buffer or of a staging slot, where a bucket's segments
-    lie back to back in bucket order, by construction in offloadopt/layout.py), ``steps`` the
+    lie back to back in bucket order, by construction in offloadopt/link/layout.py), ``steps`` the
     matching step tensors (or empty). Positions ``i`` and ``i + 1`` join when they hold
     consecutive segments of the bucket, their steps hold the same value, and segment ``i``
-    has a multiple of :data:`offloadopt.layout.CUT_ALIGN` elements: torch's CPU fused
+    has a multiple of :data:`offloadopt.link.layout.CUT_ALIGN` elements: torch's CPU fused
     kernels are elementwise with per-tensor scalars, and with such a length every element of
     the joined view takes the same code path (vector or scalar tail) as in the per-segment
     call, so the result is bitwise the same (tests/test_parity.py). One call over a joined

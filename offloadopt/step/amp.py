@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from offloadopt.transfer import wait_event
+from offloadopt.link.transfer import wait_event
 
 __all__ = ["AmpInputs", "found_inf", "inverse", "scaler_inputs"]
 

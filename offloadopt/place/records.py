@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offloadopt.layout import Arena, Bucket
-from offloadopt.placement import Placement
+from offloadopt.link.layout import Arena, Bucket
+from offloadopt.place.placement import Placement
 from offloadopt.shards import local
 
 __all__ = ["ParamRecord"]

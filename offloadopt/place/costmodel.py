@@ -1,6 +1,6 @@
 """What a placement costs: predicted step time and memory at any offload fraction, from a few
 measurements of one run. Pure arithmetic, no CUDA calls (the placement policy's sibling,
-offloadopt/placement.py).
+offloadopt/place/placement.py).
 
 The model (tests/test_costmodel.py checks it against the H200 runs recorded in benchmarks/):
 

@@ -1,18 +1,14 @@
 """What multiplies the grads before the update: clipping through the optimizer
-(``max_grad_norm``, ``clip_grad_norm_``) and a GradScaler's scale and found_inf (offloadopt/amp.py's
+(``max_grad_norm``, ``clip_grad_norm_``) and a GradScaler's scale and found_inf (offloadopt/step/amp.py's
 note); a mixin of :class:`offloadopt.optim.HybridOptimizer`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from offloadopt.amp import AmpInputs, inverse
 from offloadopt.shards import is_dtensor
-
-if TYPE_CHECKING:  # annotations only: steps.py imports this module
-    from offloadopt.steps import StepState
+from offloadopt.step.amp import AmpInputs, inverse
+from offloadopt.step.stepstate import StepState
 
 __all__ = ["Scaling"]
 

@@ -11,7 +11,7 @@
   - ``max_grad_norm=`` (clipping through the optimizer): at the end of backward, once the
     global norm is known (the coefficient multiplies the fp32 grads on the device before D2H);
   - ``grad_scaler=`` (a GradScaler attached): at the end of backward, once every grad has
-    been checked for infs (offloadopt/amp.py's note);
+    been checked for infs (offloadopt/step/amp.py's note);
   - otherwise (torch's ``clip_grad_norm_``, an unattached GradScaler, a hand edit may
     follow): inside ``step()``, as in step mode.
   Non-final micro-steps of gradient accumulation run under ``with opt.accumulating():`` and
@@ -40,22 +40,22 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from offloadopt.amp import AmpInputs, scaler_inputs
-from offloadopt.backward import FromBackward
 from offloadopt.interrupts import no_grad_whole, signals_deferred
-from offloadopt.layout import Bucket
-from offloadopt.pipeline import BucketWork, StepRun
+from offloadopt.link.layout import Bucket
+from offloadopt.link.pipeline import BucketWork, StepRun
+from offloadopt.link.worker import local_ranks
 from offloadopt.rules import Hyper
-from offloadopt.scaling import Scaling
 from offloadopt.shards import is_dtensor, local
-from offloadopt.updates import Updates
-from offloadopt.waits import Waits
-from offloadopt.worker import local_ranks
+from offloadopt.step.amp import scaler_inputs
+from offloadopt.step.backward import FromBackward
+from offloadopt.step.scaling import Scaling
+from offloadopt.step.stepstate import StepState
+from offloadopt.step.updates import Updates
+from offloadopt.step.waits import Waits
 
 __all__ = ["Stepping", "StepState", "signals_deferred"]
 
@@ -63,40 +63,6 @@ __all__ = ["Stepping", "StepState", "signals_deferred"]
 def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """fp32 L2 norms of ``grads`` (one foreach launch per device and dtype, no copies)."""
     return list(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else []
-
-
-@dataclass(eq=False)
-class StepState:
-    """One step from its first bucket to the end of ``step()`` (or, with ``wait="module"``,
-    until its copies back are all waited for)."""
-
-    hypers: dict[int, Hyper]  # id(group) -> its values, frozen at the step's start
-    group_of: dict[torch.Tensor, dict]  # param -> the group that holds it this step
-    stats: dict[str, float]
-    run: StepRun | None = None
-    prepared: set[torch.Tensor] = field(default_factory=set)  # state ready, step advanced
-    announced: set[torch.Tensor] = field(default_factory=set)  # grad hooks that fired
-    fed: dict[Bucket, BucketWork] = field(default_factory=dict)
-    versions: dict[torch.Tensor, tuple] = field(default_factory=dict)  # (grad, _version) fed
-    released: set[torch.Tensor] = field(default_factory=set)  # grads release_grads dropped
-    # The fp32 L2 norm of each grad fed before step(), on its device: a grad whose version moved
-    # with an unchanged norm (torch's clip_grad_norm_ at an infinite max_norm, which
-    # transformers' Trainer calls to log the norm, multiplies by 1.0) is not an edit; any
-    # scaling, clipping or zeroing changes the norm.
-    fingerprints: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
-    landing: dict[torch.Tensor, int] = field(default_factory=dict)  # buckets left to feed
-    backward_done: bool = False
-    task_id: int = -1  # autograd graph task that announced grads
-    norm: torch.Tensor | None = None
-    scale: torch.Tensor | tuple[torch.Tensor, ...] | None = None  # clip factors (BucketWork)
-    amp: AmpInputs | None = None  # a GradScaler's scale and found_inf (offloadopt/amp.py)
-    waited: set[Bucket] = field(default_factory=set)  # wait="module": buckets waited for
-    first: set[torch.Tensor] = field(default_factory=set)  # lazy-state params' first update
-    thread: int = 0  # the thread that called step() (overlap="delayed" publishes there only)
-    delayed: bool = False  # overlap="delayed", past delay_after: the update lands one step late
-    # wait="module": (weakref to the grad, its version, param) of each grad the copies still
-    # read when step() returned; checked when the step ends (Waits.synchronize)
-    lent: list[tuple[Any, int, torch.Tensor]] = field(default_factory=list)
 
 
 class Stepping(Waits, FromBackward, Scaling, Updates):
@@ -208,7 +174,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                 if st.run is not None:  # updates started in backward: end their run, so the
                     self._stop_run(st.run)  # next step's run is not queued behind it forever
                 raise
-            # A GradScaler's step() set these (offloadopt/amp.py's note); None otherwise.
+            # A GradScaler's step() set these (offloadopt/step/amp.py's note); None otherwise.
             grad_scale, scaler_inf = scaler_inputs(self)
             self._check_scaler(st, grad_scale, scaler_inf)
             scaled = grad_scale is not None or scaler_inf is not None

@@ -1,0 +1,1 @@
+"""``opt.state``'s store and the pure checkpoint format (pack, validate, merge)."""
