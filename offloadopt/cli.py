@@ -49,7 +49,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]] 
 
 EPILOG = (
     "exit status: 0 done, 2 bad input, 1 a failure while running "
-    "(OFFLOADOPT_TRACEBACK=1 shows its traceback), 130 interrupted"
+    "(OFFLOADOPT_TRACEBACK=1 shows its traceback), 130 interrupted (Ctrl-C), 143 terminated "
+    "(SIGTERM)"
 )
 
 
