@@ -115,10 +115,14 @@ class Scaling:
             # FSDP2: the same DTensor arithmetic as torch's clip_grad_norm_ (per-shard norms,
             # their norm, then one all-reduce over the mesh in full_tensor()): every rank gets
             # the global norm. Params outside FSDP2 (plain) join through one more norm.
-            # One vector_norm per DTensor, as torch's clip_grad_norm_ does for them (DTensor is
-            # not a foreach type there); torch 2.14's DTensor rule for _foreach_norm with a
-            # dtype fails ("'>=' not supported between 'torch.dtype' and 'int'").
-            norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in sharded]
+            # torch 2.14's DTensor rule for _foreach_norm fails on a dtype= argument ("'>='
+            # not supported between 'torch.dtype' and 'int'"), so fp32 grads go without it
+            # (the same bits: the norm of fp32 is fp32) and others are upcast first. One
+            # foreach norm, as the plain path below: one rank of FSDP2 stays bitwise the
+            # single-GPU path on CUDA too (one vector_norm per grad was not:
+            # tests/cuda/test_fsdp_cuda.py).
+            fp32 = [g if g.dtype == torch.float32 else g.float() for g in sharded]
+            norms = torch._foreach_norm(fp32, 2)
             norm = torch.linalg.vector_norm(torch.stack(list(norms))).full_tensor().to(device)
             plain = [p.grad for p in params if not is_dtensor(p.grad)]
             if plain:
