@@ -38,13 +38,16 @@ def run_config(pkg, model, init, batches, fraction, warmup, steps, loss_scale=1.
     t = time.perf_counter()
     opt = pkg.HybridAdamW(model.parameters(), lr=6e-4, weight_decay=0.1,
                           offload_fraction=fraction, **kw)  # fmt: skip
+    if kw.get("wait") == "module":
+        opt.watch(model)
     build_s = time.perf_counter() - t
     fb, total, cpu = [], [], []
     for i, (x, y) in enumerate(batches[: warmup + steps]):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         (loss_fn(model, x, y) * loss_scale).backward()
-        torch.cuda.synchronize()
+        if not kw:  # step mode: time forward+backward apart (a sync that backward mode would pay)
+            torch.cuda.synchronize()
         t1 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -54,6 +57,8 @@ def run_config(pkg, model, init, batches, fraction, warmup, steps, loss_scale=1.
             fb.append((t1 - t0) * 1e3)
             total.append((t2 - t0) * 1e3)
             cpu.append(opt.stats.get("cpu_update_ms", 0.0))
+    if hasattr(opt, "synchronize"):  # wait="module": the last update is published here
+        opt.synchronize()
     out = {
         "step_ms": statistics.median(total), "step_ms_min": min(total), "step_ms_max": max(total),
         "fwd_bwd_ms": statistics.median(fb), "cpu_update_ms": statistics.median(cpu),
@@ -73,7 +78,11 @@ def main() -> int:
     ap.add_argument("--preset", default="gpt2-xl")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--fraction", type=float, default=1.0)
+    ap.add_argument("--fraction", type=float, nargs="+", default=[1.0],
+                    help="offload fractions, each timed for every implementation")  # fmt: skip
+    ap.add_argument("--overlap", default="step", choices=["step", "backward", "delayed"])
+    ap.add_argument("--inits", nargs="+", default=["gpt2-init", "zero-ln", "tiny-grads"],
+                    choices=["gpt2-init", "zero-ln", "tiny-grads"])  # fmt: skip
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2, help="A/B rounds, order alternating")
@@ -97,40 +106,38 @@ def main() -> int:
     inits["tiny-grads"] = inits["gpt2-init"]
     scales = {"gpt2-init": 1.0, "zero-ln": 1.0, "tiny-grads": 1e-18}
     order = []
+    # backward mode as the overlap bench's best case: nothing edits grads after backward
+    kw = {} if args.overlap == "step" else dict(overlap=args.overlap)
+    if args.overlap == "backward":
+        kw.update(wait="module", grads_final=True)
     for r in range(args.rounds):
         names = list(impls) if r % 2 == 0 else list(reversed(list(impls)))
-        order += [(i, n) for n in inits for i in names]
+        order += [(i, n, f) for f in args.fraction for n in args.inits for i in names]
     results: dict[str, list[dict]] = {}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for impl, init in order:
+    for impl, init, fraction in order:
         r = run_config(
-            impls[impl], model, inits[init], batches, args.fraction, args.warmup, args.steps,
-            loss_scale=scales[init],
+            impls[impl], model, inits[init], batches, fraction, args.warmup, args.steps,
+            loss_scale=scales[init], **kw,
         )  # fmt: skip
-        results.setdefault(f"{impl}/{init}", []).append(r)
-        print(f"{impl:5} {init:10} step {r['step_ms']:7.1f} ms (min {r['step_ms_min']:.1f}, max "
+        results.setdefault(f"{impl}/{init}/f{fraction:g}", []).append(r)
+        print(f"{impl:5} {init:10} f{fraction:<4g} step {r['step_ms']:7.1f} ms (min {r['step_ms_min']:.1f}, max "
               f"{r['step_ms_max']:.1f})  fwd+bwd {r['fwd_bwd_ms']:6.1f}  cpu update "
               f"{r['cpu_update_ms']:6.1f}  threads {r['threads']}", flush=True)  # fmt: skip
         (out / "ab_step.json").write_text(
             json.dumps({"args": vars(args), "results": results}, indent=1)
         )
-    print(f"\n{args.preset} bf16 batch {args.batch_size}x{args.seq_len} fraction {args.fraction}, "
+    print(f"\n{args.preset} bf16 batch {args.batch_size}x{args.seq_len} {args.overlap} mode, "
           f"torch {torch.__version__}, {torch.cuda.get_device_name()}; median of the runs' medians")  # fmt: skip
     summary = {k: statistics.median(r["step_ms"] for r in v) for k, v in results.items()}
     for k, v in summary.items():
         print(f"  {k:18} {v:7.1f} ms")
-    if "new/gpt2-init" in summary:
-        print(
-            f"  new zero-ln / new gpt2-init: {summary['new/zero-ln'] / summary['new/gpt2-init']:.3f}"
-        )
-    if "base/gpt2-init" in summary:
-        print(
-            f"  new / base (gpt2-init):     {summary['new/gpt2-init'] / summary['base/gpt2-init']:.3f}"
-        )
-        print(
-            f"  base zero-ln / base gpt2-init: {summary['base/zero-ln'] / summary['base/gpt2-init']:.3f}"
-        )
+    for f in args.fraction:
+        for init in args.inits:
+            new, base = summary.get(f"new/{init}/f{f:g}"), summary.get(f"base/{init}/f{f:g}")
+            if new is not None and base is not None:
+                print(f"  new / base ({init}, f{f:g}): {new / base:.3f}")
     return 0
 
 
