@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import warnings
 from dataclasses import replace
 from typing import Any
@@ -30,6 +29,7 @@ from offloadopt.shards import is_dtensor, local, local_state, world_size, wrap_l
 from offloadopt.state import checkpoint
 from offloadopt.state.store import OptimizerState
 from offloadopt.step.hooks import GradHooks
+from offloadopt.step.step import Timeline
 from offloadopt.step.steps import Stepping
 from offloadopt.validation import (
     check_ddp,
@@ -147,11 +147,9 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         self.cpu_threads = o.cpu_threads or default_cpu_threads(training_thread_busy=busy)
         self.timeout_s = float(o.timeout_s)
         self._ready = False
-        self._lock = threading.RLock()  # the step state, from the training and autograd threads
-        self._step = None  # the step in flight (steps.StepState), from its first bucket
-        self._inflight = None  # a step whose copies back are not all waited for (wait="module")
-        self._inflight_streams: dict = {}
-        self._broken: str | None = None  # why the optimizer refuses to step (a failed step)
+        # The step being fed, the step in flight after step() returned, and why the optimizer
+        # refuses to step, under one lock (offloadopt/step/step.py)
+        self._timeline = Timeline(type(self).__name__)
         self._pending_clip = None  # (norm, coefficient) from clip_grad_norm_, for the next step
         self._accumulating = 0  # depth of opt.accumulating()
         self.last_grad_norm: torch.Tensor | None = None  # max_grad_norm: the last step's norm
@@ -259,6 +257,44 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
             self._warned.add(key)
             warn(message)
 
+    # ------------------------------------------------------------------ the timeline
+    # The step's pieces read the Timeline through these names (step/step.py owns the values).
+    @property
+    def _lock(self):
+        return self._timeline.lock
+
+    @property
+    def _step(self):
+        return self._timeline.current
+
+    @_step.setter
+    def _step(self, st) -> None:
+        self._timeline.current = st
+
+    @property
+    def _inflight(self):
+        return self._timeline.inflight
+
+    @_inflight.setter
+    def _inflight(self, st) -> None:
+        self._timeline.inflight = st
+
+    @property
+    def _inflight_streams(self):
+        return self._timeline.inflight_streams
+
+    @_inflight_streams.setter
+    def _inflight_streams(self, streams) -> None:
+        self._timeline.inflight_streams = streams
+
+    @property
+    def _broken(self):
+        return self._timeline.broken
+
+    @_broken.setter
+    def _broken(self, why) -> None:
+        self._timeline.broken = why
+
     # ------------------------------------------------------------------ reporting
     def crossing_host_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every host buffer that crosses the link: ``(label, tensor)`` pairs."""
@@ -360,7 +396,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
             TypeError: ``mapping`` is not a mapping, or an entry of a param is not a dict.
             ValueError: an entry's tensor does not fit the param's buffer.
         """
-        if isinstance(mapping, OptimizerState) or "_records" not in self.__dict__:
+        if isinstance(mapping, OptimizerState) or "state" not in self.__dict__:
             self.__dict__["state"] = mapping  # ours, or torch's __init__ before our own
             return
         if not hasattr(mapping, "items"):
@@ -383,8 +419,8 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
                     )
         with signals_deferred(), self._lock:
             self.synchronize()  # no update in flight reads or writes the old state
-            fresh = OptimizerState(self)
-            self.__dict__["state"] = fresh
+            fresh = self.state
+            dict.clear(fresh)  # the same object: the owners that read it keep it
             for p, entry in entries:
                 fresh[p] = entry  # copied into p's buffers where p has a record
 

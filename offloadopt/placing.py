@@ -22,7 +22,6 @@ from offloadopt.place.placement import ParamInfo, place, update_dtype
 from offloadopt.place.records import ParamRecord
 from offloadopt.shards import check_setup, local
 from offloadopt.state import checkpoint
-from offloadopt.state.store import OptimizerState
 from offloadopt.step.hooks import GradHooks
 
 __all__ = ["Placing"]
@@ -265,17 +264,25 @@ class Placing:
             PinnedAllocationError: the new buffers could not be had (the old placement stays).
         """
         saved = checkpoint.pack(Optimizer.state_dict(self), on_device=False)["state"]
-        old = (self.placement, self.arenas, self.buckets, self._records, self.state,
-               self._grad_hooks, self._module_waits, self.offload_fraction)  # fmt: skip
-        self.placement, self.arenas, self.buckets, self._records = [], [], [], {}
+        # The records and opt.state are emptied in place, never replaced: the owners that
+        # read them (and a user's reference to opt.state) keep the same objects.
+        old = (self.placement, self.arenas, self.buckets, dict(self._records),
+               dict.copy(self.state), self._grad_hooks, self._module_waits,
+               self.offload_fraction)  # fmt: skip
+        self.placement, self.arenas, self.buckets = [], [], []
+        self._records.clear()
+        dict.clear(self.state)
         self._grad_hooks, self._module_waits = [], []
-        self.state = OptimizerState(self)
         self.offload_fraction = fraction
         try:
             self._place(list(range(len(self.param_groups))))
         except BaseException:
-            (self.placement, self.arenas, self.buckets, self._records, self.state,
-             self._grad_hooks, self._module_waits, self.offload_fraction) = old  # fmt: skip
+            (self.placement, self.arenas, self.buckets, records, state, self._grad_hooks,
+             self._module_waits, self.offload_fraction) = old  # fmt: skip
+            self._records.clear()
+            self._records.update(records)
+            dict.clear(self.state)
+            dict.update(self.state, state)
             raise
         for hooks in (*old[5], *old[6]):
             hooks.remove()  # the old placement's grad hooks and module waits

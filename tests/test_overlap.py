@@ -12,6 +12,7 @@ from oracle import FRACTIONS, assert_bitwise
 
 from offloadopt import HybridAdamW
 from offloadopt.link.transfer import SLOTS
+from offloadopt.step.step import Phase
 
 MODES = {
     "step": dict(overlap="step"),
@@ -289,7 +290,7 @@ def test_in_backward_mode_every_bucket_is_fed_by_the_end_of_backward(kw):
     model = mlp()
     opt = make_opt(model, 1.0, overlap="backward", **kw)
     model(batch(0)).pow(2).mean().backward()
-    assert opt._step is not None and opt._step.backward_done
+    assert opt._step is not None and opt._step.phase is Phase.BACKWARD_DONE
     assert set(opt._step.fed) == set(opt.buckets)  # all started before step()
     opt.step()
     assert opt._step is None and opt.stats["h2d_nbytes"] == sum(b.nbytes for b in opt.buckets)

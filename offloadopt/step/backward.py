@@ -13,9 +13,9 @@ from offloadopt.link.layout import Bucket
 from offloadopt.link.transfer import SLOTS
 from offloadopt.shards import is_dtensor, local
 from offloadopt.step.amp import found_inf
-from offloadopt.step.stepstate import StepState
+from offloadopt.step.step import Phase, Step
 
-_PENDING = -2  # StepState.task_id of a step begun by DDP's comm hook, before any grad hook
+_PENDING = -2  # Step.task_id of a step begun by DDP's comm hook, before any grad hook
 
 __all__ = ["FromBackward"]
 
@@ -103,7 +103,7 @@ class FromBackward:
                         and all(q in st.announced for q in b.params)]  # fmt: skip
                 self._feed(st, [(b, self._announced_idx(st, b)) for b in done], None, early=True)
 
-    def _land_and_release(self, st: StepState) -> None:
+    def _land_and_release(self, st: Step) -> None:
         """Wait until every bucket fed so far has landed on the host, then drop its grads.
 
         Raises:
@@ -115,7 +115,7 @@ class FromBackward:
             st.run.wait_h2d_queued(work.bucket, self.timeout_s)  # queued after it landed
         self._release(st)
 
-    def _release(self, st: StepState) -> None:
+    def _release(self, st: Step) -> None:
         """Drop the device grads whose every D2H has landed (release_grads), on the thread that
         owns the grads (autograd's during backward, the training thread in step())."""
         for work in st.run.take_landed():
@@ -138,7 +138,7 @@ class FromBackward:
             if not futures:
                 with self._lock:
                     if self._step is not None:
-                        self._step.backward_done = True
+                        self._step.phase = Phase.BACKWARD_DONE
                 return
         if self._accumulating:
             return  # a marked micro-step: its grads are not final
@@ -146,7 +146,7 @@ class FromBackward:
             st = self._step
             if st is None or st.backward_done:
                 return
-            st.backward_done = True
+            st.phase = Phase.BACKWARD_DONE
             # Every grad that exists now is final, hooked in this backward or not: one that
             # only earlier micro-steps accumulated (their hooks returned under
             # accumulating()), or a zero grad that zero_grad(set_to_none=False) left on a
@@ -171,7 +171,7 @@ class FromBackward:
         measures forward and backward alone (auto.AutoFraction.holds)."""
         return self._auto is not None and self._auto.holds
 
-    def _announced_idx(self, st: StepState, b: Bucket) -> list[int]:
+    def _announced_idx(self, st: Step, b: Bucket) -> list[int]:
         return [n for n, s in enumerate(b.segments) if b.arena.params[s.k] in st.announced]
 
     def _forward_order(self) -> list[Bucket]:

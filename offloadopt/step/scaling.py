@@ -8,7 +8,7 @@ import torch
 
 from offloadopt.shards import is_dtensor
 from offloadopt.step.amp import AmpInputs, inverse
-from offloadopt.step.stepstate import StepState
+from offloadopt.step.step import Step
 
 __all__ = ["Scaling"]
 
@@ -57,7 +57,7 @@ class Scaling:
             self._pending_clip = (norm, scale)
             return norm
 
-    def _check_scaler(self, st: StepState, grad_scale, scaler_inf) -> None:
+    def _check_scaler(self, st: Step, grad_scale, scaler_inf) -> None:
         """Updates begun before ``step()`` must have used the scale of the GradScaler that is
         stepping this optimizer now (amp.py's note); otherwise the step is refused.
 
@@ -137,14 +137,14 @@ class Scaling:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grad_norm_
         return norm, scale
 
-    def _clip(self, st: StepState, params: list[torch.Tensor], max_norm: float, inv=None) -> None:
+    def _clip(self, st: Step, params: list[torch.Tensor], max_norm: float, inv=None) -> None:
         have = set(params)
         order = [p for p in st.group_of if p in have]  # group order: fixed
         st.norm, coef = self._norm_and_scale(order, max_norm, inv)
         st.scale = coef if inv is None else (inv, coef)  # unscale first, as torch's order
         self.last_grad_norm = st.norm
 
-    def _scaling(self, st: StepState, params: list[torch.Tensor], grad_scale, inf) -> None:
+    def _scaling(self, st: Step, params: list[torch.Tensor], grad_scale, inf) -> None:
         """This step's clip factors (``st.scale``: ``max_grad_norm``'s coefficient, after the
         inverse scale with a GradScaler) and GradScaler inputs (``st.amp``); amp.py's note."""
         if self.max_grad_norm is not None:

@@ -53,11 +53,11 @@ from offloadopt.shards import is_dtensor, local
 from offloadopt.step.amp import scaler_inputs
 from offloadopt.step.backward import FromBackward
 from offloadopt.step.scaling import Scaling
-from offloadopt.step.stepstate import StepState
+from offloadopt.step.step import Phase, Step
 from offloadopt.step.updates import Updates
 from offloadopt.step.waits import Waits
 
-__all__ = ["Stepping", "StepState", "signals_deferred"]
+__all__ = ["Stepping", "Step", "signals_deferred"]
 
 
 def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -108,6 +108,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                 st = self._begin(may_replace=True)
             elif st.fed:
                 self._warn_if_hypers_moved(st)
+            st.phase = Phase.STEPPING
             st.thread = threading.get_ident()
             try:
                 # Params fed during backward were checked then (their grads may be released now).
@@ -233,6 +234,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                 # Phase 3: publish. wait="step": the compute stream waits for every copy back;
                 # wait="module": each watched module waits for its own (opt.watch, _wait_for);
                 # overlap="delayed": the next step() (or synchronize()) copies the new weights in.
+                st.phase = Phase.STEPPED
                 self._inflight, self._inflight_streams = st, streams
                 if (self.wait == "step" or self._compiled_region()) and not st.delayed:
                     self.synchronize()  # compiled: one full wait for the region's modules
@@ -258,7 +260,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
             # the state, between steps
             auto.end(self, worked=bool(st.prepared))
 
-    def _warn_if_hypers_moved(self, st: StepState) -> None:
+    def _warn_if_hypers_moved(self, st: Step) -> None:
         """A group value set between backward and ``step()`` after this step's updates began
         (declared backward mode froze the values at its first update: the whole step uses
         those, the new ones apply from the next step). torch reads them in ``step()``; say so,
@@ -328,7 +330,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
         self._replace(self.offload_fraction)
 
     # ------------------------------------------------------------------ phases
-    def _begin(self, may_replace: bool = False) -> StepState:
+    def _begin(self, may_replace: bool = False) -> Step:
         """Freeze and validate every group, find each param's group by identity.
 
         ``may_replace`` (from ``step()``, never from a backward's hooks): a group whose values
@@ -384,7 +386,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
             ("d2h_wait_ms", "cpu_update_ms", "launch_ms", "feed_wait_ms", "h2d_ms", "d2h_ms"), 0.0
         )
         stats.update(d2h_nbytes=0, h2d_nbytes=0, buckets=0, worker_ms=0.0)
-        st = StepState(hypers, group_of, stats)
+        st = Step(hypers, group_of, stats)
         st.delayed = self.overlap == "delayed" and self._steps_taken() >= self.delay_after
         return st
 
@@ -398,7 +400,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                  if rec.offloaded)  # fmt: skip
         return max((int(s) for s in steps if s is not None), default=0)
 
-    def _same_values(self, st: StepState, moved: dict[torch.Tensor, torch.Tensor]) -> set:
+    def _same_values(self, st: Step, moved: dict[torch.Tensor, torch.Tensor]) -> set:
         """Of the params in ``moved`` (param -> its grad now, whose version moved after its
         update started), those whose norm is unchanged (one host sync, on this rare path)."""
         have = [p for p in moved if p in st.fingerprints]
@@ -448,7 +450,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                 "stopped): build a new optimizer and load this one's state_dict() to go on"
             )
 
-    def _prepare(self, st: StepState, params: list[torch.Tensor]) -> None:
+    def _prepare(self, st: Step, params: list[torch.Tensor]) -> None:
         """Create state lazily, refresh stale masters, advance the offloaded params' ``step``
         (once per step, even when buckets cut a param in several segments)."""
         steps = []
@@ -471,7 +473,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
         if steps:
             torch._foreach_add_(steps, 1)
 
-    def _prepare_device(self, st: StepState, with_grad: list[torch.Tensor]) -> list:
+    def _prepare_device(self, st: Step, with_grad: list[torch.Tensor]) -> list:
         """Prepare the device-resident params; their work grouped by frozen hyperparameters."""
         on_device = [p for p in with_grad if not self._records[p].offloaded]
         self._prepare(st, on_device)
@@ -481,7 +483,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
             by_group.setdefault((id(hyper), first), (hyper, [], first))[1].append(p)
         return list(by_group.values())
 
-    def _open_buckets(self, st: StepState, with_grad: list[torch.Tensor]) -> list:
+    def _open_buckets(self, st: Step, with_grad: list[torch.Tensor]) -> list:
         """The buckets with a grad that were not fed during backward, with their segments."""
         have = {p for p in with_grad if self._records[p].offloaded}
         order = self._forward_order() if self.wait == "module" else self.buckets
@@ -494,9 +496,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                 items.append((b, idx))
         return items
 
-    def _feed(
-        self, st: StepState, items: list[tuple[Bucket, list[int]]], scale, early=False
-    ) -> None:
+    def _feed(self, st: Step, items: list[tuple[Bucket, list[int]]], scale, early=False) -> None:
         """Prepare the params of these buckets and queue each on the step's run, with its
         grads captured now and an event on this thread's stream (I1)."""
         if not items:
@@ -522,7 +522,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                     self._broken = "queuing this step's offloaded updates failed part-way"
                 raise
 
-    def _feed_checked(self, st: StepState, items, scale, early: bool, params: list) -> None:
+    def _feed_checked(self, st: Step, items, scale, early: bool, params: list) -> None:
         self._prepare(st, params)
         if st.run is None:
             st.run = self._pipeline.begin(self._update_bucket, st.stats)
@@ -579,8 +579,9 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                     if st.landing[p] == 0:
                         p.grad = None
 
-    def _finish(self, st: StepState, streams) -> None:
+    def _finish(self, st: Step, streams) -> None:
         """The step is over: its params are marked written, its figures become ``stats``."""
+        st.phase = Phase.PUBLISHED
         if st.run is not None:
             if self.release_grads:
                 self._release(st)
@@ -619,7 +620,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
         return {d: torch.cuda.current_stream(d) if tr.cuda else None
                 for d, tr in self._transfers().items()}  # fmt: skip
 
-    def _abandon(self, st: StepState, why: str) -> None:
+    def _abandon(self, st: Step, why: str) -> None:
         """A step whose updates started cannot complete: refuse until load or discard."""
         if st.run is not None:
             st.run.abort()
@@ -627,9 +628,4 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
         self._raise_if_broken()
 
     def _raise_if_broken(self) -> None:
-        if self._broken is not None:
-            raise RuntimeError(
-                f"{type(self).__name__} is inconsistent: {self._broken}, so some params were "
-                "updated and others not; call opt.load_state_dict(...) to restore a checkpoint, "
-                "or opt.discard_failed_step() to go on from here"
-            )
+        self._timeline.raise_if_broken()

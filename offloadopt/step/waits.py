@@ -13,7 +13,7 @@ import torch
 from offloadopt.interrupts import signals_deferred
 from offloadopt.link.worker import WaitTimeout
 from offloadopt.shards import local
-from offloadopt.step.stepstate import StepState
+from offloadopt.step.step import Step
 from offloadopt.warn import warn
 
 __all__ = ["Waits"]
@@ -66,7 +66,7 @@ class Waits:
         with signals_deferred():
             self._synchronize(st)
 
-    def _synchronize(self, st: StepState) -> None:
+    def _synchronize(self, st: Step) -> None:
         self._inflight = None
         streams = self._inflight_streams
         try:
@@ -122,7 +122,7 @@ class Waits:
         self.synchronize()
 
     @torch.no_grad()
-    def _publish_delayed(self, st: StepState, streams) -> None:
+    def _publish_delayed(self, st: Step, streams) -> None:
         """overlap="delayed": copy the landed new weights into the params, on the stream that
         reads them (after its wait on their H2D, in synchronize). A param written outside the
         optimizer since the update started keeps that write: the next step refreshes its
@@ -153,7 +153,7 @@ class Waits:
                 "call opt.synchronize() before it)"
             )
 
-    def _publish_after_failure(self, st: StepState, streams) -> None:
+    def _publish_after_failure(self, st: Step, streams) -> None:
         """overlap="delayed", a step whose run failed (the worker stopped): the buckets whose
         update completed publish their weights (:meth:`_publish_completed`)."""
         if st.delayed and st.run is not None and st.run.job.done.wait(self.timeout_s):
@@ -161,7 +161,7 @@ class Waits:
             self._publish_completed(st, streams)
 
     @torch.no_grad()
-    def _publish_completed(self, st: StepState, streams) -> None:
+    def _publish_completed(self, st: Step, streams) -> None:
         """overlap="delayed", a step whose run failed: copy in the new weights of the buckets
         whose update completed (their fed segments), so that those params' weights agree with
         their masters and moments, as in the other modes, where each bucket's H2D writes its
@@ -254,8 +254,7 @@ class Waits:
     def _updates_started(self) -> bool:
         """Updates began before ``step()`` (backward mode, declared): from then until
         ``step()`` returns the worker writes the params of the buckets fed so far."""
-        st = self._step
-        return st is not None and st.run is not None and bool(st.fed) and not st.delayed
+        return self._timeline.updates_started()
 
     def _wait_started(self, params: list[torch.Tensor] | None = None, streams_too=()) -> None:
         """Between backward and ``step()`` (declared backward mode): wait until the updates
@@ -272,7 +271,7 @@ class Waits:
             return
         self._wait_buckets(self._step, params, streams_too)
 
-    def _wait_buckets(self, st: StepState, params, streams_too=()) -> None:
+    def _wait_buckets(self, st: Step, params, streams_too=()) -> None:
         """Of the buckets fed to ``st`` (those of ``params``, or all), those not waited for
         yet: block until the worker has queued each one's H2D, then make the current stream
         and ``streams_too`` wait on it."""
