@@ -4,10 +4,8 @@ is AdamW's signature on it (offloadopt/rules.py holds the rule), adam.py and sgd
 
 from __future__ import annotations
 
-import logging
-import os
+import numbers
 import warnings
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,13 +15,12 @@ from offloadopt.interrupts import no_grad_whole, signals_deferred
 from offloadopt.link.layout import Arena, Bucket
 from offloadopt.link.pipeline import Pipeline
 from offloadopt.link.transfer import Transfer
-from offloadopt.link.worker import Worker, default_cpu_threads, local_ranks, usable_cores
 from offloadopt.options import Options
 from offloadopt.place import budget
-from offloadopt.place.auto import PROBE_FRACTION, AutoFraction
-from offloadopt.place.placement import ParamInfo, Placement, format_placement, place
+from offloadopt.place.auto import AutoFraction
+from offloadopt.place.placement import Placement
+from offloadopt.place.placer import Placer
 from offloadopt.place.records import ParamRecord
-from offloadopt.placing import Placing
 from offloadopt.rules import ADAMW, Rule
 from offloadopt.shards import is_dtensor, local, local_state, world_size, wrap_like
 from offloadopt.state import checkpoint
@@ -38,24 +35,12 @@ from offloadopt.validation import (
     validate_options,
     validate_params_arg,
 )
-from offloadopt.warn import warn
+from offloadopt.warn import WarnOnce, weak_method
 
 __all__ = ["HybridOptimizer"]
 
-log = logging.getLogger("offloadopt")
 
-
-OVERLAPS = ("step", "backward", "delayed")
-WAITS = ("step", "module")
-# bucket_nbytes=None: 64 MiB; 128 MiB with overlap="backward" and 256 MiB with overlap="delayed",
-# where the worker's copy launches between buckets (about 0.3-0.5 ms a bucket inside a step, the
-# GIL shared with the training thread's forward and backward) add to the CPU pass: GPT-2 1.5B at
-# fraction 1, backward mode, 128 MiB against 64 MiB: 553-585 against 633-765 ms in two runs;
-# delayed, 256 MiB: 1.13x -> 1.05x of the step's bound (benchmarks/RESULTS.md).
-BUCKET_NBYTES = {"step": 64 * 2**20, "backward": 128 * 2**20, "delayed": 256 * 2**20}
-
-
-class HybridOptimizer(Placing, Stepping, Optimizer):
+class HybridOptimizer(Stepping, Optimizer):
     """The machinery shared by the hybrid optimizers (see :class:`HybridAdamW` for the
     timeline, memory and caveats). A subclass sets :attr:`rule` and maps its torch signature
     onto ``hyper`` (the rule's hyperparameters)."""
@@ -122,29 +107,11 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
                 "ranks choosing apart would train unevenly; give each rank the same number"
             )
         self.options = o  # as given; offload_fraction and the like change below and later
-        self.placement_policy = o.placement_policy
-        self._budget = sizes  # max_gpu_memory: the fraction is chosen at the first step()
-        self.placement_choice: dict[str, Any] | None = None  # what chose the fraction, and why
-        # offload_fraction="auto" (offloadopt/place/auto.py): probe, choose, verify in the first steps
-        self._auto = (AutoFraction(o.auto_tolerance, sizes["max_gpu_memory"] is not None, o.release_grads)
-                      if auto else None)  # fmt: skip
-        self.offload_fraction = PROBE_FRACTION if auto else float(o.offload_fraction)
-        self.min_offload_numel = o.min_offload_numel
-        self.master_weights = o.master_weights
-        self.pin_memory = o.pin_memory
-        self.bucket_nbytes = (
-            o.bucket_nbytes if o.bucket_nbytes is not None else BUCKET_NBYTES[o.overlap]
-        )
-        self.flush_denormal = o.flush_denormal
         self.overlap, self.wait = o.overlap, o.wait
         self.max_grad_norm = None if o.max_grad_norm is None else float(o.max_grad_norm)
         self.grads_final, self.release_grads = o.grads_final, o.release_grads
         self.grad_scaler = o.grad_scaler  # attached: backward mode checks found_inf (amp.py)
         self.delay_after = int(o.delay_after)  # overlap="delayed": synchronous steps first
-        # Step mode: the training thread waits in step() while the worker runs; when updates
-        # overlap backward or the next forward, it needs a core of its own.
-        busy = o.overlap != "step" or o.wait != "step"
-        self.cpu_threads = o.cpu_threads or default_cpu_threads(training_thread_busy=busy)
         self.timeout_s = float(o.timeout_s)
         self._ready = False
         # The step being fed, the step in flight after step() returned, and why the optimizer
@@ -166,22 +133,24 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         defaults = {**hyper, **self.rule.torch_flags, "offload": None}
         if "betas" in defaults:
             defaults["betas"] = tuple(defaults["betas"])
-        self.placement: list[Placement] = []
-        self.arenas: list[Arena] = []
-        self.buckets: list[Bucket] = []
-        self._records: dict[torch.Tensor, ParamRecord] = {}
-        self._pipeline: Pipeline | None = None  # made with the first offloaded param
+        self._records: dict[torch.Tensor, ParamRecord] = {}  # the Placer fills it
         self._stats: dict[str, float] = {}
-        self._warned: set[str] = set()
-        self._unplaced: list[int] = []  # groups waiting for their meta params (ensure_placed)
+        self._warn_once = WarnOnce()  # one warning per key, shared with the owners
         super().__init__(params, defaults)
         self.state = OptimizerState(self)  # assignments copy into the buffers (state.py)
+        # Where each param's state lives, the host arenas, staging and worker, the fraction
+        # and what chose it (offloadopt/place/placer.py)
+        self._placer = Placer(
+            self.param_groups, self.rule, o, sizes, name=type(self).__name__,
+            records=self._records, ddp=o.ddp is not None, warn_once=self._warn_once,
+            on_offloaded=weak_method(self._hook_offloaded),
+        )  # fmt: skip
         for g in self.param_groups:
-            self._check_auto_group(g)
+            self._placer.check_auto_group(g)
         if o.ddp is not None:
             check_ddp(o.ddp, self.param_groups, self._name)
         check_zero(o.overlap, self.param_groups, world_size())
-        self._place_or_defer(list(range(len(self.param_groups))))
+        self._placer.place_or_defer(list(range(len(self.param_groups))))
         if o.ddp is not None:
             from offloadopt.step.hooks import DDPGrads
 
@@ -210,16 +179,17 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         super().add_param_group(param_group)
         try:
             if self._ready:
-                self._check_auto_group(self.param_groups[-1])
+                self._placer.check_auto_group(self.param_groups[-1])
             self._check_group(self.param_groups[-1])
+            placer = self._placer if self._ready else None
             if (
-                self._ready
-                and self._budget["max_gpu_memory"] is not None
-                and not self._budget_pending()
+                placer
+                and placer.sizes["max_gpu_memory"] is not None
+                and not placer.budget_pending()
             ):
-                self._check_budget_for([len(self.param_groups) - 1])
-            if self._ready:
-                self._place_or_defer([len(self.param_groups) - 1])
+                placer.check_budget_for([len(self.param_groups) - 1])
+            if placer:
+                placer.place_or_defer([len(self.param_groups) - 1])
         except BaseException:
             self.param_groups.pop()  # nothing half built: the group goes with its failure
             raise
@@ -228,34 +198,13 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         """A subclass's own refusals for a group about to be placed (its params are tensors);
         raising here adds nothing, at construction and in ``add_param_group`` alike."""
 
-    def _start_worker(self) -> Worker:
-        """The CPU worker, with the thread count decided once and said where it surprises."""
-        cores, ranks = usable_cores(), local_ranks()
-        if os.environ.get("OMP_NUM_THREADS") == "1" and self.cpu_threads > 1:
-            log.warning(
-                "offloadopt: OMP_NUM_THREADS=1 (torchrun sets it when it starts several "
-                "processes); the CPU update runs on its own %d threads (cores %d // local ranks "
-                "%d, less one when updates overlap the training thread); pass cpu_threads= to "
-                "choose", self.cpu_threads, cores, ranks,
-            )  # fmt: skip
-        if self.cpu_threads > cores:
-            self._warn_once(
-                "threads-over",
-                f"cpu_threads={self.cpu_threads} is more than the {cores} cores this process "
-                "may use: the worker's threads will contend for them",
-            )
-        if self.cpu_threads * ranks < cores // 2:
-            self._warn_once(
-                "threads",
-                f"the CPU update will run on {self.cpu_threads} threads x {ranks} local ranks, "
-                f"far below the {cores} cores this process may use (cpu_threads=)",
-            )
-        return Worker(self.cpu_threads, self.flush_denormal)
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warn(message)
+    def _hook_offloaded(self, params: list[torch.Tensor]) -> None:
+        """The Placer placed ``params`` on the host: in backward mode with updates that may
+        start before step() (steps.py's note), their grad hooks announce each grad."""
+        if self.overlap == "backward" and (
+            self.grads_final or self.max_grad_norm is not None or self.grad_scaler is not None
+        ):
+            self._grad_hooks.append(GradHooks(self, params))
 
     # ------------------------------------------------------------------ the timeline
     # The step's pieces read the Timeline through these names (step/step.py owns the values).
@@ -298,43 +247,12 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
     # ------------------------------------------------------------------ reporting
     def crossing_host_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every host buffer that crosses the link: ``(label, tensor)`` pairs."""
-        out = [(f"the master of arena {k}, {a.label}", a.master)
-               for k, a in enumerate(self.arenas) if a.device.type == "cuda"]  # fmt: skip
-        for d, tr in self._transfers().items():
-            if d.type == "cuda":
-                out += [(f"{d} grad staging slot {i}", t) for i, t in enumerate(tr.host_slots())]
-        return out
-
-    def _transfers(self) -> dict[torch.device, Transfer]:
-        return self._pipeline.transfers if self._pipeline is not None else {}
-
-    def _check_pinned(self) -> None:
-        """The pinned invariant: every crossing host buffer is pinned (unless pin_memory=False)."""
-        if not self.pin_memory:
-            return
-        bad = [f"{label}: {t.numel() * t.element_size()} bytes" for label, t in self.crossing_host_tensors()
-               if t.numel() and not t.is_pinned()]  # fmt: skip
-        if bad:
-            raise RuntimeError(
-                "host buffers that cross the link must be pinned; not pinned: " + "; ".join(bad)
-            )
+        return self._placer.crossing_host_tensors()
 
     def placement_table(self) -> str:
         """The placement as a fixed-width table (see :func:`offloadopt.place.placement.format_placement`);
         while params are still on the meta device, a line saying so."""
-        if self._unplaced:
-            n = sum(len(self.param_groups[gi]["params"]) for gi in self._unplaced)
-            why = (
-                "max_gpu_memory chooses the fraction at the first step()"
-                if self._budget_pending()
-                else "built on the meta device"
-            )
-            pending = (f"placement pending: {n} params of {len(self._unplaced)} groups ({why}; "
-                       "placed at the first step(), or ensure_placed())")  # fmt: skip
-            return (
-                pending if not self.placement else f"{format_placement(self.placement)}\n{pending}"
-            )
-        return format_placement(self.placement)
+        return self._placer.table()
 
     def is_offloaded(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s optimizer state (and fp32 master) lives on the host."""
@@ -344,14 +262,93 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
     @property
     def host_nbytes(self) -> int:
         """Bytes of host memory held for optimizer state and staging."""
-        n = sum(a.buffers.nbytes for a in self.arenas if a.buffers is not None)
-        return n + sum(tr.ring.buffers.nbytes for tr in self._transfers().values())
+        return self._placer.host_nbytes()
 
     @property
     def pinned_nbytes(self) -> int:
         """Of :attr:`host_nbytes`, the bytes that are pinned now."""
-        n = sum(a.buffers.pinned_nbytes for a in self.arenas if a.buffers is not None)
-        return n + sum(tr.ring.buffers.pinned_nbytes for tr in self._transfers().values())
+        return self._placer.pinned_nbytes()
+
+    # The Placer's figures, read where torch users and the step's pieces look for them.
+    @property
+    def offload_fraction(self) -> float:
+        """The offload fraction in force (``"auto"`` and ``max_gpu_memory`` set it)."""
+        return self._placer.fraction
+
+    @property
+    def placement_choice(self) -> dict[str, Any] | None:
+        """What chose the fraction, and why (a budget, ``"auto"``, the caller), or None."""
+        return self._placer.choice
+
+    @placement_choice.setter
+    def placement_choice(self, choice: dict[str, Any] | None) -> None:
+        self._placer.choice = choice
+
+    @property
+    def placement(self) -> list[Placement]:
+        """Every param's :class:`~offloadopt.place.placement.Placement`, in group order."""
+        return self._placer.placement
+
+    @property
+    def arenas(self) -> list[Arena]:
+        return self._placer.arenas
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self._placer.buckets
+
+    @property
+    def _pipeline(self) -> Pipeline | None:
+        return self._placer.pipeline
+
+    @property
+    def _auto(self) -> AutoFraction | None:
+        return self._placer.auto
+
+    @property
+    def cpu_threads(self) -> int:
+        return self._placer.cpu_threads
+
+    @property
+    def bucket_nbytes(self) -> int:
+        return self._placer.bucket_nbytes
+
+    @property
+    def min_offload_numel(self) -> int:
+        return self._placer.min_offload_numel
+
+    @property
+    def placement_policy(self) -> str:
+        return self._placer.policy
+
+    @property
+    def master_weights(self) -> bool:
+        return self._placer.master_weights
+
+    @property
+    def pin_memory(self) -> bool:
+        return self._placer.pin_memory
+
+    def _transfers(self) -> dict[torch.device, Transfer]:
+        return self._placer.transfers()
+
+    def _forward_order(self) -> list[Bucket]:
+        return self._placer.forward_order()
+
+    def _device(self) -> torch.device:
+        return self._placer.device()
+
+    def _budget_pending(self) -> bool:
+        return self._placer.budget_pending()
+
+    def _name(self, group: dict[str, Any], gi: int, i: int) -> str:
+        return self._placer.param_name(group, gi, i)
+
+    def _record(self, p: torch.Tensor, group: dict[str, Any], gi: int, i: int) -> ParamRecord:
+        return self._placer.record(p, group, gi, i)
+
+    def _check_pinned(self) -> None:
+        self._placer.check_pinned()
 
     @property
     def stats(self) -> dict[str, float]:
@@ -424,19 +421,131 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
             for p, entry in entries:
                 fresh[p] = entry  # copied into p's buffers where p has a record
 
-    # ------------------------------------------------------------------ records
-    def _record(self, p: torch.Tensor, group: dict[str, Any], gi: int, i: int) -> ParamRecord:
-        """``p``'s record; a param put into a group's list by hand gets one now (on the device)."""
-        rec = self._records.get(p)
-        if rec is None:
-            keys = self.rule.state_keys_for(group)
-            info = ParamInfo(-1, self._name(group, gi, i), gi, tuple(p.shape), p.dtype,
-                             p.requires_grad, group.get("offload"), n_states=len(keys))  # fmt: skip
-            pl = place([info], 0.0, 0, self.master_weights)[0]
-            rec = ParamRecord(pl.name, replace(pl, reason="added by hand"), state_keys=keys)
-            self._records[p] = rec
-            self.placement.append(rec.placement)
-        return rec
+    # ------------------------------------------------------------------ placement
+    def ensure_placed(self) -> None:
+        """Place the groups built from meta-device params, now that they are materialized, and
+        allocate their host buffers. Runs by itself at the first ``step()``, ``state_dict()``,
+        ``load_state_dict()`` and ``watch()``; call it to see the placement
+        (:meth:`placement_table`, :meth:`is_offloaded`) before that.
+
+        Materialize in place, so that the optimizer's params are the model's: build the model
+        under ``torch.device("meta")``, call ``torch.__future__.set_swap_module_params_on_conversion(True)``
+        before ``model.to_empty(device=...)`` (without it ``to_empty`` makes new params and this
+        optimizer's stay on meta), or build the optimizer after ``to_empty``.
+
+        Raises:
+            RuntimeError: a param is still on the meta device (named); nothing is placed.
+        """
+        if not self._placer.ensure_placed():
+            return
+        later, self._watch_later = self._watch_later, []
+        for ref in later:
+            model = ref()
+            if model is not None:
+                self.watch(model)
+
+    @no_grad_whole
+    def set_offload_fraction(self, fraction: float) -> None:
+        """Place every param again at ``fraction``, between steps, moving state between the
+        device and the host; nothing is lost and no result changes (the state is copied out
+        as ``state_dict()`` would, the new buffers are allocated, and it is copied in;
+        tests/test_budget.py checks a run that switches against one that does not, bitwise).
+        Models given to :meth:`watch` are watched again. The old host buffers are freed after
+        the new ones exist, so for a moment both are held.
+
+        With ``max_gpu_memory`` whose choice is still pending (or could not be met), this
+        places at ``fraction`` instead and drops the budget; after the choice it replaces it
+        and the budget is not checked again; with ``offload_fraction="auto"`` still measuring,
+        it ends the measuring. Each time ``placement_choice`` says so, and a ``UserWarning``
+        says what was replaced (once).
+
+        Raises:
+            ValueError: ``fraction`` outside [0, 1].
+            RuntimeError: a step in flight from backward, a failed step, or a closed optimizer.
+            PinnedAllocationError: the new buffers could not be had (the old placement stays).
+        """
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, numbers.Real)
+            or not 0 <= fraction <= 1
+        ):
+            raise ValueError(
+                f"Invalid offload_fraction: {fraction!r} (expected a number in [0, 1]; "
+                "offload_fraction='auto' is a constructor option)"
+            )
+        fraction = float(fraction)
+        placer = self._placer
+        ours = placer.auto is not None and placer.auto.moving  # auto's own move
+        replaced = None if ours else placer.choice_replaced()
+
+        def say_replaced() -> None:  # once placed: a refused call replaces nothing
+            if replaced is not None:
+                # A fresh user's finding: the budget (or auto) was dropped without a word.
+                self._warn_once(
+                    "fraction-replaces-choice",
+                    f"set_offload_fraction({fraction:g}) replaces {replaced}: the fraction is "
+                    "now yours and no budget is checked again (placement_choice says so)",
+                )
+
+        if placer.budget_pending():  # the caller's fraction instead of the budget's choice
+            placer.drop_budget(fraction, replaced)
+            self.ensure_placed()
+            say_replaced()
+            return
+        self.ensure_placed()
+        self.synchronize()
+        self._raise_if_broken()
+        self._check_worker([])
+        # Ctrl-C or SIGTERM in the middle would leave state half copied in: they reach their
+        # handler once the move is done (steps.signals_deferred).
+        with signals_deferred(), self._lock:
+            if self._step is not None:
+                raise RuntimeError(
+                    "set_offload_fraction() between steps only: a backward already announced "
+                    "grads (call it after step())"
+                )
+            # A step() that ran since the wait above (on another thread: a fresh user's
+            # finding) has an update in flight that writes the buffers about to be replaced.
+            self.synchronize()
+            self._replace(fraction)
+            if not ours:  # placed: from here the caller's fraction holds, not a choice
+                placer.caller_chose(fraction, replaced)
+                say_replaced()
+
+    def _replace(self, fraction: float) -> None:
+        """Place every param again at ``fraction`` with the groups' current values (their
+        state keys included), moving the state over losslessly; the caller holds the lock,
+        with signals deferred, and nothing is in flight.
+
+        Raises:
+            PinnedAllocationError: the new buffers could not be had (the old placement stays).
+        """
+        saved = checkpoint.pack(Optimizer.state_dict(self), on_device=False)["state"]
+        # opt.state is emptied in place, never replaced: the owners that read it (and a
+        # user's reference to opt.state) keep the same object.
+        old_state = dict.copy(self.state)
+        old_hooks = (self._grad_hooks, self._module_waits)
+        dict.clear(self.state)
+        self._grad_hooks, self._module_waits = [], []
+        try:
+            self._placer.replace(fraction)
+        except BaseException:
+            dict.update(self.state, old_state)
+            self._grad_hooks, self._module_waits = old_hooks
+            raise
+        for hooks in (*old_hooks[0], *old_hooks[1]):
+            hooks.remove()  # the old placement's grad hooks and module waits
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, entry in saved.items():
+            # An empty entry is a read of opt.state[p] for a param without state (torch's
+            # defaultdict makes it): no state to move, as load_state_dict() drops it too.
+            if isinstance(index, int) and 0 <= index < len(params) and isinstance(entry, dict) and entry:  # fmt: skip
+                self._load_entry(params[index], self._records[params[index]], entry)
+        watched, self._watched = self._watched, []
+        for ref in watched:
+            model = ref()
+            if model is not None:
+                self.watch(model)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -615,8 +724,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
             self._grad_hooks, self._module_waits = [], []
             if self._step is not None and self._step.run is not None:
                 self._stop_run(self._step.run)
-            if self._pipeline is not None:
-                self._pipeline.close()
+            self._placer.close()
 
     def __enter__(self):
         return self

@@ -80,7 +80,7 @@ class HybridSGD(HybridOptimizer):
         super().__init__(params, hyper, differentiable=differentiable, **options)
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        if self.master_weights:
+        if self.options.master_weights:
             return
         low = [p for p in group["params"] if p.dtype in (torch.bfloat16, torch.float16)]
         if low and not low_precision_fused_sgd_is_right():

@@ -371,15 +371,15 @@ def test_ctrl_c_at_the_end_of_autos_move_leaves_a_true_choice(monkeypatch, where
     m = model()
     opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**14,
                       offload_fraction="auto")  # fmt: skip
-    real = type(opt)._place
+    real = type(opt._placer).place
 
-    def place_then_interrupt(self, groups):
-        real(self, groups)
-        to_zero = self.offload_fraction == 0.0  # the baseline's move, or the choice's
-        if self._auto.moving and to_zero == (where == "baseline"):
+    def place_then_interrupt(placer, groups):
+        real(placer, groups)
+        to_zero = placer.fraction == 0.0  # the baseline's move, or the choice's
+        if placer.auto.moving and to_zero == (where == "baseline"):
             os.kill(os.getpid(), signal.SIGINT)  # reaches its handler once the move is done
 
-    monkeypatch.setattr(type(opt), "_place", place_then_interrupt)
+    monkeypatch.setattr(type(opt._placer), "place", place_then_interrupt)
     try:
         with pytest.raises(KeyboardInterrupt):
             train(m, opt)

@@ -259,12 +259,12 @@ class AutoFraction:
         mode = cost_mode(opt.overlap, opt.grads_final or opt.grad_scaler is not None,
                          opt.max_grad_norm)  # fmt: skip
         probe = opt.offload_fraction
-        numel = opt._numel_by_side()
+        numel = opt._placer.numel_by_side()
         try:
             m = measurements(fwd_bwd_ms=timed["fwd_bwd_ms"], stats=self._link(opt),
                              device_update_ms=timed["device_update_ms"],
                              device_numel=numel[False], offloaded_numel=numel[True],
-                             bucket_nbytes=opt.bucket_nbytes, **opt._bytes_per_param())  # fmt: skip
+                             bucket_nbytes=opt.bucket_nbytes, **opt._placer.bytes_per_param())  # fmt: skip
         except ValueError as e:
             self._keep(opt, str(e))
             return

@@ -320,7 +320,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                 the fraction it chose may not fit); before a step nothing changed, inside
                 ``load_state_dict()`` the load fails (and is refused until one succeeds).
         """
-        if self._budget["max_gpu_memory"] is not None:
+        if self._placer.sizes["max_gpu_memory"] is not None:
             raise ValueError(
                 "the param groups' values need other state than when max_gpu_memory chose the "
                 f"fraction {self.offload_fraction:g} (momentum turned on or off after the "

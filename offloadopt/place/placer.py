@@ -1,0 +1,545 @@
+"""The :class:`Placer`: where each param's optimizer state lives, and the memory that placement
+holds. It owns the placement (one :class:`~offloadopt.place.records.ParamRecord` per param), the
+host arenas and their buckets, the pipeline (staging and the CPU worker), the offload fraction
+and what chose it (a number, a ``max_gpu_memory`` budget, ``offload_fraction="auto"``), and the
+groups still waiting for their meta-device params. The pure policy it applies is
+offloadopt/place/placement.py; moving state between placements losslessly is the optimizer's
+``set_offload_fraction`` (it owns ``opt.state``), which calls :meth:`Placer.replace`."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import replace as dc_replace
+from typing import Any
+
+import torch
+
+from offloadopt.link.layout import Arena, Bucket, build_arenas
+from offloadopt.link.pipeline import Pipeline
+from offloadopt.link.transfer import Transfer
+from offloadopt.link.worker import Worker, default_cpu_threads, local_ranks, usable_cores
+from offloadopt.options import Options
+from offloadopt.place import budget
+from offloadopt.place.auto import PROBE_FRACTION, AutoFraction
+from offloadopt.place.costmodel import format_bytes
+from offloadopt.place.placement import (
+    ParamInfo,
+    Placement,
+    format_placement,
+    place,
+    update_dtype,
+)
+from offloadopt.place.records import ParamRecord
+from offloadopt.rules import Rule
+from offloadopt.shards import check_setup, local
+
+__all__ = ["BUCKET_NBYTES", "Placer"]
+
+log = logging.getLogger("offloadopt")
+
+# bucket_nbytes=None: 64 MiB; 128 MiB with overlap="backward" and 256 MiB with overlap="delayed",
+# where the worker's copy launches between buckets (about 0.3-0.5 ms a bucket inside a step, the
+# GIL shared with the training thread's forward and backward) add to the CPU pass: GPT-2 1.5B at
+# fraction 1, backward mode, 128 MiB against 64 MiB: 553-585 against 633-765 ms in two runs;
+# delayed, 256 MiB: 1.13x -> 1.05x of the step's bound (benchmarks/RESULTS.md).
+BUCKET_NBYTES = {"step": 64 * 2**20, "backward": 128 * 2**20, "delayed": 256 * 2**20}
+
+
+class Placer:
+    """Placement and the memory it holds, for one optimizer.
+
+    Args:
+        param_groups: the optimizer's ``param_groups`` list (torch's; read, never replaced).
+        rule: the update rule (its state keys per group).
+        options: the validated offloading options (offloadopt/options.py).
+        sizes: :func:`offloadopt.place.budget.sizes` of the options (bytes or None).
+        name: the optimizer's class name, for messages.
+        records: the param -> record dict this placer fills (the optimizer's, kept for life).
+        ddp: whether a DDP model announces grads (``ddp=``), for the setup checks.
+        warn_once: ``warn_once(key, message)``, the optimizer's one warning per key.
+        on_offloaded: called with the params of each new arena after it is placed (the
+            optimizer registers their grad hooks there).
+
+    Attributes:
+        fraction: the offload fraction in force (``opt.offload_fraction``).
+        choice: what chose the fraction, and why (``opt.placement_choice``), or None.
+        auto: offload_fraction="auto"'s controller (offloadopt/place/auto.py), or None.
+        placement, arenas, buckets: every param's placement, the host arenas, their buckets.
+        pipeline: the staging and the CPU worker, made with the first offloaded bucket.
+        unplaced: indices of the groups waiting for their meta params (:meth:`ensure_placed`).
+    """
+
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        rule: Rule,
+        options: Options,
+        sizes: dict[str, int | None],
+        *,
+        name: str,
+        records: dict[torch.Tensor, ParamRecord],
+        ddp: bool,
+        warn_once: Callable[[str, str], None],
+        on_offloaded: Callable[[list[torch.Tensor]], None],
+    ):
+        o = options
+        self.param_groups = param_groups
+        self.rule = rule
+        self.sizes = sizes  # max_gpu_memory: the fraction is chosen at the first step()
+        self.name = name
+        self.records = records
+        self.ddp = ddp
+        self.warn_once = warn_once
+        self.on_offloaded = on_offloaded
+        self.policy = o.placement_policy
+        self.min_offload_numel = o.min_offload_numel
+        self.master_weights = o.master_weights
+        self.pin_memory = o.pin_memory
+        self.bucket_nbytes = (
+            o.bucket_nbytes if o.bucket_nbytes is not None else BUCKET_NBYTES[o.overlap]
+        )
+        self.overlap, self.wait = o.overlap, o.wait
+        self.flush_denormal = o.flush_denormal
+        self.timeout_s = float(o.timeout_s)
+        # Step mode: the training thread waits in step() while the worker runs; when updates
+        # overlap backward or the next forward, it needs a core of its own.
+        busy = o.overlap != "step" or o.wait != "step"
+        self.cpu_threads = o.cpu_threads or default_cpu_threads(training_thread_busy=busy)
+        # max_gpu_memory's choice: grads go during backward only when no clip waits for them
+        # all (backward mode's grad hook), and with wait="module" they are in flight meanwhile
+        self.releases_early = o.release_grads and o.max_grad_norm is None and o.grad_scaler is None
+        auto = o.offload_fraction == "auto"
+        # offload_fraction="auto" (offloadopt/place/auto.py): probe, choose, verify in the first steps
+        self.auto = (AutoFraction(o.auto_tolerance, sizes["max_gpu_memory"] is not None, o.release_grads)
+                     if auto else None)  # fmt: skip
+        self.fraction = PROBE_FRACTION if auto else float(o.offload_fraction)
+        self.choice: dict[str, Any] | None = None
+        self.placement: list[Placement] = []
+        self.arenas: list[Arena] = []
+        self.buckets: list[Bucket] = []
+        self.pipeline: Pipeline | None = None
+        self.unplaced: list[int] = []
+
+    # ------------------------------------------------------------------ when to place
+    def check_auto_group(self, group: dict[str, Any]) -> None:
+        """offload_fraction="auto" chooses a share of every param: a group that forces its
+        placement (``"offload": True`` or ``False``) would not move with it."""
+        if self.auto is not None and not self.auto.budgeted and group.get("offload") is not None:
+            raise ValueError(
+                f"a param group with 'offload': {group['offload']!r} and "
+                "offload_fraction='auto': the cost model predicts a share of every param, and "
+                "this group's stays where it is forced; give a number, or drop the key"
+            )
+
+    def budget_pending(self) -> bool:
+        """Whether max_gpu_memory's choice is still to be made (at the first step())."""
+        return self.sizes["max_gpu_memory"] is not None and self.choice is None
+
+    def place_or_defer(self, group_indices: list[int]) -> None:
+        """Place these groups now, or, while any param of them (or of a group still waiting) is
+        on the meta device, when :meth:`ensure_placed` finds them materialized."""
+        params = (p for gi in group_indices for p in self.param_groups[gi]["params"])
+        if self.unplaced or self.budget_pending() or any(p.is_meta for p in params):
+            self.unplaced.extend(group_indices)
+        else:
+            self.place(group_indices)
+
+    def ensure_placed(self) -> bool:
+        """Place the groups waiting for their meta params (``opt.ensure_placed``'s work);
+        returns whether any was placed.
+
+        Raises:
+            RuntimeError: a param is still on the meta device (named); nothing is placed.
+            ValueError: max_gpu_memory's choice finds no fraction that fits (with figures).
+        """
+        if not self.unplaced:
+            return False
+        for gi in self.unplaced:
+            group = self.param_groups[gi]
+            for i, p in enumerate(group["params"]):
+                if p.is_meta:
+                    raise RuntimeError(
+                        f"{self.param_name(group, gi, i)} is still on the meta device: "
+                        "materialize the model in place first (torch.__future__."
+                        "set_swap_module_params_on_conversion(True) before model.to_empty(); "
+                        "without it to_empty() makes new params this optimizer does not hold)"
+                    )
+        if self.budget_pending():
+            self.choose_fraction(self.unplaced)  # raises with the figures; nothing is built
+        pending, self.unplaced = self.unplaced, []
+        try:
+            self.place(pending)
+        except BaseException:
+            self.unplaced = pending
+            raise
+        return True
+
+    # ------------------------------------------------------------------ the budget
+    def check_budget_for(self, group_indices: list[int]) -> None:
+        """max_gpu_memory after its choice: a group added later is placed at the chosen
+        fraction, and the device bytes it adds (weights, grads, the state left on the device)
+        must still fit the budget.
+
+        Raises:
+            ValueError: the budget would be exceeded (with figures); the group is not added.
+        """
+        infos = self.infos(group_indices)
+        tensors = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
+        pls = place(infos, self.fraction, self.min_offload_numel, self.master_weights,
+                    self.policy)  # fmt: skip
+        added = weights_and_grads_nbytes(tensors)
+        added += sum(pl.state_nbytes for pl in pls if not pl.offloaded and pl.reason != "frozen")
+        need = self.choice["predicted_gpu_bytes"] + added
+        if need > self.choice["max_gpu_memory"]:
+            raise ValueError(
+                f"add_param_group: at the chosen offload fraction {self.fraction:g} the "
+                f"new group adds {format_bytes(added)} on the device, {format_bytes(need)} in "
+                f"all, over max_gpu_memory={format_bytes(self.choice['max_gpu_memory'])}; call "
+                "opt.set_offload_fraction(...) for more offload first"
+            )
+        self.choice["predicted_gpu_bytes"] = need
+
+    def choose_fraction(self, group_indices: list[int]) -> None:
+        """max_gpu_memory: measure what the device holds, then let :func:`budget.choose`
+        take the smallest fraction that fits (see there).
+
+        Raises:
+            ValueError: no fraction fits, or the host lacks the memory (both with figures).
+        """
+        tensors = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
+        cuda = {local(p).device for p in tensors if local(p).device.type == "cuda"}
+        given = self.sizes["activation_bytes"]
+        if given is None and cuda:
+            measured = sum(torch.cuda.max_memory_allocated(d) for d in cuda)
+            how = "the device's peak so far (weights, grads, forward and backward)"
+            if not any(p.grad is not None for p in tensors):
+                self.warn_once("budget-before-backward",
+                               "max_gpu_memory: placing before any backward ran, so the "
+                               "activations are not in the measured peak; pass "
+                               "activation_bytes= or call step() first")  # fmt: skip
+        else:
+            if given is None and not any(p.grad is not None for p in tensors):
+                self.warn_once("budget-before-backward",
+                               "max_gpu_memory: placing before any backward ran and without "
+                               "activation_bytes=, so activations count as 0")  # fmt: skip
+            counted = weights_and_grads_nbytes(tensors)
+            measured = counted + (given or 0)
+            how = (f"weights and grads {format_bytes(counted)} + activations "
+                   f"{format_bytes(given or 0)}")  # fmt: skip
+        self.choice = budget.choose(
+            self.infos(group_indices), measured, how, self.sizes["max_gpu_memory"],
+            self.sizes["max_host_memory"], self.bucket_nbytes, self.overlap == "delayed",
+            lambda f, infos: place(infos, f, self.min_offload_numel, self.master_weights,
+                                   self.policy),
+            release_grads=self.releases_early,
+            grads_in_flight=self.wait == "module" and self.overlap != "delayed",
+        )  # fmt: skip
+        self.fraction = self.choice["fraction"]
+
+    def choice_replaced(self) -> str | None:
+        """What a caller's fraction replaces, in words: a ``max_gpu_memory`` budget (chosen
+        or not yet), or ``offload_fraction="auto"`` still measuring; None when neither (or
+        when a caller's fraction replaced it already)."""
+        chooser = (self.choice or {}).get("set_by", "")
+        if chooser.startswith("set_offload_fraction"):
+            return None
+        nbytes = self.sizes["max_gpu_memory"]
+        if nbytes is not None:
+            when = "its choice" if self.choice is not None else "before its choice"
+            return f"max_gpu_memory={format_bytes(nbytes)} ({when})"
+        if self.auto is not None and self.auto.active:
+            return "offload_fraction='auto' before its choice"
+        return None
+
+    def drop_budget(self, fraction: float, replaced: str | None) -> None:
+        """The caller's fraction instead of the budget's choice still pending."""
+        if self.auto is not None:
+            self.auto.cancel(f"set_offload_fraction({fraction!r}) by the caller")
+        self.sizes["max_gpu_memory"] = None
+        self.fraction = fraction
+        self.choice = {"fraction": fraction, "set_by": "set_offload_fraction",
+                       "replaced": replaced}  # fmt: skip
+
+    def caller_chose(self, fraction: float, replaced: str | None) -> None:
+        """After a caller's ``set_offload_fraction``: from here the fraction is theirs, and
+        :attr:`choice` says what it replaced."""
+        if self.auto is not None:
+            self.auto.cancel(f"set_offload_fraction({fraction!r}) by the caller")
+        if self.choice is not None:
+            was_budget = "max_gpu_memory" in self.choice
+            self.choice = {
+                "fraction": fraction, "replaced": self.choice,
+                "set_by": "set_offload_fraction" + (" (the budget is not checked)" if was_budget else ""),
+            }  # fmt: skip
+        elif replaced is not None:  # auto still measuring: no choice to keep
+            self.choice = {"fraction": fraction, "replaced": replaced,
+                           "set_by": "set_offload_fraction"}  # fmt: skip
+
+    # ------------------------------------------------------------------ placing
+    def replace(self, fraction: float) -> None:
+        """Place every param again at ``fraction`` (the records emptied in place and made
+        again); on success the old arenas are released once the staging's last H2D from them
+        is done. The caller has emptied ``opt.state`` and moves the state over.
+
+        Raises:
+            PinnedAllocationError: the new buffers could not be had (the old placement stays).
+        """
+        old = (self.placement, self.arenas, self.buckets, dict(self.records), self.fraction)
+        self.placement, self.arenas, self.buckets = [], [], []
+        self.records.clear()
+        self.fraction = fraction
+        try:
+            self.place(list(range(len(self.param_groups))))
+        except BaseException:
+            self.placement, self.arenas, self.buckets, records, self.fraction = old
+            self.records.clear()
+            self.records.update(records)
+            raise
+        for tr in self.transfers().values():
+            tr.forget(old[2], self.timeout_s)  # waits for their last H2D, before release
+        for arena in old[1]:
+            arena.release()  # unpinned now
+
+    def place(self, group_indices: list[int]) -> None:
+        """Place the params of these groups and allocate their host buffers (all or nothing)."""
+        start = sum(len(g["params"]) for g in self.param_groups[: group_indices[0]])
+        check_setup([(self.param_name(self.param_groups[gi], gi, i), p) for gi in group_indices
+                     for i, p in enumerate(self.param_groups[gi]["params"])],
+                    self.overlap, ddp=self.ddp)  # fmt: skip
+        keys = {gi: self.rule.state_keys_for(self.param_groups[gi]) for gi in group_indices}
+        infos = self.infos(group_indices)
+        tensors = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
+        placements = place(infos, self.fraction, self.min_offload_numel,
+                           self.master_weights, self.policy)  # fmt: skip
+        order = [(tensors[k], pl.name, pl.group, update_dtype(pl.dtype, self.master_weights))
+                 for k, pl in reversed(list(enumerate(placements))) if pl.offloaded]  # fmt: skip
+        arenas, buckets = build_arenas(order, self.bucket_nbytes)
+        devices = {a.device for a in arenas}
+        pin = {d: self.pin_memory and d.type == "cuda" for d in devices}
+        if not self.pin_memory and any(d.type == "cuda" for d in devices):
+            self.warn_once(
+                "pageable",
+                f"{self.name}(pin_memory=False): host buffers are pageable, so every "
+                "copy over the link takes the slow pageable path; this setting exists to "
+                "reproduce and measure it",
+            )
+        new_transfers: dict[torch.device, Transfer] = {}
+        try:
+            for arena in arenas:
+                arena.allocate(keys[arena.group_label], pin[arena.device])
+            landing = {}
+            if self.overlap == "delayed":  # the next weights, published at the next step()
+                for arena in arenas:
+                    for p in arena.params:
+                        landing[p] = torch.empty_like(
+                            local(p), memory_format=torch.contiguous_format
+                        )
+            # Staging as large as the largest bucket (at most bucket_nbytes); a later
+            # add_param_group that needs more replaces it, between steps.
+            for d in devices:
+                need = max(b.nbytes for b in buckets if b.arena.device == d)
+                old = self.pipeline.transfers.get(d) if self.pipeline else None
+                if old is None or old.nbytes < need:
+                    new_transfers[d] = Transfer(d, need, pin[d])
+            if buckets and self.pipeline is None:
+                self.pipeline = Pipeline(self.start_worker(), self.timeout_s)
+        except BaseException:
+            for arena in arenas:
+                arena.release()
+            for tr in new_transfers.values():
+                tr.close()
+            raise
+        # Everything allocated: commit.
+        for d, tr in new_transfers.items():
+            old = self.pipeline.transfers.get(d)
+            if old is not None:
+                old.close()  # no copy of the last step still uses it; unpinned now
+                tr.adopt(old)
+            self.pipeline.transfers[d] = tr
+            for b in self.buckets:
+                b.forget_slot_views()
+        for pl in placements:
+            rec = ParamRecord(pl.name, pl, state_keys=keys[pl.group])
+            self.records[tensors[pl.index - start]] = rec
+        for arena in arenas:
+            for k, p in enumerate(arena.params):
+                rec = self.records[p]
+                rec.arena, rec.k = arena, k
+                rec.landing = landing.get(p)
+        for n, b in enumerate(buckets, start=len(self.buckets)):
+            b.index = n
+            for seg in b.segments:
+                rec = self.records[b.arena.params[seg.k]]
+                if not rec.buckets or rec.buckets[-1] is not b:
+                    rec.buckets.append(b)
+        self.on_offloaded([p for a in arenas for p in a.params])
+        odd = [pl.name for pl in placements if pl.reason == "non-contiguous"]
+        if odd and self.fraction > 0:
+            self.warn_once(
+                "non-contiguous",
+                f"{len(odd)} params are not contiguous (e.g. channels_last conv weights: "
+                f"{', '.join(odd[:3])}) and keep their state on the device",
+            )
+        self.arenas.extend(arenas)
+        self.buckets.extend(buckets)
+        self.placement.extend(placements)
+        self.check_pinned()
+
+    def record(self, p: torch.Tensor, group: dict[str, Any], gi: int, i: int) -> ParamRecord:
+        """``p``'s record; a param put into a group's list by hand gets one now (on the device)."""
+        rec = self.records.get(p)
+        if rec is None:
+            keys = self.rule.state_keys_for(group)
+            info = ParamInfo(-1, self.param_name(group, gi, i), gi, tuple(p.shape), p.dtype,
+                             p.requires_grad, group.get("offload"), n_states=len(keys))  # fmt: skip
+            pl = place([info], 0.0, 0, self.master_weights)[0]
+            rec = ParamRecord(pl.name, dc_replace(pl, reason="added by hand"), state_keys=keys)
+            self.records[p] = rec
+            self.placement.append(rec.placement)
+        return rec
+
+    def start_worker(self) -> Worker:
+        """The CPU worker, with the thread count decided once and said where it surprises."""
+        cores, ranks = usable_cores(), local_ranks()
+        if os.environ.get("OMP_NUM_THREADS") == "1" and self.cpu_threads > 1:
+            log.warning(
+                "offloadopt: OMP_NUM_THREADS=1 (torchrun sets it when it starts several "
+                "processes); the CPU update runs on its own %d threads (cores %d // local ranks "
+                "%d, less one when updates overlap the training thread); pass cpu_threads= to "
+                "choose", self.cpu_threads, cores, ranks,
+            )  # fmt: skip
+        if self.cpu_threads > cores:
+            self.warn_once(
+                "threads-over",
+                f"cpu_threads={self.cpu_threads} is more than the {cores} cores this process "
+                "may use: the worker's threads will contend for them",
+            )
+        if self.cpu_threads * ranks < cores // 2:
+            self.warn_once(
+                "threads",
+                f"the CPU update will run on {self.cpu_threads} threads x {ranks} local ranks, "
+                f"far below the {cores} cores this process may use (cpu_threads=)",
+            )
+        return Worker(self.cpu_threads, self.flush_denormal)
+
+    # ------------------------------------------------------------------ views
+    def transfers(self) -> dict[torch.device, Transfer]:
+        """The staging per device (none before the first offloaded bucket)."""
+        return self.pipeline.transfers if self.pipeline is not None else {}
+
+    def forward_order(self) -> list[Bucket]:
+        """Buckets in the order the next forward reads them (first-registered params first)."""
+        return self.buckets[::-1]
+
+    def device(self) -> torch.device:
+        """The device of the params (one per rank: shards.check_setup)."""
+        return local(self.param_groups[0]["params"][0]).device
+
+    def bytes_per_param(self) -> dict[str, int]:
+        """The cost model's bytes per trainable param: its weight (and grad) in the dtype of
+        most of the elements, and the state (the rule's, and an fp32 master when kept)."""
+        by_dtype: dict[torch.dtype, int] = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.requires_grad:
+                    by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + local(p).numel()
+        dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.float32
+        master = update_dtype(dtype, self.master_weights) != dtype
+        n_states = len(self.rule.state_keys_for(self.param_groups[0]))
+        return {"weight_bytes": dtype.itemsize, "state_bytes": 4 * n_states + 4 * master}
+
+    def numel_by_side(self) -> dict[bool, int]:
+        """Trainable elements (this rank's shards) whose state is offloaded (True) or on the
+        device (False)."""
+        out = {True: 0, False: 0}
+        for p, rec in self.records.items():
+            if rec.placement.reason != "frozen":
+                out[rec.offloaded] += local(p).numel()
+        return out
+
+    def infos(self, group_indices: list[int]) -> list[ParamInfo]:
+        """The placement policy's view of these groups' params."""
+        start = sum(len(g["params"]) for g in self.param_groups[: group_indices[0]])
+        infos = []
+        for gi in group_indices:
+            g = self.param_groups[gi]
+            keys = self.rule.state_keys_for(g)
+            for i, p in enumerate(g["params"]):
+                mine = local(p)  # an FSDP2 param: this rank's shard is what it places
+                infos.append(
+                    ParamInfo(start + len(infos), self.param_name(g, gi, i), gi, tuple(mine.shape),
+                              p.dtype, p.requires_grad, g["offload"], mine.is_contiguous(),
+                              len(keys), tuple(p.shape) if mine is not p else None)
+                )  # fmt: skip
+        return infos
+
+    def param_name(self, group: dict[str, Any], gi: int, i: int) -> str:
+        """The name of param ``i`` of group ``gi``: its record's, else from ``param_names``."""
+        rec = self.records.get(group["params"][i])
+        if rec is not None:
+            return rec.name
+        names = group.get("param_names")
+        return names[i] if names and i < len(names) else f"group{gi}.param{i}"
+
+    # ------------------------------------------------------------------ reporting
+    def crossing_host_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every host buffer that crosses the link: ``(label, tensor)`` pairs."""
+        out = [(f"the master of arena {k}, {a.label}", a.master)
+               for k, a in enumerate(self.arenas) if a.device.type == "cuda"]  # fmt: skip
+        for d, tr in self.transfers().items():
+            if d.type == "cuda":
+                out += [(f"{d} grad staging slot {i}", t) for i, t in enumerate(tr.host_slots())]
+        return out
+
+    def check_pinned(self) -> None:
+        """The pinned invariant: every crossing host buffer is pinned (unless pin_memory=False).
+
+        Raises:
+            RuntimeError: a crossing host buffer is not pinned (named, with its bytes).
+        """
+        if not self.pin_memory:
+            return
+        bad = [f"{label}: {t.numel() * t.element_size()} bytes" for label, t in self.crossing_host_tensors()
+               if t.numel() and not t.is_pinned()]  # fmt: skip
+        if bad:
+            raise RuntimeError(
+                "host buffers that cross the link must be pinned; not pinned: " + "; ".join(bad)
+            )
+
+    def table(self) -> str:
+        """The placement as a fixed-width table; while params wait, a line saying so."""
+        if self.unplaced:
+            n = sum(len(self.param_groups[gi]["params"]) for gi in self.unplaced)
+            why = (
+                "max_gpu_memory chooses the fraction at the first step()"
+                if self.budget_pending()
+                else "built on the meta device"
+            )
+            pending = (f"placement pending: {n} params of {len(self.unplaced)} groups ({why}; "
+                       "placed at the first step(), or ensure_placed())")  # fmt: skip
+            return (
+                pending if not self.placement else f"{format_placement(self.placement)}\n{pending}"
+            )
+        return format_placement(self.placement)
+
+    def host_nbytes(self) -> int:
+        """Bytes of host memory held for optimizer state and staging."""
+        n = sum(a.buffers.nbytes for a in self.arenas if a.buffers is not None)
+        return n + sum(tr.ring.buffers.nbytes for tr in self.transfers().values())
+
+    def pinned_nbytes(self) -> int:
+        """Of :meth:`host_nbytes`, the bytes that are pinned now."""
+        n = sum(a.buffers.pinned_nbytes for a in self.arenas if a.buffers is not None)
+        return n + sum(tr.ring.buffers.pinned_nbytes for tr in self.transfers().values())
+
+    def close(self) -> None:
+        """Stop the worker and unpin the staging (idempotent)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+
+
+def weights_and_grads_nbytes(tensors: list[torch.Tensor]) -> int:
+    """Device bytes of these params (this rank's shards) and of the grads of trainable ones."""
+    return sum(local(p).nbytes * (2 if p.requires_grad else 1) for p in tensors)
