@@ -4,6 +4,7 @@ is AdamW's signature on it (offloadopt/rules.py holds the rule), adam.py and sgd
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
@@ -31,6 +32,7 @@ from offloadopt.state.store import OptimizerState
 from offloadopt.step.hooks import GradHooks
 from offloadopt.step.step import Timeline
 from offloadopt.step.steps import Stepping
+from offloadopt.step.update import Updater
 from offloadopt.validation import (
     check_ddp,
     check_zero,
@@ -53,6 +55,13 @@ WAITS = ("step", "module")
 # fraction 1, backward mode, 128 MiB against 64 MiB: 553-585 against 633-765 ms in two runs;
 # delayed, 256 MiB: 1.13x -> 1.05x of the step's bound (benchmarks/RESULTS.md).
 BUCKET_NBYTES = {"step": 64 * 2**20, "backward": 128 * 2**20, "delayed": 256 * 2**20}
+
+
+def _warn_once(warned: set[str], key: str, message: str) -> None:
+    """Warn ``message`` the first time ``key`` comes; ``warned``: the keys warned so far."""
+    if key not in warned:
+        warned.add(key)
+        warn(message)
 
 
 class HybridOptimizer(Placing, Stepping, Optimizer):
@@ -176,6 +185,15 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         self._unplaced: list[int] = []  # groups waiting for their meta params (ensure_placed)
         super().__init__(params, defaults)
         self.state = OptimizerState(self)  # assignments copy into the buffers (state.py)
+        # The rule's application and the making of state (offloadopt/step/update.py). Its
+        # warn_once holds the set of keys, not the optimizer: a dropped optimizer is freed by
+        # reference counting, its grad hooks gone before the next backward (no cycle through
+        # a bound method; benchmarks/faults.py's lifetimes, tests/test_faults.py).
+        self._updater = Updater(
+            self.rule, self._records, self.state, master_weights=self.master_weights,
+            bucket_nbytes=self.bucket_nbytes, timeout_s=self.timeout_s,
+            warn_once=functools.partial(_warn_once, self._warned),
+        )  # fmt: skip
         for g in self.param_groups:
             self._check_auto_group(g)
         if o.ddp is not None:
@@ -253,9 +271,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         return Worker(self.cpu_threads, self.flush_denormal)
 
     def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warn(message)
+        _warn_once(self._warned, key, message)
 
     # ------------------------------------------------------------------ the timeline
     # The step's pieces read the Timeline through these names (step/step.py owns the values).
@@ -565,39 +581,9 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
             if entry is None:
                 self.state.pop(p, None)
                 continue
-            self._load_entry(p, self._records[p], entry)
+            self._updater.load_entry(p, self._records[p], entry)
             ignored_masters |= entry.get("master") is not None and "master" not in self.state[p]
         return ignored_masters
-
-    def _load_entry(self, p: torch.Tensor, rec: ParamRecord, entry: dict[str, Any]) -> None:
-        """Copy one validated saved entry into ``p``'s existing state."""
-        if not self.state.get(p):
-            self._init_state(p, rec)
-        mine = self.state[p]
-        if self.rule.has_step:
-            mine["step"].fill_(entry["step"])
-        for k in rec.state_keys:
-            if entry.get(k) is None:  # a lazy key not made yet (SGD before its first step)
-                mine.pop(k, None)
-                continue
-            if k not in mine:
-                mine[k] = self._new_state_tensor(p, rec, k)
-            mine[k].copy_(entry[k])
-        if "master" in mine:
-            if entry.get("master") is not None:
-                mine["master"].copy_(entry["master"])
-                rec.forget_written()  # compare with the weights at the next step
-            else:
-                mine["master"].copy_(local(p).detach())
-                rec.mark_written(p)
-                self._warn_once(
-                    "no-master",
-                    f"the state dict has no fp32 master for {rec.name} ({p.dtype}): masters were "
-                    "made from the current weights, so this resume is not bitwise exact",
-                )
-        elif rec.offloaded:
-            rec.home("master").copy_(local(p).detach())  # fp32 offloaded: the param is the truth
-            rec.mark_written(p)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -296,7 +296,7 @@ class Placing:
             # An empty entry is a read of opt.state[p] for a param without state (torch's
             # defaultdict makes it): no state to move, as load_state_dict() drops it too.
             if isinstance(index, int) and 0 <= index < len(params) and isinstance(entry, dict) and entry:  # fmt: skip
-                self._load_entry(params[index], self._records[params[index]], entry)
+                self._updater.load_entry(params[index], self._records[params[index]], entry)
         watched, self._watched = self._watched, []
         for ref in watched:
             model = ref()
