@@ -499,7 +499,7 @@ def worker_error(seed: int, mode: str = "step", fraction: float = 1.0, nth: int 
         raise AssertionError(f"fraction {fraction}: {len(opt.buckets)} buckets, no {nth}th")
     opt.synchronize()
     before = ([p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict()))
-    update, calls = opt._update_bucket, []
+    update, calls = opt._updater.update_bucket, []
 
     def failing(work, grads):
         calls.append(work.bucket.index)
@@ -507,7 +507,7 @@ def worker_error(seed: int, mode: str = "step", fraction: float = 1.0, nth: int 
             raise RuntimeError("injected kernel failure")
         return update(work, grads)
 
-    opt._update_bucket = failing
+    opt._updater.update_bucket = failing
     t = time.perf_counter()
     opt.zero_grad()
     try:
@@ -520,7 +520,7 @@ def worker_error(seed: int, mode: str = "step", fraction: float = 1.0, nth: int 
     else:
         raise AssertionError(f"the {nth}th bucket failed and nothing was raised")
     finally:
-        del opt._update_bucket  # the class's method again
+        del opt._updater.update_bucket  # the class's method again
     if time.perf_counter() - t > 8.0:
         raise AssertionError("the failure took longer than the worker's timeout to surface")
     if recover == "load":
@@ -607,9 +607,10 @@ def lifetimes(seed: int, count: int = 200, every: int = 20) -> str:
     third one ``close()``d first. Every ``every`` optimizers one ``gc.collect()`` (it takes
     about 0.5 s with torch loaded on a busy 2-core host): each optimizer dropped so far is
     dead (its weak reference), and threads, fds and RSS do not grow past the first sample.
-    A delayed optimizer dropped with its update in flight lives until the worker ends that
-    update (the worker's job holds its update method): those still alive get 0.5 s more and
-    one more collection, and are counted ("late")."""
+    A delayed optimizer dropped with its update in flight would live until the worker ends that
+    update if the worker's job held it (it holds the Updater's method, which refers to no
+    optimizer): those still alive get 0.5 s more and one more collection, and are counted
+    ("late")."""
     rng = random.Random(seed)
     model = Probe(seed)
     refs, modes, samples, late = [], [], [], 0
@@ -635,6 +636,13 @@ def lifetimes(seed: int, count: int = 200, every: int = 20) -> str:
                 alive = [n for n, r in enumerate(refs) if r() is not None]
                 if alive:
                     raise AssertionError(f"delayed optimizers {alive} are alive after 0.5 s")
+            # A delayed optimizer dropped with its update in flight is freed at once (the
+            # worker's job holds the Updater, not the optimizer), and its worker thread ends
+            # when that update does: give it up to 1 s before the sample.
+            deadline = time.monotonic() + 1.0
+            while (samples and threading.active_count() > samples[0]["py_threads"]
+                   and time.monotonic() < deadline):  # fmt: skip
+                time.sleep(0.02)
             samples.append(process_figures())
     model.zero_grad()
     bad = flat(samples)

@@ -27,7 +27,7 @@ from offloadopt.harness.data import get_batch, load_text
 from offloadopt.harness.probes import time_kernel_under_link
 from offloadopt.link.pipeline import StepRun
 from offloadopt.place import auto
-from offloadopt.step import updates
+from offloadopt.step import update
 
 SWEEP = [0.05, 0.1, 0.15, 0.2, 0.25, 0.3]
 BEST = dict(overlap="backward", wait="module", grads_final=True)  # nothing edits grads
@@ -70,7 +70,7 @@ def derived(name: str, known: dict[str, dict]) -> dict:
     each a word: ``threadsN`` (cpu_threads=N), ``bucketN`` (N MiB buckets), ``switchN``
     (sys.setswitchinterval of N ms), ``fifo`` (the worker takes queued buckets in the order
     they were fed, as before pipeline.StepRun took the forward's first), ``perseg`` (one
-    kernel operand per segment, as before updates._joined joined back-to-back ones), ``base``
+    kernel operand per segment, as before update._joined joined back-to-back ones), ``base``
     (HybridAdamW of the baseline package ``offloadopt_base`` under ``--baseline-dir``), e.g.
     "backward f0.2 threads8 switch1". Raises ValueError for a name that is none of these."""
     if name in known:
@@ -149,7 +149,7 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
     if cfg.pop("fifo", False):  # main() puts the method back after each configuration
         StepRun._take = lambda run: run._queue.popleft()
     if cfg.pop("perseg", False):  # main() puts the function back after each configuration
-        updates._joined = lambda segs, columns, steps: (columns, steps)
+        update._joined = lambda segs, columns, steps: (columns, steps)
     hybrid = HybridAdamW
     if cfg.pop("base", False):
         hybrid = importlib.import_module("offloadopt_base").HybridAdamW
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                for _ in range(max(args.warmup, AUTO_WARMUP) + args.steps)]  # fmt: skip
     results["params"] = n
     rows = results["configs"] = []
-    take, joined = StepRun._take, updates._joined
+    take, joined = StepRun._take, update._joined
     for name, cfg in selected(args.only, args.quick):
         try:
             if "budget_of" in cfg:  # a budget of a measured row's peak: fractions above it fit
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run(model, init, batches, name, cfg, args.warmup, args.steps))
             finally:
                 StepRun._take = take  # a "fifo" variant replaced it
-                updates._joined = joined  # a "perseg" variant replaced it
+                update._joined = joined  # a "perseg" variant replaced it
         except anchors.Unavailable as e:
             rows.append({"name": name, "error": f"skipped: {e}"})
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the rest

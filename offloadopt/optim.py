@@ -28,6 +28,7 @@ from offloadopt.state.store import OptimizerState
 from offloadopt.step.hooks import GradHooks
 from offloadopt.step.step import Timeline
 from offloadopt.step.steps import Stepping
+from offloadopt.step.update import Updater
 from offloadopt.validation import (
     check_ddp,
     check_zero,
@@ -144,6 +145,12 @@ class HybridOptimizer(Stepping, Optimizer):
             self.param_groups, self.rule, o, sizes, name=type(self).__name__,
             records=self._records, ddp=o.ddp is not None, warn_once=self._warn_once,
             on_offloaded=weak_method(self._hook_offloaded),
+        )  # fmt: skip
+        # The rule's application and the making of state (offloadopt/step/update.py)
+        self._updater = Updater(
+            self.rule, self._records, self.state, master_weights=self._placer.master_weights,
+            bucket_nbytes=self._placer.bucket_nbytes, timeout_s=self._placer.timeout_s,
+            warn_once=self._warn_once,
         )  # fmt: skip
         for g in self.param_groups:
             self._placer.check_auto_group(g)
@@ -540,7 +547,7 @@ class HybridOptimizer(Stepping, Optimizer):
             # An empty entry is a read of opt.state[p] for a param without state (torch's
             # defaultdict makes it): no state to move, as load_state_dict() drops it too.
             if isinstance(index, int) and 0 <= index < len(params) and isinstance(entry, dict) and entry:  # fmt: skip
-                self._load_entry(params[index], self._records[params[index]], entry)
+                self._updater.load_entry(params[index], self._records[params[index]], entry)
         watched, self._watched = self._watched, []
         for ref in watched:
             model = ref()
@@ -674,39 +681,9 @@ class HybridOptimizer(Stepping, Optimizer):
             if entry is None:
                 self.state.pop(p, None)
                 continue
-            self._load_entry(p, self._records[p], entry)
+            self._updater.load_entry(p, self._records[p], entry)
             ignored_masters |= entry.get("master") is not None and "master" not in self.state[p]
         return ignored_masters
-
-    def _load_entry(self, p: torch.Tensor, rec: ParamRecord, entry: dict[str, Any]) -> None:
-        """Copy one validated saved entry into ``p``'s existing state."""
-        if not self.state.get(p):
-            self._init_state(p, rec)
-        mine = self.state[p]
-        if self.rule.has_step:
-            mine["step"].fill_(entry["step"])
-        for k in rec.state_keys:
-            if entry.get(k) is None:  # a lazy key not made yet (SGD before its first step)
-                mine.pop(k, None)
-                continue
-            if k not in mine:
-                mine[k] = self._new_state_tensor(p, rec, k)
-            mine[k].copy_(entry[k])
-        if "master" in mine:
-            if entry.get("master") is not None:
-                mine["master"].copy_(entry["master"])
-                rec.forget_written()  # compare with the weights at the next step
-            else:
-                mine["master"].copy_(local(p).detach())
-                rec.mark_written(p)
-                self._warn_once(
-                    "no-master",
-                    f"the state dict has no fp32 master for {rec.name} ({p.dtype}): masters were "
-                    "made from the current weights, so this resume is not bitwise exact",
-                )
-        elif rec.offloaded:
-            rec.home("master").copy_(local(p).detach())  # fp32 offloaded: the param is the truth
-            rec.mark_written(p)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

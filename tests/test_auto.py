@@ -294,12 +294,12 @@ def test_the_probe_times_the_device_update_alone_then_overlaps_it_again(monkeypa
                       offload_fraction="auto", auto_tolerance=10.0)  # fmt: skip
     calls = []
     cls = type(opt)
-    feed, update = cls._feed, cls._device_update
+    feed, update = cls._feed, opt._updater.device_update
     monkeypatch.setattr(
         cls, "_feed", lambda self, *a, **k: (calls.append("feed"), feed(self, *a, **k))[1]
     )
-    monkeypatch.setattr(cls, "_device_update",
-                        lambda self, *a, **k: (calls.append("device"), update(self, *a, **k))[1])  # fmt: skip
+    monkeypatch.setattr(opt._updater, "device_update",
+                        lambda *a, **k: (calls.append("device"), update(*a, **k))[1])  # fmt: skip
     orders = []
 
     def mark():

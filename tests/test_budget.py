@@ -247,7 +247,7 @@ def test_an_interrupt_during_set_offload_fraction_waits_for_the_move(monkeypatch
                       offload_fraction=0.2)  # fmt: skip
     train(m, opt, steps=1)
     kept = opt.state_dict()["state"]
-    real, calls = opt._load_entry, []
+    real, calls = opt._updater.load_entry, []
 
     def load_then_interrupt(p, rec, entry):
         real(p, rec, entry)
@@ -255,7 +255,7 @@ def test_an_interrupt_during_set_offload_fraction_waits_for_the_move(monkeypatch
         if len(calls) == 1:  # Ctrl-C with the new buffers half filled, the old ones freed
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(opt, "_load_entry", load_then_interrupt)
+    monkeypatch.setattr(opt._updater, "load_entry", load_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         opt.set_offload_fraction(0.9)
     assert len(calls) == len(kept)  # the move finished before the interrupt was raised
@@ -295,13 +295,13 @@ def test_the_first_step_with_release_grads_drops_offloaded_grads_before_device_s
                       offload_fraction=0.5, overlap="backward", grads_final=True,
                       release_grads=True)  # fmt: skip
     seen = []
-    original = type(opt)._prepare_device
+    original = opt._updater.prepare_device
 
-    def spy(self, st, with_grad):
-        seen.append([p.grad is None for p in m.parameters() if self.is_offloaded(p)])
-        return original(self, st, with_grad)
+    def spy(st, with_grad):
+        seen.append([p.grad is None for p in m.parameters() if opt.is_offloaded(p)])
+        return original(st, with_grad)
 
-    monkeypatch.setattr(type(opt), "_prepare_device", spy)
+    monkeypatch.setattr(opt._updater, "prepare_device", spy)
     # The first backward runs before any hook sees it (accumulating), as a deferred placement's.
     x, y = next(iter([(torch.randint(0, 128, (4, 32)), torch.randint(0, 128, (4, 32)))]))
     with opt.accumulating():

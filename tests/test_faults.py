@@ -144,14 +144,14 @@ def test_the_cases_catch_a_half_applied_step(faults, monkeypatch):
     """The suite's comparison fires: a step that silently skips its last bucket."""
     model = faults.Probe(0)
     opt, ref = faults.hybrid(model, 1.0, "step"), faults.Reference(model)
-    update, calls = opt._update_bucket, []
+    update, calls = opt._updater.update_bucket, []
 
     def skip_one(work, grads):
         calls.append(1)
         if len(calls) != 3:
             update(work, grads)
 
-    opt._update_bucket = skip_one
+    opt._updater.update_bucket = skip_one
     with pytest.raises(AssertionError, match="differ from the reference"):
         faults.train(model, opt, ref, range(1))
     opt.close()

@@ -122,12 +122,12 @@ class OptimizerState(defaultdict):
         owner.synchronize()
         entry = self.get(p)
         if not entry:
-            entry = owner._make_state(p)  # the buffers the assigned values are copied into
+            entry = owner._updater.make_state(p)  # the buffers the assigned values are copied into
         for key, v in value.items():
             if key not in entry and isinstance(v, torch.Tensor):
                 rec = owner._records[p]
                 if key in rec.state_keys:  # a lazy key (SGD's buffer): its home first
-                    dict.__setitem__(entry, key, owner._new_state_tensor(p, rec, key))
+                    dict.__setitem__(entry, key, owner._updater.new_state_tensor(p, rec, key))
             entry[key] = v
         for key in [k for k in entry if k not in value and k != "master"]:
             dict.__delitem__(entry, key)

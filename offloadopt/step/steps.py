@@ -54,7 +54,6 @@ from offloadopt.step.amp import scaler_inputs
 from offloadopt.step.backward import FromBackward
 from offloadopt.step.scaling import Scaling
 from offloadopt.step.step import Phase, Step
-from offloadopt.step.updates import Updates
 from offloadopt.step.waits import Waits
 
 __all__ = ["Stepping", "Step", "signals_deferred"]
@@ -65,7 +64,7 @@ def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else []
 
 
-class Stepping(Waits, FromBackward, Scaling, Updates):
+class Stepping(Waits, FromBackward, Scaling):
     """The step machinery of :class:`offloadopt.optim.HybridOptimizer` (a mixin)."""
 
     # ------------------------------------------------------------------ public
@@ -192,7 +191,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
             lazy = self.release_grads and any(
                 not self._records[p].offloaded and not self.state.get(p) for p in with_grad
             )
-            device_work = [] if lazy else self._prepare_device(st, with_grad)
+            device_work = [] if lazy else self._updater.prepare_device(st, with_grad)
             streams = self._streams()
 
             def feed() -> None:
@@ -200,7 +199,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                     self._feed(st, self._open_buckets(st, with_grad), st.scale)
                     if lazy:
                         self._land_and_release(st)
-                        device_work.extend(self._prepare_device(st, with_grad))
+                        device_work.extend(self._updater.prepare_device(st, with_grad))
                 except BaseException:
                     if st.run is not None:  # a bucket failed while others were fed
                         st.run.abort()
@@ -220,7 +219,7 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
             if auto is not None:
                 auto.mark("dev0")
             for hyper, params, first in device_work:
-                self._device_update(hyper, params, st.scale, first, st.amp)
+                self._updater.device_update(hyper, params, st.scale, first, st.amp)
             if auto is not None:
                 auto.mark("dev1")
             if alone:
@@ -450,39 +449,6 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                 "stopped): build a new optimizer and load this one's state_dict() to go on"
             )
 
-    def _prepare(self, st: Step, params: list[torch.Tensor]) -> None:
-        """Create state lazily, refresh stale masters, advance the offloaded params' ``step``
-        (once per step, even when buckets cut a param in several segments)."""
-        steps = []
-        for p in params:
-            if p in st.prepared:
-                continue
-            st.prepared.add(p)
-            rec = self._records[p]
-            if not self.state.get(p):  # none yet (an empty entry: a defaultdict lookup)
-                self._init_state(p, rec)
-            elif rec.is_stale(p):
-                self._refresh_if_stale(p, rec)
-            state = self.state[p]
-            if self.rule.lazy_state and any(k not in state for k in rec.state_keys):
-                st.first.add(p)  # the kernel's is_first_step initialises these
-                for k in rec.state_keys:
-                    state[k] = self._new_state_tensor(p, rec, k)
-            if rec.offloaded and self.rule.has_step:
-                steps.append(state["step"])
-        if steps:
-            torch._foreach_add_(steps, 1)
-
-    def _prepare_device(self, st: Step, with_grad: list[torch.Tensor]) -> list:
-        """Prepare the device-resident params; their work grouped by frozen hyperparameters."""
-        on_device = [p for p in with_grad if not self._records[p].offloaded]
-        self._prepare(st, on_device)
-        by_group: dict[tuple, tuple[Hyper, list, bool]] = {}
-        for p in on_device:
-            hyper, first = st.hypers[id(st.group_of[p])], p in st.first
-            by_group.setdefault((id(hyper), first), (hyper, [], first))[1].append(p)
-        return list(by_group.values())
-
     def _open_buckets(self, st: Step, with_grad: list[torch.Tensor]) -> list:
         """The buckets with a grad that were not fed during backward, with their segments."""
         have = {p for p in with_grad if self._records[p].offloaded}
@@ -523,9 +489,9 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                 raise
 
     def _feed_checked(self, st: Step, items, scale, early: bool, params: list) -> None:
-        self._prepare(st, params)
+        self._updater.prepare(st, params)
         if st.run is None:
-            st.run = self._pipeline.begin(self._update_bucket, st.stats)
+            st.run = self._pipeline.begin(self._updater.update_bucket, st.stats)
         new_prints: list[torch.Tensor] = []  # grads fed before step(): their norms, below
         delayed = st.delayed  # the H2D lands in ParamRecord.landing
         for b, idx in items:

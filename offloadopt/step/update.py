@@ -1,8 +1,11 @@
-"""The update itself: the rule on the worker over a bucket, and on the device over the
-device-resident params; lazy state, stale masters; a mixin of
-:class:`offloadopt.optim.HybridOptimizer`."""
+"""The update itself, owned by :class:`Updater`: the rule on the worker over a bucket, and on
+the device over the device-resident params; the making of state (lazily, at a param's first
+grad, or from a saved entry), stale masters refreshed, the offloaded ``step`` advanced."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,9 +15,14 @@ from offloadopt.place.placement import update_dtype
 from offloadopt.place.records import ParamRecord
 from offloadopt.rules import Hyper
 from offloadopt.shards import local
+from offloadopt.step.step import Step
 from offloadopt.warn import warn
 
-__all__ = ["Updates"]
+if TYPE_CHECKING:
+    from offloadopt.rules import Rule
+    from offloadopt.state.store import OptimizerState
+
+__all__ = ["Updater"]
 
 
 def _matching(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -83,10 +91,48 @@ def _joined(segs: list, columns: list[list[torch.Tensor]], steps: list[torch.Ten
     return out, [steps[lo] for lo, _ in bounds] if steps else steps
 
 
-class Updates:
-    """The updates of :class:`offloadopt.optim.HybridOptimizer` (a mixin)."""
+class Updater:
+    """Applies the update rule and makes the state it reads.
 
-    def _update_bucket(self, work: BucketWork, grads: list[torch.Tensor]) -> None:
+    Args:
+        rule: the optimizer's :class:`offloadopt.rules.Rule` (its kernels, state keys, whether
+            it keeps a ``step`` and makes its state lazily).
+        records: the optimizer's param -> :class:`offloadopt.place.records.ParamRecord` dict
+            (the same object for the optimizer's lifetime; read, never replaced here).
+        state: the optimizer's :class:`offloadopt.state.store.OptimizerState` (``opt.state``,
+            the same object for its lifetime), into which the state is installed.
+        master_weights: whether low-precision params keep fp32 masters.
+        bucket_nbytes: bytes; the device update's fp32 temporaries stay under it per chunk.
+        timeout_s: seconds the worker waits for a GradScaler's values to land.
+        warn_once: ``(key, message)``: the optimizer's warning given once per ``key``.
+
+    Owns: the rule's application over one bucket on the CPU worker (:meth:`update_bucket`,
+    the worker's callable) and over the device-resident params on the compute stream
+    (:meth:`device_update`); the making of state (:meth:`init_state`, :meth:`make_state`,
+    :meth:`new_state_tensor`, :meth:`load_entry`); stale masters (:meth:`refresh_if_stale`);
+    a step's preparation of its params (:meth:`prepare`, :meth:`prepare_device`).
+    """
+
+    def __init__(
+        self,
+        rule: Rule,
+        records: dict[torch.Tensor, ParamRecord],
+        state: OptimizerState,
+        *,
+        master_weights: bool,
+        bucket_nbytes: int,
+        timeout_s: float,
+        warn_once: Callable[[str, str], None],
+    ):
+        self.rule = rule
+        self.records = records
+        self.state = state
+        self.master_weights = master_weights
+        self.bucket_nbytes = bucket_nbytes
+        self.timeout_s = timeout_s
+        self.warn_once = warn_once
+
+    def update_bucket(self, work: BucketWork, grads: list[torch.Tensor]) -> None:
         """On the worker: the rule over the bucket's segments ``work.idx``, whose grads (in
         the update dtype, on the host) are ``grads``; one kernel call per group, over runs of
         back-to-back segments joined (:func:`_joined`)."""
@@ -104,22 +150,55 @@ class Updates:
             (weights, gs, *ss), steps = _joined([b.segments[i] for i in segs], columns, steps)
             self.rule.update(hyper, weights, gs, ss, steps, host=True, first=first, amp=amp)
 
-    def _init_state(self, p: torch.Tensor, rec: ParamRecord) -> None:
+    def prepare(self, st: Step, params: list[torch.Tensor]) -> None:
+        """Create state lazily, refresh stale masters, advance the offloaded params' ``step``
+        (once per step, even when buckets cut a param in several segments)."""
+        steps = []
+        for p in params:
+            if p in st.prepared:
+                continue
+            st.prepared.add(p)
+            rec = self.records[p]
+            if not self.state.get(p):  # none yet (an empty entry: a defaultdict lookup)
+                self.init_state(p, rec)
+            elif rec.is_stale(p):
+                self.refresh_if_stale(p, rec)
+            state = self.state[p]
+            if self.rule.lazy_state and any(k not in state for k in rec.state_keys):
+                st.first.add(p)  # the kernel's is_first_step initialises these
+                for k in rec.state_keys:
+                    state[k] = self.new_state_tensor(p, rec, k)
+            if rec.offloaded and self.rule.has_step:
+                steps.append(state["step"])
+        if steps:
+            torch._foreach_add_(steps, 1)
+
+    def prepare_device(self, st: Step, with_grad: list[torch.Tensor]) -> list:
+        """Prepare the device-resident params; their work grouped by frozen hyperparameters."""
+        on_device = [p for p in with_grad if not self.records[p].offloaded]
+        self.prepare(st, on_device)
+        by_group: dict[tuple, tuple[Hyper, list, bool]] = {}
+        for p in on_device:
+            hyper, first = st.hypers[id(st.group_of[p])], p in st.first
+            by_group.setdefault((id(hyper), first), (hyper, [], first))[1].append(p)
+        return list(by_group.values())
+
+    def init_state(self, p: torch.Tensor, rec: ParamRecord) -> None:
         """Lazily create ``p``'s state at its first grad, as torch does."""
         step = {"step": torch.zeros((), dtype=torch.float32)} if self.rule.has_step else {}
-        # A lazy rule's state keys come with the param's first update (see _prepare).
+        # A lazy rule's state keys come with the param's first update (see prepare).
         keys = () if self.rule.lazy_state else rec.state_keys
         if rec.offloaded:
             master = rec.home("master")
             master.copy_(local(p).detach())  # blocking D2H (once per param): master = weights
-            state = {**step, **{k: self._new_state_tensor(p, rec, k) for k in keys}}
+            state = {**step, **{k: self.new_state_tensor(p, rec, k) for k in keys}}
             if rec.arena.dtype != p.dtype:
                 state["master"] = master
         else:
             udt = update_dtype(p.dtype, self.master_weights)
             if step:
                 step["step"] = step["step"].to(p.device)
-            state = {**step, **{k: self._new_state_tensor(p, rec, k) for k in keys}}
+            state = {**step, **{k: self.new_state_tensor(p, rec, k) for k in keys}}
             if udt != p.dtype:
                 state["master"] = (
                     local(p).detach().to(udt, memory_format=torch.preserve_format, copy=True)
@@ -127,12 +206,12 @@ class Updates:
         self.state.install(p, state)
         rec.mark_written(p)
 
-    def _make_state(self, p: torch.Tensor) -> dict:
+    def make_state(self, p: torch.Tensor) -> dict:
         """``p``'s state made now (an assignment into ``opt.state`` before its first step)."""
-        self._init_state(p, self._records[p])
+        self.init_state(p, self.records[p])
         return self.state[p]
 
-    def _new_state_tensor(self, p: torch.Tensor, rec: ParamRecord, key: str) -> torch.Tensor:
+    def new_state_tensor(self, p: torch.Tensor, rec: ParamRecord, key: str) -> torch.Tensor:
         """State ``key`` of ``p`` at zero: its arena view when offloaded, else a device tensor
         in the update dtype shaped like ``p``."""
         if rec.offloaded:
@@ -140,7 +219,7 @@ class Updates:
         udt = update_dtype(p.dtype, self.master_weights)
         return torch.zeros_like(local(p), dtype=udt, memory_format=torch.preserve_format)
 
-    def _refresh_if_stale(self, p: torch.Tensor, rec: ParamRecord) -> None:
+    def refresh_if_stale(self, p: torch.Tensor, rec: ParamRecord) -> None:
         """No stale masters: weights changed outside the optimizer win over its copy."""
         master = rec.master(self.state[p])
         if master is None:
@@ -157,7 +236,37 @@ class Updates:
             master.copy_(torch.where(changed, current.to(master.dtype), master))
         rec.mark_written(p)
 
-    def _device_update(
+    def load_entry(self, p: torch.Tensor, rec: ParamRecord, entry: dict[str, Any]) -> None:
+        """Copy one validated saved entry into ``p``'s existing state."""
+        if not self.state.get(p):
+            self.init_state(p, rec)
+        mine = self.state[p]
+        if self.rule.has_step:
+            mine["step"].fill_(entry["step"])
+        for k in rec.state_keys:
+            if entry.get(k) is None:  # a lazy key not made yet (SGD before its first step)
+                mine.pop(k, None)
+                continue
+            if k not in mine:
+                mine[k] = self.new_state_tensor(p, rec, k)
+            mine[k].copy_(entry[k])
+        if "master" in mine:
+            if entry.get("master") is not None:
+                mine["master"].copy_(entry["master"])
+                rec.forget_written()  # compare with the weights at the next step
+            else:
+                mine["master"].copy_(local(p).detach())
+                rec.mark_written(p)
+                self.warn_once(
+                    "no-master",
+                    f"the state dict has no fp32 master for {rec.name} ({p.dtype}): masters were "
+                    "made from the current weights, so this resume is not bitwise exact",
+                )
+        elif rec.offloaded:
+            rec.home("master").copy_(local(p).detach())  # fp32 offloaded: the param is the truth
+            rec.mark_written(p)
+
+    def device_update(
         self, hyper: Hyper, params: list[torch.Tensor], scale, first=False, amp=None
     ) -> None:
         """The rule on the device, on the compute stream; fp32 masters where they exist, fed
@@ -171,7 +280,7 @@ class Updates:
         if scale is None:
             weights = [local(p) for p in plain]
             grads = [_matching(local(p.grad), w) for p, w in zip(plain, weights, strict=True)]
-            self._device_rule(hyper, plain, weights, grads, first, amp)
+            self.device_rule(hyper, plain, weights, grads, first, amp)
             plain = []
         for kind in (plain, strided, mastered):
             chunk: list[torch.Tensor] = []
@@ -210,18 +319,18 @@ class Updates:
                             grads[n] = g.to(grads[n].dtype)
                     for f in factors[1:]:
                         torch._foreach_mul_(grads, f)
-                self._device_rule(hyper, chunk, targets, grads, first, amp)
+                self.device_rule(hyper, chunk, targets, grads, first, amp)
                 if kind is not plain:
                     # weights = round(master), or strided
                     torch._foreach_copy_([local(q) for q in chunk], targets)
                 for q in chunk:
-                    self._records[q].mark_written(q)
+                    self.records[q].mark_written(q)
                 chunk, nbytes = [], 0
 
-    def _device_rule(self, hyper: Hyper, params, weights, grads, first=False, amp=None) -> None:
+    def device_rule(self, hyper: Hyper, params, weights, grads, first=False, amp=None) -> None:
         if not params:
             return
-        keys = self._records[params[0]].state_keys  # one group: the same keys
+        keys = self.records[params[0]].state_keys  # one group: the same keys
         states = [[self.state[p][k] for p in params] for k in keys]
         steps = [self.state[p]["step"] for p in params] if self.rule.has_step else []
         if steps:
