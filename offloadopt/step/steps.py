@@ -52,10 +52,10 @@ from offloadopt.rules import Hyper
 from offloadopt.shards import is_dtensor, local
 from offloadopt.step.amp import scaler_inputs
 from offloadopt.step.backward import FromBackward
+from offloadopt.step.publish import Waits
 from offloadopt.step.scaling import Scaling
 from offloadopt.step.step import Phase, Step
 from offloadopt.step.updates import Updates
-from offloadopt.step.waits import Waits
 
 __all__ = ["Stepping", "Step", "signals_deferred"]
 
