@@ -84,7 +84,7 @@ class Placing:
         except BaseException:
             self._unplaced = pending
             raise
-        later, self._watch_later = self._watch_later, []
+        later, self._publish.watch_later = self._publish.watch_later, []
         for ref in later:
             model = ref()
             if model is not None:
@@ -267,18 +267,18 @@ class Placing:
         # The records and opt.state are emptied in place, never replaced: the owners that
         # read them (and a user's reference to opt.state) keep the same objects.
         old = (self.placement, self.arenas, self.buckets, dict(self._records),
-               dict.copy(self.state), self._grad_hooks, self._module_waits,
+               dict.copy(self.state), self._grad_hooks, self._publish.module_waits,
                self.offload_fraction)  # fmt: skip
         self.placement, self.arenas, self.buckets = [], [], []
         self._records.clear()
         dict.clear(self.state)
-        self._grad_hooks, self._module_waits = [], []
+        self._grad_hooks, self._publish.module_waits = [], []
         self.offload_fraction = fraction
         try:
             self._place(list(range(len(self.param_groups))))
         except BaseException:
             (self.placement, self.arenas, self.buckets, records, state, self._grad_hooks,
-             self._module_waits, self.offload_fraction) = old  # fmt: skip
+             self._publish.module_waits, self.offload_fraction) = old  # fmt: skip
             self._records.clear()
             self._records.update(records)
             dict.clear(self.state)
@@ -297,7 +297,7 @@ class Placing:
             # defaultdict makes it): no state to move, as load_state_dict() drops it too.
             if isinstance(index, int) and 0 <= index < len(params) and isinstance(entry, dict) and entry:  # fmt: skip
                 self._load_entry(params[index], self._records[params[index]], entry)
-        watched, self._watched = self._watched, []
+        watched, self._publish.watched = self._publish.watched, []
         for ref in watched:
             model = ref()
             if model is not None:
