@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from offloadopt.shards import is_dtensor, local, local_state, world_size, wrap_l
 from offloadopt.state import checkpoint
 from offloadopt.state.store import OptimizerState
 from offloadopt.step.hooks import GradHooks
+from offloadopt.step.publish import publisher_for
 from offloadopt.step.step import Timeline
 from offloadopt.step.steps import Stepping
 from offloadopt.step.update import Updater
@@ -123,10 +125,6 @@ class HybridOptimizer(Stepping, Optimizer):
         self.last_grad_norm: torch.Tensor | None = None  # max_grad_norm: the last step's norm
         self._grad_hooks: list[GradHooks] = []
         self._closed = False
-        self._module_waits: list = []
-        self._unwaited = False  # a forward ran past its waits (steps._begin): wait in step()
-        self._watched: list = []  # weak references to the models given to watch()
-        self._watch_later: list = []  # watch() before a budget's choice: registered after it
         self._ddp = o.ddp  # the DDP model whose all-reduced buckets announce grads (hooks.DDPGrads)
         self._ddp_hook = None
         self._reductions: list = []  # ddp=: this backward's all-reduce futures
@@ -137,6 +135,19 @@ class HybridOptimizer(Stepping, Optimizer):
         self._records: dict[torch.Tensor, ParamRecord] = {}  # the Placer fills it
         self._stats: dict[str, float] = {}
         self._warn_once = WarnOnce()  # one warning per key, shared with the owners
+        # WHEN the new weights are visible (offloadopt/step/publish.py): at step()'s return,
+        # per watched module, or at the next step (the delayed update), chosen once here. Its
+        # callables reach the optimizer through a weak reference: a bound method would make a
+        # cycle, and a dropped optimizer would live on until the garbage collector ran, its
+        # grad hooks answering a model another optimizer now trains (tests/test_faults.py,
+        # test_200_optimizers_dropped_are_collected_and_leave_nothing_behind).
+        me = weakref.ref(self)
+        self._publish = publisher_for(
+            o, self._timeline, self._records, lambda: me()._pipeline, timeout_s=self.timeout_s,
+            finish=lambda st, streams: me()._finish(st, streams),
+            warn_once=self._warn_once,
+            closed=lambda: me()._closed,
+        )  # fmt: skip
         super().__init__(params, defaults)
         self.state = OptimizerState(self)  # assignments copy into the buffers (state.py)
         # Where each param's state lives, the host arenas, staging and worker, the fraction
@@ -250,6 +261,77 @@ class HybridOptimizer(Stepping, Optimizer):
     @_broken.setter
     def _broken(self, why) -> None:
         self._timeline.broken = why
+
+    def _updates_started(self) -> bool:
+        """Updates began before ``step()`` (backward mode, declared): from then until
+        ``step()`` returns the worker writes the params of the buckets fed so far."""
+        return self._timeline.updates_started()
+
+    # ------------------------------------------------------------------ publishing
+    # WHEN the new weights are visible is the publish policy's (offloadopt/step/publish.py).
+    def synchronize(self) -> None:
+        """Wait for this optimizer's work in flight (host side), and make the current stream
+        wait for every copy back (GPU side). A no-op when nothing is in flight.
+
+        Raises:
+            WorkerError, TimeoutError: as ``step()``.
+        """
+        self._publish.synchronize()
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Register forward pre-hooks on the modules of ``model`` that own offloaded params;
+        with ``wait="module"`` each waits only for its own params' copies back. Modules inside
+        a ``torch.compile``d region are not waited for one by one (their pre-hooks trace as
+        nothing, ``fullgraph=True`` included): once one has run compiled, or the model was
+        compiled before this call, ``step()`` waits for every copy back before it returns (one
+        full wait, as ``wait="step"``). Call it before the model's first compiled forward:
+        torch.compile ignores hooks added after a region first ran (then the step after the
+        first forward that waited for nothing warns, and ``step()`` waits for everything from
+        there on). A region first compiled while a step's copies are in flight (after
+        ``step()``, before the next forward): call ``opt.synchronize()`` before its first
+        forward. Removed by ``close()``.
+
+        Under FSDP2 call it after ``fully_shard``: the waits go on the FSDP2 modules, before
+        FSDP2's own pre-forward (which all-gathers the module's shards on FSDP2's streams, and
+        those of the modules it prefetches), and those streams wait too.
+
+        Raises:
+            ValueError: FSDP2 params (DTensors) in a model with no FSDP2 module (``watch()``
+                before ``fully_shard``).
+        """
+        if self._budget_pending():  # placed at the first step(): the waits are registered then
+            self._publish.watch_later.append(weakref.ref(model))
+            return
+        self.ensure_placed()
+        offloaded = {p for p, rec in self._records.items() if rec.offloaded}
+        self._publish.watch(model, offloaded)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; with ``set_to_none=False`` the grads are zeroed in place, so this first
+        waits for copies that may still read them (``set_to_none=True`` does not wait: the
+        copies hold their grads and ``record_stream`` protects the memory; with
+        ``overlap="delayed"`` the update already took the offloaded params' grads).
+
+        Raises:
+            RuntimeError: between backward and ``step()`` once this step's updates began
+                (declared backward mode: ``grads_final=True``, ``max_grad_norm=`` or
+                ``grad_scaler=``); zeroing the grads would not skip the step (they ran with
+                backward's grads), and nothing is changed. A fresh user's finding: the usual skip of a step with a
+                non-finite loss was silently an update.
+        """
+        if self._updates_started():
+            started = len(self._step.fed)
+            raise RuntimeError(
+                f"zero_grad() between backward and step(): this step's updates already began "
+                f"({started} buckets, at the end of backward or during it with "
+                "grads_final=True), so zeroing the grads cannot skip the step; nothing was "
+                "changed. Call step() to finish it, or, to be able to skip steps (a "
+                "non-finite loss), leave grads_final and max_grad_norm unset so that updates "
+                "wait for step() (an attached GradScaler, grad_scaler=, skips a step whose "
+                "grads hold an inf or NaN by itself)"
+            )
+        self._publish.before_zero_grad(set_to_none)
+        super().zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ reporting
     def crossing_host_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -445,7 +527,7 @@ class HybridOptimizer(Stepping, Optimizer):
         """
         if not self._placer.ensure_placed():
             return
-        later, self._watch_later = self._watch_later, []
+        later, self._publish.watch_later = self._publish.watch_later, []
         for ref in later:
             model = ref()
             if model is not None:
@@ -531,14 +613,14 @@ class HybridOptimizer(Stepping, Optimizer):
         # opt.state is emptied in place, never replaced: the owners that read it (and a
         # user's reference to opt.state) keep the same object.
         old_state = dict.copy(self.state)
-        old_hooks = (self._grad_hooks, self._module_waits)
+        old_hooks = (self._grad_hooks, self._publish.module_waits)
         dict.clear(self.state)
-        self._grad_hooks, self._module_waits = [], []
+        self._grad_hooks, self._publish.module_waits = [], []
         try:
             self._placer.replace(fraction)
         except BaseException:
             dict.update(self.state, old_state)
-            self._grad_hooks, self._module_waits = old_hooks
+            self._grad_hooks, self._publish.module_waits = old_hooks
             raise
         for hooks in (*old_hooks[0], *old_hooks[1]):
             hooks.remove()  # the old placement's grad hooks and module waits
@@ -548,7 +630,7 @@ class HybridOptimizer(Stepping, Optimizer):
             # defaultdict makes it): no state to move, as load_state_dict() drops it too.
             if isinstance(index, int) and 0 <= index < len(params) and isinstance(entry, dict) and entry:  # fmt: skip
                 self._updater.load_entry(params[index], self._records[params[index]], entry)
-        watched, self._watched = self._watched, []
+        watched, self._publish.watched = self._publish.watched, []
         for ref in watched:
             model = ref()
             if model is not None:
@@ -569,7 +651,11 @@ class HybridOptimizer(Stepping, Optimizer):
         """
         if not self._budget_pending():  # a budget waits for the first step(): no state yet
             self.ensure_placed()
-        if self.overlap == "delayed" and not self._module_waits and self._inflight is not None:
+        if (
+            self.overlap == "delayed"
+            and not self._publish.module_waits
+            and self._inflight is not None
+        ):
             self._warn_once(
                 "delayed-unwatched",
                 "overlap='delayed' without opt.watch(model): a model.state_dict() taken before "
@@ -630,7 +716,7 @@ class HybridOptimizer(Stepping, Optimizer):
             ValueError: the dict does not fit this optimizer; nothing was changed.
         """
         self.ensure_placed()
-        self._refuse_other_thread()  # not swallowed below: it is no failed step
+        self._publish.refuse_other_thread()  # not swallowed below: it is no failed step
         try:
             self.synchronize()
         except Exception:  # noqa: BLE001 - a failed step is what a load repairs
@@ -694,11 +780,11 @@ class HybridOptimizer(Stepping, Optimizer):
         try:
             self.synchronize()
         finally:
-            for hooks in (*self._grad_hooks, *self._module_waits):
+            for hooks in (*self._grad_hooks, *self._publish.module_waits):
                 hooks.remove()
             if self._ddp_hook is not None:
                 self._ddp_hook.remove()  # DDP keeps the hook: a plain all-reduce from now on
-            self._grad_hooks, self._module_waits = [], []
+            self._grad_hooks, self._publish.module_waits = [], []
             if self._step is not None and self._step.run is not None:
                 self._stop_run(self._step.run)
             self._placer.close()

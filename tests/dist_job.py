@@ -148,7 +148,7 @@ def run_fsdp(rank: int, world: int, arg: str) -> dict:
         opt = DelayedTorch(model) if make is None else make(model.parameters())
         if "module" in name:
             opt.watch(model)
-            out[f"{name}.hooks"] = opt._module_waits[0].modules  # on the FSDP2 modules only
+            out[f"{name}.hooks"] = opt._publish.module_waits[0].modules  # on the FSDP2 modules only
             from offloadopt.step.hooks import _fsdp_shards  # FSDP2's private state, read as it is
 
             out[f"{name}.shards"] = len(_fsdp_shards(model.transformer.h[0])[0])

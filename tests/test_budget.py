@@ -174,9 +174,9 @@ def test_before_the_first_step_the_budget_waits_and_says_why():
     sd = opt.state_dict()  # no state yet: nothing needs placing (fresh-user finding)
     assert sd["state"] == {} and opt.placement_choice is None and opt.arenas == []
     opt.watch(m)  # the waits are registered once the budget has chosen
-    assert opt.placement_choice is None and opt._module_waits == []
+    assert opt.placement_choice is None and opt._publish.module_waits == []
     train(m, opt, steps=1)
-    assert opt.placement_choice is not None and len(opt._module_waits) == 1
+    assert opt.placement_choice is not None and len(opt._publish.module_waits) == 1
 
 
 def test_an_unmet_budget_can_be_left_for_a_fraction_of_ones_own():

@@ -506,16 +506,16 @@ def test_an_exception_from_any_signal_handler_arrives_after_the_delayed_step_is_
             for m in (model, ref_model):
                 backward(m, step)
             if step == 2:  # the signal arrives half-way through the copy of the landed weights
-                publish = opt._publish_delayed
+                publish = opt._publish.publish_delayed
 
                 def interrupted(st, streams, publish=publish):
                     os.kill(os.getpid(), signum)
                     return publish(st, streams)
 
-                opt._publish_delayed = interrupted
+                opt._publish.publish_delayed = interrupted
                 with pytest.raises(_Preempted):
                     opt.step()
-                opt._publish_delayed = publish
+                opt._publish.publish_delayed = publish
             else:
                 opt.step()
             ref.step()

@@ -276,9 +276,9 @@ def test_bad_mode_options_are_refused(kw, match):
 def test_close_removes_the_hooks():
     model = mlp()
     opt = make_opt(model, 1.0, **MODES["backward-module"])
-    assert opt._grad_hooks and opt._module_waits
+    assert opt._grad_hooks and opt._publish.module_waits
     opt.close()
-    assert not opt._grad_hooks and not opt._module_waits
+    assert not opt._grad_hooks and not opt._publish.module_waits
     model(batch(0)).pow(2).mean().backward()  # no hook of a closed optimizer runs
     assert all(p.grad is not None for p in model.parameters())
 
@@ -350,17 +350,17 @@ def test_a_compiled_model_traces_whole_and_step_waits_once(how):
     if how == "compiled-then-watched":
         run = torch.compile(model, **kw)
         opt.watch(run)
-        assert opt._compiled_region()  # seen at watch(): the wrapper
+        assert opt._publish.compiled_region()  # seen at watch(): the wrapper
     else:
         opt.watch(model)
-        assert not opt._compiled_region()
+        assert not opt._publish.compiled_region()
         run = torch.compile(model, **kw) if how == "watched-then-compiled" else model
         if how == "in-place":
             model.compile(**kw)
     for step in range(4):
         run(batch(step)).float().pow(2).mean().backward()
         opt.step()
-        assert opt._compiled_region() and opt._inflight is None, "one full wait in step()"
+        assert opt._publish.compiled_region() and opt._inflight is None, "one full wait in step()"
         opt.zero_grad()
     assert_bitwise([p.detach() for p in model.parameters()], ref, how)
     opt.close()
@@ -373,7 +373,7 @@ def test_an_eager_watched_model_keeps_its_copies_in_flight_after_step():
     opt._pipeline.worker_hook = lambda bucket: time.sleep(0.01)
     model(batch(0)).pow(2).mean().backward()
     opt.step()
-    assert not opt._compiled_region() and opt._inflight is not None
+    assert not opt._publish.compiled_region() and opt._inflight is not None
     opt.synchronize()
     opt.close()
 
@@ -388,7 +388,7 @@ def test_a_model_compiled_and_run_before_watch_is_caught_after_one_step():
     run = torch.compile(model, backend="eager", fullgraph=True)
     run(batch(0))  # a warm-up forward, compiled, before watch()
     opt.watch(model)
-    assert not opt._compiled_region()
+    assert not opt._publish.compiled_region()
     run(batch(1)).pow(2).mean().backward()
     opt.step()
     assert opt._inflight is not None  # nothing known yet: the copies are in flight
@@ -400,7 +400,7 @@ def test_a_model_compiled_and_run_before_watch_is_caught_after_one_step():
     run(batch(2)).pow(2).mean().backward()
     with pytest.warns(UserWarning, match="no module watched with opt.watch"):
         opt.step()
-    assert opt._compiled_region() and opt._inflight is None
+    assert opt._publish.compiled_region() and opt._inflight is None
     opt.close()
 
 

@@ -85,7 +85,7 @@ class OptimizerState(defaultdict):
         """Wait for the owner's update in flight, if any (a no-op check otherwise)."""
         owner = self._owner()
         if owner is not None and owner._inflight is not None:
-            owner._wait_update()
+            owner._publish.wait_update()
 
     def __getitem__(self, key: Any) -> Any:
         self._settle()

@@ -86,10 +86,13 @@ READS_CHILDREN: tuple[type, ...] = (torch.nn.MultiheadAttention, torch.nn.Transf
 class ModuleWaits:
     """Forward pre-hooks (run before any other pre-hook of the module) that make the module's
     stream wait for the copies back of its own params only (of its whole subtree for the
-    types in :data:`READS_CHILDREN`): ``owner._wait_for(params)``; and a
+    types in :data:`READS_CHILDREN`): ``owner.wait_for(params)``; and a
     state-dict pre-hook on every module of the model that waits for everything
     (``owner.synchronize()``). Traced by ``torch.compile``, a pre-hook is a no-op that sets
-    ``compiled.seen``: the owner then waits for everything before ``step()`` returns."""
+    ``compiled.seen``: the owner then waits for everything before ``step()`` returns.
+
+    ``owner`` is the optimizer's publish policy (offloadopt/step/publish.py's ``Publisher``),
+    held weakly."""
 
     def __init__(self, owner: Any, model: torch.nn.Module, offloaded: set[torch.Tensor]):
         ref = weakref.ref(owner)
@@ -112,13 +115,15 @@ class ModuleWaits:
                     if torch.compiler.is_compiling():
                         compiled.seen = True
                         return
-                    opt = ref()
-                    if opt is not None and (opt._inflight is not None or opt._updates_started()):
+                    pub = ref()
+                    if pub is not None and (
+                        pub.timeline.inflight is not None or pub.timeline.updates_started()
+                    ):
                         # copies back to wait for (of the step before, or of this one's
                         # updates started before step())
                         # FSDP2 all-gathers these shards next, on its streams
                         params, streams = _fsdp_shards(mod)
-                        opt._wait_for([p for p in params if p in offloaded], streams)
+                        pub.wait_for([p for p in params if p in offloaded], streams)
 
             else:
                 # A module of READS_CHILDREN waits for its whole subtree: it reads its
@@ -131,19 +136,19 @@ class ModuleWaits:
 
                 def pre_hook(mod, args, mine=mine) -> None:
                     if torch.compiler.is_compiling():
-                        compiled.seen = True  # the region waits once, in step() (waits.py)
+                        compiled.seen = True  # the region waits once, in step() (publish.py)
                         return
-                    opt = ref()
-                    if opt is not None:
-                        opt._wait_for(mine)
+                    pub = ref()
+                    if pub is not None:
+                        pub.wait_for(mine)
 
             self.handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
             self.modules += 1
 
         def state_dict_pre_hook(module, prefix, keep_vars) -> None:
-            opt = ref()
-            if opt is not None:
-                opt.synchronize()  # model.state_dict() through any framework sees new weights
+            pub = ref()
+            if pub is not None:
+                pub.synchronize()  # model.state_dict() through any framework sees new weights
 
         # On every submodule: a framework may save a part (model.module, model.backbone).
         for module in model.modules():

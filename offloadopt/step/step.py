@@ -69,7 +69,7 @@ class Step:
     thread: int = 0  # the thread that called step() (overlap="delayed" publishes there only)
     delayed: bool = False  # overlap="delayed", past delay_after: the update lands one step late
     # wait="module": (weakref to the grad, its version, param) of each grad the copies still
-    # read when step() returned; checked when the step ends (Waits.synchronize)
+    # read when step() returned; checked when the step ends (publish.Publisher.synchronize)
     lent: list[tuple[Any, int, torch.Tensor]] = field(default_factory=list)
 
     @property

@@ -27,7 +27,7 @@
   returns. The worker's H2D writes each param's landing buffer (``ParamRecord.landing``), not
   the param, so the next forward and backward read the weights of the step before; the next
   ``step()``, or anything that calls ``synchronize()``, waits for the update and copies the
-  landed weights in on the stream that reads them (``_publish_delayed``), and only then are
+  landed weights in on the stream that reads them (publish.py's ``NextStep``), and only then are
   the params marked written (the stale-master check must not see our own copy as an edit).
 - A step is consistent or refused: if a backward that started updates fails part-way, or a
   second backward comes before ``step()``, the optimizer refuses ``step()`` and
@@ -54,7 +54,6 @@ from offloadopt.step.amp import scaler_inputs
 from offloadopt.step.backward import FromBackward
 from offloadopt.step.scaling import Scaling
 from offloadopt.step.step import Phase, Step
-from offloadopt.step.waits import Waits
 
 __all__ = ["Stepping", "Step", "signals_deferred"]
 
@@ -64,7 +63,7 @@ def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else []
 
 
-class Stepping(Waits, FromBackward, Scaling):
+class Stepping(FromBackward, Scaling):
     """The step machinery of :class:`offloadopt.optim.HybridOptimizer` (a mixin)."""
 
     # ------------------------------------------------------------------ public
@@ -139,7 +138,7 @@ class Stepping(Waits, FromBackward, Scaling):
                 if dropped:
                     # A fresh user's finding: model.zero_grad() (or p.grad = None) between
                     # backward and step() to skip a step, after the step's updates began: they
-                    # were applied anyway, silently (opt.zero_grad() refuses; waits.py).
+                    # were applied anyway, silently (opt.zero_grad() refuses; optim.py).
                     names = ", ".join(self._records[p].name for p in dropped[:3])
                     self._broken = (
                         f"the grads of {len(dropped)} params were dropped after their update"
@@ -204,7 +203,7 @@ class Stepping(Waits, FromBackward, Scaling):
                     if st.run is not None:  # a bucket failed while others were fed
                         st.run.abort()
                         self._broken = "an offloaded update failed"
-                        self._publish_after_failure(st, streams)
+                        self._publish.publish_after_failure(st, streams)
                     raise
 
             # Phase 2 starts first (the worker copies and updates the offloaded buckets while
@@ -230,26 +229,12 @@ class Stepping(Waits, FromBackward, Scaling):
                 self._finish(st, streams)
             else:
                 st.run.close()
-                # Phase 3: publish. wait="step": the compute stream waits for every copy back;
-                # wait="module": each watched module waits for its own (opt.watch, _wait_for);
-                # overlap="delayed": the next step() (or synchronize()) copies the new weights in.
+                # Phase 3: publish, as the policy chosen at construction says (publish.py):
+                # wait="step": the compute stream waits for every copy back; wait="module":
+                # each watched module waits for its own (opt.watch); overlap="delayed": the
+                # next step() (or synchronize()) copies the new weights in.
                 st.phase = Phase.STEPPED
-                self._inflight, self._inflight_streams = st, streams
-                if (self.wait == "step" or self._compiled_region()) and not st.delayed:
-                    self.synchronize()  # compiled: one full wait for the region's modules
-                elif not st.delayed:
-                    # wait="module": the copies still read the grads after step() returns; an
-                    # in-place edit before they are done is an error when the step ends
-                    # (synchronize(); tests/test_overlap.py, test_a_grad_zeroed_in_place_...)
-                    st.lent = [(ref, local(g)._version, p) for p, (ref, _) in st.versions.items()
-                               if (g := ref()) is not None]  # fmt: skip
-                    if not (self._watched or self._watch_later):
-                        self._warn_once(
-                            "module-unwatched",
-                            "wait='module' with no model given to opt.watch(): nothing makes "
-                            "the next forward wait for the weights being copied back; call "
-                            "opt.watch(model), or opt.synchronize() before the next forward",
-                        )
+                self._publish.after_step(st, streams)
         # The host wall time of step() itself: with wait="module" or overlap="delayed" the step
         # ends later (the next synchronize() or step()), and the time in between is the
         # caller's (tests/test_overlap.py).
@@ -337,21 +322,7 @@ class Stepping(Waits, FromBackward, Scaling):
         ``OneCycleLR(cycle_momentum=True)`` on a group built with ``momentum=0``) has its
         params placed again while no param has state: torch's SGD then starts its buffers at
         this step, and so does this. Otherwise the change is an error naming the param."""
-        prev = self._inflight
-        if prev is not None and prev.fed and not prev.waited and not prev.delayed and self._module_waits:  # fmt: skip
-            # A forward and backward ran since step() and no watched module waited: their
-            # pre-hooks did not run (torch.compile ignores hooks added after a region first
-            # ran compiled), so that forward may have read weights being copied back.
-            self._unwaited = True
-            self._warn_once(
-                "unwaited-forward",
-                "a forward ran after step() and no module watched with opt.watch() waited for "
-                "the weights being copied back (a model that ran under torch.compile before "
-                "watch(): torch.compile ignores hooks added after that); from now on step() "
-                "waits for every copy back before it returns. Call opt.watch(model) before the "
-                "model's first compiled forward",
-            )
-        self.synchronize()  # the previous step's copies back (wait="module") are done
+        self._publish.before_step()  # the step before is over (publish.py)
         hypers: dict[int, Hyper] = {}
         group_of: dict[torch.Tensor, dict] = {}
         index_of: dict[torch.Tensor, int] = {}
