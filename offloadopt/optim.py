@@ -29,6 +29,7 @@ from offloadopt.shards import is_dtensor, local, local_state, world_size, wrap_l
 from offloadopt.state import checkpoint
 from offloadopt.state.store import OptimizerState
 from offloadopt.step.hooks import GradHooks
+from offloadopt.step.scaling import Scaling
 from offloadopt.step.step import Timeline
 from offloadopt.step.steps import Stepping
 from offloadopt.validation import (
@@ -137,9 +138,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         )
         self.flush_denormal = o.flush_denormal
         self.overlap, self.wait = o.overlap, o.wait
-        self.max_grad_norm = None if o.max_grad_norm is None else float(o.max_grad_norm)
         self.grads_final, self.release_grads = o.grads_final, o.release_grads
-        self.grad_scaler = o.grad_scaler  # attached: backward mode checks found_inf (amp.py)
         self.delay_after = int(o.delay_after)  # overlap="delayed": synchronous steps first
         # Step mode: the training thread waits in step() while the worker runs; when updates
         # overlap backward or the next forward, it needs a core of its own.
@@ -150,9 +149,11 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         # The step being fed, the step in flight after step() returned, and why the optimizer
         # refuses to step, under one lock (offloadopt/step/step.py)
         self._timeline = Timeline(type(self).__name__)
-        self._pending_clip = None  # (norm, coefficient) from clip_grad_norm_, for the next step
+        # max_grad_norm, the attached GradScaler (backward mode checks found_inf, amp.py),
+        # clip_grad_norm_'s request and the last step's norm (offloadopt/step/scaling.py)
+        max_grad_norm = None if o.max_grad_norm is None else float(o.max_grad_norm)
+        self._scaling = Scaling(max_grad_norm, o.grad_scaler, self._timeline, id(self))
         self._accumulating = 0  # depth of opt.accumulating()
-        self.last_grad_norm: torch.Tensor | None = None  # max_grad_norm: the last step's norm
         self._grad_hooks: list[GradHooks] = []
         self._closed = False
         self._module_waits: list = []
@@ -294,6 +295,52 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
     @_broken.setter
     def _broken(self, why) -> None:
         self._timeline.broken = why
+
+    # ------------------------------------------------------------------ clipping and scaling
+    # offloadopt/step/scaling.py owns them; these are the optimizer's public names.
+    @property
+    def max_grad_norm(self) -> float | None:
+        """``max_grad_norm=``: every step's grads are clipped to this global L2 norm inside
+        the update (a float), or None."""
+        return self._scaling.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self._scaling.max_grad_norm = value
+
+    @property
+    def grad_scaler(self):
+        """``grad_scaler=``: the attached ``torch.amp.GradScaler``, or None."""
+        return self._scaling.grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, scaler) -> None:
+        self._scaling.grad_scaler = scaler
+
+    @property
+    def last_grad_norm(self) -> torch.Tensor | None:
+        """With ``max_grad_norm``: the last step's global grad norm (unscaled with an attached
+        GradScaler), a 0-dim fp32 tensor on the params' device; None before the first."""
+        return self._scaling.last_grad_norm
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip this step's grads by their global L2 norm, inside the update: the next
+        ``step()`` multiplies every fp32 grad by ``min(1, max_norm / (norm + 1e-6))`` (torch's
+        ``clip_grad_norm_`` coefficient) on the device, before the update; ``p.grad`` is left
+        as it is. Returns the norm, a 0-dim fp32 tensor on the params' device.
+
+        The norm is the L2 norm of the per-param norms in group order (each computed in fp32),
+        the same at every fraction and in every mode.
+
+        Raises:
+            ValueError: ``max_norm`` is not a finite number > 0.
+            RuntimeError: the optimizer was built with ``max_grad_norm`` (it clips every step),
+                or a GradScaler is attached (``grad_scaler=``: the grads are still scaled here;
+                ``max_grad_norm=`` clips them unscaled).
+        """
+        with self._lock:  # the params with a grad, read under the step's lock
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            return self._scaling.clip_grad_norm_(max_norm, params)
 
     # ------------------------------------------------------------------ reporting
     def crossing_host_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -553,7 +600,7 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         """Copy a validated state dict in; returns whether it carried masters that were ignored."""
         if self._step is not None and self._step.run is not None:
             self._stop_run(self._step.run)  # the worker's bucket in hand lands before the load
-        self._step, self._broken, self._pending_clip = None, None, None
+        self._step, self._broken, self._scaling.pending_clip = None, None, None
         for g, s in zip(groups, saved_groups, strict=True):
             g.update(checkpoint.merge_group(g, s, self.rule))
         if self._keys_changed():  # a checkpoint of SGD with momentum into one built without

@@ -52,7 +52,6 @@ from offloadopt.rules import Hyper
 from offloadopt.shards import is_dtensor, local
 from offloadopt.step.amp import scaler_inputs
 from offloadopt.step.backward import FromBackward
-from offloadopt.step.scaling import Scaling
 from offloadopt.step.step import Phase, Step
 from offloadopt.step.updates import Updates
 from offloadopt.step.waits import Waits
@@ -65,7 +64,7 @@ def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else []
 
 
-class Stepping(Waits, FromBackward, Scaling, Updates):
+class Stepping(Waits, FromBackward, Updates):
     """The step machinery of :class:`offloadopt.optim.HybridOptimizer` (a mixin)."""
 
     # ------------------------------------------------------------------ public
@@ -177,15 +176,8 @@ class Stepping(Waits, FromBackward, Scaling, Updates):
                 raise
             # A GradScaler's step() set these (offloadopt/step/amp.py's note); None otherwise.
             grad_scale, scaler_inf = scaler_inputs(self)
-            self._check_scaler(st, grad_scale, scaler_inf)
-            scaled = grad_scale is not None or scaler_inf is not None
-            # Nothing decided at the end of backward (or decided there without the scaler's
-            # values, and nothing started): this step's clip factors and scaling, now.
-            if st.amp is None and (st.scale is None or (scaled and not st.fed)):
-                if self.max_grad_norm is None and self._pending_clip is not None:
-                    st.norm, st.scale = self._pending_clip
-                self._scaling(st, with_grad, grad_scale, scaler_inf)
-            self._pending_clip = None
+            self._scaling.check_scaler(st, grad_scale, scaler_inf)
+            self._scaling.at_step(st, with_grad, grad_scale, scaler_inf)
             # release_grads at a step that creates device-resident state (the first one, whose
             # backward ran before any hook): the offloaded grads go before that state is
             # allocated, so this step's peak is no higher than a later step's.
