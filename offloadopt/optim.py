@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -28,6 +29,7 @@ from offloadopt.rules import ADAMW, Rule
 from offloadopt.shards import is_dtensor, local, local_state, world_size, wrap_like
 from offloadopt.state import checkpoint
 from offloadopt.state.store import OptimizerState
+from offloadopt.step.guards import Guards
 from offloadopt.step.hooks import GradHooks
 from offloadopt.step.scaling import Scaling
 from offloadopt.step.step import Timeline
@@ -172,6 +174,14 @@ class HybridOptimizer(Placing, Stepping, Optimizer):
         self.buckets: list[Bucket] = []
         self._records: dict[torch.Tensor, ParamRecord] = {}
         self._pipeline: Pipeline | None = None  # made with the first offloaded param
+        # What a step refuses before any state changes (offloadopt/step/guards.py). Its
+        # callables reach the optimizer through a weak reference: a dropped optimizer must die
+        # at once, or its grad hooks fire on the next one's backward until a gc.collect()
+        # (benchmarks/faults.py's lifetimes; tests/test_faults.py).
+        me, scaling = weakref.ref(self), self._scaling
+        self._guards = Guards(self._records, self._timeline, lambda: scaling.grad_scaler,
+                              lambda key, message: me()._warn_once(key, message),
+                              lambda: me()._closed, lambda: me()._pipeline)  # fmt: skip
         self._stats: dict[str, float] = {}
         self._warned: set[str] = set()
         self._unplaced: list[int] = []  # groups waiting for their meta params (ensure_placed)

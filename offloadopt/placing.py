@@ -213,7 +213,7 @@ class Placing:
         self.ensure_placed()
         self.synchronize()
         self._raise_if_broken()
-        self._check_worker([])
+        self._guards.check_worker()
         # Ctrl-C or SIGTERM in the middle would leave state half copied in: they reach their
         # handler once the move is done (steps.signals_deferred).
         with signals_deferred(), self._lock:
