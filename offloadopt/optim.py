@@ -26,8 +26,10 @@ from offloadopt.rules import ADAMW, Rule
 from offloadopt.shards import is_dtensor, local, local_state, world_size, wrap_like
 from offloadopt.state import checkpoint
 from offloadopt.state.store import OptimizerState
+from offloadopt.step.guards import Guards
 from offloadopt.step.hooks import GradHooks
 from offloadopt.step.publish import publisher_for
+from offloadopt.step.scaling import Scaling
 from offloadopt.step.step import Timeline
 from offloadopt.step.steps import Stepping
 from offloadopt.step.update import Updater
@@ -111,18 +113,20 @@ class HybridOptimizer(Stepping, Optimizer):
             )
         self.options = o  # as given; offload_fraction and the like change below and later
         self.overlap, self.wait = o.overlap, o.wait
-        self.max_grad_norm = None if o.max_grad_norm is None else float(o.max_grad_norm)
         self.grads_final, self.release_grads = o.grads_final, o.release_grads
-        self.grad_scaler = o.grad_scaler  # attached: backward mode checks found_inf (amp.py)
         self.delay_after = int(o.delay_after)  # overlap="delayed": synchronous steps first
         self.timeout_s = float(o.timeout_s)
         self._ready = False
         # The step being fed, the step in flight after step() returned, and why the optimizer
         # refuses to step, under one lock (offloadopt/step/step.py)
         self._timeline = Timeline(type(self).__name__)
-        self._pending_clip = None  # (norm, coefficient) from clip_grad_norm_, for the next step
+        self._warn_once = WarnOnce()  # one warning per key, shared with the owners
+        self._stats: dict[str, float] = {}
+        # max_grad_norm, the attached GradScaler (backward mode checks found_inf, amp.py),
+        # clip_grad_norm_'s request and the last step's norm (offloadopt/step/scaling.py)
+        max_grad_norm = None if o.max_grad_norm is None else float(o.max_grad_norm)
+        self._scaling = Scaling(max_grad_norm, o.grad_scaler, self._timeline, id(self))
         self._accumulating = 0  # depth of opt.accumulating()
-        self.last_grad_norm: torch.Tensor | None = None  # max_grad_norm: the last step's norm
         self._grad_hooks: list[GradHooks] = []
         self._closed = False
         self._ddp = o.ddp  # the DDP model whose all-reduced buckets announce grads (hooks.DDPGrads)
@@ -133,8 +137,14 @@ class HybridOptimizer(Stepping, Optimizer):
         if "betas" in defaults:
             defaults["betas"] = tuple(defaults["betas"])
         self._records: dict[torch.Tensor, ParamRecord] = {}  # the Placer fills it
-        self._stats: dict[str, float] = {}
-        self._warn_once = WarnOnce()  # one warning per key, shared with the owners
+        # What a step refuses before any state changes (offloadopt/step/guards.py). Its
+        # callables reach the optimizer through a weak reference: a dropped optimizer must die
+        # at once, or its grad hooks fire on the next one's backward until a gc.collect()
+        # (benchmarks/faults.py's lifetimes; tests/test_faults.py).
+        me, scaling = weakref.ref(self), self._scaling
+        self._guards = Guards(self._records, self._timeline, lambda: scaling.grad_scaler,
+                              self._warn_once, lambda: me()._closed,
+                              lambda: me()._pipeline)  # fmt: skip
         # WHEN the new weights are visible (offloadopt/step/publish.py): at step()'s return,
         # per watched module, or at the next step (the delayed update), chosen once here. Its
         # callables reach the optimizer through a weak reference: a bound method would make a
@@ -332,6 +342,52 @@ class HybridOptimizer(Stepping, Optimizer):
             )
         self._publish.before_zero_grad(set_to_none)
         super().zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ clipping and scaling
+    # offloadopt/step/scaling.py owns them; these are the optimizer's public names.
+    @property
+    def max_grad_norm(self) -> float | None:
+        """``max_grad_norm=``: every step's grads are clipped to this global L2 norm inside
+        the update (a float), or None."""
+        return self._scaling.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self._scaling.max_grad_norm = value
+
+    @property
+    def grad_scaler(self):
+        """``grad_scaler=``: the attached ``torch.amp.GradScaler``, or None."""
+        return self._scaling.grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, scaler) -> None:
+        self._scaling.grad_scaler = scaler
+
+    @property
+    def last_grad_norm(self) -> torch.Tensor | None:
+        """With ``max_grad_norm``: the last step's global grad norm (unscaled with an attached
+        GradScaler), a 0-dim fp32 tensor on the params' device; None before the first."""
+        return self._scaling.last_grad_norm
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip this step's grads by their global L2 norm, inside the update: the next
+        ``step()`` multiplies every fp32 grad by ``min(1, max_norm / (norm + 1e-6))`` (torch's
+        ``clip_grad_norm_`` coefficient) on the device, before the update; ``p.grad`` is left
+        as it is. Returns the norm, a 0-dim fp32 tensor on the params' device.
+
+        The norm is the L2 norm of the per-param norms in group order (each computed in fp32),
+        the same at every fraction and in every mode.
+
+        Raises:
+            ValueError: ``max_norm`` is not a finite number > 0.
+            RuntimeError: the optimizer was built with ``max_grad_norm`` (it clips every step),
+                or a GradScaler is attached (``grad_scaler=``: the grads are still scaled here;
+                ``max_grad_norm=`` clips them unscaled).
+        """
+        with self._lock:  # the params with a grad, read under the step's lock
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            return self._scaling.clip_grad_norm_(max_norm, params)
 
     # ------------------------------------------------------------------ reporting
     def crossing_host_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -584,7 +640,7 @@ class HybridOptimizer(Stepping, Optimizer):
         self.ensure_placed()
         self.synchronize()
         self._raise_if_broken()
-        self._check_worker([])
+        self._guards.check_worker()
         # Ctrl-C or SIGTERM in the middle would leave state half copied in: they reach their
         # handler once the move is done (steps.signals_deferred).
         with signals_deferred(), self._lock:
@@ -755,7 +811,7 @@ class HybridOptimizer(Stepping, Optimizer):
         """Copy a validated state dict in; returns whether it carried masters that were ignored."""
         if self._step is not None and self._step.run is not None:
             self._stop_run(self._step.run)  # the worker's bucket in hand lands before the load
-        self._step, self._broken, self._pending_clip = None, None, None
+        self._step, self._broken, self._scaling.pending_clip = None, None, None
         for g, s in zip(groups, saved_groups, strict=True):
             g.update(checkpoint.merge_group(g, s, self.rule))
         if self._keys_changed():  # a checkpoint of SGD with momentum into one built without

@@ -358,7 +358,7 @@ def test_opt_clip_grad_norm_with_an_attached_scaler_is_refused_and_changes_nothi
     grads = [p.grad.clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="build the optimizer with max_grad_norm= instead"):
         opt.clip_grad_norm_(1.0)
-    assert opt._pending_clip is None
+    assert opt._scaling.pending_clip is None
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
     opt.close()
 

@@ -424,15 +424,15 @@ def test_set_offload_fraction_waits_for_a_step_that_ran_after_its_first_wait():
     that step() runs in the gap on the same thread, with a slow worker."""
     model, opt, ref_model, ref = twin_runs(0.5, 2)
     opt._pipeline.worker_hook = lambda b: __import__("time").sleep(0.05)
-    check = opt._check_worker
+    check = opt._guards.check_worker
 
     def a_step_in_the_gap(*args):
-        opt._check_worker = check
+        opt._guards.check_worker = check
         with torch.enable_grad():  # set_offload_fraction runs under no_grad
             run(model, opt, 3, start=2)
         return check(*args)
 
-    opt._check_worker = a_step_in_the_gap
+    opt._guards.check_worker = a_step_in_the_gap
     opt.set_offload_fraction(1.0)
     ref.synchronize()  # set_offload_fraction's first wait ended the staleness before that step
     run(ref_model, ref, 3, start=2)

@@ -68,7 +68,7 @@ class FromBackward:
             if p not in st.group_of:
                 return  # no longer in any group
             st.announced.add(p)
-            if self.grads_final and not self._starts_at_end():
+            if self.grads_final and not self._scaling.starts_at_end():
                 rec = self._records[p]
                 done = [b for b in rec.buckets if b not in st.fed
                         and all(q in st.announced for q in b.params)]  # fmt: skip
@@ -97,7 +97,7 @@ class FromBackward:
             # find_unused_parameters=True) keeps grad None: it is not announced, as in torch.
             params = [p for p in params if p in st.group_of and p.grad is not None]
             st.announced.update(params)
-            if self.grads_final and not self._starts_at_end():
+            if self.grads_final and not self._scaling.starts_at_end():
                 mine = {b for p in params for b in self._records[p].buckets}
                 done = [b for b in self.buckets if b in mine and b not in st.fed
                         and all(q in st.announced for q in b.params)]  # fmt: skip
@@ -154,12 +154,12 @@ class FromBackward:
             # (tests/test_overlap.py, test_grads_no_hook_announced_are_updated_at_backward_end).
             params = [p for p in st.group_of if p.grad is not None]
             st.announced.update(params)
-            scale = self._attached_scale()
+            scale = self._scaling.attached_scale()
             if self.max_grad_norm is not None or scale is not None:
                 inf = None
                 if scale is not None:  # the scaler's check, made here (offloadopt/step/amp.py)
                     inf = found_inf([local(p.grad) for p in params], scale.device)
-                self._scaling(st, params, scale, inf)
+                self._scaling.decide(st, params, scale, inf)
             elif not self.grads_final:
                 return
             items = [(b, self._announced_idx(st, b)) for b in self._forward_order()

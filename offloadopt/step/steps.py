@@ -49,21 +49,16 @@ from offloadopt.link.layout import Bucket
 from offloadopt.link.pipeline import BucketWork, StepRun
 from offloadopt.link.worker import local_ranks
 from offloadopt.rules import Hyper
-from offloadopt.shards import is_dtensor, local
+from offloadopt.shards import local
 from offloadopt.step.amp import scaler_inputs
 from offloadopt.step.backward import FromBackward
-from offloadopt.step.scaling import Scaling
+from offloadopt.step.guards import _norms
 from offloadopt.step.step import Phase, Step
 
 __all__ = ["Stepping", "Step", "signals_deferred"]
 
 
-def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """fp32 L2 norms of ``grads`` (one foreach launch per device and dtype, no copies)."""
-    return list(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else []
-
-
-class Stepping(FromBackward, Scaling):
+class Stepping(FromBackward):
     """The step machinery of :class:`offloadopt.optim.HybridOptimizer` (a mixin)."""
 
     # ------------------------------------------------------------------ public
@@ -105,85 +100,23 @@ class Stepping(FromBackward, Scaling):
             if st is None:
                 st = self._begin(may_replace=True)
             elif st.fed:
-                self._warn_if_hypers_moved(st)
+                self._guards.warn_if_hypers_moved(st, self.param_groups)
             st.phase = Phase.STEPPING
             st.thread = threading.get_ident()
             try:
                 # Params fed during backward were checked then (their grads may be released now).
                 with_grad = [p for p in st.group_of if p not in st.versions and p.grad is not None]
-                for p in with_grad:
-                    self._check_grad(p)
-                # A grad that appeared after its bucket's update started (set by hand after
-                # backward): that update ran without it, and it cannot be fed again.
-                for p in with_grad if st.fed else ():  # step mode: nothing started early
-                    if any(b in st.fed for b in self._records[p].buckets):
-                        self._broken = f"the grad of {self._records[p].name} came after its update"
-                        raise RuntimeError(
-                            f"the grad of {self._records[p].name} was set after its bucket's update "
-                            "started (at the end of backward, or during it with grads_final=True); "
-                            "set grads before backward ends, or leave grads_final and "
-                            "max_grad_norm unset so that updates wait for step()"
-                        )
-                # Each grad is read once: with release_grads the worker sets p.grad to None at any
-                # moment (tests/test_overlap.py ran into a None between two reads).
-                moved = {}
-                dropped = []
-                for p, (grad, version) in st.versions.items():
-                    now = p.grad
-                    if now is None:
-                        if p not in st.released:
-                            dropped.append(p)
-                    elif now is not grad() or local(now)._version != version:
-                        moved[p] = now
-                if dropped:
-                    # A fresh user's finding: model.zero_grad() (or p.grad = None) between
-                    # backward and step() to skip a step, after the step's updates began: they
-                    # were applied anyway, silently (opt.zero_grad() refuses; optim.py).
-                    names = ", ".join(self._records[p].name for p in dropped[:3])
-                    self._broken = (
-                        f"the grads of {len(dropped)} params were dropped after their update"
-                    )
-                    raise RuntimeError(
-                        f"the grads of {len(dropped)} params ({names}"
-                        f"{', ...' if len(dropped) > 3 else ''}) were set to None after their "
-                        "buckets' updates started (at the end of backward, or during it with "
-                        "grads_final=True): those updates ran with the grads as backward left "
-                        "them, so dropping the grads did not skip this step. To skip steps (a "
-                        "non-finite loss), leave grads_final and max_grad_norm unset so that "
-                        "updates wait for step() (an attached GradScaler, grad_scaler=, skips a step "
-                        "whose grads hold an inf or NaN by itself)"
-                    )
-                same = self._same_values(st, moved)
-                for p in moved:
-                    if p not in same:
-                        self._broken = (
-                            f"the grad of {self._records[p].name} changed after its update"
-                        )
-                        hint = ("with grad_scaler= attached, leave out scaler.unscale_(opt) and "
-                                "clip with max_grad_norm=" if self.grad_scaler is not None else
-                                "clip or scale through the optimizer: max_grad_norm=, grad_scaler=, "
-                                "or leave grads_final=False")  # fmt: skip
-                        raise RuntimeError(
-                            f"the grad of {self._records[p].name} changed after its bucket's update "
-                            f"started during backward ({hint}; mark non-final micro-steps with "
-                            "opt.accumulating())"
-                        )
-                self._check_worker(with_grad)  # a closed optimizer changes nothing
+                # Grads the update cannot use, grads set, dropped or edited after their
+                # update started, a closed optimizer (offloadopt/step/guards.py)
+                self._guards.check_step(st, with_grad)
             except BaseException:
                 if st.run is not None:  # updates started in backward: end their run, so the
                     self._stop_run(st.run)  # next step's run is not queued behind it forever
                 raise
             # A GradScaler's step() set these (offloadopt/step/amp.py's note); None otherwise.
             grad_scale, scaler_inf = scaler_inputs(self)
-            self._check_scaler(st, grad_scale, scaler_inf)
-            scaled = grad_scale is not None or scaler_inf is not None
-            # Nothing decided at the end of backward (or decided there without the scaler's
-            # values, and nothing started): this step's clip factors and scaling, now.
-            if st.amp is None and (st.scale is None or (scaled and not st.fed)):
-                if self.max_grad_norm is None and self._pending_clip is not None:
-                    st.norm, st.scale = self._pending_clip
-                self._scaling(st, with_grad, grad_scale, scaler_inf)
-            self._pending_clip = None
+            self._scaling.check_scaler(st, grad_scale, scaler_inf)
+            self._scaling.at_step(st, with_grad, grad_scale, scaler_inf)
             # release_grads at a step that creates device-resident state (the first one, whose
             # backward ran before any hook): the offloaded grads go before that state is
             # allocated, so this step's peak is no higher than a later step's.
@@ -243,31 +176,6 @@ class Stepping(FromBackward, Scaling):
             # offload_fraction="auto": a sample (a step that updated nothing is none); may move
             # the state, between steps
             auto.end(self, worked=bool(st.prepared))
-
-    def _warn_if_hypers_moved(self, st: Step) -> None:
-        """A group value set between backward and ``step()`` after this step's updates began
-        (declared backward mode froze the values at its first update: the whole step uses
-        those, the new ones apply from the next step). torch reads them in ``step()``; say so,
-        once (a fresh user's finding: an lr set after backward was silently a step late)."""
-        for gi, group in enumerate(self.param_groups):
-            hyper = st.hypers.get(id(group))
-            if hyper is None:
-                continue
-            for key, frozen in hyper.values.items():
-                now = group.get(key)
-                if isinstance(now, torch.Tensor) or isinstance(frozen, torch.Tensor):
-                    continue  # a tensor lr: comparing it would sync with the device
-                if now != frozen:
-                    self._warn_once(
-                        "hypers-moved",
-                        f"param group {gi}'s {key} changed from {frozen!r} to {now!r} after this "
-                        "step's updates started during backward (overlap='backward' with "
-                        "grads_final, max_grad_norm or grad_scaler freezes a step's values at "
-                        "its first update): this step used the old value, and the new one "
-                        "applies from the next step. Set hyperparameters before backward (or "
-                        "step the scheduler after opt.step())",
-                    )
-                    return
 
     def discard_failed_step(self) -> None:
         """Accept the state a failed step left (some params updated, others not) and go on.
@@ -370,56 +278,6 @@ class Stepping(FromBackward, Scaling):
                  if rec.offloaded)  # fmt: skip
         return max((int(s) for s in steps if s is not None), default=0)
 
-    def _same_values(self, st: Step, moved: dict[torch.Tensor, torch.Tensor]) -> set:
-        """Of the params in ``moved`` (param -> its grad now, whose version moved after its
-        update started), those whose norm is unchanged (one host sync, on this rare path)."""
-        have = [p for p in moved if p in st.fingerprints]
-        if not have:
-            return set()
-        now = torch.stack(_norms([local(moved[p]) for p in have])).cpu()
-        then = torch.stack([st.fingerprints[p] for p in have]).cpu()
-        # NaN == NaN here: GradScaler's own check rewrites a grad holding a NaN unchanged
-        same = ((now == then) | (now.isnan() & then.isnan())).tolist()
-        return {p for p, ok in zip(have, same, strict=True) if ok}
-
-    def _check_grad(self, p: torch.Tensor) -> None:
-        """``p``'s grad can be used, and an offloaded ``p`` copied as one flat range (before
-        any of this step's buckets is queued); a param on the device may be non-contiguous,
-        as with torch's fused AdamW."""
-        if self._records[p].offloaded and not local(p).is_contiguous():
-            raise RuntimeError(
-                f"{self._records[p].name} is not contiguous (its data was replaced by a "
-                f"non-contiguous tensor of strides {tuple(local(p).stride())}, e.g. "
-                "p.data = w.t()): an offloaded param is copied as one flat range; give it "
-                "contiguous data (p.data = p.data.contiguous())"
-            )
-        if p.grad.layout != torch.strided:
-            raise RuntimeError(
-                f"{type(self).__name__} does not support sparse gradients: "
-                f"{self._records[p].name} has a {p.grad.layout} grad"
-            )
-        if is_dtensor(p) and (
-            not is_dtensor(p.grad) or tuple(p.grad.placements) != tuple(p.placements)
-        ):
-            got = tuple(p.grad.placements) if is_dtensor(p.grad) else "a plain tensor"
-            raise RuntimeError(
-                f"the grad of {self._records[p].name} is {got}, the param is sharded "
-                f"{tuple(p.placements)}: each rank updates its own shard from a grad sharded "
-                "the same way (FSDP2 reduce-scatters it so)"
-            )
-        if p.grad.shape != p.shape:
-            raise RuntimeError(
-                f"grad of {self._records[p].name} has shape {tuple(p.grad.shape)}, "
-                f"param {tuple(p.shape)}"
-            )
-
-    def _check_worker(self, params: list[torch.Tensor]) -> None:
-        if self._closed or (self._pipeline is not None and not self._pipeline.worker.alive):
-            raise RuntimeError(
-                f"{type(self).__name__} is closed (opt.close() was called; its CPU worker is "
-                "stopped): build a new optimizer and load this one's state_dict() to go on"
-            )
-
     def _open_buckets(self, st: Step, with_grad: list[torch.Tensor]) -> list:
         """The buckets with a grad that were not fed during backward, with their segments."""
         have = {p for p in with_grad if self._records[p].offloaded}
@@ -443,7 +301,7 @@ class Stepping(FromBackward, Scaling):
         )
         for p in params:
             if p not in st.prepared:
-                self._check_grad(p)
+                self._guards.check_grad(p)
         # All or nothing: a signal (Ctrl-C landing in a grad hook, whose autograd thread is the
         # main one on the CPU) waits for its handler until the buckets are queued; any other
         # failure part-way leaves the step refused, not an open run the worker waits on (a

@@ -1,0 +1,203 @@
+"""What a step refuses before any state changes: a grad the update cannot use, a grad set,
+dropped or edited after its bucket's update started during backward (steps.py's note), a
+closed optimizer; and the warning for a group value set after the step's updates began.
+:class:`Guards` owns these checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from offloadopt.place.records import ParamRecord
+from offloadopt.shards import is_dtensor, local
+from offloadopt.step.step import Step, Timeline
+
+__all__ = ["Guards"]
+
+
+def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 L2 norms of ``grads`` (one foreach launch per device and dtype, no copies)."""
+    return list(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else []
+
+
+class Guards:
+    """The refusals of :class:`offloadopt.optim.HybridOptimizer`'s steps.
+
+    Args:
+        records: the optimizer's param -> :class:`ParamRecord` map (stable for its lifetime:
+            names, ``offloaded``, buckets).
+        timeline: the optimizer's :class:`offloadopt.step.step.Timeline`: ``refuse(why)``; its
+            ``name`` (the optimizer's class) for messages.
+        grad_scaler: ``grad_scaler()``: the attached ``torch.amp.GradScaler`` or None (a hint
+            in one message).
+        warn_once: ``warn_once(key, message)``: warns once per ``key`` for the optimizer.
+        closed: ``closed()``: whether ``opt.close()`` was called.
+        pipeline: ``pipeline()``: the optimizer's :class:`offloadopt.link.pipeline.Pipeline`,
+            or None before the first offloaded bucket (its worker's liveness).
+
+    Owns nothing but the checks; a refusal that follows updates already started marks the
+    timeline refused (``refuse(why)``) before it raises.
+    """
+
+    def __init__(self, records: dict[torch.Tensor, ParamRecord], timeline: Timeline,
+                 grad_scaler: Callable[[], Any], warn_once: Callable[[str, str], None],
+                 closed: Callable[[], bool], pipeline: Callable[[], Any]):  # fmt: skip
+        self.records = records
+        self.timeline = timeline
+        self.grad_scaler = grad_scaler
+        self.warn_once = warn_once
+        self.closed = closed
+        self.pipeline = pipeline
+
+    def check_step(self, st: Step, with_grad: list[torch.Tensor]) -> None:
+        """Inside ``step()``, before any state changes: every grad in ``with_grad`` (the
+        params with a grad not fed during backward) can be used, and none of the grads fed
+        during backward was set late, dropped or edited since; the optimizer is not closed.
+
+        Raises:
+            RuntimeError: the first refusal found, naming the param (``check_grad``'s, a grad
+                set, set to None or changed after its bucket's update started, a closed
+                optimizer).
+        """
+        records = self.records
+        for p in with_grad:
+            self.check_grad(p)
+        # A grad that appeared after its bucket's update started (set by hand after
+        # backward): that update ran without it, and it cannot be fed again.
+        for p in with_grad if st.fed else ():  # step mode: nothing started early
+            if any(b in st.fed for b in records[p].buckets):
+                self.timeline.refuse(f"the grad of {records[p].name} came after its update")
+                raise RuntimeError(
+                    f"the grad of {records[p].name} was set after its bucket's update "
+                    "started (at the end of backward, or during it with grads_final=True); "
+                    "set grads before backward ends, or leave grads_final and "
+                    "max_grad_norm unset so that updates wait for step()"
+                )
+        # Each grad is read once: with release_grads the worker sets p.grad to None at any
+        # moment (tests/test_overlap.py ran into a None between two reads).
+        moved = {}
+        dropped = []
+        for p, (grad, version) in st.versions.items():
+            now = p.grad
+            if now is None:
+                if p not in st.released:
+                    dropped.append(p)
+            elif now is not grad() or local(now)._version != version:
+                moved[p] = now
+        if dropped:
+            # A fresh user's finding: model.zero_grad() (or p.grad = None) between
+            # backward and step() to skip a step, after the step's updates began: they
+            # were applied anyway, silently (opt.zero_grad() refuses; waits.py).
+            names = ", ".join(records[p].name for p in dropped[:3])
+            self.timeline.refuse(
+                f"the grads of {len(dropped)} params were dropped after their update"
+            )
+            raise RuntimeError(
+                f"the grads of {len(dropped)} params ({names}"
+                f"{', ...' if len(dropped) > 3 else ''}) were set to None after their "
+                "buckets' updates started (at the end of backward, or during it with "
+                "grads_final=True): those updates ran with the grads as backward left "
+                "them, so dropping the grads did not skip this step. To skip steps (a "
+                "non-finite loss), leave grads_final and max_grad_norm unset so that "
+                "updates wait for step() (an attached GradScaler, grad_scaler=, skips a step "
+                "whose grads hold an inf or NaN by itself)"
+            )
+        same = self.same_values(st, moved)
+        for p in moved:
+            if p not in same:
+                self.timeline.refuse(f"the grad of {records[p].name} changed after its update")
+                hint = ("with grad_scaler= attached, leave out scaler.unscale_(opt) and "
+                        "clip with max_grad_norm=" if self.grad_scaler() is not None else
+                        "clip or scale through the optimizer: max_grad_norm=, grad_scaler=, "
+                        "or leave grads_final=False")  # fmt: skip
+                raise RuntimeError(
+                    f"the grad of {records[p].name} changed after its bucket's update "
+                    f"started during backward ({hint}; mark non-final micro-steps with "
+                    "opt.accumulating())"
+                )
+        self.check_worker()  # a closed optimizer changes nothing
+
+    def same_values(self, st: Step, moved: dict[torch.Tensor, torch.Tensor]) -> set:
+        """Of the params in ``moved`` (param -> its grad now, whose version moved after its
+        update started), those whose norm is unchanged (one host sync, on this rare path)."""
+        have = [p for p in moved if p in st.fingerprints]
+        if not have:
+            return set()
+        now = torch.stack(_norms([local(moved[p]) for p in have])).cpu()
+        then = torch.stack([st.fingerprints[p] for p in have]).cpu()
+        # NaN == NaN here: GradScaler's own check rewrites a grad holding a NaN unchanged
+        same = ((now == then) | (now.isnan() & then.isnan())).tolist()
+        return {p for p, ok in zip(have, same, strict=True) if ok}
+
+    def check_grad(self, p: torch.Tensor) -> None:
+        """``p``'s grad can be used, and an offloaded ``p`` copied as one flat range (before
+        any of this step's buckets is queued); a param on the device may be non-contiguous,
+        as with torch's fused AdamW.
+
+        Raises:
+            RuntimeError: a non-contiguous offloaded param, a sparse grad, a grad sharded
+                unlike its DTensor param, or a grad whose shape differs from the param's.
+        """
+        rec = self.records[p]
+        if rec.offloaded and not local(p).is_contiguous():
+            raise RuntimeError(
+                f"{rec.name} is not contiguous (its data was replaced by a "
+                f"non-contiguous tensor of strides {tuple(local(p).stride())}, e.g. "
+                "p.data = w.t()): an offloaded param is copied as one flat range; give it "
+                "contiguous data (p.data = p.data.contiguous())"
+            )
+        if p.grad.layout != torch.strided:
+            raise RuntimeError(
+                f"{self.timeline.name} does not support sparse gradients: "
+                f"{rec.name} has a {p.grad.layout} grad"
+            )
+        if is_dtensor(p) and (
+            not is_dtensor(p.grad) or tuple(p.grad.placements) != tuple(p.placements)
+        ):
+            got = tuple(p.grad.placements) if is_dtensor(p.grad) else "a plain tensor"
+            raise RuntimeError(
+                f"the grad of {rec.name} is {got}, the param is sharded "
+                f"{tuple(p.placements)}: each rank updates its own shard from a grad sharded "
+                "the same way (FSDP2 reduce-scatters it so)"
+            )
+        if p.grad.shape != p.shape:
+            raise RuntimeError(
+                f"grad of {rec.name} has shape {tuple(p.grad.shape)}, param {tuple(p.shape)}"
+            )
+
+    def check_worker(self) -> None:
+        """Raises:
+        RuntimeError: the optimizer is closed (or its CPU worker stopped)."""
+        pipeline = self.pipeline()
+        if self.closed() or (pipeline is not None and not pipeline.worker.alive):
+            raise RuntimeError(
+                f"{self.timeline.name} is closed (opt.close() was called; its CPU worker is "
+                "stopped): build a new optimizer and load this one's state_dict() to go on"
+            )
+
+    def warn_if_hypers_moved(self, st: Step, param_groups: list[dict]) -> None:
+        """A group value set between backward and ``step()`` after this step's updates began
+        (declared backward mode froze the values at its first update: the whole step uses
+        those, the new ones apply from the next step). torch reads them in ``step()``; say so,
+        once (a fresh user's finding: an lr set after backward was silently a step late)."""
+        for gi, group in enumerate(param_groups):
+            hyper = st.hypers.get(id(group))
+            if hyper is None:
+                continue
+            for key, frozen in hyper.values.items():
+                now = group.get(key)
+                if isinstance(now, torch.Tensor) or isinstance(frozen, torch.Tensor):
+                    continue  # a tensor lr: comparing it would sync with the device
+                if now != frozen:
+                    self.warn_once(
+                        "hypers-moved",
+                        f"param group {gi}'s {key} changed from {frozen!r} to {now!r} after this "
+                        "step's updates started during backward (overlap='backward' with "
+                        "grads_final, max_grad_norm or grad_scaler freezes a step's values at "
+                        "its first update): this step used the old value, and the new one "
+                        "applies from the next step. Set hyperparameters before backward (or "
+                        "step the scheduler after opt.step())",
+                    )
+                    return
