@@ -22,7 +22,7 @@ class HybridAdamW(HybridOptimizer):
     r"""AdamW with exactly the math of ``torch.optim.AdamW(fused=True)``, whose optimizer state
     and fp32 master weights live on the host for a chosen fraction of the parameters.
 
-    Timeline of one training step (``overlap="step"``, the default; offloadopt/step/steps.py's note
+    Timeline of one training step (``overlap="step"``, the default; offloadopt/step/start.py's note
     says what ``overlap="backward"`` and ``wait="module"`` move earlier):
 
     1. *Backward* (unchanged): grads appear on the device as usual.

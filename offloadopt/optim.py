@@ -4,9 +4,13 @@ is AdamW's signature on it (offloadopt/rules.py holds the rule), adam.py and sgd
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+import threading
+import time
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,12 +30,14 @@ from offloadopt.rules import ADAMW, Rule
 from offloadopt.shards import is_dtensor, local, local_state, world_size, wrap_like
 from offloadopt.state import checkpoint
 from offloadopt.state.store import OptimizerState
+from offloadopt.step.amp import scaler_inputs
+from offloadopt.step.feed import Feeder
 from offloadopt.step.guards import Guards
 from offloadopt.step.hooks import GradHooks
 from offloadopt.step.publish import publisher_for
 from offloadopt.step.scaling import Scaling
-from offloadopt.step.step import Timeline
-from offloadopt.step.steps import Stepping
+from offloadopt.step.start import start_policy
+from offloadopt.step.step import Phase, Step, Timeline, begin_step, stop_run
 from offloadopt.step.update import Updater
 from offloadopt.validation import (
     check_ddp,
@@ -45,7 +51,7 @@ from offloadopt.warn import WarnOnce, weak_method
 __all__ = ["HybridOptimizer"]
 
 
-class HybridOptimizer(Stepping, Optimizer):
+class HybridOptimizer(Optimizer):
     """The machinery shared by the hybrid optimizers (see :class:`HybridAdamW` for the
     timeline, memory and caveats). A subclass sets :attr:`rule` and maps its torch signature
     onto ``hyper`` (the rule's hyperparameters)."""
@@ -121,12 +127,10 @@ class HybridOptimizer(Stepping, Optimizer):
         # refuses to step, under one lock (offloadopt/step/step.py)
         self._timeline = Timeline(type(self).__name__)
         self._warn_once = WarnOnce()  # one warning per key, shared with the owners
-        self._stats: dict[str, float] = {}
         # max_grad_norm, the attached GradScaler (backward mode checks found_inf, amp.py),
         # clip_grad_norm_'s request and the last step's norm (offloadopt/step/scaling.py)
         max_grad_norm = None if o.max_grad_norm is None else float(o.max_grad_norm)
         self._scaling = Scaling(max_grad_norm, o.grad_scaler, self._timeline, id(self))
-        self._accumulating = 0  # depth of opt.accumulating()
         self._grad_hooks: list[GradHooks] = []
         self._closed = False
         self._ddp = o.ddp  # the DDP model whose all-reduced buckets announce grads (hooks.DDPGrads)
@@ -154,7 +158,7 @@ class HybridOptimizer(Stepping, Optimizer):
         me = weakref.ref(self)
         self._publish = publisher_for(
             o, self._timeline, self._records, lambda: me()._pipeline, timeout_s=self.timeout_s,
-            finish=lambda st, streams: me()._finish(st, streams),
+            finish=lambda st, streams: me()._feeder.finish(st, streams),
             warn_once=self._warn_once,
             closed=lambda: me()._closed,
         )  # fmt: skip
@@ -173,6 +177,19 @@ class HybridOptimizer(Stepping, Optimizer):
             bucket_nbytes=self._placer.bucket_nbytes, timeout_s=self._placer.timeout_s,
             warn_once=self._warn_once,
         )  # fmt: skip
+        # A step's offloaded buckets fed to the pipeline, the device update beside them, the
+        # step's end (offloadopt/step/feed.py)
+        self._feeder = Feeder(
+            self._timeline, self._placer, self._updater, self._guards, self._publish,
+            self.state, self.rule, release_grads=o.release_grads,
+            module_order=o.wait == "module", timeout_s=self.timeout_s,
+        )  # fmt: skip
+        # WHEN an update may start: at step(), or from backward (offloadopt/step/start.py)
+        self._start = start_policy(
+            o, timeline=self._timeline, placer=self._placer, feeder=self._feeder,
+            scaling=self._scaling, begin=lambda: me()._begin(), grads_final=o.grads_final,
+            release_grads=o.release_grads, ddp=o.ddp is not None, timeout_s=self.timeout_s,
+        )  # fmt: skip
         for g in self.param_groups:
             self._placer.check_auto_group(g)
         if o.ddp is not None:
@@ -183,7 +200,7 @@ class HybridOptimizer(Stepping, Optimizer):
             from offloadopt.step.hooks import DDPGrads
 
             try:
-                self._ddp_hook = DDPGrads(self, o.ddp)
+                self._ddp_hook = DDPGrads(self._start, o.ddp)
             except RuntimeError as e:  # DDP takes one comm hook per model
                 self.close()
                 raise RuntimeError(
@@ -228,11 +245,141 @@ class HybridOptimizer(Stepping, Optimizer):
 
     def _hook_offloaded(self, params: list[torch.Tensor]) -> None:
         """The Placer placed ``params`` on the host: in backward mode with updates that may
-        start before step() (steps.py's note), their grad hooks announce each grad."""
-        if self.overlap == "backward" and (
-            self.grads_final or self.max_grad_norm is not None or self.grad_scaler is not None
-        ):
-            self._grad_hooks.append(GradHooks(self, params))
+        start before step() (start.py), their grad hooks announce each grad."""
+        if self._start.hooks:
+            self._grad_hooks.append(GradHooks(self._start, params))
+
+    # ------------------------------------------------------------------ the step
+    @torch.compiler.disable  # under torch.compile the step runs eagerly (a graph break)
+    def step(self, closure: Callable[[], float] | None = None):
+        """One update of every param with a grad; params whose grad is None are skipped.
+
+        Raises:
+            RuntimeError: a sparse grad, a grad whose shape differs from its param, a param
+                listed in two groups, a grad changed after its update started (named), or an
+                optimizer left inconsistent by a failed step (see ``discard_failed_step``).
+            ValueError, TypeError: a group's hyperparameter is invalid (named); nothing changed.
+            WorkerError: an offloaded update failed on the worker (names the bucket).
+            TimeoutError: a wait outlasted ``timeout_s`` (names what it waited for).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step_whole()
+        return loss
+
+    @no_grad_whole  # the closure above runs with signals delivered as they come
+    def _step_whole(self) -> None:
+        """The step after the closure, as its timeline (without grad; a signal waits for its
+        handler until the step is whole). Phase 0 freezes the values and checks every grad
+        before any state changes; phase 2 (the offloaded buckets, on the worker) starts before
+        phase 1 (the device-resident params) is launched; phase 3 publishes."""
+        t0 = time.perf_counter()
+        self.ensure_placed()  # params built on the meta device, materialized since
+        auto = self._placer.sampling()  # offload_fraction="auto" while it measures, else None
+        with signals_deferred(), self._lock:
+            st = self._take_step()  # phase 0: the step begun in backward, or a new one
+            with_grad = self._guards.grads_to_update(st, self.timeout_s)
+            self._scaling.at_step(st, with_grad, *scaler_inputs(self))  # clip and scale, once
+            streams = self._feeder.update(st, with_grad, auto, t0)  # phases 2 and 1
+            self._publish.end_step(st, streams)  # phase 3: as the publish policy says
+        # The host wall time of step() itself: with wait="module" or overlap="delayed" the step
+        # ends later (the next synchronize() or step()), and the time in between is the
+        # caller's (tests/test_overlap.py).
+        st.stats["step_ms"] = (time.perf_counter() - t0) * 1e3
+        if auto is not None:  # a sample (a step that updated nothing is none); may move state
+            auto.end(self, worked=bool(st.prepared))
+
+    def _take_step(self) -> Step:
+        """Phase 0: the step that backward's announcements began (its values frozen at the
+        first), or a new one; a step whose backward never finished is refused."""
+        self._raise_if_broken()
+        st = self._step
+        if st is not None and not st.backward_done:
+            self._timeline.abandon(st, "a backward that announced grads never finished")
+        self._step = None
+        if st is None:
+            st = self._begin(may_replace=True)
+        elif st.fed:
+            self._guards.warn_if_hypers_moved(st, self.param_groups)
+        st.phase = Phase.STEPPING
+        st.thread = threading.get_ident()
+        return st
+
+    def _begin(self, may_replace: bool = False) -> Step:
+        """A new step once the step before is over (publish.py): step/step.py's
+        ``begin_step``; ``may_replace`` (from ``step()`` only) lets it place the params again
+        for new state keys while none has state."""
+        self._publish.before_step()
+        st = begin_step(self.param_groups, self.rule, self._placer,
+                        self._replace_if_stateless if may_replace else None)  # fmt: skip
+        st.delayed = self.overlap == "delayed" and self._steps_taken() >= self.delay_after
+        return st
+
+    def _steps_taken(self) -> int:
+        """The updates the offloaded params have had: the largest ``step`` among them (host
+        tensors: no device sync), so a resume from a checkpoint counts on where it left off.
+        Read at each step's start when ``delay_after`` > 0."""
+        if self.delay_after == 0:
+            return 0
+        steps = (self.state.get(p, {}).get("step") for p, rec in self._records.items()
+                 if rec.offloaded)  # fmt: skip
+        return max((int(s) for s in steps if s is not None), default=0)
+
+    def _replace_if_stateless(self) -> bool:
+        """New state keys at step(): place again while no param has state (begin_step)."""
+        if any(self.state.get(q) for q in self._records):
+            return False
+        self._replace_for_keys()  # the step before was waited for: nothing is in flight
+        return True
+
+    def _keys_changed(self) -> bool:
+        """Whether a group's values now need other state keys than its params were placed with."""
+        for g in self.param_groups:
+            keys = self.rule.state_keys_for(g)  # once per group, not per param
+            if any((r := self._records.get(p)) is not None and r.state_keys != keys
+                   for p in g["params"]):  # fmt: skip
+                return True
+        return False
+
+    def _replace_for_keys(self) -> None:
+        """Place every param again with the state keys its group's values need now.
+
+        Raises:
+            ValueError: a ``max_gpu_memory`` budget was met with the old keys (more state now:
+                the fraction it chose may not fit); before a step nothing changed, inside
+                ``load_state_dict()`` the load fails (and is refused until one succeeds).
+        """
+        if self._placer.sizes["max_gpu_memory"] is not None:
+            raise ValueError(
+                "the param groups' values need other state than when max_gpu_memory chose the "
+                f"fraction {self.offload_fraction:g} (momentum turned on or off after the "
+                "first step()); build the optimizer with the values it trains with (OneCycleLR "
+                "sets momentum at construction, before max_gpu_memory chooses)"
+            )
+        self._replace(self.offload_fraction)
+
+    def discard_failed_step(self) -> None:
+        """Accept the state a failed step left (some params updated, others not) and go on.
+
+        Nothing is rolled back and the grads stay as they are: call ``zero_grad()`` before the
+        next ``step()``, or the params already updated get the same grads applied again (a
+        fresh user's finding; the README says so)."""
+        with self._lock:
+            if self._step is not None and self._step.run is not None:
+                stop_run(self._step.run, self.timeout_s)
+            self._step, self._broken = None, None
+
+    def accumulating(self) -> contextlib.AbstractContextManager[None]:
+        """Mark the backward passes inside as non-final micro-steps of gradient accumulation:
+        their grads stay on the device and nothing starts before the final backward (outside
+        this context) or ``step()``. Without the marker, ``overlap="backward"`` treats every
+        backward as final (a second backward before ``step()`` is an error)."""
+        return self._start.accumulating()
+
+    def _raise_if_broken(self) -> None:
+        self._timeline.raise_if_broken()
 
     # ------------------------------------------------------------------ the timeline
     # The step's pieces read the Timeline through these names (step/step.py owns the values).
@@ -518,8 +665,8 @@ class HybridOptimizer(Stepping, Optimizer):
         next forward has run)."""
         if self._pipeline is not None:
             for key, ms in self._pipeline.collect_timing().items():
-                self._stats[key] = self._stats.get(key, 0.0) + ms
-        return dict(self._stats)
+                self._feeder.stats[key] = self._feeder.stats.get(key, 0.0) + ms
+        return dict(self._feeder.stats)
 
     # ------------------------------------------------------------------ opt.state
     @property
@@ -810,7 +957,9 @@ class HybridOptimizer(Stepping, Optimizer):
     def _load_validated(self, groups, saved_groups, saved_state) -> bool:
         """Copy a validated state dict in; returns whether it carried masters that were ignored."""
         if self._step is not None and self._step.run is not None:
-            self._stop_run(self._step.run)  # the worker's bucket in hand lands before the load
+            stop_run(
+                self._step.run, self.timeout_s
+            )  # the worker's bucket in hand lands before the load
         self._step, self._broken, self._scaling.pending_clip = None, None, None
         for g, s in zip(groups, saved_groups, strict=True):
             g.update(checkpoint.merge_group(g, s, self.rule))
@@ -842,7 +991,7 @@ class HybridOptimizer(Stepping, Optimizer):
                 self._ddp_hook.remove()  # DDP keeps the hook: a plain all-reduce from now on
             self._grad_hooks, self._publish.module_waits = [], []
             if self._step is not None and self._step.run is not None:
-                self._stop_run(self._step.run)
+                stop_run(self._step.run, self.timeout_s)
             self._placer.close()
 
     def __enter__(self):

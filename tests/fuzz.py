@@ -289,7 +289,7 @@ def _refused_at_step(case: Case) -> bool:
     return declared and (case.clip in ("torch", "method") or case.scaler == "unattached")
 
 
-# What step() says when it refuses such a case (offloadopt/step/steps.py, offloadopt/step/amp.py).
+# What step() says when it refuses such a case (offloadopt/step/guards.py, offloadopt/step/amp.py).
 STEP_REFUSALS = (
     "changed after its bucket's update started during backward",
     "updates of this step started during backward",

@@ -293,10 +293,9 @@ def test_the_probe_times_the_device_update_alone_then_overlaps_it_again(monkeypa
     opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**14,
                       offload_fraction="auto", auto_tolerance=10.0)  # fmt: skip
     calls = []
-    cls = type(opt)
-    feed, update = cls._feed, opt._updater.device_update
+    feed, update = opt._feeder.feed, opt._updater.device_update
     monkeypatch.setattr(
-        cls, "_feed", lambda self, *a, **k: (calls.append("feed"), feed(self, *a, **k))[1]
+        opt._feeder, "feed", lambda *a, **k: (calls.append("feed"), feed(*a, **k))[1]
     )
     monkeypatch.setattr(opt._updater, "device_update",
                         lambda *a, **k: (calls.append("device"), update(*a, **k))[1])  # fmt: skip

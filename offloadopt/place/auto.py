@@ -204,8 +204,10 @@ class AutoFraction:
             # The next forward must not wait for this step's copies inside the window that
             # measures forward+backward: the probe waits for them here, as wait="step" would.
             opt.synchronize()
-        if opt._stats.get("buckets"):
-            self._stats = dict(opt._stats)  # this step's figures (complete: it was waited for)
+        if opt._feeder.stats.get("buckets"):
+            self._stats = dict(
+                opt._feeder.stats
+            )  # this step's figures (complete: it was waited for)
         cur["end"] = self._clock.mark()
         prev, self._prev_end = self._prev_end, cur["end"]
         if prev is not None:

@@ -15,7 +15,7 @@ from offloadopt.place.placement import ParamInfo, Placement
 __all__ = ["sizes", "mem_available", "choose", "IN_FLIGHT_BUCKETS"]
 
 # release_grads: buckets whose grads may still be on the device at once: SLOTS fed and waiting
-# for a slot (backpressure, backward._on_grad), SLOTS in the staging slots, one filling.
+# for a slot (backpressure, start.FromBackward.on_grad), SLOTS in the staging slots, one filling.
 IN_FLIGHT_BUCKETS = 2 * SLOTS + 1
 
 

@@ -176,6 +176,14 @@ class Placer:
             raise
         return True
 
+    def sampling(self) -> AutoFraction | None:
+        """offload_fraction="auto" while it measures, its sample of this step begun now; None
+        otherwise."""
+        auto = self.auto if self.auto is not None and self.auto.active else None
+        if auto is not None:
+            auto.begin(self.device())
+        return auto
+
     # ------------------------------------------------------------------ the budget
     def check_budget_for(self, group_indices: list[int]) -> None:
         """max_gpu_memory after its choice: a group added later is placed at the chosen

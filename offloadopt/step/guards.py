@@ -1,5 +1,5 @@
 """What a step refuses before any state changes: a grad the update cannot use, a grad set,
-dropped or edited after its bucket's update started during backward (steps.py's note), a
+dropped or edited after its bucket's update started during backward (start.py's note), a
 closed optimizer; and the warning for a group value set after the step's updates began.
 :class:`Guards` owns these checks."""
 
@@ -12,7 +12,7 @@ import torch
 
 from offloadopt.place.records import ParamRecord
 from offloadopt.shards import is_dtensor, local
-from offloadopt.step.step import Step, Timeline
+from offloadopt.step.step import Step, Timeline, stop_run
 
 __all__ = ["Guards"]
 
@@ -50,6 +50,25 @@ class Guards:
         self.warn_once = warn_once
         self.closed = closed
         self.pipeline = pipeline
+
+    def grads_to_update(self, st: Step, timeout_s: float) -> list[torch.Tensor]:
+        """The params whose grad ``step()`` updates now (those with a grad not fed during
+        backward: the others were checked then, and their grads may be released now), after
+        :meth:`check_step`. A refusal with updates started in backward ends their run first,
+        so the next step's run is not queued behind it forever (waiting up to ``timeout_s``
+        seconds for the worker's bucket in hand).
+
+        Raises:
+            RuntimeError: as :meth:`check_step`.
+        """
+        try:
+            with_grad = [p for p in st.group_of if p not in st.versions and p.grad is not None]
+            self.check_step(st, with_grad)
+        except BaseException:
+            if st.run is not None:
+                stop_run(st.run, timeout_s)
+            raise
+        return with_grad
 
     def check_step(self, st: Step, with_grad: list[torch.Tensor]) -> None:
         """Inside ``step()``, before any state changes: every grad in ``with_grad`` (the
@@ -89,7 +108,7 @@ class Guards:
         if dropped:
             # A fresh user's finding: model.zero_grad() (or p.grad = None) between
             # backward and step() to skip a step, after the step's updates began: they
-            # were applied anyway, silently (opt.zero_grad() refuses; waits.py).
+            # were applied anyway, silently (opt.zero_grad() refuses).
             names = ", ".join(records[p].name for p in dropped[:3])
             self.timeline.refuse(
                 f"the grads of {len(dropped)} params were dropped after their update"

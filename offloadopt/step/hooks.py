@@ -22,9 +22,9 @@ __all__ = ["GradHooks", "ModuleWaits", "DDPGrads"]
 class GradHooks:
     """Post-accumulate-grad hooks on the given params, and an end-of-backward callback.
 
-    ``owner._on_grad(p)`` runs when ``p``'s grad is final for this backward (on autograd's
+    ``owner.on_grad(p)`` runs when ``p``'s grad is final for this backward (on autograd's
     thread for the device, whose current stream is the one the grad was made on);
-    ``owner._on_backward_end()`` runs once when a backward that fired any of the hooks ends
+    ``owner.on_backward_end()`` runs once when a backward that fired any of the hooks ends
     (autograd's final callback: on the thread that called backward, its stream synced with the
     streams that made the grads). A backward that raises never calls it: the owner sees that at
     its next call.
@@ -37,7 +37,7 @@ class GradHooks:
         def on_backward_end() -> None:
             opt = ref()
             if opt is not None:
-                opt._on_backward_end()
+                opt.on_backward_end()
 
         def on_grad(p: torch.Tensor) -> None:
             opt = ref()
@@ -47,7 +47,7 @@ class GradHooks:
             if task != self._task:  # the first hook of this backward (even after a failed one)
                 self._task = task
                 torch.autograd.Variable._execution_engine.queue_callback(on_backward_end)
-            opt._on_grad(p)
+            opt.on_grad(p)
 
         self.handles = [
             p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad
@@ -162,7 +162,7 @@ class ModuleWaits:
 
 class DDPGrads:
     """A DDP comm hook: torch's default all-reduce of each bucket (divide by the world size, then
-    all-reduce), then ``owner._on_reduced(params)`` once the reduced values are in the bucket.
+    all-reduce), then ``owner.on_reduced(params)`` once the reduced values are in the bucket.
     The announcement is a callback of the all-reduce's future: on gloo it runs when the
     all-reduce is done (on gloo's thread); on NCCL when it is queued, with the current stream
     made to wait for it, so a D2H marked on that stream reads reduced grads. With
@@ -188,11 +188,11 @@ class DDPGrads:
             def announce(done):
                 o = ref()
                 if o is not None and self.active:
-                    o._on_reduced(params)
+                    o.on_reduced(params)
                 return done.value()
 
             out = fut.then(announce)
-            opt._reduction_started(out)
+            opt.reduction_started(out)
             return out
 
         ddp.register_comm_hook(None, hook)

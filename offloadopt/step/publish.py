@@ -2,7 +2,7 @@
 (:func:`publisher_for`). It owns the waits for a step's copies back (``synchronize()``, a
 module's forward pre-hook, a read of ``opt.state``), the models given to ``watch()`` and their
 module waits, the end of ``step()`` once its buckets are queued, and the delayed update's
-publication (steps.py's note has the rules): :class:`AtReturn` (``wait="step"``), at the return
+publication (start.py's note has the rules): :class:`AtReturn` (``wait="step"``), at the return
 of ``step()``; :class:`PerModule` (``wait="module"``), in each watched module's forward
 pre-hook; :class:`NextStep` (``overlap="delayed"``), at the next ``step()``.
 
@@ -31,7 +31,7 @@ from offloadopt.link.worker import WaitTimeout
 from offloadopt.place.records import ParamRecord
 from offloadopt.shards import local
 from offloadopt.step.hooks import ModuleWaits
-from offloadopt.step.step import Step, Timeline
+from offloadopt.step.step import Phase, Step, Timeline
 from offloadopt.warn import warn
 
 if TYPE_CHECKING:
@@ -100,6 +100,17 @@ class Publisher:
             WorkerError, TimeoutError: as ``step()``.
         """
         self.synchronize()  # the previous step's copies back (wait="module") are done
+
+    def end_step(self, st: Step, streams: dict[torch.device, Any]) -> None:
+        """``step()``'s last phase: a step that fed nothing to the worker ends now; otherwise
+        its run is closed (every bucket queued) and :meth:`after_step` says when its weights
+        become visible (the policy chosen at construction)."""
+        if st.run is None:
+            self.finish(st, streams)
+            return
+        st.run.close()
+        st.phase = Phase.STEPPED
+        self.after_step(st, streams)
 
     def after_step(self, st: Step, streams: dict[torch.device, Any]) -> None:
         """The end of ``step()`` once ``st``'s offloaded buckets are all queued (its run

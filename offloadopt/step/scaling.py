@@ -123,7 +123,7 @@ class Scaling:
 
     def starts_at_end(self) -> bool:
         """Backward mode's updates start at the end of backward, all at once: a clip or a
-        GradScaler's found_inf needs every grad (steps.py's note)."""
+        GradScaler's found_inf needs every grad (start.py's note)."""
         return self.max_grad_norm is not None or self.attached_scale() is not None
 
     def norm_and_scale(self, params: list[torch.Tensor], max_norm: float, inv=None):
@@ -183,7 +183,14 @@ class Scaling:
     def at_step(self, st: Step, params: list[torch.Tensor], grad_scale, inf) -> None:
         """Inside ``step()``, with ``params`` the params with a grad and ``grad_scale``,
         ``inf`` a GradScaler's values for this call (None each when none set them): this
-        step's factors, unless the end of backward decided them; ``pending_clip`` is taken."""
+        step's factors, unless the end of backward decided them; ``pending_clip`` is taken.
+        First, updates begun in backward must have used this scaler's scale
+        (:meth:`check_scaler`).
+
+        Raises:
+            RuntimeError: as :meth:`check_scaler`.
+        """
+        self.check_scaler(st, grad_scale, inf)
         scaled = grad_scale is not None or inf is not None
         # Nothing decided at the end of backward (or decided there without the scaler's
         # values, and nothing started): this step's clip factors and scaling, now.

@@ -5,7 +5,7 @@ refuses to step. In a module of its own so that every piece of the step imports 
 A step's phases, in order (a step made inside ``step()`` starts at ``STEPPING``)::
 
     ANNOUNCING      a backward's grad hooks (or DDP's reductions) announce grads; updates may
-                    start (steps.py's note says when)
+                    start (start.py's note says when)
     BACKWARD_DONE   autograd's final callback ran: every grad of this backward is final
     STEPPING        inside ``step()``: guards, scaling, feeding, the device update
     STEPPED         ``step()`` returned with copies back (or a delayed update) in flight
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,8 @@ import torch
 
 from offloadopt.link.layout import Bucket
 from offloadopt.link.pipeline import BucketWork, StepRun
-from offloadopt.rules import Hyper
+from offloadopt.place.placer import Placer
+from offloadopt.rules import Hyper, Rule
 from offloadopt.step.amp import AmpInputs
 
 __all__ = ["Phase", "Step", "Timeline"]
@@ -106,8 +108,85 @@ class Timeline:
                 "or opt.discard_failed_step() to go on from here"
             )
 
+    def abandon(self, st: Step, why: str) -> None:
+        """A step whose updates started cannot complete: its run is aborted and the optimizer
+        refuses to step until a load or ``discard_failed_step()``.
+
+        Raises:
+            RuntimeError: always, naming ``why``.
+        """
+        if st.run is not None:
+            st.run.abort()
+        self.refuse(why)
+        self.raise_if_broken()
+
     def updates_started(self) -> bool:
         """Updates began before ``step()`` (backward mode, declared): from then until
         ``step()`` returns the worker writes the params of the buckets fed so far."""
         st = self.current
         return st is not None and st.run is not None and bool(st.fed) and not st.delayed
+
+
+def stop_run(run: StepRun, timeout_s: float) -> None:
+    """Drop the buckets ``run`` has not started and wait until the worker is done with the one
+    in hand (an abort alone lets it write that bucket's state and weights after a
+    load_state_dict that follows; bounded by ``timeout_s`` seconds)."""
+    run.abort()
+    run.job.done.wait(timeout_s)
+
+
+_STATS = ("d2h_wait_ms", "cpu_update_ms", "launch_ms", "feed_wait_ms", "h2d_ms", "d2h_ms")
+
+
+def begin_step(
+    param_groups: list[dict[str, Any]],
+    rule: Rule,
+    placer: Placer,
+    replace: Callable[[], bool] | None = None,
+) -> Step:
+    """A new :class:`Step`: every group's hyperparameters frozen and validated, each param's
+    group found by identity (a param put into a group by hand gets its record here).
+
+    ``replace`` (from ``step()``, never from a backward's hooks): called when a group's values
+    now need other state keys than its params were placed with (SGD's ``momentum_buffer``:
+    ``OneCycleLR(cycle_momentum=True)`` on a group built with ``momentum=0``); it places the
+    params again and returns True while no param has state (torch's SGD then starts its
+    buffers at this step, and so does this), else False. Without it, or when it returns
+    False, the change is an error naming the param.
+
+    Raises:
+        TypeError, ValueError: a group's value is invalid (named with the group's index), or
+            its state keys changed (above).
+        RuntimeError: a param in two groups (named).
+    """
+    hypers: dict[int, Hyper] = {}
+    group_of: dict[torch.Tensor, dict] = {}
+    index_of: dict[torch.Tensor, int] = {}
+    for gi, group in enumerate(param_groups):
+        try:
+            hypers[id(group)] = rule.freeze(group)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"param group {gi}: {e}") from e
+        keys = rule.state_keys_for(group)
+        for i, p in enumerate(group["params"]):
+            rec = placer.records.get(p)
+            if rec is not None and rec.state_keys != keys:
+                if replace is not None and replace():
+                    return begin_step(param_groups, rule, placer)
+                raise ValueError(
+                    f"param group {gi}: {rec.name} keeps state {list(rec.state_keys)} since "
+                    f"it was placed, the group's values now need {list(keys)} (momentum "
+                    "turned on or off after the first step with state; while no param "
+                    "has state, step() places the params again, but not a backward that "
+                    "starts updates)"
+                )
+            if p in group_of:
+                raise RuntimeError(
+                    f"{placer.param_name(group, gi, i)} is in param groups {index_of[p]} and "
+                    f"{gi}: a param may be in one group only"
+                )
+            group_of[p], index_of[p] = group, gi
+            placer.record(p, group, gi, i)
+    stats = dict.fromkeys(_STATS, 0.0)
+    stats.update(d2h_nbytes=0, h2d_nbytes=0, buckets=0, worker_ms=0.0)
+    return Step(hypers, group_of, stats)
