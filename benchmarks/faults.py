@@ -255,7 +255,7 @@ def signal_step(seed: int, mode: str = "step", fraction: float = 0.5, iters: int
             opt.synchronize()
             ref.step(grads)
             # declared backward mode: the weights are new before step() ends the step
-            ended = opt._step is None
+            ended = opt.debug.step is None
             if same(model, ref) and ended:
                 outcomes["whole" if alarmed else "clean"] += 1
             elif not alarmed:
@@ -495,11 +495,11 @@ def worker_error(seed: int, mode: str = "step", fraction: float = 1.0, nth: int 
     model = Probe(seed)
     opt, ref = hybrid(model, fraction, mode, timeout_s=10.0), Reference(model)
     train(model, opt, ref, range(2))
-    if opt._pipeline is None or len(opt.buckets) < nth:
+    if opt.debug.pipeline is None or len(opt.buckets) < nth:
         raise AssertionError(f"fraction {fraction}: {len(opt.buckets)} buckets, no {nth}th")
     opt.synchronize()
     before = ([p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict()))
-    update, calls = opt._updater.update_bucket, []
+    update, calls = opt.debug.updater.update_bucket, []
 
     def failing(work, grads):
         calls.append(work.bucket.index)
@@ -507,7 +507,7 @@ def worker_error(seed: int, mode: str = "step", fraction: float = 1.0, nth: int 
             raise RuntimeError("injected kernel failure")
         return update(work, grads)
 
-    opt._updater.update_bucket = failing
+    opt.debug.updater.update_bucket = failing
     t = time.perf_counter()
     opt.zero_grad()
     try:
@@ -520,7 +520,7 @@ def worker_error(seed: int, mode: str = "step", fraction: float = 1.0, nth: int 
     else:
         raise AssertionError(f"the {nth}th bucket failed and nothing was raised")
     finally:
-        del opt._updater.update_bucket  # the class's method again
+        del opt.debug.updater.update_bucket  # the class's method again
     if time.perf_counter() - t > 8.0:
         raise AssertionError("the failure took longer than the worker's timeout to surface")
     if recover == "load":

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
     loss_fn(model, x, x).backward()  # grads to launch from
     b = opt.buckets[len(opt.buckets) // 2]
-    tr = opt._pipeline.transfers[b.arena.device]
+    tr = opt.debug.pipeline.transfers[b.arena.device]
     slot = tr.ring.slots[0]
     idx = list(range(len(b.segments)))
     grads = b.grad_views(idx)

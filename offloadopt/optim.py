@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from offloadopt.debug import Debug
 from offloadopt.interrupts import no_grad_whole, signals_deferred
 from offloadopt.link.layout import Arena, Bucket
 from offloadopt.link.pipeline import Pipeline
@@ -380,6 +381,12 @@ class HybridOptimizer(Optimizer):
 
     def _raise_if_broken(self) -> None:
         self._timeline.raise_if_broken()
+
+    @property
+    def debug(self) -> Debug:
+        """The optimizer's owners, for tests, benchmarks and debugging: not a stable API
+        (offloadopt/debug.py lists what it holds)."""
+        return Debug(self)
 
     # ------------------------------------------------------------------ the timeline
     # The step's pieces read the Timeline through these names (step/step.py owns the values).

@@ -148,7 +148,9 @@ def run_fsdp(rank: int, world: int, arg: str) -> dict:
         opt = DelayedTorch(model) if make is None else make(model.parameters())
         if "module" in name:
             opt.watch(model)
-            out[f"{name}.hooks"] = opt._publish.module_waits[0].modules  # on the FSDP2 modules only
+            out[f"{name}.hooks"] = opt.debug.publisher.module_waits[
+                0
+            ].modules  # on the FSDP2 modules only
             from offloadopt.step.hooks import _fsdp_shards  # FSDP2's private state, read as it is
 
             out[f"{name}.shards"] = len(_fsdp_shards(model.transformer.h[0])[0])
@@ -396,7 +398,7 @@ def run_bad(rank: int, world: int, arg: str) -> dict:
     train(ddp, opt, rank, steps=1)
     out["stats"] = opt.stats
     out["worker_threads"] = []
-    job = opt._pipeline.worker.submit(
+    job = opt.debug.pipeline.worker.submit(
         lambda: out["worker_threads"].append(torch.get_num_threads()), "probe"
     )
     job.wait(30)

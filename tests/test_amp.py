@@ -151,12 +151,12 @@ def test_attached_scaler_starts_the_updates_at_the_end_of_backward(clip):
                           overlap="backward", max_grad_norm=clip, **kw)  # fmt: skip
         params = list(model.parameters())
         s.scale(model(batch(0)).pow(2).mean()).backward()
-        fed = opt._step is not None and len(opt._step.fed)
+        fed = opt.debug.step is not None and len(opt.debug.step.fed)
         # unattached, max_grad_norm starts them too, from the scaled grads: refused below
         want = len(opt.buckets) if attach or clip else 0
         assert fed == want and len(opt.buckets) > 2, (attach, fed)
         if attach:
-            assert opt._step.amp.found_inf.item() == 0.0
+            assert opt.debug.step.amp.found_inf.item() == 0.0
         elif clip:
             with pytest.raises(RuntimeError, match="grad_scaler=scaler"):
                 s.step(opt)
@@ -166,7 +166,7 @@ def test_attached_scaler_starts_the_updates_at_the_end_of_backward(clip):
     handle = params[0].register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("inf")))
     s.scale(model(batch(0)).pow(2).mean()).backward()
     handle.remove()
-    assert opt._step.amp.found_inf.item() == 1.0, "the optimizer's own check saw the inf"
+    assert opt.debug.step.amp.found_inf.item() == 1.0, "the optimizer's own check saw the inf"
     before = [p.detach().clone() for p in params]
     s.step(opt)
     s.update()
@@ -358,7 +358,7 @@ def test_opt_clip_grad_norm_with_an_attached_scaler_is_refused_and_changes_nothi
     grads = [p.grad.clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="build the optimizer with max_grad_norm= instead"):
         opt.clip_grad_norm_(1.0)
-    assert opt._scaling.pending_clip is None
+    assert opt.debug.scaling.pending_clip is None
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
     opt.close()
 

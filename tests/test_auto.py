@@ -55,7 +55,7 @@ def test_auto_moves_the_state_and_trains_bitwise_as_torch(kw):
     assert choice["set_by"] == "auto" and choice["fraction"] == opt.offload_fraction
     assert choice["measured_step_ms"] > 0 and choice["probe_measured_step_ms"] > 0
     assert choice["measured_step_ms_at_0"] > 0  # the baseline: fraction 0 measured, not predicted
-    assert not opt._auto.active
+    assert not opt.debug.auto.active
     # The state moved: the placement is the chosen fraction's, and the state is torch's.
     assert {p.offloaded for p in opt.placement} <= {True, False}
     ref_state = ref.state_dict()["state"]
@@ -123,7 +123,7 @@ def test_work_that_hides_behind_backward_is_offloaded_and_work_that_shows_is_not
     kw = dict(overlap="backward", grads_final=True) if mode == "backward" else {}
     opt = HybridAdamW(net.parameters(), lr=1e-3, min_offload_numel=1, cpu_threads=1,
                       bucket_nbytes=64 * 65 * 4, offload_fraction="auto", **kw)  # fmt: skip
-    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.004)
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.004)
     try:
         for _ in range(STEPS):
             net(torch.randn(8, 64, requires_grad=True)).backward()  # the slow backward runs
@@ -158,8 +158,8 @@ def test_the_callers_own_fraction_ends_auto():
     train(m, opt, steps=2)
     opt.set_offload_fraction(0.25)
     train(m, opt, steps=STEPS)
-    assert opt.offload_fraction == 0.25 and not opt._auto.active
-    assert "set_offload_fraction" in opt._auto.choice["cancelled"]
+    assert opt.offload_fraction == 0.25 and not opt.debug.auto.active
+    assert "set_offload_fraction" in opt.debug.auto.choice["cancelled"]
 
 
 @pytest.mark.parametrize(
@@ -220,7 +220,7 @@ def test_the_probe_holds_backward_modes_updates_for_step_then_lets_them_start():
                       offload_fraction="auto", auto_tolerance=10.0, overlap="backward",
                       grads_final=True)  # fmt: skip
     fed = []
-    train(m, opt, before_step=lambda: fed.append(len(opt._step.fed) if opt._step else 0))
+    train(m, opt, before_step=lambda: fed.append(len(opt.debug.step.fed) if opt.debug.step else 0))
     probe = 1 + auto.MEASURED_STEPS  # the first step, unmeasured, and the measured ones
     base = probe + 1 + auto.MEASURED_STEPS  # then fraction 0's baseline: nothing to feed
     assert fed[:base] == [0] * base and all(n > 0 for n in fed[base:]), fed
@@ -233,7 +233,7 @@ def test_with_release_grads_the_probe_does_not_hold_the_grads():
                       offload_fraction="auto", overlap="backward", grads_final=True,
                       release_grads=True)  # fmt: skip
     fed = []
-    train(m, opt, before_step=lambda: fed.append(len(opt._step.fed) if opt._step else 0))
+    train(m, opt, before_step=lambda: fed.append(len(opt.debug.step.fed) if opt.debug.step else 0))
     assert fed[1] > 0, fed  # the second backward (placed since construction) fed its buckets
 
 
@@ -248,17 +248,17 @@ def test_a_verified_step_over_the_limit_moves_the_fraction_down(monkeypatch):
     m = model()
     opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**12,
                       offload_fraction="auto")  # fmt: skip
-    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.002)  # each bucket costs 2 ms
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.002)  # each bucket costs 2 ms
     got = train(m, opt)
     choice = opt.placement_choice
     first = choice["corrections"][0]
     # What moves it down is the measured step above the limit (the prediction may be right:
     # the worker's 2 ms a bucket are measured in the probe; a loaded CI core once measured
     # 386 ms against a prediction of 390, above the limit all the same)
-    limit = (1 + opt._auto.tolerance) * choice["predicted_step_ms_at_0"]
+    limit = (1 + opt.debug.auto.tolerance) * choice["predicted_step_ms_at_0"]
     assert choice["measured_step_ms_at_0"] is None  # the limit is fraction 0's prediction
     assert first["fraction"] == 1.0 and first["measured_step_ms"] > limit
-    assert choice["fraction"] < 1.0 and not opt._auto.active and "within_tolerance" in choice
+    assert choice["fraction"] < 1.0 and not opt.debug.auto.active and "within_tolerance" in choice
     ref_m = model()
     want = train(ref_m, torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True))
     for k in want:
@@ -278,7 +278,7 @@ def test_a_choice_left_above_the_limit_warns_with_what_was_kept(monkeypatch):
     m = model()
     opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**12,
                       offload_fraction="auto")  # fmt: skip
-    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.002)
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.002)
     with pytest.warns(UserWarning, match=r"'auto' kept fraction 1: its step measured .* above the limit") as caught:  # fmt: skip
         train(m, opt)
     assert opt.placement_choice["within_tolerance"] is False
@@ -293,11 +293,11 @@ def test_the_probe_times_the_device_update_alone_then_overlaps_it_again(monkeypa
     opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**14,
                       offload_fraction="auto", auto_tolerance=10.0)  # fmt: skip
     calls = []
-    feed, update = opt._feeder.feed, opt._updater.device_update
+    feed, update = opt.debug.feeder.feed, opt.debug.updater.device_update
     monkeypatch.setattr(
-        opt._feeder, "feed", lambda *a, **k: (calls.append("feed"), feed(*a, **k))[1]
+        opt.debug.feeder, "feed", lambda *a, **k: (calls.append("feed"), feed(*a, **k))[1]
     )
-    monkeypatch.setattr(opt._updater, "device_update",
+    monkeypatch.setattr(opt.debug.updater, "device_update",
                         lambda *a, **k: (calls.append("device"), update(*a, **k))[1])  # fmt: skip
     orders = []
 
@@ -331,8 +331,8 @@ def test_a_refused_set_offload_fraction_changes_nothing():
             warnings.simplefilter("error")  # refused: nothing replaced, nothing to say
             with pytest.raises(RuntimeError, match="between steps only"):
                 opt.set_offload_fraction(0.2)
-        assert opt.placement_choice == before and opt._auto.choice.get("cancelled") is None
-        assert opt._auto.active == (when == "probe")
+        assert opt.placement_choice == before and opt.debug.auto.choice.get("cancelled") is None
+        assert opt.debug.auto.active == (when == "probe")
         opt.step()
         opt.zero_grad()
 
@@ -370,7 +370,7 @@ def test_ctrl_c_at_the_end_of_autos_move_leaves_a_true_choice(monkeypatch, where
     m = model()
     opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**14,
                       offload_fraction="auto")  # fmt: skip
-    real = type(opt._placer).place
+    real = type(opt.debug.placer).place
 
     def place_then_interrupt(placer, groups):
         real(placer, groups)
@@ -378,7 +378,7 @@ def test_ctrl_c_at_the_end_of_autos_move_leaves_a_true_choice(monkeypatch, where
         if placer.auto.moving and to_zero == (where == "baseline"):
             os.kill(os.getpid(), signal.SIGINT)  # reaches its handler once the move is done
 
-    monkeypatch.setattr(type(opt._placer), "place", place_then_interrupt)
+    monkeypatch.setattr(type(opt.debug.placer), "place", place_then_interrupt)
     try:
         with pytest.raises(KeyboardInterrupt):
             train(m, opt)
@@ -386,7 +386,7 @@ def test_ctrl_c_at_the_end_of_autos_move_leaves_a_true_choice(monkeypatch, where
         signal.signal(signal.SIGINT, before)
     want = 0.0 if where == "baseline" else 0.9
     assert opt.offload_fraction == want and opt.placement_choice["fraction"] == want
-    assert opt._auto.phase == ("baseline" if where == "baseline" else "verify")
+    assert opt.debug.auto.phase == ("baseline" if where == "baseline" else "verify")
 
 
 @pytest.mark.slow
@@ -394,7 +394,7 @@ def test_nothing_to_offload_is_said_in_the_choice():
     m = model()
     opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=10**9, offload_fraction="auto")
     train(m, opt)
-    assert "no param is offloaded" in opt.placement_choice["kept"] and not opt._auto.active
+    assert "no param is offloaded" in opt.placement_choice["kept"] and not opt.debug.auto.active
 
 
 def test_wait_module_without_a_watched_model_warns_once():
@@ -433,10 +433,10 @@ def test_a_fraction_set_while_auto_measures_ends_it_and_says_so():
     opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**14,
                       offload_fraction="auto")  # fmt: skip
     train(m, opt, steps=2)
-    assert opt._auto.active and opt.placement_choice is None
+    assert opt.debug.auto.active and opt.placement_choice is None
     with pytest.warns(UserWarning, match="replaces offload_fraction='auto' before its choice"):
         opt.set_offload_fraction(0.25)
-    assert not opt._auto.active and opt.offload_fraction == 0.25
+    assert not opt.debug.auto.active and opt.offload_fraction == 0.25
     assert opt.placement_choice["set_by"] == "set_offload_fraction"
     assert opt.placement_choice["fraction"] == 0.25
     train(m, opt, steps=2)
@@ -461,7 +461,7 @@ def test_where_fraction_0_cannot_be_placed_the_prediction_stands_in(monkeypatch)
     got = train(m, opt)
     choice = opt.placement_choice
     assert "out of memory" in choice["baseline_skipped"] and choice["measured_step_ms_at_0"] is None
-    assert choice["measured_step_ms"] > 0 and not opt._auto.active
+    assert choice["measured_step_ms"] > 0 and not opt.debug.auto.active
     ref_m = model()
     want = train(ref_m, torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True))
     for k in want:

@@ -174,9 +174,9 @@ def test_before_the_first_step_the_budget_waits_and_says_why():
     sd = opt.state_dict()  # no state yet: nothing needs placing (fresh-user finding)
     assert sd["state"] == {} and opt.placement_choice is None and opt.arenas == []
     opt.watch(m)  # the waits are registered once the budget has chosen
-    assert opt.placement_choice is None and opt._publish.module_waits == []
+    assert opt.placement_choice is None and opt.debug.publisher.module_waits == []
     train(m, opt, steps=1)
-    assert opt.placement_choice is not None and len(opt._publish.module_waits) == 1
+    assert opt.placement_choice is not None and len(opt.debug.publisher.module_waits) == 1
 
 
 def test_an_unmet_budget_can_be_left_for_a_fraction_of_ones_own():
@@ -247,7 +247,7 @@ def test_an_interrupt_during_set_offload_fraction_waits_for_the_move(monkeypatch
                       offload_fraction=0.2)  # fmt: skip
     train(m, opt, steps=1)
     kept = opt.state_dict()["state"]
-    real, calls = opt._updater.load_entry, []
+    real, calls = opt.debug.updater.load_entry, []
 
     def load_then_interrupt(p, rec, entry):
         real(p, rec, entry)
@@ -255,7 +255,7 @@ def test_an_interrupt_during_set_offload_fraction_waits_for_the_move(monkeypatch
         if len(calls) == 1:  # Ctrl-C with the new buffers half filled, the old ones freed
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(opt._updater, "load_entry", load_then_interrupt)
+    monkeypatch.setattr(opt.debug.updater, "load_entry", load_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         opt.set_offload_fraction(0.9)
     assert len(calls) == len(kept)  # the move finished before the interrupt was raised
@@ -295,13 +295,13 @@ def test_the_first_step_with_release_grads_drops_offloaded_grads_before_device_s
                       offload_fraction=0.5, overlap="backward", grads_final=True,
                       release_grads=True)  # fmt: skip
     seen = []
-    original = opt._updater.prepare_device
+    original = opt.debug.updater.prepare_device
 
     def spy(st, with_grad):
         seen.append([p.grad is None for p in m.parameters() if opt.is_offloaded(p)])
         return original(st, with_grad)
 
-    monkeypatch.setattr(opt._updater, "prepare_device", spy)
+    monkeypatch.setattr(opt.debug.updater, "prepare_device", spy)
     # The first backward runs before any hook sees it (accumulating), as a deferred placement's.
     x, y = next(iter([(torch.randint(0, 128, (4, 32)), torch.randint(0, 128, (4, 32)))]))
     with opt.accumulating():

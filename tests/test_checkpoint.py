@@ -124,7 +124,7 @@ def test_c10_group_values_scheduler_and_own_keys_survive_a_load():
         for a in opt2.arenas
     ]
     for p in fresh[:2]:
-        home = opt2._records[p].home("exp_avg")
+        home = opt2.debug.records[p].home("exp_avg")
         assert opt2.state[p]["exp_avg"].data_ptr() == home.data_ptr()
 
 

@@ -189,7 +189,7 @@ def test_nan_payloads_are_kept_bit_for_bit_when_a_master_is_refreshed(dtype, fra
     with pytest.warns(UserWarning, match=r"\(1 of 4096 elements\)"):
         opt.step()
     if dtype == torch.float32:  # offloaded fp32: the master is the arena's copy, same bits
-        master = opt._records[p].home("master")  # (4096,) fp32, host arena
+        master = opt.debug.records[p].home("master")  # (4096,) fp32, host arena
     else:
         master, nan = opt.state[p]["master"], nan << 16  # bf16 -> fp32 is exact: payload kept
     assert int(master.view(torch.int32)[0]) & 0xFFFFFFFF == nan

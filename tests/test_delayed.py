@@ -203,7 +203,7 @@ def test_a_failed_delayed_update_raises_at_the_next_step_and_leaves_weights_alon
         tried.append(bucket.index)
         raise OSError("disk on fire")
 
-    opt._pipeline.worker_hook = fail
+    opt.debug.pipeline.worker_hook = fail
     backward(model, 1)
     with pytest.raises(WorkerError, match=r"bucket \d+ .*disk on fire") as failed:
         opt.step()  # raises if the first bucket failed while it fed the next, else returns
@@ -216,7 +216,7 @@ def test_a_failed_delayed_update_raises_at_the_next_step_and_leaves_weights_alon
     assert_bitwise([after[i] for i in offloaded], [before[i] for i in offloaded], "unpublished")
     with pytest.raises(RuntimeError, match="inconsistent"):
         opt.state_dict()
-    opt._pipeline.worker_hook = None
+    opt.debug.pipeline.worker_hook = None
     opt.load_state_dict(good)  # repairs
     backward(model, 2)
     opt.step()
@@ -240,7 +240,7 @@ def test_reading_opt_state_waits_for_the_update_in_flight(read):
     import time
 
     model, opt, ref_model, ref = twins(1.0, torch.float32)
-    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.05)  # the update comes late
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.05)  # the update comes late
     for m in (model, ref_model):
         backward(m, 0)
     opt.step()
@@ -253,7 +253,7 @@ def test_reading_opt_state_waits_for_the_update_in_flight(read):
         "items": lambda: next(iter(opt.state.items()))[1],
     }
     entry = reads[read]()
-    assert opt._inflight.run.job.done.is_set()  # the read waited for the worker
+    assert opt.debug.inflight.run.job.done.is_set()  # the read waited for the worker
     if read in ("getitem", "get"):
         assert torch.equal(entry["exp_avg"], ref.opt.state[ref.masters[0]]["exp_avg"])
     # ... without copying the new weights in: a read does not change the run
@@ -321,7 +321,7 @@ def test_delay_after_takes_synchronous_steps_first_and_resumes_bitwise(fraction,
         if step == 0:  # synchronous: the offloaded params changed when step() returned
             moved = [not torch.equal(a, b) for a, b in zip(model.parameters(), first, strict=True)]
             assert all(moved[i] for i in ref.delayed)
-    assert opt._inflight is not None and opt._inflight.delayed, "delayed from step 4 on"
+    assert opt.debug.inflight is not None and opt.debug.inflight.delayed, "delayed from step 4 on"
     opt.synchronize()
     # a checkpoint after step 2 (synchronous) resumes with one more synchronous step
     model = model_of(dtype)
@@ -423,21 +423,21 @@ def test_set_offload_fraction_waits_for_a_step_that_ran_after_its_first_wait():
     first wait and its lock left an update in flight writing the buffers being replaced. Here
     that step() runs in the gap on the same thread, with a slow worker."""
     model, opt, ref_model, ref = twin_runs(0.5, 2)
-    opt._pipeline.worker_hook = lambda b: __import__("time").sleep(0.05)
-    check = opt._guards.check_worker
+    opt.debug.pipeline.worker_hook = lambda b: __import__("time").sleep(0.05)
+    check = opt.debug.guards.check_worker
 
     def a_step_in_the_gap(*args):
-        opt._guards.check_worker = check
+        opt.debug.guards.check_worker = check
         with torch.enable_grad():  # set_offload_fraction runs under no_grad
             run(model, opt, 3, start=2)
         return check(*args)
 
-    opt._guards.check_worker = a_step_in_the_gap
+    opt.debug.guards.check_worker = a_step_in_the_gap
     opt.set_offload_fraction(1.0)
     ref.synchronize()  # set_offload_fraction's first wait ended the staleness before that step
     run(ref_model, ref, 3, start=2)
     ref.set_offload_fraction(1.0)
-    opt._pipeline.worker_hook = None
+    opt.debug.pipeline.worker_hook = None
     finish_twins(model, opt, ref_model, ref, 3, 5)
 
 
@@ -453,7 +453,7 @@ def run(view):
     model = DDP(net, gradient_as_bucket_view=view)
     opt = HybridAdamW(model.parameters(), lr=1e-3, offload_fraction=1.0, min_offload_numel=1,
                       overlap="delayed", bucket_nbytes=8192)
-    opt._pipeline.worker_hook = lambda b: time.sleep(0.02)  # late copies: the next backward runs
+    opt.debug.pipeline.worker_hook = lambda b: time.sleep(0.02)  # late copies: the next backward runs
     for s in range(4):
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
         torch.nn.functional.mse_loss(model(x), x.roll(1, 1)).backward()
@@ -506,16 +506,16 @@ def test_an_exception_from_any_signal_handler_arrives_after_the_delayed_step_is_
             for m in (model, ref_model):
                 backward(m, step)
             if step == 2:  # the signal arrives half-way through the copy of the landed weights
-                publish = opt._publish.publish_delayed
+                publish = opt.debug.publisher.publish_delayed
 
                 def interrupted(st, streams, publish=publish):
                     os.kill(os.getpid(), signum)
                     return publish(st, streams)
 
-                opt._publish.publish_delayed = interrupted
+                opt.debug.publisher.publish_delayed = interrupted
                 with pytest.raises(_Preempted):
                     opt.step()
-                opt._publish.publish_delayed = publish
+                opt.debug.publisher.publish_delayed = publish
             else:
                 opt.step()
             ref.step()

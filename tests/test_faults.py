@@ -76,7 +76,7 @@ def test_a_signal_in_synchronize_arrives_after_the_delayed_update_is_published(f
     model = faults.Probe(0)
     opt, ref = faults.hybrid(model, 1.0, "delayed"), faults.Reference(model)
     faults.train(model, opt, ref, range(2))
-    opt._pipeline.worker_hook = lambda b: time.sleep(0.02)  # the wait is long enough to hit
+    opt.debug.pipeline.worker_hook = lambda b: time.sleep(0.02)  # the wait is long enough to hit
     opt.zero_grad()
     model(2).backward()
     opt.step()
@@ -84,7 +84,7 @@ def test_a_signal_in_synchronize_arrives_after_the_delayed_update_is_published(f
     with faults.alarm_handler():
         assert faults.interrupted(opt.synchronize, 0.01)  # raised, after the publication
     assert faults.same(model, ref)
-    opt._pipeline.worker_hook = None
+    opt.debug.pipeline.worker_hook = None
     faults.check(model, opt, ref, "after the interrupted synchronize")
     faults.train(model, opt, ref, range(3, 5))
     opt.close()
@@ -144,14 +144,14 @@ def test_the_cases_catch_a_half_applied_step(faults, monkeypatch):
     """The suite's comparison fires: a step that silently skips its last bucket."""
     model = faults.Probe(0)
     opt, ref = faults.hybrid(model, 1.0, "step"), faults.Reference(model)
-    update, calls = opt._updater.update_bucket, []
+    update, calls = opt.debug.updater.update_bucket, []
 
     def skip_one(work, grads):
         calls.append(1)
         if len(calls) != 3:
             update(work, grads)
 
-    opt._updater.update_bucket = skip_one
+    opt.debug.updater.update_bucket = skip_one
     with pytest.raises(AssertionError, match="differ from the reference"):
         faults.train(model, opt, ref, range(1))
     opt.close()

@@ -157,7 +157,7 @@ def test_a_second_backward_without_the_marker_is_an_error_and_the_optimizer_refu
     # The worker writes the updated weights into the params: let it finish, or the second
     # forward may save a param it then writes, and autograd's in-place check fires before our
     # first grad hook can (seen once in a CI replica).
-    run = opt._step.run
+    run = opt.debug.step.run
     for work in list(run.fed):
         run.wait_h2d_queued(work.bucket, 60)
     with pytest.raises(RuntimeError, match=r"a backward came before step.*opt.accumulating\(\)"):
@@ -189,8 +189,8 @@ def test_a_backward_that_fails_after_updates_started_leaves_the_optimizer_refusi
     x = FailInBackward.apply(model[0](batch(0)))  # fails after the later layers' buckets ran
     with pytest.raises(RuntimeError, match="backward failed here"):
         model[1:](x).pow(2).mean().backward()
-    first = next(iter(opt._step.fed))
-    opt._step.run.wait_h2d_queued(first, 10)  # that bucket's update ran
+    first = next(iter(opt.debug.step.fed))
+    opt.debug.step.run.wait_h2d_queued(first, 10)  # that bucket's update ran
     pairs = zip(model.parameters(), ref_model.parameters(), strict=True)
     assert any(not torch.equal(p, q) for p, q in pairs)
     with pytest.raises(
@@ -218,7 +218,7 @@ def test_without_declarations_backward_mode_waits_for_step_and_sees_torchs_clip(
     )
     model = mlp()
     opt = make_opt(model, 1.0, overlap="backward")  # may be edited: nothing starts early
-    assert not opt._grad_hooks
+    assert not opt.debug.grad_hooks
     assert_bitwise(train(model, opt, clip="torch"), ref, "torch's clip, updates at step()")
 
 
@@ -226,7 +226,7 @@ def test_without_declarations_backward_mode_waits_for_step_and_sees_torchs_clip(
 def test_ema_and_state_dict_right_after_step_see_the_new_weights_with_a_slow_worker(mode):
     model = mlp()
     opt = make_opt(model, 1.0, **MODES[mode])
-    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.02)
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.02)
     ema = torch.optim.swa_utils.AveragedModel(model)
     ref_model = mlp()
     ref = make_opt(ref_model, 1.0)
@@ -276,9 +276,9 @@ def test_bad_mode_options_are_refused(kw, match):
 def test_close_removes_the_hooks():
     model = mlp()
     opt = make_opt(model, 1.0, **MODES["backward-module"])
-    assert opt._grad_hooks and opt._publish.module_waits
+    assert opt.debug.grad_hooks and opt.debug.publisher.module_waits
     opt.close()
-    assert not opt._grad_hooks and not opt._publish.module_waits
+    assert not opt.debug.grad_hooks and not opt.debug.publisher.module_waits
     model(batch(0)).pow(2).mean().backward()  # no hook of a closed optimizer runs
     assert all(p.grad is not None for p in model.parameters())
 
@@ -290,10 +290,10 @@ def test_in_backward_mode_every_bucket_is_fed_by_the_end_of_backward(kw):
     model = mlp()
     opt = make_opt(model, 1.0, overlap="backward", **kw)
     model(batch(0)).pow(2).mean().backward()
-    assert opt._step is not None and opt._step.phase is Phase.BACKWARD_DONE
-    assert set(opt._step.fed) == set(opt.buckets)  # all started before step()
+    assert opt.debug.step is not None and opt.debug.step.phase is Phase.BACKWARD_DONE
+    assert set(opt.debug.step.fed) == set(opt.buckets)  # all started before step()
     opt.step()
-    assert opt._step is None and opt.stats["h2d_nbytes"] == sum(b.nbytes for b in opt.buckets)
+    assert opt.debug.step is None and opt.stats["h2d_nbytes"] == sum(b.nbytes for b in opt.buckets)
 
 
 def test_a_no_op_torch_clip_after_backward_is_not_an_edit():
@@ -319,7 +319,7 @@ def test_a_submodules_state_dict_waits_for_the_copies_back():
     ref_model, model = mlp(), mlp()
     ref_opt = make_opt(ref_model, 1.0)
     opt = make_opt(model, 1.0, **MODES["backward-module"])
-    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.02)
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.02)
     for m, o in ((ref_model, ref_opt), (model, opt)):
         m(batch(0)).pow(2).mean().backward()
         o.step()
@@ -350,17 +350,19 @@ def test_a_compiled_model_traces_whole_and_step_waits_once(how):
     if how == "compiled-then-watched":
         run = torch.compile(model, **kw)
         opt.watch(run)
-        assert opt._publish.compiled_region()  # seen at watch(): the wrapper
+        assert opt.debug.publisher.compiled_region()  # seen at watch(): the wrapper
     else:
         opt.watch(model)
-        assert not opt._publish.compiled_region()
+        assert not opt.debug.publisher.compiled_region()
         run = torch.compile(model, **kw) if how == "watched-then-compiled" else model
         if how == "in-place":
             model.compile(**kw)
     for step in range(4):
         run(batch(step)).float().pow(2).mean().backward()
         opt.step()
-        assert opt._publish.compiled_region() and opt._inflight is None, "one full wait in step()"
+        assert opt.debug.publisher.compiled_region() and opt.debug.inflight is None, (
+            "one full wait in step()"
+        )
         opt.zero_grad()
     assert_bitwise([p.detach() for p in model.parameters()], ref, how)
     opt.close()
@@ -370,10 +372,10 @@ def test_an_eager_watched_model_keeps_its_copies_in_flight_after_step():
     """The other side of the compiled case: eager, step() returns before the copies back."""
     model = mlp()
     opt = make_opt(model, 1.0, overlap="backward", grads_final=True, wait="module")
-    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.01)
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.01)
     model(batch(0)).pow(2).mean().backward()
     opt.step()
-    assert not opt._publish.compiled_region() and opt._inflight is not None
+    assert not opt.debug.publisher.compiled_region() and opt.debug.inflight is not None
     opt.synchronize()
     opt.close()
 
@@ -388,19 +390,19 @@ def test_a_model_compiled_and_run_before_watch_is_caught_after_one_step():
     run = torch.compile(model, backend="eager", fullgraph=True)
     run(batch(0))  # a warm-up forward, compiled, before watch()
     opt.watch(model)
-    assert not opt._publish.compiled_region()
+    assert not opt.debug.publisher.compiled_region()
     run(batch(1)).pow(2).mean().backward()
     opt.step()
-    assert opt._inflight is not None  # nothing known yet: the copies are in flight
+    assert opt.debug.inflight is not None  # nothing known yet: the copies are in flight
     # Let the worker finish its writes (without a wait that counts as one), so the unwaited
     # forward below does not race them here: the race is what the detection is for, and
     # autograd's in-place check could fire first (seen once in a CI replica).
-    opt._inflight.run.wait(60)
+    opt.debug.inflight.run.wait(60)
     opt.zero_grad()
     run(batch(2)).pow(2).mean().backward()
     with pytest.warns(UserWarning, match="no module watched with opt.watch"):
         opt.step()
-    assert opt._publish.compiled_region() and opt._inflight is None
+    assert opt.debug.publisher.compiled_region() and opt.debug.inflight is None
     opt.close()
 
 
@@ -419,9 +421,9 @@ def test_queued_buckets_are_updated_in_the_order_the_next_forward_reads_them():
         if len(order) == 1:
             assert fed_all.wait(10.0), "backward never fed the other buckets"
 
-    opt._pipeline.worker_hook = hook
+    opt.debug.pipeline.worker_hook = hook
     published = []
-    transfer = next(iter(opt._pipeline.transfers.values()))
+    transfer = next(iter(opt.debug.pipeline.transfers.values()))
     transfer.publish = lambda stream, buckets: published.append([b.index for b in buckets])
     model(batch(0)).pow(2).mean().backward()
     fed_all.set()  # every bucket was fed by the grad hooks during that backward
@@ -511,10 +513,10 @@ def test_a_grad_set_after_its_bucket_started_is_named():
     opt = make_opt(model, 1.0, **MODES["backward"])
     model[4](batch(0)).pow(2).mean().backward()  # only the last layer gets grads
     late = [p for p in model.parameters() if p.grad is None
-            and any(b in opt._step.fed for b in opt._records[p].buckets)]  # fmt: skip
+            and any(b in opt.debug.step.fed for b in opt.debug.records[p].buckets)]  # fmt: skip
     assert late, "no param without a grad shares a fed bucket at this bucket size"
     late[0].grad = torch.ones_like(late[0])  # by hand, after its bucket's update started
-    name = opt._records[late[0]].name
+    name = opt.debug.records[late[0]].name
     with pytest.raises(RuntimeError, match=rf"grad of {name} was set after its bucket's update"):
         opt.step()
     with pytest.raises(RuntimeError, match="inconsistent"):
@@ -572,7 +574,7 @@ def test_a_read_between_backward_and_step_sees_whole_new_weights(declared, how):
     opt = make_opt(model, 1.0, **kw)
     if how == "watch":
         opt.watch(model)
-    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.005)
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.005)
     for step in range(3):
         ref_model(batch(step)).pow(2).mean().backward()
         ref.step()
@@ -607,11 +609,11 @@ def test_a_watched_second_backward_before_step_is_refused_by_the_optimizer():
         if len(taken) == 1:
             held.wait(1.0)
 
-    opt._pipeline.worker_hook = hook
+    opt.debug.pipeline.worker_hook = hook
     model(batch(0)).pow(2).mean().backward()  # the clipped updates start as it ends
     loss = model(batch(1)).pow(2).mean()  # waits (watched) for the H2Ds; the worker goes on
     held.set()
-    run = opt._step.run
+    run = opt.debug.step.run
     for work in list(run.fed):  # every write into the params is done before backward
         run.wait_h2d_queued(work.bucket, 60)
     with pytest.raises(RuntimeError, match="a backward came before step"):
@@ -652,7 +654,7 @@ def test_torchs_attention_modules_wait_for_the_params_they_read(overlap):
     model = build()
     kw = dict(overlap="backward", grads_final=True) if overlap == "backward" else {}
     opt = make_opt(model, 1.0, wait="module", **kw)
-    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.002)
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.002)
     assert_bitwise([t.detach() for t in run(model, opt)], [t.detach() for t in ref], overlap)
 
 
@@ -664,7 +666,9 @@ def test_a_grad_zeroed_in_place_while_its_copy_is_pending_is_an_error(how):
     with an error naming the params; opt.zero_grad(set_to_none=False) waits first and is fine."""
     model = mlp()
     opt = make_opt(model, 1.0, wait="module")
-    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.003)  # the copies are still pending
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(
+        0.003
+    )  # the copies are still pending
     model(batch(0)).pow(2).mean().backward()
     opt.step()
     if how == "model.zero_grad":
@@ -685,7 +689,7 @@ def test_opt_zero_grad_in_place_after_a_module_wait_step_equals_torch():
     ref = train(m := mlp(), torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True))
     model = mlp()
     opt = make_opt(model, 1.0, wait="module")
-    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.003)
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.003)
     for step in range(4):
         model(batch(step)).pow(2).mean().backward()
         opt.step()
@@ -791,7 +795,7 @@ def test_state_dict_after_an_unfinished_backward_names_the_way_out():
     x = FailInBackward.apply(model[0](batch(0)))
     with pytest.raises(RuntimeError, match="backward failed here"):
         model[1:](x).pow(2).mean().backward()
-    opt._step.run.wait_h2d_queued(next(iter(opt._step.fed)), 10)  # an update ran
+    opt.debug.step.run.wait_h2d_queued(next(iter(opt.debug.step.fed)), 10)  # an update ran
     with pytest.raises(RuntimeError, match="has not finished.*discard_failed_step"):
         opt.state_dict()
     opt.discard_failed_step()
@@ -841,7 +845,7 @@ def test_a_step_holds_no_grad_once_its_copies_landed(overlap):
         model(torch.randn(8, 64)).sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    st = opt._inflight
+    st = opt.debug.inflight
     assert st is not None and st.run is not None  # still in flight: the next forward waits
     st.run.wait(10)
     assert st.run.fed and all(w.grads == [] for w in st.run.fed)

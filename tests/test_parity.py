@@ -81,7 +81,7 @@ def test_fraction_really_offloads_and_state_is_separate_storage(fraction, expect
     for pl, p in zip(opt.placement, params, strict=True):
         assert opt.is_offloaded(p) == pl.offloaded
         if pl.offloaded:
-            rec = opt._records[p]
+            rec = opt.debug.records[p]
             storages = {
                 rec.arena.master.untyped_storage().data_ptr(),
                 rec.arena.states["exp_avg"].untyped_storage().data_ptr(),

@@ -103,9 +103,9 @@ def test_a_group_value_broken_later_raises_before_any_state_changes(fraction, ke
 def test_staging_replaced_by_add_param_group_is_released_at_once():
     small, big = torch.nn.Parameter(torch.randn(100)), torch.nn.Parameter(torch.randn(5000))
     opt = HybridAdamW([small], min_offload_numel=1)
-    old = opt._pipeline.transfers[torch.device("cpu")]
+    old = opt.debug.pipeline.transfers[torch.device("cpu")]
     opt.add_param_group({"params": [big]})
-    new = opt._pipeline.transfers[torch.device("cpu")]
+    new = opt.debug.pipeline.transfers[torch.device("cpu")]
     assert new is not old and new.nbytes == 4 * 5000
     # What the optimizer holds now: 3 arena buffers per arena, and only the new staging.
     arenas = sum(3 * a.nbytes for a in opt.arenas)

@@ -101,16 +101,16 @@ def test_an_interrupt_inside_step_arrives_after_the_step_is_whole(fraction, ctrl
 
     ref, ref_params, opt, params = pair(fraction)
     step_both(ref, ref_params, opt, params, 0)
-    if opt._pipeline is not None:  # Ctrl-C while the worker updates the first bucket
-        opt._pipeline.worker_hook = lambda b: os.kill(os.getpid(), signal.SIGINT)
+    if opt.debug.pipeline is not None:  # Ctrl-C while the worker updates the first bucket
+        opt.debug.pipeline.worker_hook = lambda b: os.kill(os.getpid(), signal.SIGINT)
     else:
-        ref_step = opt._updater.device_rule
+        ref_step = opt.debug.updater.device_rule
 
         def interrupted(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGINT)
             return ref_step(*args, **kwargs)
 
-        opt._updater.device_rule = interrupted
+        opt.debug.updater.device_rule = interrupted
     for p, q, g in zip(ref_params, params, seeded_grads(params, 1), strict=True):
         p.grad, q.grad = g.clone(), g.clone()
     ref.step()
@@ -318,7 +318,7 @@ def test_an_interrupt_inside_load_state_dict_arrives_after_every_entry_is_in(
     step_both(ref, ref_params, opt, params, 0)
     saved = copy.deepcopy(opt.state_dict())
     step_both(ref, ref_params, opt, params, 1)
-    load_entry, seen = opt._updater.load_entry, []
+    load_entry, seen = opt.debug.updater.load_entry, []
 
     def interrupted(p, rec, entry):
         seen.append(p)
@@ -326,7 +326,7 @@ def test_an_interrupt_inside_load_state_dict_arrives_after_every_entry_is_in(
             os.kill(os.getpid(), signal.SIGINT)
         return load_entry(p, rec, entry)
 
-    opt._updater.load_entry = interrupted
+    opt.debug.updater.load_entry = interrupted
     with pytest.raises(KeyboardInterrupt):
         opt.load_state_dict(saved)
     assert len(seen) == len(params) > 2
@@ -340,7 +340,7 @@ def test_a_load_state_dict_that_fails_part_way_leaves_the_optimizer_refusing():
     ref, ref_params, opt, params = pair(1.0)
     step_both(ref, ref_params, opt, params, 0)
     saved = copy.deepcopy(opt.state_dict())
-    load_entry, seen = opt._updater.load_entry, []
+    load_entry, seen = opt.debug.updater.load_entry, []
 
     def failing(p, rec, entry):
         seen.append(p)
@@ -348,7 +348,7 @@ def test_a_load_state_dict_that_fails_part_way_leaves_the_optimizer_refusing():
             raise MemoryError("injected")
         return load_entry(p, rec, entry)
 
-    opt._updater.load_entry = failing
+    opt.debug.updater.load_entry = failing
     with pytest.raises(MemoryError, match="injected"):
         opt.load_state_dict(saved)
     for p, g in zip(params, seeded_grads(params, 1), strict=True):
@@ -357,7 +357,7 @@ def test_a_load_state_dict_that_fails_part_way_leaves_the_optimizer_refusing():
         opt.step()
     with pytest.raises(RuntimeError, match="inconsistent"):
         opt.state_dict()
-    opt._updater.load_entry = load_entry
+    opt.debug.updater.load_entry = load_entry
     opt.load_state_dict(saved)  # a load that succeeds repairs it
     opt.step()
 

@@ -18,7 +18,7 @@ def _setup():
         p.grad = torch.randn_like(p)
     opt.step()
     b = opt.buckets[0]
-    tr = opt._pipeline.transfers[b.arena.device]
+    tr = opt.debug.pipeline.transfers[b.arena.device]
     n = tr.nbytes
     # a slot with device-side halves, as on CUDA (here plain CPU buffers)
     slot = Slot(0, tr.ring.slots[0].host, torch.zeros(n, dtype=torch.uint8),
@@ -58,7 +58,7 @@ def test_the_h2d_writes_whole_params_and_parts_and_keeps_no_view_of_a_param():
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
-    tr = opt._pipeline.transfers[params[0].device]
+    tr = opt.debug.pipeline.transfers[params[0].device]
     n = tr.nbytes
     slot = Slot(0, tr.ring.slots[0].host, torch.zeros(n, dtype=torch.uint8),
                 torch.zeros(n, dtype=torch.uint8))  # fmt: skip

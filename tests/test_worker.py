@@ -92,7 +92,7 @@ def test_training_thread_keeps_its_floating_point_mode_and_thread_count():
     assert torch.get_num_threads() == before
     assert torch.tensor([1e-40]).mul(1.0).item() != 0.0  # still subnormal here: no FTZ
     seen = []
-    opt._pipeline.worker_hook = lambda b: seen.append(torch.get_num_threads())
+    opt.debug.pipeline.worker_hook = lambda b: seen.append(torch.get_num_threads())
     opt.step()
     assert seen == [1] and opt.stats["cpu_threads"] == 1
     opt.close()
@@ -140,13 +140,13 @@ def test_an_error_in_the_worker_reaches_the_caller_naming_the_bucket_and_the_nex
         if bucket.index == 2:
             raise RuntimeError("injected")
 
-    opt._pipeline.worker_hook = fail
+    opt.debug.pipeline.worker_hook = fail
     p.grad = torch.randn(1000)
     with pytest.raises(
         WorkerError, match=r"BucketError: bucket 2 \(1 params from group0.param0.*injected"
     ):
         opt.step()
-    opt._pipeline.worker_hook = None  # every slot came back: the pipeline is not stuck
+    opt.debug.pipeline.worker_hook = None  # every slot came back: the pipeline is not stuck
     opt.load_state_dict(torch_opt.state_dict())
     for _ in range(2):
         ref.grad = p.grad = torch.randn(1000)
@@ -163,7 +163,7 @@ def test_an_error_queuing_a_copy_reaches_the_caller_and_the_next_step_works(dire
     ref = torch.nn.Parameter(p.detach().clone())
     opt = HybridAdamW([p], min_offload_numel=1, bucket_nbytes=4 * 256)
     torch_opt = torch.optim.AdamW([ref], fused=True)
-    (tr,) = opt._pipeline.transfers.values()
+    (tr,) = opt.debug.pipeline.transfers.values()
     name = f"start_{direction}"
     original = getattr(tr, name)
 
@@ -192,7 +192,7 @@ def test_an_error_queuing_a_copy_reaches_the_caller_and_the_next_step_works(dire
 def test_every_wait_has_a_timeout_that_names_what_it_waited_for():
     p = torch.nn.Parameter(torch.randn(1000))
     opt = HybridAdamW([p], min_offload_numel=1, bucket_nbytes=4 * 256, timeout_s=0.2)
-    opt._pipeline.worker_hook = lambda b: time.sleep(0.5)
+    opt.debug.pipeline.worker_hook = lambda b: time.sleep(0.5)
     p.grad = torch.randn(1000)
     t = time.perf_counter()
     with pytest.raises(
@@ -209,7 +209,7 @@ def test_close_and_context_manager_stop_the_worker():
     with HybridAdamW([p], min_offload_numel=1) as opt:
         p.grad = torch.randn(100)
         opt.step()
-        thread = opt._pipeline.worker._thread
+        thread = opt.debug.pipeline.worker._thread
         assert thread.is_alive()
     thread.join(5)
     assert not thread.is_alive()
@@ -276,7 +276,7 @@ def test_an_exception_from_any_signal_handler_leaves_nothing_writing_after_it():
         p.grad = torch.randn(4096)
     opt.step()
     ckpt = copy.deepcopy(opt.state_dict())
-    opt._pipeline.worker_hook = lambda b: time.sleep(0.05)
+    opt.debug.pipeline.worker_hook = lambda b: time.sleep(0.05)
 
     def watchdog(signum, frame):
         raise TimeoutError("watchdog")

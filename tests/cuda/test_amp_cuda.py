@@ -58,9 +58,9 @@ def slow(opt):
     def hook(kind):
         torch.cuda._sleep(20_000_000)  # ~10 ms: every copy on the side streams starts late
 
-    for transfer in opt._pipeline.transfers.values():
+    for transfer in opt.debug.pipeline.transfers.values():
         transfer.side_stream_hook = hook
-    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.01)
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.01)
 
 
 @pytest.mark.parametrize("clip", [None, 1e-5])

@@ -111,20 +111,22 @@ def test_c03_next_forward_never_reads_weights_before_their_h2d(hook):
         model.parameters(), offload_fraction=1.0, bucket_nbytes=16 * 2**20, flush_denormal=False
     )
     assert len(opt.buckets) > 2  # several buckets: the pipeline really overlaps
-    for transfer in opt._pipeline.transfers.values():
+    for transfer in opt.debug.pipeline.transfers.values():
         transfer.side_stream_hook = sleep_on(hook) if hook else None
     if hook and "worker" in hook:
-        opt._pipeline.worker_hook = lambda bucket: time.sleep(0.01)  # the CPU update comes late
+        opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(
+            0.01
+        )  # the CPU update comes late
     assert_same_outputs(train(model, opt), ref_outs)
 
 
 def test_replaced_staging_is_unpinned_at_once_and_not_counted():
     model = big_cheap_model()
     opt = HybridAdamW(model[0].parameters(), offload_fraction=1.0, bucket_nbytes=2**30)
-    old = opt._pipeline.transfers[torch.device("cuda", torch.cuda.current_device())]
+    old = opt.debug.pipeline.transfers[torch.device("cuda", torch.cuda.current_device())]
     old_slots = old.host_slots()
     opt.add_param_group({"params": list(model[1:].parameters())})  # larger buckets: new staging
-    new = opt._pipeline.transfers[old.device]
+    new = opt.debug.pipeline.transfers[old.device]
     assert new is not old and new.nbytes > old.nbytes
     assert not any(t.is_pinned() for t in old_slots)
     crossing = sum(t.numel() * t.element_size() for _, t in opt.crossing_host_tensors())
@@ -287,7 +289,7 @@ def test_the_copies_events_stay_few_when_stats_is_never_read():
     model = big_cheap_model()
     opt = HybridAdamW(model.parameters(), offload_fraction=1.0, bucket_nbytes=8 * 2**20)
     train(model, opt, steps=60)
-    tr = next(iter(opt._pipeline.transfers.values()))
+    tr = next(iter(opt.debug.pipeline.transfers.values()))
     buckets = len(opt.buckets)
     assert buckets >= 8
     assert len(tr.timing) <= FOLD_AT + 2 * buckets, len(tr.timing)
@@ -320,10 +322,10 @@ def test_overlap_modes_never_read_weights_before_their_h2d(mode, hook):
                       flush_denormal=False, **OVERLAP_MODES[mode])  # fmt: skip
     if opt.wait == "module":
         opt.watch(model)
-    for transfer in opt._pipeline.transfers.values():
+    for transfer in opt.debug.pipeline.transfers.values():
         transfer.side_stream_hook = sleep_on(hook) if hook and "worker" not in hook else None
     if hook and "worker" in hook:
-        opt._pipeline.worker_hook = lambda bucket: time.sleep(0.01)
+        opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.01)
     assert_same_outputs(train(model, opt), ref_outs)
     opt.synchronize()
 
@@ -400,10 +402,10 @@ def test_a_read_between_backward_and_step_waits_for_the_started_updates_on_the_g
                       flush_denormal=False, **OVERLAP_MODES["backward"])  # fmt: skip
     if how == "watch":
         opt.watch(model)
-    for transfer in opt._pipeline.transfers.values():
+    for transfer in opt.debug.pipeline.transfers.values():
         transfer.side_stream_hook = sleep_on(hook) if "worker" not in hook else None
     if "worker" in hook:
-        opt._pipeline.worker_hook = lambda bucket: time.sleep(0.01)
+        opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.01)
     got, want = [], []
     for _ in range(6):
         for m, o in ((ref_model, ref), (model, opt)):
@@ -429,7 +431,7 @@ def test_a_grad_zeroed_in_place_after_a_module_wait_step_is_an_error_on_the_gpu(
     opt = HybridAdamW(model.parameters(), offload_fraction=1.0, bucket_nbytes=16 * 2**20,
                       wait="module")  # fmt: skip
     opt.watch(model)
-    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.01)
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.01)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     model(x).float().pow(2).mean().backward()
     opt.step()
@@ -444,7 +446,7 @@ def test_a_grad_zeroed_in_place_after_a_module_wait_step_is_an_error_on_the_gpu(
     opt = HybridAdamW(model.parameters(), offload_fraction=1.0, bucket_nbytes=16 * 2**20,
                       wait="module", flush_denormal=False)  # fmt: skip
     opt.watch(model)
-    opt._pipeline.worker_hook = lambda bucket: time.sleep(0.01)
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.01)
     opt.zero_grad = lambda set_to_none=True, z=opt.zero_grad: z(set_to_none=False)  # in place
     assert_same_outputs(train(model, opt, steps=4), ref_outs)
     opt.close()
