@@ -34,6 +34,7 @@ from offloadopt.step.step import Timeline
 from offloadopt.step.steps import Stepping
 from offloadopt.step.update import Updater
 from offloadopt.validation import (
+    check_combinations,
     check_ddp,
     check_zero,
     validate_group,
@@ -72,45 +73,12 @@ class HybridOptimizer(Stepping, Optimizer):
         # One Options from the keywords (offloadopt/options.py); an unknown one is named for
         # the class the caller built, not this base (a fresh user's nit).
         o = Options.parse(type(self).__name__, options)
-        if o.placement_policy not in ("state-bytes", "megatron"):
-            raise ValueError(
-                f"Invalid placement_policy: {o.placement_policy!r} (expected 'state-bytes' or 'megatron')"
-            )
         validate_options(self.rule, hyper, o, amsgrad=amsgrad, capturable=capturable,
                          differentiable=differentiable)  # fmt: skip
         params = validate_params_arg(params)
         sizes = budget.sizes(max_gpu_memory=o.max_gpu_memory, max_host_memory=o.max_host_memory,
                              activation_bytes=o.activation_bytes)  # fmt: skip
-        auto = o.offload_fraction == "auto"
-        if sizes["max_gpu_memory"] is not None and not auto and o.offload_fraction != 1.0:
-            raise ValueError(
-                f"offload_fraction={o.offload_fraction!r} with max_gpu_memory={o.max_gpu_memory!r}: "
-                "give one (the budget chooses the fraction), or offload_fraction='auto'"
-            )
-        if auto and o.overlap == "delayed" and sizes["max_gpu_memory"] is None:
-            raise ValueError(
-                "offload_fraction='auto' with overlap='delayed': the fraction decides which "
-                "params train on weights one step old, so a fraction chosen from timings would "
-                "make the results depend on them; give a number (1.0 is the delayed update's "
-                "usual one), or max_gpu_memory="
-            )
-        for name, value in (
-            ("max_host_memory", o.max_host_memory),
-            ("activation_bytes", o.activation_bytes),
-        ):
-            if value is not None and sizes["max_gpu_memory"] is None:
-                raise ValueError(f"{name}={value!r} without max_gpu_memory does nothing")
-        if o.grad_scaler is not None and world_size() > 1 and o.ddp is None:
-            raise ValueError(
-                f"grad_scaler= with {world_size()} ranks and no ddp=: the check for infs would "
-                "see this rank's shard alone; leave it out (step() takes the scaler's values, as "
-                "torch's fused AdamW does)"
-            )
-        if auto and world_size() > 1:
-            raise ValueError(
-                f"offload_fraction='auto' with {world_size()} ranks: it measures one process, and "
-                "ranks choosing apart would train unevenly; give each rank the same number"
-            )
+        check_combinations(o, sizes, world_size())
         self.options = o  # as given; offload_fraction and the like change below and later
         self.overlap, self.wait = o.overlap, o.wait
         self.grads_final, self.release_grads = o.grads_final, o.release_grads
