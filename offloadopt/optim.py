@@ -509,30 +509,7 @@ class HybridOptimizer(Stepping, Optimizer):
         if isinstance(mapping, OptimizerState) or "state" not in self.__dict__:
             self.__dict__["state"] = mapping  # ours, or torch's __init__ before our own
             return
-        if not hasattr(mapping, "items"):
-            raise TypeError(f"opt.state = {type(mapping).__name__}: expected a mapping")
-        entries = list(mapping.items())
-        for p, entry in entries:
-            rec = self._records.get(p)
-            if rec is None:
-                continue
-            if not isinstance(entry, dict):
-                raise TypeError(
-                    f"opt.state = ...: the entry of {rec.name} is a {type(entry).__name__}, "
-                    "expected a dict of its state"
-                )
-            for key, v in entry.items():
-                if key != "step" and isinstance(v, torch.Tensor) and v.numel() != p.numel():
-                    raise ValueError(
-                        f"opt.state = ...: {rec.name}'s {key!r} has {v.numel()} elements, "
-                        f"the param {p.numel()}"
-                    )
-        with signals_deferred(), self._lock:
-            self.synchronize()  # no update in flight reads or writes the old state
-            fresh = self.state
-            dict.clear(fresh)  # the same object: the owners that read it keep it
-            for p, entry in entries:
-                fresh[p] = entry  # copied into p's buffers where p has a record
+        self.state.reset(mapping, self._records, self._timeline.lock, self.synchronize)
 
     # ------------------------------------------------------------------ placement
     def ensure_placed(self) -> None:
