@@ -23,7 +23,7 @@ from offloadopt.place.placement import Placement
 from offloadopt.place.placer import Placer
 from offloadopt.place.records import ParamRecord
 from offloadopt.rules import ADAMW, Rule
-from offloadopt.shards import is_dtensor, local, local_state, world_size, wrap_like
+from offloadopt.shards import local, local_state, world_size
 from offloadopt.state import checkpoint
 from offloadopt.state.store import OptimizerState
 from offloadopt.step.guards import Guards
@@ -664,41 +664,10 @@ class HybridOptimizer(Stepping, Optimizer):
                 "the pair loses that step's update (fp32 params cannot even tell)",
             )
         self.synchronize()
-        self._raise_if_broken()
-        if self._updates_started():
-            # Some offloaded params hold this step's update, the others not yet: no
-            # checkpoint of that resumes as any run would.
-            if not self._step.backward_done:  # interrupted: step() will refuse it too
-                raise RuntimeError(
-                    f"{type(self).__name__}.state_dict(): this step's updates started during a "
-                    "backward that has not finished (interrupted, or still running in another "
-                    "thread), so some params were updated and others not; after an interrupt "
-                    "call opt.load_state_dict(...) to restore a checkpoint, or "
-                    "opt.discard_failed_step() to go on from here"
-                )
-            raise RuntimeError(
-                f"{type(self).__name__}.state_dict() between backward and step(): this step's "
-                "updates started during backward (grads_final, max_grad_norm or grad_scaler "
-                "with overlap='backward') and end in step(); call state_dict() after step()"
-            )
+        self._guards.check_snapshot()
         sd = checkpoint.pack(super().state_dict(), on_device=self._snapshot_on_device)
-        for g in sd["param_groups"]:
-            # Placement is the loading optimizer's own (load_state_dict keeps its groups'
-            # "offload"), so a checkpoint carries none: torch.distributed.checkpoint loads
-            # only keys the checkpoint has, and one of torch's AdamW, or one taken at another
-            # placement, must load here (found by benchmarks/faults.py: "Missing key in
-            # checkpoint state_dict: optim.param_groups.0.offload").
-            g.pop("offload", None)
         params = [p for g in self.param_groups for p in g["params"]]
-        for index, entry in sd["state"].items():
-            p = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
-            if is_dtensor(p) and isinstance(
-                entry, dict
-            ):  # FSDP2: each shard goes out as a DTensor laid out like its param
-                for key, v in entry.items():
-                    if key != "step" and isinstance(v, torch.Tensor):
-                        entry[key] = wrap_like(p, v)
-        return sd
+        return checkpoint.wrap_shards(checkpoint.drop_placement(sd), params)
 
     @no_grad_whole  # no grad (copies record nothing); signals deferred around it
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
