@@ -706,7 +706,15 @@ class HybridOptimizer(Stepping, Optimizer):
         # refusing step() and state_dict() until a load succeeds (tests/test_state_contract.py).
         with signals_deferred():
             try:
-                ignored_masters = self._load_validated(groups, saved_groups, saved_state)
+                if self._step is not None and self._step.run is not None:
+                    # the worker's bucket in hand lands before the load
+                    self._stop_run(self._step.run)
+                self._step, self._broken, self._scaling.pending_clip = None, None, None
+                for g, s in zip(groups, saved_groups, strict=True):
+                    g.update(checkpoint.merge_group(g, s, self.rule))
+                if self._keys_changed():  # a checkpoint of SGD with momentum into one built without
+                    self._replace_for_keys()  # (a fresh user's finding: its buffers were dropped)
+                ignored_masters = self._updater.load_state(groups, saved_state)
             except BaseException:
                 self._broken = "load_state_dict() failed part-way"
                 raise
@@ -720,26 +728,6 @@ class HybridOptimizer(Stepping, Optimizer):
                 stacklevel=2,
             )
         self._check_pinned()
-
-    def _load_validated(self, groups, saved_groups, saved_state) -> bool:
-        """Copy a validated state dict in; returns whether it carried masters that were ignored."""
-        if self._step is not None and self._step.run is not None:
-            self._stop_run(self._step.run)  # the worker's bucket in hand lands before the load
-        self._step, self._broken, self._scaling.pending_clip = None, None, None
-        for g, s in zip(groups, saved_groups, strict=True):
-            g.update(checkpoint.merge_group(g, s, self.rule))
-        if self._keys_changed():  # a checkpoint of SGD with momentum into one built without
-            self._replace_for_keys()  # (a fresh user's finding: its buffers were dropped)
-        ignored_masters = False
-        params = [p for g in groups for p in g["params"]]
-        for index, p in enumerate(params):
-            entry = saved_state.get(index)
-            if entry is None:
-                self.state.pop(p, None)
-                continue
-            self._updater.load_entry(p, self._records[p], entry)
-            ignored_masters |= entry.get("master") is not None and "master" not in self.state[p]
-        return ignored_masters
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
