@@ -18,17 +18,12 @@ from torch.optim import Optimizer
 
 from offloadopt.debug import Debug
 from offloadopt.interrupts import no_grad_whole, signals_deferred
-from offloadopt.link.layout import Arena, Bucket
-from offloadopt.link.pipeline import Pipeline
-from offloadopt.link.transfer import Transfer
 from offloadopt.options import Options
 from offloadopt.place import budget
-from offloadopt.place.auto import AutoFraction
-from offloadopt.place.placement import Placement
 from offloadopt.place.placer import Placer
 from offloadopt.place.records import ParamRecord
 from offloadopt.rules import ADAMW, Rule
-from offloadopt.shards import is_dtensor, local, local_state, world_size, wrap_like
+from offloadopt.shards import local, local_state, world_size
 from offloadopt.state import checkpoint
 from offloadopt.state.store import OptimizerState
 from offloadopt.step.amp import scaler_inputs
@@ -41,6 +36,7 @@ from offloadopt.step.start import start_policy
 from offloadopt.step.step import Phase, Step, Timeline, begin_step, stop_run
 from offloadopt.step.update import Updater
 from offloadopt.validation import (
+    check_combinations,
     check_ddp,
     check_zero,
     validate_group,
@@ -50,6 +46,19 @@ from offloadopt.validation import (
 from offloadopt.warn import WarnOnce, weak_method
 
 __all__ = ["HybridOptimizer"]
+
+
+def _owned(owner: str, name: str, doc: str, settable: bool = False) -> property:
+    """A property of the optimizer that reads ``self.<owner>.<name>`` (and writes it when
+    ``settable``): the value lives in its owner, once."""
+
+    def get(self: Any) -> Any:
+        return getattr(getattr(self, owner), name)
+
+    def put(self: Any, value: Any) -> None:
+        setattr(getattr(self, owner), name, value)
+
+    return property(get, put if settable else None, doc=doc)
 
 
 class HybridOptimizer(Optimizer):
@@ -79,45 +88,12 @@ class HybridOptimizer(Optimizer):
         # One Options from the keywords (offloadopt/options.py); an unknown one is named for
         # the class the caller built, not this base (a fresh user's nit).
         o = Options.parse(type(self).__name__, options)
-        if o.placement_policy not in ("state-bytes", "megatron"):
-            raise ValueError(
-                f"Invalid placement_policy: {o.placement_policy!r} (expected 'state-bytes' or 'megatron')"
-            )
         validate_options(self.rule, hyper, o, amsgrad=amsgrad, capturable=capturable,
                          differentiable=differentiable)  # fmt: skip
         params = validate_params_arg(params)
         sizes = budget.sizes(max_gpu_memory=o.max_gpu_memory, max_host_memory=o.max_host_memory,
                              activation_bytes=o.activation_bytes)  # fmt: skip
-        auto = o.offload_fraction == "auto"
-        if sizes["max_gpu_memory"] is not None and not auto and o.offload_fraction != 1.0:
-            raise ValueError(
-                f"offload_fraction={o.offload_fraction!r} with max_gpu_memory={o.max_gpu_memory!r}: "
-                "give one (the budget chooses the fraction), or offload_fraction='auto'"
-            )
-        if auto and o.overlap == "delayed" and sizes["max_gpu_memory"] is None:
-            raise ValueError(
-                "offload_fraction='auto' with overlap='delayed': the fraction decides which "
-                "params train on weights one step old, so a fraction chosen from timings would "
-                "make the results depend on them; give a number (1.0 is the delayed update's "
-                "usual one), or max_gpu_memory="
-            )
-        for name, value in (
-            ("max_host_memory", o.max_host_memory),
-            ("activation_bytes", o.activation_bytes),
-        ):
-            if value is not None and sizes["max_gpu_memory"] is None:
-                raise ValueError(f"{name}={value!r} without max_gpu_memory does nothing")
-        if o.grad_scaler is not None and world_size() > 1 and o.ddp is None:
-            raise ValueError(
-                f"grad_scaler= with {world_size()} ranks and no ddp=: the check for infs would "
-                "see this rank's shard alone; leave it out (step() takes the scaler's values, as "
-                "torch's fused AdamW does)"
-            )
-        if auto and world_size() > 1:
-            raise ValueError(
-                f"offload_fraction='auto' with {world_size()} ranks: it measures one process, and "
-                "ranks choosing apart would train unevenly; give each rank the same number"
-            )
+        check_combinations(o, sizes, world_size())
         self.options = o  # as given; offload_fraction and the like change below and later
         self.overlap, self.wait = o.overlap, o.wait
         self.grads_final, self.release_grads = o.grads_final, o.release_grads
@@ -149,7 +125,7 @@ class HybridOptimizer(Optimizer):
         me, scaling = weakref.ref(self), self._scaling
         self._guards = Guards(self._records, self._timeline, lambda: scaling.grad_scaler,
                               self._warn_once, lambda: me()._closed,
-                              lambda: me()._pipeline)  # fmt: skip
+                              lambda: me()._placer.pipeline)  # fmt: skip
         # WHEN the new weights are visible (offloadopt/step/publish.py): at step()'s return,
         # per watched module, or at the next step (the delayed update), chosen once here. Its
         # callables reach the optimizer through a weak reference: a bound method would make a
@@ -158,7 +134,7 @@ class HybridOptimizer(Optimizer):
         # test_200_optimizers_dropped_are_collected_and_leave_nothing_behind).
         me = weakref.ref(self)
         self._publish = publisher_for(
-            o, self._timeline, self._records, lambda: me()._pipeline, timeout_s=self.timeout_s,
+            o, self._timeline, self._records, lambda: me()._placer.pipeline, timeout_s=self.timeout_s,
             finish=lambda st, streams: me()._feeder.finish(st, streams),
             warn_once=self._warn_once,
             closed=lambda: me()._closed,
@@ -194,7 +170,7 @@ class HybridOptimizer(Optimizer):
         for g in self.param_groups:
             self._placer.check_auto_group(g)
         if o.ddp is not None:
-            check_ddp(o.ddp, self.param_groups, self._name)
+            check_ddp(o.ddp, self.param_groups, self._placer.param_name)
         check_zero(o.overlap, self.param_groups, world_size())
         self._placer.place_or_defer(list(range(len(self.param_groups))))
         if o.ddp is not None:
@@ -279,7 +255,7 @@ class HybridOptimizer(Optimizer):
         t0 = time.perf_counter()
         self.ensure_placed()  # params built on the meta device, materialized since
         auto = self._placer.sampling()  # offload_fraction="auto" while it measures, else None
-        with signals_deferred(), self._lock:
+        with signals_deferred(), self._timeline.lock:
             st = self._take_step()  # phase 0: the step begun in backward, or a new one
             with_grad = self._guards.grads_to_update(st, self.timeout_s)
             self._scaling.at_step(st, with_grad, *scaler_inputs(self))  # clip and scale, once
@@ -296,10 +272,10 @@ class HybridOptimizer(Optimizer):
         """Phase 0: the step that backward's announcements began (its values frozen at the
         first), or a new one; a step whose backward never finished is refused."""
         self._raise_if_broken()
-        st = self._step
+        st = self._timeline.current
         if st is not None and not st.backward_done:
             self._timeline.abandon(st, "a backward that announced grads never finished")
-        self._step = None
+        self._timeline.current = None
         if st is None:
             st = self._begin(may_replace=True)
         elif st.fed:
@@ -367,10 +343,8 @@ class HybridOptimizer(Optimizer):
         Nothing is rolled back and the grads stay as they are: call ``zero_grad()`` before the
         next ``step()``, or the params already updated get the same grads applied again (a
         fresh user's finding; the README says so)."""
-        with self._lock:
-            if self._step is not None and self._step.run is not None:
-                stop_run(self._step.run, self.timeout_s)
-            self._step, self._broken = None, None
+        with self._timeline.lock:
+            self._timeline.discard(self.timeout_s)
 
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         """Mark the backward passes inside as non-final micro-steps of gradient accumulation:
@@ -387,44 +361,6 @@ class HybridOptimizer(Optimizer):
         """The optimizer's owners, for tests, benchmarks and debugging: not a stable API
         (offloadopt/debug.py lists what it holds)."""
         return Debug(self)
-
-    # ------------------------------------------------------------------ the timeline
-    # The step's pieces read the Timeline through these names (step/step.py owns the values).
-    @property
-    def _lock(self):
-        return self._timeline.lock
-
-    @property
-    def _step(self):
-        return self._timeline.current
-
-    @_step.setter
-    def _step(self, st) -> None:
-        self._timeline.current = st
-
-    @property
-    def _inflight(self):
-        return self._timeline.inflight
-
-    @_inflight.setter
-    def _inflight(self, st) -> None:
-        self._timeline.inflight = st
-
-    @property
-    def _inflight_streams(self):
-        return self._timeline.inflight_streams
-
-    @_inflight_streams.setter
-    def _inflight_streams(self, streams) -> None:
-        self._timeline.inflight_streams = streams
-
-    @property
-    def _broken(self):
-        return self._timeline.broken
-
-    @_broken.setter
-    def _broken(self, why) -> None:
-        self._timeline.broken = why
 
     def _updates_started(self) -> bool:
         """Updates began before ``step()`` (backward mode, declared): from then until
@@ -463,7 +399,9 @@ class HybridOptimizer(Optimizer):
             ValueError: FSDP2 params (DTensors) in a model with no FSDP2 module (``watch()``
                 before ``fully_shard``).
         """
-        if self._budget_pending():  # placed at the first step(): the waits are registered then
+        if (
+            self._placer.budget_pending()
+        ):  # placed at the first step(): the waits are registered then
             self._publish.watch_later.append(weakref.ref(model))
             return
         self.ensure_placed()
@@ -484,7 +422,7 @@ class HybridOptimizer(Optimizer):
                 non-finite loss was silently an update.
         """
         if self._updates_started():
-            started = len(self._step.fed)
+            started = len(self._timeline.current.fed)
             raise RuntimeError(
                 f"zero_grad() between backward and step(): this step's updates already began "
                 f"({started} buckets, at the end of backward or during it with "
@@ -498,32 +436,6 @@ class HybridOptimizer(Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ clipping and scaling
-    # offloadopt/step/scaling.py owns them; these are the optimizer's public names.
-    @property
-    def max_grad_norm(self) -> float | None:
-        """``max_grad_norm=``: every step's grads are clipped to this global L2 norm inside
-        the update (a float), or None."""
-        return self._scaling.max_grad_norm
-
-    @max_grad_norm.setter
-    def max_grad_norm(self, value: float | None) -> None:
-        self._scaling.max_grad_norm = value
-
-    @property
-    def grad_scaler(self):
-        """``grad_scaler=``: the attached ``torch.amp.GradScaler``, or None."""
-        return self._scaling.grad_scaler
-
-    @grad_scaler.setter
-    def grad_scaler(self, scaler) -> None:
-        self._scaling.grad_scaler = scaler
-
-    @property
-    def last_grad_norm(self) -> torch.Tensor | None:
-        """With ``max_grad_norm``: the last step's global grad norm (unscaled with an attached
-        GradScaler), a 0-dim fp32 tensor on the params' device; None before the first."""
-        return self._scaling.last_grad_norm
-
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip this step's grads by their global L2 norm, inside the update: the next
         ``step()`` multiplies every fp32 grad by ``min(1, max_norm / (norm + 1e-6))`` (torch's
@@ -539,7 +451,7 @@ class HybridOptimizer(Optimizer):
                 or a GradScaler is attached (``grad_scaler=``: the grads are still scaled here;
                 ``max_grad_norm=`` clips them unscaled).
         """
-        with self._lock:  # the params with a grad, read under the step's lock
+        with self._timeline.lock:  # the params with a grad, read under the step's lock
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             return self._scaling.clip_grad_norm_(max_norm, params)
 
@@ -568,86 +480,50 @@ class HybridOptimizer(Optimizer):
         """Of :attr:`host_nbytes`, the bytes that are pinned now."""
         return self._placer.pinned_nbytes()
 
-    # The Placer's figures, read where torch users and the step's pieces look for them.
-    @property
-    def offload_fraction(self) -> float:
-        """The offload fraction in force (``"auto"`` and ``max_gpu_memory`` set it)."""
-        return self._placer.fraction
-
-    @property
-    def placement_choice(self) -> dict[str, Any] | None:
-        """What chose the fraction, and why (a budget, ``"auto"``, the caller), or None."""
-        return self._placer.choice
-
-    @placement_choice.setter
-    def placement_choice(self, choice: dict[str, Any] | None) -> None:
-        self._placer.choice = choice
-
-    @property
-    def placement(self) -> list[Placement]:
-        """Every param's :class:`~offloadopt.place.placement.Placement`, in group order."""
-        return self._placer.placement
-
-    @property
-    def arenas(self) -> list[Arena]:
-        return self._placer.arenas
-
-    @property
-    def buckets(self) -> list[Bucket]:
-        return self._placer.buckets
-
-    @property
-    def _pipeline(self) -> Pipeline | None:
-        return self._placer.pipeline
-
-    @property
-    def _auto(self) -> AutoFraction | None:
-        return self._placer.auto
-
-    @property
-    def cpu_threads(self) -> int:
-        return self._placer.cpu_threads
-
-    @property
-    def bucket_nbytes(self) -> int:
-        return self._placer.bucket_nbytes
-
-    @property
-    def min_offload_numel(self) -> int:
-        return self._placer.min_offload_numel
-
-    @property
-    def placement_policy(self) -> str:
-        return self._placer.policy
-
-    @property
-    def master_weights(self) -> bool:
-        return self._placer.master_weights
-
-    @property
-    def pin_memory(self) -> bool:
-        return self._placer.pin_memory
-
-    def _transfers(self) -> dict[torch.device, Transfer]:
-        return self._placer.transfers()
-
-    def _forward_order(self) -> list[Bucket]:
-        return self._placer.forward_order()
-
-    def _device(self) -> torch.device:
-        return self._placer.device()
-
-    def _budget_pending(self) -> bool:
-        return self._placer.budget_pending()
-
-    def _name(self, group: dict[str, Any], gi: int, i: int) -> str:
-        return self._placer.param_name(group, gi, i)
-
-    def _record(self, p: torch.Tensor, group: dict[str, Any], gi: int, i: int) -> ParamRecord:
-        return self._placer.record(p, group, gi, i)
-
-    def _check_pinned(self) -> None:
-        self._placer.check_pinned()
+    # What the owners hold, read (and a few written) under the names torch users know.
+    offload_fraction = _owned(
+        "_placer",
+        "fraction",
+        "The offload fraction in force (``'auto'`` and ``max_gpu_memory`` set it).",
+    )
+    placement_choice = _owned(
+        "_placer",
+        "choice",
+        "What chose the fraction, and why (a budget, ``'auto'``, the caller), or None.",
+        settable=True,
+    )
+    placement = _owned(
+        "_placer",
+        "placement",
+        "Every param's :class:`~offloadopt.place.placement.Placement`, in group order.",
+    )
+    arenas = _owned(
+        "_placer", "arenas", "The host arenas (offloadopt/link/layout.py), one per group and dtype."
+    )
+    buckets = _owned("_placer", "buckets", "The arenas' buckets, in the order they are placed.")
+    cpu_threads = _owned("_placer", "cpu_threads", "The CPU worker's threads.")
+    bucket_nbytes = _owned("_placer", "bucket_nbytes", "The bucket size in bytes.")
+    min_offload_numel = _owned("_placer", "min_offload_numel", "``min_offload_numel=``.")
+    placement_policy = _owned("_placer", "policy", "``placement_policy=``.")
+    master_weights = _owned("_placer", "master_weights", "``master_weights=``.")
+    pin_memory = _owned("_placer", "pin_memory", "``pin_memory=``.")
+    max_grad_norm = _owned(
+        "_scaling",
+        "max_grad_norm",
+        "``max_grad_norm=``: every step's grads are clipped to this global L2 norm inside the update, or None.",
+        settable=True,
+    )
+    grad_scaler = _owned(
+        "_scaling",
+        "grad_scaler",
+        "``grad_scaler=``: the attached ``torch.amp.GradScaler``, or None.",
+        settable=True,
+    )
+    last_grad_norm = _owned(
+        "_scaling",
+        "last_grad_norm",
+        "With clipping: the last step's global grad norm (unscaled with an attached GradScaler), a 0-dim fp32 tensor on the params' device; None before the first.",
+    )
 
     @property
     def stats(self) -> dict[str, float]:
@@ -670,8 +546,8 @@ class HybridOptimizer(Optimizer):
 
         Reading it waits for the CUDA events of that step's copies (long done by the time the
         next forward has run)."""
-        if self._pipeline is not None:
-            for key, ms in self._pipeline.collect_timing().items():
+        if self._placer.pipeline is not None:
+            for key, ms in self._placer.pipeline.collect_timing().items():
                 self._feeder.stats[key] = self._feeder.stats.get(key, 0.0) + ms
         return dict(self._feeder.stats)
 
@@ -695,30 +571,7 @@ class HybridOptimizer(Optimizer):
         if isinstance(mapping, OptimizerState) or "state" not in self.__dict__:
             self.__dict__["state"] = mapping  # ours, or torch's __init__ before our own
             return
-        if not hasattr(mapping, "items"):
-            raise TypeError(f"opt.state = {type(mapping).__name__}: expected a mapping")
-        entries = list(mapping.items())
-        for p, entry in entries:
-            rec = self._records.get(p)
-            if rec is None:
-                continue
-            if not isinstance(entry, dict):
-                raise TypeError(
-                    f"opt.state = ...: the entry of {rec.name} is a {type(entry).__name__}, "
-                    "expected a dict of its state"
-                )
-            for key, v in entry.items():
-                if key != "step" and isinstance(v, torch.Tensor) and v.numel() != p.numel():
-                    raise ValueError(
-                        f"opt.state = ...: {rec.name}'s {key!r} has {v.numel()} elements, "
-                        f"the param {p.numel()}"
-                    )
-        with signals_deferred(), self._lock:
-            self.synchronize()  # no update in flight reads or writes the old state
-            fresh = self.state
-            dict.clear(fresh)  # the same object: the owners that read it keep it
-            for p, entry in entries:
-                fresh[p] = entry  # copied into p's buffers where p has a record
+        self.state.reset(mapping, self._records, self._timeline.lock, self.synchronize)
 
     # ------------------------------------------------------------------ placement
     def ensure_placed(self) -> None:
@@ -797,8 +650,8 @@ class HybridOptimizer(Optimizer):
         self._guards.check_worker()
         # Ctrl-C or SIGTERM in the middle would leave state half copied in: they reach their
         # handler once the move is done (steps.signals_deferred).
-        with signals_deferred(), self._lock:
-            if self._step is not None:
+        with signals_deferred(), self._timeline.lock:
+            if self._timeline.current is not None:
                 raise RuntimeError(
                     "set_offload_fraction() between steps only: a backward already announced "
                     "grads (call it after step())"
@@ -859,12 +712,12 @@ class HybridOptimizer(Optimizer):
         buffers wherever they come from; ``torch.optim`` optimizers move them to their params.
         The groups leave out the ``"offload"`` key: placement is the loading optimizer's own.
         """
-        if not self._budget_pending():  # a budget waits for the first step(): no state yet
+        if not self._placer.budget_pending():  # a budget waits for the first step(): no state yet
             self.ensure_placed()
         if (
             self.overlap == "delayed"
             and not self._publish.module_waits
-            and self._inflight is not None
+            and self._timeline.inflight is not None
         ):
             self._warn_once(
                 "delayed-unwatched",
@@ -873,41 +726,10 @@ class HybridOptimizer(Optimizer):
                 "the pair loses that step's update (fp32 params cannot even tell)",
             )
         self.synchronize()
-        self._raise_if_broken()
-        if self._updates_started():
-            # Some offloaded params hold this step's update, the others not yet: no
-            # checkpoint of that resumes as any run would.
-            if not self._step.backward_done:  # interrupted: step() will refuse it too
-                raise RuntimeError(
-                    f"{type(self).__name__}.state_dict(): this step's updates started during a "
-                    "backward that has not finished (interrupted, or still running in another "
-                    "thread), so some params were updated and others not; after an interrupt "
-                    "call opt.load_state_dict(...) to restore a checkpoint, or "
-                    "opt.discard_failed_step() to go on from here"
-                )
-            raise RuntimeError(
-                f"{type(self).__name__}.state_dict() between backward and step(): this step's "
-                "updates started during backward (grads_final, max_grad_norm or grad_scaler "
-                "with overlap='backward') and end in step(); call state_dict() after step()"
-            )
+        self._guards.check_snapshot()
         sd = checkpoint.pack(super().state_dict(), on_device=self._snapshot_on_device)
-        for g in sd["param_groups"]:
-            # Placement is the loading optimizer's own (load_state_dict keeps its groups'
-            # "offload"), so a checkpoint carries none: torch.distributed.checkpoint loads
-            # only keys the checkpoint has, and one of torch's AdamW, or one taken at another
-            # placement, must load here (found by benchmarks/faults.py: "Missing key in
-            # checkpoint state_dict: optim.param_groups.0.offload").
-            g.pop("offload", None)
         params = [p for g in self.param_groups for p in g["params"]]
-        for index, entry in sd["state"].items():
-            p = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
-            if is_dtensor(p) and isinstance(
-                entry, dict
-            ):  # FSDP2: each shard goes out as a DTensor laid out like its param
-                for key, v in entry.items():
-                    if key != "step" and isinstance(v, torch.Tensor):
-                        entry[key] = wrap_like(p, v)
-        return sd
+        return checkpoint.wrap_shards(checkpoint.drop_placement(sd), params)
 
     @no_grad_whole  # no grad (copies record nothing); signals deferred around it
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -937,7 +759,7 @@ class HybridOptimizer(Optimizer):
             if result is not None:
                 sd = result
         groups = self.param_groups
-        specs = [[(self._record(p, g, gi, i).name, tuple(local(p).shape))
+        specs = [[(self._placer.record(p, g, gi, i).name, tuple(local(p).shape))
                   for i, p in enumerate(g["params"])] for gi, g in enumerate(groups)]  # fmt: skip
         sd = local_state(sd, self.param_groups, lambda p: self._records[p].name)
         saved_groups, saved_state = checkpoint.validate(sd, self.rule, specs)
@@ -946,9 +768,15 @@ class HybridOptimizer(Optimizer):
         # refusing step() and state_dict() until a load succeeds (tests/test_state_contract.py).
         with signals_deferred():
             try:
-                ignored_masters = self._load_validated(groups, saved_groups, saved_state)
+                self._timeline.discard(self.timeout_s)  # the bucket in hand lands first
+                self._scaling.pending_clip = None
+                for g, s in zip(groups, saved_groups, strict=True):
+                    g.update(checkpoint.merge_group(g, s, self.rule))
+                if self._keys_changed():  # a checkpoint of SGD with momentum into one built without
+                    self._replace_for_keys()  # (a fresh user's finding: its buffers were dropped)
+                ignored_masters = self._updater.load_state(groups, saved_state)
             except BaseException:
-                self._broken = "load_state_dict() failed part-way"
+                self._timeline.refuse("load_state_dict() failed part-way")
                 raise
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
@@ -959,29 +787,7 @@ class HybridOptimizer(Optimizer):
                 "params' dtype",
                 stacklevel=2,
             )
-        self._check_pinned()
-
-    def _load_validated(self, groups, saved_groups, saved_state) -> bool:
-        """Copy a validated state dict in; returns whether it carried masters that were ignored."""
-        if self._step is not None and self._step.run is not None:
-            stop_run(
-                self._step.run, self.timeout_s
-            )  # the worker's bucket in hand lands before the load
-        self._step, self._broken, self._scaling.pending_clip = None, None, None
-        for g, s in zip(groups, saved_groups, strict=True):
-            g.update(checkpoint.merge_group(g, s, self.rule))
-        if self._keys_changed():  # a checkpoint of SGD with momentum into one built without
-            self._replace_for_keys()  # (a fresh user's finding: its buffers were dropped)
-        ignored_masters = False
-        params = [p for g in groups for p in g["params"]]
-        for index, p in enumerate(params):
-            entry = saved_state.get(index)
-            if entry is None:
-                self.state.pop(p, None)
-                continue
-            self._updater.load_entry(p, self._records[p], entry)
-            ignored_masters |= entry.get("master") is not None and "master" not in self.state[p]
-        return ignored_masters
+        self._placer.check_pinned()
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -997,8 +803,8 @@ class HybridOptimizer(Optimizer):
             if self._ddp_hook is not None:
                 self._ddp_hook.remove()  # DDP keeps the hook: a plain all-reduce from now on
             self._grad_hooks, self._publish.module_waits = [], []
-            if self._step is not None and self._step.run is not None:
-                stop_run(self._step.run, self.timeout_s)
+            if self._timeline.current is not None and self._timeline.current.run is not None:
+                stop_run(self._timeline.current.run, self.timeout_s)
             self._placer.close()
 
     def __enter__(self):

@@ -14,7 +14,7 @@ import torch
 from offloadopt.options import Options
 from offloadopt.rules import Rule
 
-__all__ = ["validate_options", "validate_group", "validate_params_arg"]
+__all__ = ["validate_options", "check_combinations", "validate_group", "validate_params_arg"]
 
 
 def _check(ok: bool, message: str, exc: type[Exception] = ValueError) -> None:
@@ -61,6 +61,10 @@ def validate_options(
         ValueError, TypeError: a bad value, named in the message.
         NotImplementedError: ``amsgrad``, ``capturable`` or ``differentiable`` set.
     """
+    if o.placement_policy not in ("state-bytes", "megatron"):
+        raise ValueError(
+            f"Invalid placement_policy: {o.placement_policy!r} (expected 'state-bytes' or 'megatron')"
+        )
     rule.validate(hyper)
 
     def number(x) -> bool:  # numpy's scalars too (numbers.Real), not a bool or a tensor
@@ -167,6 +171,49 @@ def validate_options(
         NotImplementedError,
     )
     _check(not differentiable, f"{name} does not support differentiable=True", NotImplementedError)
+
+
+def check_combinations(o: Options, sizes: dict[str, int | None], world: int) -> None:
+    """The options that are valid one by one (:func:`validate_options`) but not together:
+    ``o`` as parsed, ``sizes`` its byte sizes (:func:`offloadopt.place.budget.sizes`: bytes or
+    None), ``world`` the job's ranks.
+
+    Raises:
+        ValueError: ``offload_fraction`` with ``max_gpu_memory``; ``"auto"`` with
+            ``overlap="delayed"`` and no budget; ``max_host_memory`` or ``activation_bytes``
+            without ``max_gpu_memory``; ``grad_scaler=`` with several ranks and no ``ddp=``;
+            ``"auto"`` with several ranks.
+    """
+    auto = o.offload_fraction == "auto"
+    if sizes["max_gpu_memory"] is not None and not auto and o.offload_fraction != 1.0:
+        raise ValueError(
+            f"offload_fraction={o.offload_fraction!r} with max_gpu_memory={o.max_gpu_memory!r}: "
+            "give one (the budget chooses the fraction), or offload_fraction='auto'"
+        )
+    if auto and o.overlap == "delayed" and sizes["max_gpu_memory"] is None:
+        raise ValueError(
+            "offload_fraction='auto' with overlap='delayed': the fraction decides which "
+            "params train on weights one step old, so a fraction chosen from timings would "
+            "make the results depend on them; give a number (1.0 is the delayed update's "
+            "usual one), or max_gpu_memory="
+        )
+    for name, value in (
+        ("max_host_memory", o.max_host_memory),
+        ("activation_bytes", o.activation_bytes),
+    ):
+        if value is not None and sizes["max_gpu_memory"] is None:
+            raise ValueError(f"{name}={value!r} without max_gpu_memory does nothing")
+    if o.grad_scaler is not None and world > 1 and o.ddp is None:
+        raise ValueError(
+            f"grad_scaler= with {world} ranks and no ddp=: the check for infs would "
+            "see this rank's shard alone; leave it out (step() takes the scaler's values, as "
+            "torch's fused AdamW does)"
+        )
+    if auto and world > 1:
+        raise ValueError(
+            f"offload_fraction='auto' with {world} ranks: it measures one process, and "
+            "ranks choosing apart would train unevenly; give each rank the same number"
+        )
 
 
 def validate_group(param_group: Any, defaults: dict[str, Any], rule: Rule) -> dict[str, Any]:

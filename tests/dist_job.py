@@ -105,7 +105,9 @@ def train(model, opt, rank, steps=STEPS, start=0, clip=None, accumulate=1):
         x, y = batch(step, rank)
         _, loss = model(x, y)
         loss.backward()
-        st = getattr(opt, "_step", None)  # overlap="backward": buckets started during backward
+        st = (
+            opt.debug.step if hasattr(opt, "debug") else None
+        )  # overlap="backward": started in backward
         opt.fed_in_backward = len(st.fed) if st is not None else 0
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

@@ -211,8 +211,8 @@ class AutoFraction:
         cur["end"] = self._clock.mark()
         prev, self._prev_end = self._prev_end, cur["end"]
         if prev is not None:
-            if not self._samples and opt._pipeline is not None:
-                opt._pipeline.collect_link()  # the link's copies from here on are ours
+            if not self._samples and opt._placer.pipeline is not None:
+                opt._placer.pipeline.collect_link()  # the link's copies from here on are ours
             self._samples.append(cur | {"prev": prev})
         if len(self._samples) < MEASURED_STEPS:
             return
@@ -251,9 +251,9 @@ class AutoFraction:
         """The last step's figures, with the link's GPU times and bytes of the copies since
         the first sample (``opt.stats`` sums times over every step not yet read)."""
         stats = dict(self._stats)
-        if opt._pipeline is not None:
+        if opt._placer.pipeline is not None:
             opt.synchronize()  # every copy of the measured steps has run
-            for key, (ms, nbytes) in opt._pipeline.collect_link().items():
+            for key, (ms, nbytes) in opt._placer.pipeline.collect_link().items():
                 stats[key], stats[key.replace("_ms", "_nbytes")] = ms, nbytes
         return stats
 

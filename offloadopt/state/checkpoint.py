@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from offloadopt.rules import Rule
+from offloadopt.shards import is_dtensor, wrap_like
 
-__all__ = ["ParamSpec", "pack", "validate", "merge_group"]
+__all__ = ["ParamSpec", "pack", "drop_placement", "wrap_shards", "validate", "merge_group"]
 
 # Group keys that belong to the optimizer that loads, never to the checkpoint.
 _OWN_KEYS = ("params", "param_names", "offload")
@@ -52,6 +53,35 @@ def _copy(v: Any, device: str | None) -> Any:
     if not isinstance(v, torch.Tensor):
         return v
     return v.detach().to(device or v.device, copy=True)
+
+
+def drop_placement(sd: dict[str, Any]) -> dict[str, Any]:
+    """``sd`` (a packed snapshot, changed in place and returned) with no group's ``"offload"``
+    key."""
+    for g in sd["param_groups"]:
+        # Placement is the loading optimizer's own (load_state_dict keeps its groups'
+        # "offload"), so a checkpoint carries none: torch.distributed.checkpoint loads
+        # only keys the checkpoint has, and one of torch's AdamW, or one taken at another
+        # placement, must load here (found by benchmarks/faults.py: "Missing key in
+        # checkpoint state_dict: optim.param_groups.0.offload").
+        g.pop("offload", None)
+    return sd
+
+
+def wrap_shards(sd: dict[str, Any], params: list[torch.Tensor]) -> dict[str, Any]:
+    """``sd`` (a packed snapshot, changed in place and returned) with the state tensors of
+    FSDP2 params (DTensors; ``params`` in group order, as ``sd["state"]``'s indices count
+    them) wrapped as DTensors laid out like their param; ``step`` and other entries as they
+    are."""
+    for index, entry in sd["state"].items():
+        p = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+        if is_dtensor(p) and isinstance(
+            entry, dict
+        ):  # FSDP2: each shard goes out as a DTensor laid out like its param
+            for key, v in entry.items():
+                if key != "step" and isinstance(v, torch.Tensor):
+                    entry[key] = wrap_like(p, v)
+    return sd
 
 
 def validate(

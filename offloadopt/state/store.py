@@ -8,7 +8,8 @@ through views), so ``state_dict()`` would report stale values and the copy would
 memory. Here an assignment of a tensor to a key that holds one waits for work in flight and
 copies the value into the existing buffer, which stays where it lives (host state on the host,
 pinned where it was); a whole-entry assignment does that key by key; deleting an entry resets
-that param's state (made again at its next grad, as torch does). Reads through ``opt.state``
+that param's state (made again at its next grad, as torch does); ``opt.state = mapping`` empties
+the same object and refills it (:meth:`OptimizerState.reset`). Reads through ``opt.state``
 (``opt.state[p]``, ``get``, ``values``, ``items``) first wait for an update in flight
 (``wait="module"`` and ``overlap="delayed"`` return from ``step()`` before it is done), so a
 read never sees host state the worker is writing; delayed, a read does not copy the new weights
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from offloadopt.interrupts import signals_deferred
 from offloadopt.shards import is_dtensor, local
 
 __all__ = ["OptimizerState", "StateEntry"]
@@ -84,7 +87,7 @@ class OptimizerState(defaultdict):
     def _settle(self) -> None:
         """Wait for the owner's update in flight, if any (a no-op check otherwise)."""
         owner = self._owner()
-        if owner is not None and owner._inflight is not None:
+        if owner is not None and owner._timeline.inflight is not None:
             owner._publish.wait_update()
 
     def __getitem__(self, key: Any) -> Any:
@@ -137,6 +140,48 @@ class OptimizerState(defaultdict):
         if owner is not None:
             owner.synchronize()
         dict.__delitem__(self, p)
+
+    def reset(
+        self,
+        mapping: Any,
+        records: dict[torch.Tensor, Any],
+        lock: Any,
+        synchronize: Callable[[], None],
+    ) -> None:
+        """``opt.state = mapping``: this object is emptied in place and refilled from
+        ``mapping``, each entry of a param in ``records`` (param -> its
+        :class:`offloadopt.place.records.ParamRecord`) copied into its buffers as an
+        assignment to ``opt.state[p]`` is. Every entry is checked before anything changes;
+        then, under ``lock`` (the step's) with signals deferred, ``synchronize()`` waits for
+        the update in flight.
+
+        Raises:
+            TypeError: ``mapping`` is not a mapping, or an entry of a param is not a dict.
+            ValueError: an entry's tensor does not fit the param's buffer.
+        """
+        if not hasattr(mapping, "items"):
+            raise TypeError(f"opt.state = {type(mapping).__name__}: expected a mapping")
+        entries = list(mapping.items())
+        for p, entry in entries:
+            rec = records.get(p)
+            if rec is None:
+                continue
+            if not isinstance(entry, dict):
+                raise TypeError(
+                    f"opt.state = ...: the entry of {rec.name} is a {type(entry).__name__}, "
+                    "expected a dict of its state"
+                )
+            for key, v in entry.items():
+                if key != "step" and isinstance(v, torch.Tensor) and v.numel() != p.numel():
+                    raise ValueError(
+                        f"opt.state = ...: {rec.name}'s {key!r} has {v.numel()} elements, "
+                        f"the param {p.numel()}"
+                    )
+        with signals_deferred(), lock:
+            synchronize()  # no update in flight reads or writes the old state
+            dict.clear(self)  # the same object: the owners that read it keep it
+            for p, entry in entries:
+                self[p] = entry  # copied into p's buffers where p has a record
 
     def __reduce__(self):
         return dict, (dict(self),)

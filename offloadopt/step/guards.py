@@ -1,7 +1,8 @@
 """What a step refuses before any state changes: a grad the update cannot use, a grad set,
 dropped or edited after its bucket's update started during backward (start.py's note), a
-closed optimizer; and the warning for a group value set after the step's updates began.
-:class:`Guards` owns these checks."""
+closed optimizer; what ``state_dict()`` refuses (a snapshot of a step half applied); and the
+warning for a group value set after the step's updates began. :class:`Guards` owns these
+checks."""
 
 from __future__ import annotations
 
@@ -194,6 +195,33 @@ class Guards:
             raise RuntimeError(
                 f"{self.timeline.name} is closed (opt.close() was called; its CPU worker is "
                 "stopped): build a new optimizer and load this one's state_dict() to go on"
+            )
+
+    def check_snapshot(self) -> None:
+        """Before ``state_dict()`` copies the state (nothing in flight): the optimizer is not
+        inconsistent, and no step's updates have started before ``step()``.
+
+        Raises:
+            RuntimeError: a failed step or load (the timeline's refusal); this step's updates
+                started during backward (an unfinished backward, or one not yet followed by
+                ``step()``).
+        """
+        self.timeline.raise_if_broken()
+        if self.timeline.updates_started():
+            # Some offloaded params hold this step's update, the others not yet: no
+            # checkpoint of that resumes as any run would.
+            if not self.timeline.current.backward_done:  # interrupted: step() will refuse it too
+                raise RuntimeError(
+                    f"{self.timeline.name}.state_dict(): this step's updates started during a "
+                    "backward that has not finished (interrupted, or still running in another "
+                    "thread), so some params were updated and others not; after an interrupt "
+                    "call opt.load_state_dict(...) to restore a checkpoint, or "
+                    "opt.discard_failed_step() to go on from here"
+                )
+            raise RuntimeError(
+                f"{self.timeline.name}.state_dict() between backward and step(): this step's "
+                "updates started during backward (grads_final, max_grad_norm or grad_scaler "
+                "with overlap='backward') and end in step(); call state_dict() after step()"
             )
 
     def warn_if_hypers_moved(self, st: Step, param_groups: list[dict]) -> None:

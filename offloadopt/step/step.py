@@ -120,6 +120,13 @@ class Timeline:
         self.refuse(why)
         self.raise_if_broken()
 
+    def discard(self, timeout_s: float) -> None:
+        """Forget the step being fed and any refusal (``discard_failed_step()``, a load): its
+        run is stopped first, so the worker's bucket in hand lands before anything follows."""
+        if self.current is not None and self.current.run is not None:
+            stop_run(self.current.run, timeout_s)
+        self.current, self.broken = None, None
+
     def updates_started(self) -> bool:
         """Updates began before ``step()`` (backward mode, declared): from then until
         ``step()`` returns the worker writes the params of the buckets fed so far."""

@@ -109,8 +109,9 @@ class Updater:
     Owns: the rule's application over one bucket on the CPU worker (:meth:`update_bucket`,
     the worker's callable) and over the device-resident params on the compute stream
     (:meth:`device_update`); the making of state (:meth:`init_state`, :meth:`make_state`,
-    :meth:`new_state_tensor`, :meth:`load_entry`); stale masters (:meth:`refresh_if_stale`);
-    a step's preparation of its params (:meth:`prepare`, :meth:`prepare_device`).
+    :meth:`new_state_tensor`, :meth:`load_entry`, :meth:`load_state`); stale masters
+    (:meth:`refresh_if_stale`); a step's preparation of its params (:meth:`prepare`,
+    :meth:`prepare_device`).
     """
 
     def __init__(
@@ -265,6 +266,23 @@ class Updater:
         elif rec.offloaded:
             rec.home("master").copy_(local(p).detach())  # fp32 offloaded: the param is the truth
             rec.mark_written(p)
+
+    def load_state(self, groups: list[dict[str, Any]], saved_state: dict[int, dict]) -> bool:
+        """Copy validated saved state (:func:`offloadopt.state.checkpoint.validate`'s, by param
+        position over ``groups``, the optimizer's param groups) into each param's state; a
+        param with no saved entry loses its state (made again at its next grad, as in torch).
+        Returns whether the saved state carried masters that were ignored (a param that keeps
+        none here)."""
+        ignored_masters = False
+        params = [p for g in groups for p in g["params"]]
+        for index, p in enumerate(params):
+            entry = saved_state.get(index)
+            if entry is None:
+                self.state.pop(p, None)
+                continue
+            self.load_entry(p, self.records[p], entry)
+            ignored_masters |= entry.get("master") is not None and "master" not in self.state[p]
+        return ignored_masters
 
     def device_update(
         self, hyper: Hyper, params: list[torch.Tensor], scale, first=False, amp=None
