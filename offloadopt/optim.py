@@ -5,7 +5,6 @@ is AdamW's signature on it (offloadopt/rules.py holds the rule), adam.py and sgd
 from __future__ import annotations
 
 import contextlib
-import numbers
 import threading
 import time
 import warnings
@@ -33,11 +32,12 @@ from offloadopt.step.hooks import GradHooks
 from offloadopt.step.publish import publisher_for
 from offloadopt.step.scaling import Scaling
 from offloadopt.step.start import start_policy
-from offloadopt.step.step import Phase, Step, Timeline, begin_step, stop_run
+from offloadopt.step.step import Phase, Step, Timeline, begin_step, steps_taken, stop_run
 from offloadopt.step.update import Updater
 from offloadopt.validation import (
     check_combinations,
     check_ddp,
+    check_fraction,
     check_zero,
     validate_group,
     validate_options,
@@ -94,77 +94,55 @@ class HybridOptimizer(Optimizer):
         sizes = budget.sizes(max_gpu_memory=o.max_gpu_memory, max_host_memory=o.max_host_memory,
                              activation_bytes=o.activation_bytes)  # fmt: skip
         check_combinations(o, sizes, world_size())
-        self.options = o  # as given; offload_fraction and the like change below and later
+        self.options = o  # as given; what changes later (the fraction, ...) is its owner's
         self.overlap, self.wait = o.overlap, o.wait
         self.grads_final, self.release_grads = o.grads_final, o.release_grads
         self.delay_after = int(o.delay_after)  # overlap="delayed": synchronous steps first
         self.timeout_s = float(o.timeout_s)
-        self._ready = False
-        # The step being fed, the step in flight after step() returned, and why the optimizer
-        # refuses to step, under one lock (offloadopt/step/step.py)
-        self._timeline = Timeline(type(self).__name__)
+        self._ready, self._closed, self._ddp_hook = False, False, None
+        self._grad_hooks: list[GradHooks] = []  # the offloaded params' (FromBackward)
+        self._records: dict[torch.Tensor, ParamRecord] = {}  # the Placer fills it
         self._warn_once = WarnOnce()  # one warning per key, shared with the owners
-        # max_grad_norm, the attached GradScaler (backward mode checks found_inf, amp.py),
-        # clip_grad_norm_'s request and the last step's norm (offloadopt/step/scaling.py)
-        max_grad_norm = None if o.max_grad_norm is None else float(o.max_grad_norm)
-        self._scaling = Scaling(max_grad_norm, o.grad_scaler, self._timeline, id(self))
-        self._grad_hooks: list[GradHooks] = []
-        self._closed = False
-        self._ddp = o.ddp  # the DDP model whose all-reduced buckets announce grads (hooks.DDPGrads)
-        self._ddp_hook = None
-        self._reductions: list = []  # ddp=: this backward's all-reduce futures
         # torch's group flags, so a cross-load into torch's optimizer keeps its fused kernel.
         defaults = {**hyper, **self.rule.torch_flags, "offload": None}
         if "betas" in defaults:
             defaults["betas"] = tuple(defaults["betas"])
-        self._records: dict[torch.Tensor, ParamRecord] = {}  # the Placer fills it
-        # What a step refuses before any state changes (offloadopt/step/guards.py). Its
-        # callables reach the optimizer through a weak reference: a dropped optimizer must die
-        # at once, or its grad hooks fire on the next one's backward until a gc.collect()
-        # (benchmarks/faults.py's lifetimes; tests/test_faults.py).
-        me, scaling = weakref.ref(self), self._scaling
+        # The owners (docs/how-it-works.md has the table). None holds the optimizer: the few
+        # callables that must reach it hold it weakly, so a dropped optimizer dies at once and
+        # its grad hooks with it, not at the next gc.collect() after firing on the next
+        # optimizer's backward (tests/test_faults.py drops 200 optimizers of one model).
+        me, name = weakref.ref(self), type(self).__name__
+        self._timeline = Timeline(name)  # the lock, the steps in time, a refusal
+        max_grad_norm = None if o.max_grad_norm is None else float(o.max_grad_norm)
+        self._scaling = scaling = Scaling(max_grad_norm, o.grad_scaler, self._timeline, id(self))
         self._guards = Guards(self._records, self._timeline, lambda: scaling.grad_scaler,
                               self._warn_once, lambda: me()._closed,
                               lambda: me()._placer.pipeline)  # fmt: skip
-        # WHEN the new weights are visible (offloadopt/step/publish.py): at step()'s return,
-        # per watched module, or at the next step (the delayed update), chosen once here. Its
-        # callables reach the optimizer through a weak reference: a bound method would make a
-        # cycle, and a dropped optimizer would live on until the garbage collector ran, its
-        # grad hooks answering a model another optimizer now trains (tests/test_faults.py,
-        # test_200_optimizers_dropped_are_collected_and_leave_nothing_behind).
-        me = weakref.ref(self)
-        self._publish = publisher_for(
-            o, self._timeline, self._records, lambda: me()._placer.pipeline, timeout_s=self.timeout_s,
-            finish=lambda st, streams: me()._feeder.finish(st, streams),
-            warn_once=self._warn_once,
-            closed=lambda: me()._closed,
+        self._publish = publisher_for(  # WHEN new weights are visible
+            o, self._timeline, self._records, lambda: me()._placer.pipeline,
+            timeout_s=self.timeout_s, finish=lambda st, streams: me()._feeder.finish(st, streams),
+            warn_once=self._warn_once, closed=lambda: me()._closed,
         )  # fmt: skip
         super().__init__(params, defaults)
         self.state = OptimizerState(self)  # assignments copy into the buffers (state.py)
-        # Where each param's state lives, the host arenas, staging and worker, the fraction
-        # and what chose it (offloadopt/place/placer.py)
-        self._placer = Placer(
-            self.param_groups, self.rule, o, sizes, name=type(self).__name__,
-            records=self._records, ddp=o.ddp is not None, warn_once=self._warn_once,
+        self._placer = Placer(  # where each param's state lives, and the memory it holds
+            self.param_groups, self.rule, o, sizes, name=name, records=self._records,
+            ddp=o.ddp is not None, warn_once=self._warn_once,
             on_offloaded=weak_method(self._hook_offloaded),
         )  # fmt: skip
-        # The rule's application and the making of state (offloadopt/step/update.py)
-        self._updater = Updater(
-            self.rule, self._records, self.state, master_weights=self._placer.master_weights,
-            bucket_nbytes=self._placer.bucket_nbytes, timeout_s=self._placer.timeout_s,
+        self._updater = Updater(  # the rule's application; making and loading state
+            self.rule, self._records, self.state, master_weights=o.master_weights,
+            bucket_nbytes=self._placer.bucket_nbytes, timeout_s=self.timeout_s,
             warn_once=self._warn_once,
         )  # fmt: skip
-        # A step's offloaded buckets fed to the pipeline, the device update beside them, the
-        # step's end (offloadopt/step/feed.py)
-        self._feeder = Feeder(
+        self._feeder = Feeder(  # buckets to the pipeline, the device update, the step's end
             self._timeline, self._placer, self._updater, self._guards, self._publish,
             self.state, self.rule, release_grads=o.release_grads,
             module_order=o.wait == "module", timeout_s=self.timeout_s,
         )  # fmt: skip
-        # WHEN an update may start: at step(), or from backward (offloadopt/step/start.py)
-        self._start = start_policy(
+        self._start = start_policy(  # WHEN an update may start
             o, timeline=self._timeline, placer=self._placer, feeder=self._feeder,
-            scaling=self._scaling, begin=lambda: me()._begin(), grads_final=o.grads_final,
+            scaling=scaling, begin=lambda: me()._begin(), grads_final=o.grads_final,
             release_grads=o.release_grads, ddp=o.ddp is not None, timeout_s=self.timeout_s,
         )  # fmt: skip
         for g in self.param_groups:
@@ -291,18 +269,11 @@ class HybridOptimizer(Optimizer):
         self._publish.before_step()
         st = begin_step(self.param_groups, self.rule, self._placer,
                         self._replace_if_stateless if may_replace else None)  # fmt: skip
-        st.delayed = self.overlap == "delayed" and self._steps_taken() >= self.delay_after
+        delayed = self.overlap == "delayed"
+        st.delayed = (
+            delayed and steps_taken(self.state, self._records, self.delay_after) >= self.delay_after
+        )
         return st
-
-    def _steps_taken(self) -> int:
-        """The updates the offloaded params have had: the largest ``step`` among them (host
-        tensors: no device sync), so a resume from a checkpoint counts on where it left off.
-        Read at each step's start when ``delay_after`` > 0."""
-        if self.delay_after == 0:
-            return 0
-        steps = (self.state.get(p, {}).get("step") for p, rec in self._records.items()
-                 if rec.offloaded)  # fmt: skip
-        return max((int(s) for s in steps if s is not None), default=0)
 
     def _replace_if_stateless(self) -> bool:
         """New state keys at step(): place again while no param has state (begin_step)."""
@@ -311,30 +282,14 @@ class HybridOptimizer(Optimizer):
         self._replace_for_keys()  # the step before was waited for: nothing is in flight
         return True
 
-    def _keys_changed(self) -> bool:
-        """Whether a group's values now need other state keys than its params were placed with."""
-        for g in self.param_groups:
-            keys = self.rule.state_keys_for(g)  # once per group, not per param
-            if any((r := self._records.get(p)) is not None and r.state_keys != keys
-                   for p in g["params"]):  # fmt: skip
-                return True
-        return False
-
     def _replace_for_keys(self) -> None:
         """Place every param again with the state keys its group's values need now.
 
         Raises:
-            ValueError: a ``max_gpu_memory`` budget was met with the old keys (more state now:
-                the fraction it chose may not fit); before a step nothing changed, inside
-                ``load_state_dict()`` the load fails (and is refused until one succeeds).
+            ValueError: as :meth:`Placer.check_new_keys`; before a step nothing changed,
+                inside ``load_state_dict()`` the load fails (refused until one succeeds).
         """
-        if self._placer.sizes["max_gpu_memory"] is not None:
-            raise ValueError(
-                "the param groups' values need other state than when max_gpu_memory chose the "
-                f"fraction {self.offload_fraction:g} (momentum turned on or off after the "
-                "first step()); build the optimizer with the values it trains with (OneCycleLR "
-                "sets momentum at construction, before max_gpu_memory chooses)"
-            )
+        self._placer.check_new_keys()
         self._replace(self.offload_fraction)
 
     def discard_failed_step(self) -> None:
@@ -616,33 +571,15 @@ class HybridOptimizer(Optimizer):
             RuntimeError: a step in flight from backward, a failed step, or a closed optimizer.
             PinnedAllocationError: the new buffers could not be had (the old placement stays).
         """
-        if (
-            isinstance(fraction, bool)
-            or not isinstance(fraction, numbers.Real)
-            or not 0 <= fraction <= 1
-        ):
-            raise ValueError(
-                f"Invalid offload_fraction: {fraction!r} (expected a number in [0, 1]; "
-                "offload_fraction='auto' is a constructor option)"
-            )
-        fraction = float(fraction)
+        fraction = check_fraction(fraction)
         placer = self._placer
         ours = placer.auto is not None and placer.auto.moving  # auto's own move
         replaced = None if ours else placer.choice_replaced()
 
-        def say_replaced() -> None:  # once placed: a refused call replaces nothing
-            if replaced is not None:
-                # A fresh user's finding: the budget (or auto) was dropped without a word.
-                self._warn_once(
-                    "fraction-replaces-choice",
-                    f"set_offload_fraction({fraction:g}) replaces {replaced}: the fraction is "
-                    "now yours and no budget is checked again (placement_choice says so)",
-                )
-
         if placer.budget_pending():  # the caller's fraction instead of the budget's choice
             placer.drop_budget(fraction, replaced)
             self.ensure_placed()
-            say_replaced()
+            placer.say_replaced(fraction, replaced)
             return
         self.ensure_placed()
         self.synchronize()
@@ -662,7 +599,7 @@ class HybridOptimizer(Optimizer):
             self._replace(fraction)
             if not ours:  # placed: from here the caller's fraction holds, not a choice
                 placer.caller_chose(fraction, replaced)
-                say_replaced()
+                placer.say_replaced(fraction, replaced)
 
     def _replace(self, fraction: float) -> None:
         """Place every param again at ``fraction`` with the groups' current values (their
@@ -772,7 +709,9 @@ class HybridOptimizer(Optimizer):
                 self._scaling.pending_clip = None
                 for g, s in zip(groups, saved_groups, strict=True):
                     g.update(checkpoint.merge_group(g, s, self.rule))
-                if self._keys_changed():  # a checkpoint of SGD with momentum into one built without
+                if (
+                    self._placer.keys_changed()
+                ):  # a checkpoint of SGD with momentum into one built without
                     self._replace_for_keys()  # (a fresh user's finding: its buffers were dropped)
                 ignored_masters = self._updater.load_state(groups, saved_state)
             except BaseException:

@@ -366,3 +366,18 @@ def check_zero(overlap: str, param_groups: list[dict], world: int) -> None:
 
 
 # ------------------------------------------------------------------ construction
+
+
+def check_fraction(fraction: Any) -> float:
+    """``set_offload_fraction``'s argument as a float.
+
+    Raises:
+        ValueError: ``fraction`` is not a number in [0, 1] (``"auto"`` included: it is a
+            constructor option).
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 <= fraction <= 1:  # fmt: skip
+        raise ValueError(
+            f"Invalid offload_fraction: {fraction!r} (expected a number in [0, 1]; "
+            "offload_fraction='auto' is a constructor option)"
+        )
+    return float(fraction)

@@ -285,6 +285,40 @@ class Placer:
             self.choice = {"fraction": fraction, "replaced": replaced,
                            "set_by": "set_offload_fraction"}  # fmt: skip
 
+    def say_replaced(self, fraction: float, replaced: str | None) -> None:
+        """Once a caller's fraction is placed, a warning (once) of what it replaced: a
+        budget or auto dropped without a word was a fresh user's finding."""
+        if replaced is not None:
+            self.warn_once(
+                "fraction-replaces-choice",
+                f"set_offload_fraction({fraction:g}) replaces {replaced}: the fraction is "
+                "now yours and no budget is checked again (placement_choice says so)",
+            )
+
+    def keys_changed(self) -> bool:
+        """Whether a group's values now need other state keys than its params were placed with."""
+        for g in self.param_groups:
+            keys = self.rule.state_keys_for(g)  # once per group, not per param
+            if any((r := self.records.get(p)) is not None and r.state_keys != keys
+                   for p in g["params"]):  # fmt: skip
+                return True
+        return False
+
+    def check_new_keys(self) -> None:
+        """New state keys (momentum turned on or off) need the params placed again.
+
+        Raises:
+            ValueError: a ``max_gpu_memory`` budget was met with the old keys (more state
+                now: the fraction it chose may not fit).
+        """
+        if self.sizes["max_gpu_memory"] is not None:
+            raise ValueError(
+                "the param groups' values need other state than when max_gpu_memory chose the "
+                f"fraction {self.fraction:g} (momentum turned on or off after the "
+                "first step()); build the optimizer with the values it trains with (OneCycleLR "
+                "sets momentum at construction, before max_gpu_memory chooses)"
+            )
+
     # ------------------------------------------------------------------ placing
     def replace(self, fraction: float) -> None:
         """Place every param again at ``fraction`` (the records emptied in place and made

@@ -197,3 +197,13 @@ def begin_step(
     stats = dict.fromkeys(_STATS, 0.0)
     stats.update(d2h_nbytes=0, h2d_nbytes=0, buckets=0, worker_ms=0.0)
     return Step(hypers, group_of, stats)
+
+
+def steps_taken(state: Any, records: dict, delay_after: int) -> int:
+    """The updates the offloaded params have had: the largest ``step`` among them (host
+    tensors: no device sync), so a resume from a checkpoint counts on where it left off.
+    Read at each step's start when ``delay_after`` > 0 (0 otherwise: nothing to compare)."""
+    if delay_after == 0:
+        return 0
+    steps = (state.get(p, {}).get("step") for p, rec in records.items() if rec.offloaded)
+    return max((int(s) for s in steps if s is not None), default=0)
