@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from offloadopt.debug import Debug
 from offloadopt.interrupts import no_grad_whole, signals_deferred
 from offloadopt.options import Options
-from offloadopt.place import budget
+from offloadopt.place import budget, report
 from offloadopt.place.placer import Placer
 from offloadopt.place.records import ParamRecord
 from offloadopt.rules import ADAMW, Rule
@@ -413,7 +413,7 @@ class HybridOptimizer(Optimizer):
     # ------------------------------------------------------------------ reporting
     def crossing_host_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every host buffer that crosses the link: ``(label, tensor)`` pairs."""
-        return self._placer.crossing_host_tensors()
+        return report.crossing_host_tensors(self.arenas, self._placer.transfers())
 
     def placement_table(self) -> str:
         """The placement as a fixed-width table (see :func:`offloadopt.place.placement.format_placement`);
@@ -428,12 +428,12 @@ class HybridOptimizer(Optimizer):
     @property
     def host_nbytes(self) -> int:
         """Bytes of host memory held for optimizer state and staging."""
-        return self._placer.host_nbytes()
+        return report.host_nbytes(self.arenas, self._placer.transfers())
 
     @property
     def pinned_nbytes(self) -> int:
         """Of :attr:`host_nbytes`, the bytes that are pinned now."""
-        return self._placer.pinned_nbytes()
+        return report.pinned_nbytes(self.arenas, self._placer.transfers())
 
     # What the owners hold, read (and a few written) under the names torch users know.
     offload_fraction = _owned(

@@ -11,7 +11,7 @@ import pytest
 import torch
 from oracle import assert_bitwise
 
-import offloadopt.place.placer as placer_mod
+import offloadopt.link.worker as worker_mod
 from offloadopt import HybridAdamW
 from offloadopt.link.worker import WorkerError
 
@@ -119,7 +119,7 @@ def test_default_threads_are_the_affinity_over_local_ranks_minus_a_busy_training
 
 def test_omp_num_threads_1_is_said_once_and_few_threads_warn(monkeypatch, caplog):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setattr(placer_mod, "usable_cores", lambda: 16)
+    monkeypatch.setattr(worker_mod, "usable_cores", lambda: 16)
     with caplog.at_level(logging.WARNING, logger="offloadopt"):
         opt = HybridAdamW([torch.nn.Parameter(torch.randn(64))], min_offload_numel=1, cpu_threads=8)
     assert "OMP_NUM_THREADS=1" in caplog.text and "8 threads" in caplog.text

@@ -25,7 +25,15 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["Worker", "Job", "WorkerError", "WaitTimeout", "default_cpu_threads", "local_ranks"]
+__all__ = [
+    "Worker",
+    "Job",
+    "WorkerError",
+    "WaitTimeout",
+    "default_cpu_threads",
+    "local_ranks",
+    "start_worker",
+]
 
 log = logging.getLogger("offloadopt")
 
@@ -179,3 +187,32 @@ class Worker:
     def close(self) -> None:
         """Let queued jobs finish, then stop the thread (idempotent)."""
         self._finalizer()
+
+
+def start_worker(
+    cpu_threads: int, flush_denormal: bool, warn_once: Callable[[str, str], None]
+) -> Worker:
+    """The CPU worker on ``cpu_threads`` threads, the count said where it surprises: a log
+    line under ``OMP_NUM_THREADS=1`` (torchrun's), a warning (``warn_once(key, message)``)
+    when it is above the usable cores or far below them."""
+    cores, ranks = usable_cores(), local_ranks()
+    if os.environ.get("OMP_NUM_THREADS") == "1" and cpu_threads > 1:
+        log.warning(
+            "offloadopt: OMP_NUM_THREADS=1 (torchrun sets it when it starts several "
+            "processes); the CPU update runs on its own %d threads (cores %d // local ranks "
+            "%d, less one when updates overlap the training thread); pass cpu_threads= to "
+            "choose", cpu_threads, cores, ranks,
+        )  # fmt: skip
+    if cpu_threads > cores:
+        warn_once(
+            "threads-over",
+            f"cpu_threads={cpu_threads} is more than the {cores} cores this process "
+            "may use: the worker's threads will contend for them",
+        )
+    if cpu_threads * ranks < cores // 2:
+        warn_once(
+            "threads",
+            f"the CPU update will run on {cpu_threads} threads x {ranks} local ranks, "
+            f"far below the {cores} cores this process may use (cpu_threads=)",
+        )
+    return Worker(cpu_threads, flush_denormal)

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from offloadopt.place import costmodel
+from offloadopt.place import costmodel, report
 from offloadopt.warn import warn
 
 __all__ = ["AutoFraction", "PROBE_FRACTION", "MEASURED_STEPS", "CORRECTIONS", "measurements"]
@@ -261,12 +261,13 @@ class AutoFraction:
         mode = cost_mode(opt.overlap, opt.grads_final or opt.grad_scaler is not None,
                          opt.max_grad_norm)  # fmt: skip
         probe = opt.offload_fraction
-        numel = opt._placer.numel_by_side()
+        numel = report.numel_by_side(opt._records)
+        sizes = report.bytes_per_param(opt.param_groups, opt.rule, opt.master_weights)
         try:
             m = measurements(fwd_bwd_ms=timed["fwd_bwd_ms"], stats=self._link(opt),
                              device_update_ms=timed["device_update_ms"],
                              device_numel=numel[False], offloaded_numel=numel[True],
-                             bucket_nbytes=opt.bucket_nbytes, **opt._placer.bytes_per_param())  # fmt: skip
+                             bucket_nbytes=opt.bucket_nbytes, **sizes)  # fmt: skip
         except ValueError as e:
             self._keep(opt, str(e))
             return

@@ -9,7 +9,6 @@ offloadopt/place/placement.py; moving state between placements losslessly is the
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import replace as dc_replace
 from typing import Any
@@ -19,7 +18,7 @@ import torch
 from offloadopt.link.layout import Arena, Bucket, build_arenas
 from offloadopt.link.pipeline import Pipeline
 from offloadopt.link.transfer import Transfer
-from offloadopt.link.worker import Worker, default_cpu_threads, local_ranks, usable_cores
+from offloadopt.link.worker import default_cpu_threads, start_worker
 from offloadopt.options import Options
 from offloadopt.place import budget
 from offloadopt.place.auto import PROBE_FRACTION, AutoFraction
@@ -32,6 +31,7 @@ from offloadopt.place.placement import (
     update_dtype,
 )
 from offloadopt.place.records import ParamRecord
+from offloadopt.place.report import check_pinned
 from offloadopt.rules import Rule
 from offloadopt.shards import check_setup, local
 
@@ -386,7 +386,10 @@ class Placer:
                 if old is None or old.nbytes < need:
                     new_transfers[d] = Transfer(d, need, pin[d])
             if buckets and self.pipeline is None:
-                self.pipeline = Pipeline(self.start_worker(), self.timeout_s)
+                self.pipeline = Pipeline(
+                    start_worker(self.cpu_threads, self.flush_denormal, self.warn_once),
+                    self.timeout_s,
+                )
         except BaseException:
             for arena in arenas:
                 arena.release()
@@ -442,30 +445,6 @@ class Placer:
             self.placement.append(rec.placement)
         return rec
 
-    def start_worker(self) -> Worker:
-        """The CPU worker, with the thread count decided once and said where it surprises."""
-        cores, ranks = usable_cores(), local_ranks()
-        if os.environ.get("OMP_NUM_THREADS") == "1" and self.cpu_threads > 1:
-            log.warning(
-                "offloadopt: OMP_NUM_THREADS=1 (torchrun sets it when it starts several "
-                "processes); the CPU update runs on its own %d threads (cores %d // local ranks "
-                "%d, less one when updates overlap the training thread); pass cpu_threads= to "
-                "choose", self.cpu_threads, cores, ranks,
-            )  # fmt: skip
-        if self.cpu_threads > cores:
-            self.warn_once(
-                "threads-over",
-                f"cpu_threads={self.cpu_threads} is more than the {cores} cores this process "
-                "may use: the worker's threads will contend for them",
-            )
-        if self.cpu_threads * ranks < cores // 2:
-            self.warn_once(
-                "threads",
-                f"the CPU update will run on {self.cpu_threads} threads x {ranks} local ranks, "
-                f"far below the {cores} cores this process may use (cpu_threads=)",
-            )
-        return Worker(self.cpu_threads, self.flush_denormal)
-
     # ------------------------------------------------------------------ views
     def transfers(self) -> dict[torch.device, Transfer]:
         """The staging per device (none before the first offloaded bucket)."""
@@ -478,28 +457,6 @@ class Placer:
     def device(self) -> torch.device:
         """The device of the params (one per rank: shards.check_setup)."""
         return local(self.param_groups[0]["params"][0]).device
-
-    def bytes_per_param(self) -> dict[str, int]:
-        """The cost model's bytes per trainable param: its weight (and grad) in the dtype of
-        most of the elements, and the state (the rule's, and an fp32 master when kept)."""
-        by_dtype: dict[torch.dtype, int] = {}
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.requires_grad:
-                    by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + local(p).numel()
-        dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.float32
-        master = update_dtype(dtype, self.master_weights) != dtype
-        n_states = len(self.rule.state_keys_for(self.param_groups[0]))
-        return {"weight_bytes": dtype.itemsize, "state_bytes": 4 * n_states + 4 * master}
-
-    def numel_by_side(self) -> dict[bool, int]:
-        """Trainable elements (this rank's shards) whose state is offloaded (True) or on the
-        device (False)."""
-        out = {True: 0, False: 0}
-        for p, rec in self.records.items():
-            if rec.placement.reason != "frozen":
-                out[rec.offloaded] += local(p).numel()
-        return out
 
     def infos(self, group_indices: list[int]) -> list[ParamInfo]:
         """The placement policy's view of these groups' params."""
@@ -526,30 +483,6 @@ class Placer:
         return names[i] if names and i < len(names) else f"group{gi}.param{i}"
 
     # ------------------------------------------------------------------ reporting
-    def crossing_host_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Every host buffer that crosses the link: ``(label, tensor)`` pairs."""
-        out = [(f"the master of arena {k}, {a.label}", a.master)
-               for k, a in enumerate(self.arenas) if a.device.type == "cuda"]  # fmt: skip
-        for d, tr in self.transfers().items():
-            if d.type == "cuda":
-                out += [(f"{d} grad staging slot {i}", t) for i, t in enumerate(tr.host_slots())]
-        return out
-
-    def check_pinned(self) -> None:
-        """The pinned invariant: every crossing host buffer is pinned (unless pin_memory=False).
-
-        Raises:
-            RuntimeError: a crossing host buffer is not pinned (named, with its bytes).
-        """
-        if not self.pin_memory:
-            return
-        bad = [f"{label}: {t.numel() * t.element_size()} bytes" for label, t in self.crossing_host_tensors()
-               if t.numel() and not t.is_pinned()]  # fmt: skip
-        if bad:
-            raise RuntimeError(
-                "host buffers that cross the link must be pinned; not pinned: " + "; ".join(bad)
-            )
-
     def table(self) -> str:
         """The placement as a fixed-width table; while params wait, a line saying so."""
         if self.unplaced:
@@ -566,15 +499,9 @@ class Placer:
             )
         return format_placement(self.placement)
 
-    def host_nbytes(self) -> int:
-        """Bytes of host memory held for optimizer state and staging."""
-        n = sum(a.buffers.nbytes for a in self.arenas if a.buffers is not None)
-        return n + sum(tr.ring.buffers.nbytes for tr in self.transfers().values())
-
-    def pinned_nbytes(self) -> int:
-        """Of :meth:`host_nbytes`, the bytes that are pinned now."""
-        n = sum(a.buffers.pinned_nbytes for a in self.arenas if a.buffers is not None)
-        return n + sum(tr.ring.buffers.pinned_nbytes for tr in self.transfers().values())
+    def check_pinned(self) -> None:
+        """The pinned invariant (offloadopt/place/report.py's :func:`check_pinned`)."""
+        check_pinned(self.arenas, self.transfers(), self.pin_memory)
 
     def close(self) -> None:
         """Stop the worker and unpin the staging (idempotent)."""

@@ -1,0 +1,125 @@
+"""The package's layers (docs/how-it-works.md, "The repository"): the optimizer -> step/ ->
+place/ -> state/ and link/, stacked one way, and no import cycle between modules. Imports are
+read from the source (module level and inside functions alike), so a lazy import that goes up a
+layer fails here too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import offloadopt
+
+ROOT = Path(offloadopt.__file__).parent
+# What each folder may import from the package, besides itself and the leaf modules.
+ALLOWED = {
+    "link": set(),
+    "state": {"link"},
+    "place": {"link", "state"},
+    "step": {"link", "state", "place"},
+}
+LEAVES = {"rules", "options", "shards", "warn", "interrupts", "validation"}
+
+
+def imports() -> dict[str, set[str]]:
+    """module -> the offloadopt modules it imports (dotted names, package-relative)."""
+    out: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        mod = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        found = out.setdefault(mod, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                if name.startswith("offloadopt."):
+                    rel = name.removeprefix("offloadopt.")
+                    # the longest prefix that is a module of the package
+                    parts = rel.split(".")
+                    for k in range(len(parts), 0, -1):
+                        cand = ".".join(parts[:k])
+                        if (ROOT / Path(*parts[:k])).with_suffix(".py").exists():
+                            found.add(cand)
+                            break
+                        if (ROOT / Path(*parts[:k]) / "__init__.py").exists():
+                            found.add(f"{cand}.__init__")
+                            break
+    return out
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    bad = []
+    for mod, deps in imports().items():
+        folder = mod.split(".")[0] if "." in mod else None
+        if folder not in ALLOWED:
+            continue
+        for dep in deps:
+            top = dep.split(".")[0]
+            if "." not in dep or top in LEAVES or top == folder:
+                ok = "." not in dep and dep in LEAVES or top == folder or top in LEAVES
+            else:
+                ok = top in ALLOWED[folder]
+            if not ok:
+                bad.append(f"{mod} imports {dep}")
+    assert not bad, bad
+
+
+def test_the_leaf_modules_import_nothing_of_the_package_but_leaves():
+    graph = imports()
+    bad = [f"{leaf} imports {dep}" for leaf in LEAVES for dep in graph.get(leaf, ())
+           if dep.split(".")[0] not in LEAVES]  # fmt: skip
+    assert not bad, bad
+
+
+def test_no_import_cycle_between_modules():
+    graph = imports()
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+    cycles = []
+
+    def visit(mod: str, path: list[str]) -> None:
+        state[mod] = 1
+        for dep in sorted(graph.get(mod, ())):
+            if dep.endswith("__init__") or dep not in graph:
+                continue
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep) :] + [dep] if dep in path else [mod, dep])
+            elif state.get(dep) is None:
+                visit(dep, path + [dep])
+        state[mod] = 2
+
+    for mod in sorted(graph):
+        if state.get(mod) is None:
+            visit(mod, [mod])
+    assert not cycles, cycles
+
+
+def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
+    """The layer test fails on a link/ module importing step/ (it can fail)."""
+    fake = tmp_path / "offloadopt"
+    (fake / "link").mkdir(parents=True)
+    (fake / "step").mkdir()
+    (fake / "link" / "x.py").write_text("from offloadopt.step.y import z\n")
+    (fake / "step" / "y.py").write_text("z = 1\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", fake)
+    try:
+        test_each_layer_imports_only_the_layers_below_it()
+    except AssertionError as e:
+        assert "link.x imports step.y" in str(e)
+    else:
+        raise AssertionError("an upward import went unseen")
+
+
+def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
+    fake = tmp_path / "offloadopt"
+    (fake / "place").mkdir(parents=True)
+    (fake / "place" / "a.py").write_text("from offloadopt.place.b import x\ny = 1\n")
+    (fake / "place" / "b.py").write_text("def f():\n    from offloadopt.place.a import y\nx = 1\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", fake)
+    try:
+        test_no_import_cycle_between_modules()
+    except AssertionError as e:
+        assert "place.a" in str(e) and "place.b" in str(e)
+    else:
+        raise AssertionError("a cycle went unseen")
