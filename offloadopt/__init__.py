@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it
+# public name -> the module it is imported from (audit re-exports summarize and
+# PageableCopyError from trace_summary)
 _LAZY = {
     "HybridAdamW": "offloadopt.adamw",
     "HybridAdam": "offloadopt.adam",

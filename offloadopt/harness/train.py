@@ -10,28 +10,27 @@ ends with one JSON line on stdout. ``--save`` / ``--resume`` checkpoint and cont
 ``--tensorboard DIR`` also writes TensorBoard events.
 
 ``make_model_and_optimizer`` and ``train_step`` are the pieces a benchmark reuses.
+The checkpoints (``save_checkpoint``, ``load_checkpoint``) live in ``train_checkpoint.py``, the
+logger and the figures it reports (``host_rss_nbytes``, ``describe_choice``, ``per_rank``) in
+``train_log.py``; both are imported here too, where they were defined before.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
 import math
 import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import torch
 from tqdm import tqdm
 
 from offloadopt.adamw import HybridAdamW
 from offloadopt.harness import checks
-from offloadopt.harness.checks import UsageError
 from offloadopt.harness.data import TokenData, get_batch, mock_data
 from offloadopt.harness.distributed import Dist, init_from_env, shard_fsdp, teardown, wrap_ddp
 from offloadopt.harness.gpt import GPT, PRESETS
@@ -47,6 +46,21 @@ from offloadopt.harness.options import (  # noqa: E402, F401 - their old home is
     TrainConfig,
     add_train_args,
     config_from_args,
+)
+from offloadopt.harness.train_checkpoint import (  # noqa: F401 - imported from here too
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_VERSION,
+    RESUME_MAY_CHANGE,
+    load_checkpoint,
+    save_checkpoint,
+)
+from offloadopt.harness.train_log import (  # noqa: F401 - imported from here too
+    StdoutHandler,
+    _logging_to_stdout,
+    describe_choice,
+    host_rss_nbytes,
+    log,
+    per_rank,
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # options.DTYPE_NAMES' dtypes
@@ -146,149 +160,6 @@ def evaluate(model: GPT, data: TokenData, cfg: TrainConfig) -> torch.Tensor:
     ]
     model.train()
     return torch.stack(losses).mean()
-
-
-def host_rss_nbytes() -> int:
-    """Resident set size of this process in bytes (psutil, else /proc/self/status; 0 if neither)."""
-    try:
-        import psutil
-
-        return psutil.Process().memory_info().rss
-    except ImportError:
-        pass
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024  # the kernel writes kB, meaning KiB
-    except OSError:
-        pass
-    return 0
-
-
-# The main job's log: one line per logged step and a few lines before the loop. ``train()``
-# writes it to stdout (through tqdm.write, so the progress bar on stderr stays below the lines)
-# unless a handler of the caller's own is attached to this logger; records also propagate.
-log = logging.getLogger("offloadopt.train")
-
-
-class StdoutHandler(logging.Handler):
-    """Each record's message as one line on the current ``sys.stdout``, flushed at once (a
-    log redirected to a file keeps every line if the job is killed)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            tqdm.write(self.format(record), file=sys.stdout)
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001 - logging's own convention
-            self.handleError(record)
-
-
-@contextlib.contextmanager
-def _logging_to_stdout(main: bool) -> Iterator[None]:
-    """On the main rank, ``log`` to stdout for the block, unless the caller attached a handler
-    to it, at INFO unless the caller set its level; other ranks log only warnings (rank 0
-    speaks for the job)."""
-    previous = log.level
-    own = [h for h in log.handlers if not isinstance(h, logging.NullHandler)]
-    handler = StdoutHandler() if main and not own else None
-    if handler is not None:
-        log.addHandler(handler)
-    if not main:
-        log.setLevel(logging.WARNING)
-    elif log.level == logging.NOTSET:  # a level the caller set stays
-        log.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        if handler is not None:
-            log.removeHandler(handler)
-        log.setLevel(previous)
-
-
-# --- checkpoints of the main job (--save, --resume) ---------------------------------------------
-
-CHECKPOINT_FORMAT = "offloadopt-train-checkpoint"
-CHECKPOINT_VERSION = 1
-# The TrainConfig fields a resumed run may change: where and how often it logs and saves.
-# Every other field must be the saved run's (they decide the losses).
-RESUME_MAY_CHANGE = ("progress", "eval_every", "eval_batches", "log_every", "save",
-                     "save_every", "resume", "tensorboard")  # fmt: skip
-
-
-def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: torch.Generator,
-                    first_loss: float) -> None:  # fmt: skip
-    """Write the run's state after ``step`` to ``path`` whole: ``torch.save`` into a temporary
-    file in the same folder, flushed to disk, then ``os.replace``, so an interrupt (Ctrl-C,
-    SIGTERM, a full disk) leaves either the previous checkpoint or the new one, never half a file.
-
-    Holds the model's ``state_dict``, the optimizer's (after ``synchronize()`` in delayed mode),
-    ``step``, the batch sampler's generator state, torch's global RNG state, the resolved config
-    (a dict) and the first step's loss (for the summary).
-    """
-    if hasattr(opt, "synchronize"):
-        opt.synchronize()  # delayed: the masters and moments of every step taken
-    payload = {
-        "format": CHECKPOINT_FORMAT,
-        "version": CHECKPOINT_VERSION,
-        "step": step,
-        "config": asdict(cfg),
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
-        "generator": gen.get_state(),
-        "torch_rng": torch.get_rng_state(),
-        "first_train_loss": first_loss,
-        "torch": str(torch.__version__),
-    }
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                       f".{os.path.basename(path)}.{os.getpid()}.tmp")  # fmt: skip
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def load_checkpoint(path: str, cfg: TrainConfig) -> dict:
-    """The checkpoint at ``path`` (tensors on the CPU), checked against the resolved ``cfg``.
-
-    Raises ``UsageError`` naming ``--resume`` and the file: not a checkpoint of this command
-    (unreadable, another kind of file), one of another preset or with other settings (each
-    differing ``--flag`` with both values), or one already at ``cfg.steps``.
-    """
-    name = f"--resume: {path!r}"
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
-    except OSError as e:
-        raise UsageError(f"{name}: {e.strerror or e}") from None
-    except Exception as e:  # noqa: BLE001 - whatever torch.load makes of a file that is not one
-        raise UsageError(
-            f"{name} is not a checkpoint of offloadopt train (--save writes one; "
-            f"torch.load: {type(e).__name__})"
-        ) from None
-    if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT:
-        raise UsageError(f"{name} is not a checkpoint of offloadopt train (--save writes one)")
-    if ck.get("version") != CHECKPOINT_VERSION:
-        raise UsageError(f"{name}: checkpoint version {ck.get('version')!r}, this offloadopt "
-                         f"reads {CHECKPOINT_VERSION}")  # fmt: skip
-    saved = ck["config"]
-    if saved.get("preset") != cfg.preset:
-        raise UsageError(f"{name} is a checkpoint of preset {saved.get('preset')!r}, not "
-                         f"{cfg.preset!r} (--preset)")  # fmt: skip
-    ours = asdict(cfg)
-    differ = [f"--{k.replace('_', '-')} {saved.get(k)!r} there, {v!r} here"
-              for k, v in ours.items() if k not in RESUME_MAY_CHANGE and saved.get(k) != v]  # fmt: skip
-    if differ:
-        raise UsageError(f"{name} was saved with other settings: {'; '.join(differ)} (a resumed "
-                         "run takes the saved run's, to continue its losses exactly)")  # fmt: skip
-    if ck["step"] >= cfg.steps:
-        raise UsageError(f"{name} is at step {ck['step']} of --steps {cfg.steps}: nothing left")
-    return ck
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -480,59 +351,6 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
     if hasattr(opt, "close"):
         opt.close()  # the worker thread ends here, not in the interpreter's shutdown
     return summary
-
-
-def describe_choice(choice: dict) -> str:
-    """One line of what chose the offload fraction (``HybridAdamW.placement_choice``)."""
-    gb = 1e9
-    line = f"placement: offload fraction {choice['fraction']:g}"
-    if "max_gpu_memory" in choice:
-        line += (f" | max_gpu_memory {choice['max_gpu_memory'] / gb:.2f} GB: device "
-                 f"{choice['predicted_gpu_bytes'] / gb:.2f} GB predicted, host "
-                 f"{choice['host_bytes'] / gb:.2f} GB")  # fmt: skip
-    if "kept" in choice:
-        line += f" | auto kept it: {choice['kept']}"
-    elif choice.get("set_by") == "auto":
-        measured = choice.get("measured_step_ms")
-        line += (f" | auto: probe {choice['probe_fraction']:g} at "
-                 f"{choice['probe_measured_step_ms']:.1f} ms/step; predicted "
-                 f"{choice['predicted_step_ms']:.1f} ms/step (fraction 0: "
-                 f"{choice['predicted_step_ms_at_0']:.1f})")  # fmt: skip
-        line += f", measured {measured:.1f}" if measured is not None else ", measuring"
-        moves = choice.get("corrections") or []
-        if moves:
-            line += " | corrected from " + ", ".join(
-                f"{c['fraction']:g} ({c['measured_step_ms']:.1f} ms)" for c in moves
-            )
-    return line
-
-
-def per_rank(opt, summary: dict, ranks: Dist, tokens_per_step: int) -> dict:
-    """Each rank's figures (gathered on every rank) and the job's totals: host bytes add up
-    over ranks, tokens/s too (each rank trains on its own batches)."""
-    import torch.distributed as dist
-
-    stats = getattr(opt, "stats", {})
-    mine = {
-        "rank": ranks.rank,
-        "median_step_ms": summary["median_step_ms"],
-        "peak_gpu_gb": summary["peak_gpu_gb"],
-        "host_rss_gb": host_rss_nbytes() / 1e9,
-        "host_state_nbytes": getattr(opt, "host_nbytes", 0),
-        "pinned_nbytes": getattr(opt, "pinned_nbytes", 0),
-        "cpu_threads": int(stats.get("cpu_threads", 0)),
-        "local_ranks": int(stats.get("local_ranks", ranks.local_world)),
-    }
-    everyone: list = [None] * ranks.world
-    dist.all_gather_object(everyone, mine)
-    slowest = max(r["median_step_ms"] for r in everyone)  # the job steps at its slowest rank
-    return {
-        "ranks": everyone,
-        "tokens_per_s": tokens_per_step * ranks.world / slowest * 1e3,
-        "tokens_per_s_per_rank": tokens_per_step / slowest * 1e3,
-        "optimizer_host_gb": sum(r["host_state_nbytes"] for r in everyone) / 1e9,
-        "optimizer_pinned_gb": sum(r["pinned_nbytes"] for r in everyone) / 1e9,
-    }
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,101 @@
+"""Checkpoints of the main job (``offloadopt train --save / --resume``): the run's whole state
+written atomically (:func:`save_checkpoint`), and read back checked against the resumed run's
+configuration (:func:`load_checkpoint`, one-line ``UsageError`` on a bad file). The CPU tests
+in ``tests/test_train_checkpoint.py`` hold it to bit-for-bit resumption.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import asdict
+
+import torch
+
+from offloadopt.harness.checks import UsageError
+from offloadopt.harness.options import TrainConfig
+
+__all__ = ["CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "RESUME_MAY_CHANGE", "save_checkpoint"]
+__all__ += ["load_checkpoint"]
+
+CHECKPOINT_FORMAT = "offloadopt-train-checkpoint"
+CHECKPOINT_VERSION = 1
+# The TrainConfig fields a resumed run may change: where and how often it logs and saves.
+# Every other field must be the saved run's (they decide the losses).
+RESUME_MAY_CHANGE = ("progress", "eval_every", "eval_batches", "log_every", "save",
+                     "save_every", "resume", "tensorboard")  # fmt: skip
+
+
+def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: torch.Generator,
+                    first_loss: float) -> None:  # fmt: skip
+    """Write the run's state after ``step`` to ``path`` whole: ``torch.save`` into a temporary
+    file in the same folder, flushed to disk, then ``os.replace``, so an interrupt (Ctrl-C,
+    SIGTERM, a full disk) leaves either the previous checkpoint or the new one, never half a file.
+
+    Holds the model's ``state_dict``, the optimizer's (after ``synchronize()`` in delayed mode),
+    ``step``, the batch sampler's generator state, torch's global RNG state, the resolved config
+    (a dict) and the first step's loss (for the summary).
+    """
+    if hasattr(opt, "synchronize"):
+        opt.synchronize()  # delayed: the masters and moments of every step taken
+    payload = {
+        "format": CHECKPOINT_FORMAT,
+        "version": CHECKPOINT_VERSION,
+        "step": step,
+        "config": asdict(cfg),
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "generator": gen.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "first_train_loss": first_loss,
+        "torch": str(torch.__version__),
+    }
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                       f".{os.path.basename(path)}.{os.getpid()}.tmp")  # fmt: skip
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def load_checkpoint(path: str, cfg: TrainConfig) -> dict:
+    """The checkpoint at ``path`` (tensors on the CPU), checked against the resolved ``cfg``.
+
+    Raises ``UsageError`` naming ``--resume`` and the file: not a checkpoint of this command
+    (unreadable, another kind of file), one of another preset or with other settings (each
+    differing ``--flag`` with both values), or one already at ``cfg.steps``.
+    """
+    name = f"--resume: {path!r}"
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as e:
+        raise UsageError(f"{name}: {e.strerror or e}") from None
+    except Exception as e:  # noqa: BLE001 - whatever torch.load makes of a file that is not one
+        raise UsageError(
+            f"{name} is not a checkpoint of offloadopt train (--save writes one; "
+            f"torch.load: {type(e).__name__})"
+        ) from None
+    if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT:
+        raise UsageError(f"{name} is not a checkpoint of offloadopt train (--save writes one)")
+    if ck.get("version") != CHECKPOINT_VERSION:
+        raise UsageError(f"{name}: checkpoint version {ck.get('version')!r}, this offloadopt "
+                         f"reads {CHECKPOINT_VERSION}")  # fmt: skip
+    saved = ck["config"]
+    if saved.get("preset") != cfg.preset:
+        raise UsageError(f"{name} is a checkpoint of preset {saved.get('preset')!r}, not "
+                         f"{cfg.preset!r} (--preset)")  # fmt: skip
+    ours = asdict(cfg)
+    differ = [f"--{k.replace('_', '-')} {saved.get(k)!r} there, {v!r} here"
+              for k, v in ours.items() if k not in RESUME_MAY_CHANGE and saved.get(k) != v]  # fmt: skip
+    if differ:
+        raise UsageError(f"{name} was saved with other settings: {'; '.join(differ)} (a resumed "
+                         "run takes the saved run's, to continue its losses exactly)")  # fmt: skip
+    if ck["step"] >= cfg.steps:
+        raise UsageError(f"{name} is at step {ck['step']} of --steps {cfg.steps}: nothing left")
+    return ck
