@@ -619,6 +619,8 @@ class HybridOptimizer(Optimizer):
         try:
             self._placer.replace(fraction)
         except BaseException:
+            for hooks in (*self._grad_hooks, *self._publish.module_waits):
+                hooks.remove()  # a placement that failed after its hooks were registered
             dict.update(self.state, old_state)
             self._grad_hooks, self._publish.module_waits = old_hooks
             raise

@@ -366,3 +366,27 @@ def test_set_offload_fraction_after_a_read_of_state_for_a_param_without_state():
         torch.testing.assert_close(p, q, rtol=0, atol=0)
         assert opt.state[p]["step"].item() == ref.state[q]["step"].item()
     opt.close()
+
+
+def test_a_failed_move_leaves_no_grad_hook_of_the_new_placement_behind(monkeypatch):
+    """set_offload_fraction whose placement fails after its grad hooks were registered (the
+    pinned check runs last): the old placement stays, and the new hooks are removed, so a
+    backward announces each grad once (a hook left behind announced it twice)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    opt = HybridAdamW(net.parameters(), lr=1e-2, min_offload_numel=1, offload_fraction=0.5,
+                      overlap="backward", grads_final=True)  # fmt: skip
+    hooks = [len(p._post_accumulate_grad_hooks or {}) for p in net.parameters()]
+
+    def fail() -> None:
+        raise RuntimeError("pinned check failed")
+
+    monkeypatch.setattr(opt.debug.placer, "check_pinned", fail)
+    with pytest.raises(RuntimeError, match="pinned check failed"):
+        opt.set_offload_fraction(1.0)
+    monkeypatch.undo()
+    assert opt.offload_fraction == 0.5
+    assert [len(p._post_accumulate_grad_hooks or {}) for p in net.parameters()] == hooks
+    net(torch.randn(8, 16)).sum().backward()
+    opt.step()  # one announcement per grad: no "a backward came before step()"
+    opt.close()
