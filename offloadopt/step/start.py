@@ -129,7 +129,7 @@ class FromBackward(AtStep):
 
     def on_grad(self, p: torch.Tensor) -> None:
         """A grad hook (autograd's thread): ``p``'s grad is final for this backward (with
-        ``ddp=``: accumulated locally; it is announced once reduced, by :meth:`_on_reduced`)."""
+        ``ddp=``: accumulated locally; it is announced once reduced, by :meth:`on_reduced`)."""
         if self.depth or self.holding():
             return  # auto's probe: step() feeds everything, as in step mode
         task = torch._C._current_graph_task_id()
