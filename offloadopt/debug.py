@@ -44,7 +44,6 @@ class Debug:
         self.guards = opt._guards
         self.scaling = opt._scaling
         self.timeline = opt._timeline
-        self._hooks = opt._grad_hooks
 
     @property
     def pipeline(self) -> Any:
@@ -75,5 +74,5 @@ class Debug:
 
     @property
     def grad_hooks(self) -> list:
-        """The post-accumulate-grad hooks of the offloaded params (backward mode)."""
-        return self._hooks
+        """The post-accumulate-grad hooks of the offloaded params (the start policy's)."""
+        return self.start.grad_hooks

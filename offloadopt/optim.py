@@ -28,7 +28,6 @@ from offloadopt.state.store import OptimizerState
 from offloadopt.step.amp import scaler_inputs
 from offloadopt.step.feed import Feeder
 from offloadopt.step.guards import Guards
-from offloadopt.step.hooks import GradHooks
 from offloadopt.step.publish import publisher_for
 from offloadopt.step.scaling import Scaling
 from offloadopt.step.start import start_policy
@@ -43,7 +42,7 @@ from offloadopt.validation import (
     validate_options,
     validate_params_arg,
 )
-from offloadopt.warn import WarnOnce, weak_method
+from offloadopt.warn import WarnOnce
 
 __all__ = ["HybridOptimizer"]
 
@@ -99,8 +98,7 @@ class HybridOptimizer(Optimizer):
         self.grads_final, self.release_grads = o.grads_final, o.release_grads
         self.delay_after = int(o.delay_after)  # overlap="delayed": synchronous steps first
         self.timeout_s = float(o.timeout_s)
-        self._ready, self._closed, self._ddp_hook = False, False, None
-        self._grad_hooks: list[GradHooks] = []  # the offloaded params' (FromBackward)
+        self._ready, self._closed = False, False
         self._records: dict[torch.Tensor, ParamRecord] = {}  # the Placer fills it
         self._warn_once = WarnOnce()  # one warning per key, shared with the owners
         # torch's group flags, so a cross-load into torch's optimizer keeps its fused kernel.
@@ -128,7 +126,7 @@ class HybridOptimizer(Optimizer):
         self._placer = Placer(  # where each param's state lives, and the memory it holds
             self.param_groups, self.rule, o, sizes, name=name, records=self._records,
             ddp=o.ddp is not None, warn_once=self._warn_once,
-            on_offloaded=weak_method(self._hook_offloaded),
+            on_offloaded=lambda params: me()._start.hook(params),
         )  # fmt: skip
         self._updater = Updater(  # the rule's application; making and loading state
             self.rule, self._records, self.state, master_weights=o.master_weights,
@@ -152,10 +150,8 @@ class HybridOptimizer(Optimizer):
         check_zero(o.overlap, self.param_groups, world_size())
         self._placer.place_or_defer(list(range(len(self.param_groups))))
         if o.ddp is not None:
-            from offloadopt.step.hooks import DDPGrads
-
             try:
-                self._ddp_hook = DDPGrads(self._start, o.ddp)
+                self._start.hook_ddp(o.ddp)
             except RuntimeError as e:  # DDP takes one comm hook per model
                 self.close()
                 raise RuntimeError(
@@ -197,12 +193,6 @@ class HybridOptimizer(Optimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         """A subclass's own refusals for a group about to be placed (its params are tensors);
         raising here adds nothing, at construction and in ``add_param_group`` alike."""
-
-    def _hook_offloaded(self, params: list[torch.Tensor]) -> None:
-        """The Placer placed ``params`` on the host: in backward mode with updates that may
-        start before step() (start.py), their grad hooks announce each grad."""
-        if self._start.hooks:
-            self._grad_hooks.append(GradHooks(self._start, params))
 
     # ------------------------------------------------------------------ the step
     @torch.compiler.disable  # under torch.compile the step runs eagerly (a graph break)
@@ -613,16 +603,16 @@ class HybridOptimizer(Optimizer):
         # opt.state is emptied in place, never replaced: the owners that read it (and a
         # user's reference to opt.state) keep the same object.
         old_state = dict.copy(self.state)
-        old_hooks = (self._grad_hooks, self._publish.module_waits)
+        old_hooks = (self._start.grad_hooks, self._publish.module_waits)
         dict.clear(self.state)
-        self._grad_hooks, self._publish.module_waits = [], []
+        self._start.grad_hooks, self._publish.module_waits = [], []
         try:
             self._placer.replace(fraction)
         except BaseException:
-            for hooks in (*self._grad_hooks, *self._publish.module_waits):
+            for hooks in (*self._start.grad_hooks, *self._publish.module_waits):
                 hooks.remove()  # a placement that failed after its hooks were registered
             dict.update(self.state, old_state)
-            self._grad_hooks, self._publish.module_waits = old_hooks
+            self._start.grad_hooks, self._publish.module_waits = old_hooks
             raise
         for hooks in (*old_hooks[0], *old_hooks[1]):
             hooks.remove()  # the old placement's grad hooks and module waits
@@ -739,11 +729,10 @@ class HybridOptimizer(Optimizer):
         try:
             self.synchronize()
         finally:
-            for hooks in (*self._grad_hooks, *self._publish.module_waits):
+            self._start.remove_hooks()  # grad hooks; DDP keeps its comm hook, as a plain one
+            for hooks in self._publish.module_waits:
                 hooks.remove()
-            if self._ddp_hook is not None:
-                self._ddp_hook.remove()  # DDP keeps the hook: a plain all-reduce from now on
-            self._grad_hooks, self._publish.module_waits = [], []
+            self._publish.module_waits = []
             if self._timeline.current is not None and self._timeline.current.run is not None:
                 stop_run(self._timeline.current.run, self.timeout_s)
             self._placer.close()

@@ -55,6 +55,7 @@ from offloadopt.place.placer import Placer
 from offloadopt.shards import is_dtensor, local
 from offloadopt.step.amp import found_inf
 from offloadopt.step.feed import Feeder
+from offloadopt.step.hooks import DDPGrads, GradHooks
 from offloadopt.step.scaling import Scaling
 from offloadopt.step.step import Phase, Step, Timeline
 
@@ -74,6 +75,20 @@ class AtStep:
 
     def __init__(self) -> None:
         self.depth = 0
+        self.grad_hooks: list[GradHooks] = []  # the offloaded params' (FromBackward)
+        self.ddp_hook: DDPGrads | None = None  # ddp=: DDP's comm hook (FromBackward)
+
+    def hook(self, params: list[torch.Tensor]) -> None:
+        """The Placer placed ``params`` on the host: nothing listens here."""
+
+    def remove_hooks(self) -> None:
+        """Take every hook off (``close()``; idempotent). DDP keeps its comm hook: a plain
+        all-reduce from then on."""
+        for hooks in self.grad_hooks:
+            hooks.remove()
+        self.grad_hooks = []
+        if self.ddp_hook is not None:
+            self.ddp_hook.remove()
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -126,6 +141,19 @@ class FromBackward(AtStep):
         self.grads_final, self.release_grads = grads_final, release_grads
         self.ddp, self.timeout_s = ddp, timeout_s
         self.reductions: list = []  # ddp=: this backward's all-reduce futures
+
+    def hook(self, params: list[torch.Tensor]) -> None:
+        """The Placer placed ``params`` on the host: their post-accumulate-grad hooks (and
+        the end-of-backward callback) announce each grad to this policy."""
+        self.grad_hooks.append(GradHooks(self, params))
+
+    def hook_ddp(self, ddp: torch.nn.Module) -> None:
+        """``ddp=``: DDP's comm hook announces each reduced bucket (hooks.DDPGrads).
+
+        Raises:
+            RuntimeError: the DDP model has a comm hook already (DDP takes one).
+        """
+        self.ddp_hook = DDPGrads(self, ddp)
 
     def on_grad(self, p: torch.Tensor) -> None:
         """A grad hook (autograd's thread): ``p``'s grad is final for this backward (with
