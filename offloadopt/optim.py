@@ -675,9 +675,12 @@ class HybridOptimizer(Optimizer):
 
         Raises:
             ValueError: the dict does not fit this optimizer; nothing was changed.
+            RuntimeError: between backward and ``step()`` once this step's updates began
+                (declared backward mode); nothing was changed.
         """
         self.ensure_placed()
         self._publish.refuse_other_thread()  # not swallowed below: it is no failed step
+        self._guards.check_load()  # a step in progress since backward: refused, unchanged
         try:
             self.synchronize()
         except Exception:  # noqa: BLE001 - a failed step is what a load repairs

@@ -224,3 +224,33 @@ def test_a_signal_as_step_turns_grad_mode_off_leaves_grad_mode_on(faults, monkey
     model(1).backward()
     opt.step()
     opt.close()
+
+
+@pytest.mark.parametrize("mode", ["backward", "delayed"])
+def test_an_optimizer_dropped_without_close_leaves_no_hook_on_the_model(mode):
+    """Its grad hooks and module waits go with it: before, each dropped optimizer left one
+    post-accumulate-grad hook per param, and watch()'s forward and state-dict pre-hooks, on
+    the model (doing nothing, piling up: a fresh user's finding)."""
+    from offloadopt import HybridAdamW
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    def counts():
+        grads = sum(len(p._post_accumulate_grad_hooks or {}) for p in net.parameters())
+        forward = sum(len(m._forward_pre_hooks) for m in net.modules())
+        saves = sum(len(m._state_dict_pre_hooks) for m in net.modules())
+        return grads, forward, saves
+
+    before = counts()
+    kw = dict(grads_final=True, wait="module") if mode == "backward" else {}
+    for _ in range(3):
+        opt = HybridAdamW(net.parameters(), min_offload_numel=1, overlap=mode, **kw)
+        opt.watch(net)
+        assert counts() != before  # hooked while it lives
+        net(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        opt.synchronize()
+        del opt  # no close(): dropped
+    assert counts() == before

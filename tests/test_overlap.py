@@ -713,6 +713,27 @@ def test_an_lr_set_between_backward_and_step_after_updates_started_is_reported()
     assert_bitwise([p.detach() for p in model.parameters()], ref, "the step used the old lr")
 
 
+def test_a_load_between_backward_and_step_after_updates_started_is_refused_unchanged():
+    """A fresh user's finding: load_state_dict() between a declared backward and step() was
+    taken, the updated params kept their new weights, and step() matched neither run. It is
+    refused (state_dict() is too) with nothing changed; after step() it loads."""
+    model = mlp()
+    opt = make_opt(model, 1.0, **MODES["backward"])
+    train(model, opt, steps=1)
+    saved = opt.state_dict()
+    model(batch(1)).pow(2).mean().backward()
+    assert opt.debug.step is not None and opt.debug.step.fed
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(\) between backward and step"):
+        opt.load_state_dict(saved)
+    opt.step()  # the step goes on, as if no load was tried
+    opt.zero_grad()
+    ref = train(m := mlp(), torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True), steps=2)
+    assert_bitwise(
+        [p.detach() for p in model.parameters()], ref, "the refused load changed nothing"
+    )
+    opt.load_state_dict(saved)  # between steps: taken
+
+
 class _SlowBackward(torch.autograd.Function):
     """Identity whose backward sleeps: the grads before it in backward order are announced
     ``delay_s`` before those after it."""

@@ -224,6 +224,26 @@ class Guards:
                 "with overlap='backward') and end in step(); call state_dict() after step()"
             )
 
+    def check_load(self) -> None:
+        """Before ``load_state_dict()`` changes anything: a step whose updates started during
+        a backward that has ended, and that ``step()`` has yet to finish, is refused (a fresh
+        user's finding: the load was taken, the updated params' new weights stayed, and the
+        next ``step()`` matched neither run). After an interrupted backward or a failed step
+        a load is the way back, and goes on.
+
+        Raises:
+            RuntimeError: that step in progress; nothing was changed.
+        """
+        st = self.timeline.current
+        if self.timeline.broken is None and self.timeline.updates_started() and st.backward_done:
+            raise RuntimeError(
+                f"{self.timeline.name}.load_state_dict() between backward and step(): this "
+                "step's updates started during backward (grads_final, max_grad_norm or "
+                "grad_scaler with overlap='backward') and some params hold their new weights "
+                "already, which a load cannot take back; call load_state_dict() after step() "
+                "(or before backward); nothing was changed"
+            )
+
     def warn_if_hypers_moved(self, st: Step, param_groups: list[dict]) -> None:
         """A group value set between backward and ``step()`` after this step's updates began
         (declared backward mode froze the values at its first update: the whole step uses

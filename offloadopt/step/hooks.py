@@ -19,6 +19,14 @@ from offloadopt.shards import is_dtensor
 __all__ = ["GradHooks", "ModuleWaits", "DDPGrads"]
 
 
+def _remove_with(owner: Any, hooks: Any) -> None:
+    """Take ``hooks``' handles off when ``owner`` is collected: an optimizer dropped without
+    ``close()`` leaves no hook behind on the model's params and modules (each would do
+    nothing, but they piled up, one per param per dropped optimizer: a fresh user's finding;
+    tests/test_faults.py)."""
+    weakref.finalize(owner, hooks.remove).atexit = False
+
+
 class GradHooks:
     """Post-accumulate-grad hooks on the given params, and an end-of-backward callback.
 
@@ -52,6 +60,7 @@ class GradHooks:
         self.handles = [
             p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad
         ]
+        _remove_with(owner, self)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -153,6 +162,7 @@ class ModuleWaits:
         # On every submodule: a framework may save a part (model.module, model.backbone).
         for module in model.modules():
             self.handles.append(module.register_state_dict_pre_hook(state_dict_pre_hook))
+        _remove_with(owner, self)
 
     def remove(self) -> None:
         for h in self.handles:
