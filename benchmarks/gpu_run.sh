@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -34,6 +34,13 @@ for part in "${@:-all}"; do
   if [[ $part == ab ]]; then
     base=""; [[ -d .baseline/offloadopt_base ]] && base="--baseline-dir .baseline"
     timeout 480 python3 benchmarks/ab_step.py $base --warmup 2 --steps 6 --out "$OUT" 2>&1 | tee "$OUT/ab.log" | tail -20
+  fi
+  if [[ $part == ab-backward ]]; then
+    # a library change against a baseline commit: backward mode at fractions 1 and 0.2, four
+    # rounds in one process (one configuration moves by up to 16 % between rounds)
+    base=""; [[ -d .baseline/offloadopt_base ]] && base="--baseline-dir .baseline"
+    timeout 420 python3 benchmarks/ab_step.py $base --overlap backward --fraction 1 0.2 \
+      --inits gpt2-init --warmup 3 --steps 8 --rounds 4 --out "$OUT/ab" 2>&1 | tee "$OUT/ab.log" | tail -16
   fi
   if [[ $part == overlap || $part == all ]]; then
     timeout 480 python3 benchmarks/overlap_bench.py --out "$OUT" 2>&1 | tee "$OUT/overlap.log" | tail -42
