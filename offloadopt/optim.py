@@ -307,11 +307,6 @@ class HybridOptimizer(Optimizer):
         (offloadopt/debug.py lists what it holds)."""
         return Debug(self)
 
-    def _updates_started(self) -> bool:
-        """Updates began before ``step()`` (backward mode, declared): from then until
-        ``step()`` returns the worker writes the params of the buckets fed so far."""
-        return self._timeline.updates_started()
-
     # ------------------------------------------------------------------ publishing
     # WHEN the new weights are visible is the publish policy's (offloadopt/step/publish.py).
     def synchronize(self) -> None:
@@ -366,17 +361,7 @@ class HybridOptimizer(Optimizer):
                 backward's grads), and nothing is changed. A fresh user's finding: the usual skip of a step with a
                 non-finite loss was silently an update.
         """
-        if self._updates_started():
-            started = len(self._timeline.current.fed)
-            raise RuntimeError(
-                f"zero_grad() between backward and step(): this step's updates already began "
-                f"({started} buckets, at the end of backward or during it with "
-                "grads_final=True), so zeroing the grads cannot skip the step; nothing was "
-                "changed. Call step() to finish it, or, to be able to skip steps (a "
-                "non-finite loss), leave grads_final and max_grad_norm unset so that updates "
-                "wait for step() (an attached GradScaler, grad_scaler=, skips a step whose "
-                "grads hold an inf or NaN by itself)"
-            )
+        self._guards.check_zero_grad()  # updates began in backward: nothing changed
         self._publish.before_zero_grad(set_to_none)
         super().zero_grad(set_to_none=set_to_none)
 

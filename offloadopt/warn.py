@@ -10,13 +10,10 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-import weakref
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
-__all__ = ["WarnOnce", "warn", "weak_method"]
+__all__ = ["WarnOnce", "warn"]
 
 _INSIDE = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules[__package__], torch)
@@ -43,17 +40,3 @@ class WarnOnce:
         if key not in self.warned:
             self.warned.add(key)
             warn(message)
-
-
-def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` (a bound method) called through a weak reference to its object: an owner
-    given it keeps no reference to the optimizer, which then dies when its last user reference
-    goes (its grad hooks with it: tests/test_faults.py drops 200 optimizers of one model); a
-    call after that does nothing and returns None."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        bound = ref()
-        return None if bound is None else bound(*args, **kwargs)
-
-    return call

@@ -244,6 +244,28 @@ class Guards:
                 "(or before backward); nothing was changed"
             )
 
+    def check_zero_grad(self) -> None:
+        """Before ``zero_grad()`` changes anything: once this step's updates began (declared
+        backward mode), zeroing the grads cannot skip it (they ran with backward's grads). A
+        fresh user's finding: the usual skip of a step with a non-finite loss was silently an
+        update.
+
+        Raises:
+            RuntimeError: between backward and ``step()`` once the updates began; nothing was
+                changed.
+        """
+        if self.timeline.updates_started():
+            started = len(self.timeline.current.fed)
+            raise RuntimeError(
+                f"zero_grad() between backward and step(): this step's updates already began "
+                f"({started} buckets, at the end of backward or during it with "
+                "grads_final=True), so zeroing the grads cannot skip the step; nothing was "
+                "changed. Call step() to finish it, or, to be able to skip steps (a "
+                "non-finite loss), leave grads_final and max_grad_norm unset so that updates "
+                "wait for step() (an attached GradScaler, grad_scaler=, skips a step whose "
+                "grads hold an inf or NaN by itself)"
+            )
+
     def warn_if_hypers_moved(self, st: Step, param_groups: list[dict]) -> None:
         """A group value set between backward and ``step()`` after this step's updates began
         (declared backward mode froze the values at its first update: the whole step uses
