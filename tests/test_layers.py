@@ -95,31 +95,30 @@ def test_no_import_cycle_between_modules():
     assert not cycles, cycles
 
 
-def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
-    """The layer test fails on a link/ module importing step/ (it can fail)."""
+def assert_catches(tmp_path, monkeypatch, files: dict[str, str], check, *names: str) -> None:
+    """``check`` run over a planted package of ``files`` (path -> source) fails, naming each
+    of ``names``: the checks can fail."""
     fake = tmp_path / "offloadopt"
-    (fake / "link").mkdir(parents=True)
-    (fake / "step").mkdir()
-    (fake / "link" / "x.py").write_text("from offloadopt.step.y import z\n")
-    (fake / "step" / "y.py").write_text("z = 1\n")
+    for rel, source in files.items():
+        (fake / rel).parent.mkdir(parents=True, exist_ok=True)
+        (fake / rel).write_text(source)
     monkeypatch.setattr(__import__(__name__), "ROOT", fake)
     try:
-        test_each_layer_imports_only_the_layers_below_it()
+        check()
     except AssertionError as e:
-        assert "link.x imports step.y" in str(e)
+        assert all(name in str(e) for name in names), str(e)
     else:
-        raise AssertionError("an upward import went unseen")
+        raise AssertionError(f"{check.__name__} passed a planted package")
+
+
+def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
+    files = {"link/x.py": "from offloadopt.step.y import z\n", "step/y.py": "z = 1\n"}
+    assert_catches(tmp_path, monkeypatch, files, test_each_layer_imports_only_the_layers_below_it,
+                   "link.x imports step.y")  # fmt: skip
 
 
 def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
-    fake = tmp_path / "offloadopt"
-    (fake / "place").mkdir(parents=True)
-    (fake / "place" / "a.py").write_text("from offloadopt.place.b import x\ny = 1\n")
-    (fake / "place" / "b.py").write_text("def f():\n    from offloadopt.place.a import y\nx = 1\n")
-    monkeypatch.setattr(__import__(__name__), "ROOT", fake)
-    try:
-        test_no_import_cycle_between_modules()
-    except AssertionError as e:
-        assert "place.a" in str(e) and "place.b" in str(e)
-    else:
-        raise AssertionError("a cycle went unseen")
+    files = {"place/a.py": "from offloadopt.place.b import x\ny = 1\n",
+             "place/b.py": "def f():\n    from offloadopt.place.a import y\nx = 1\n"}  # fmt: skip
+    assert_catches(tmp_path, monkeypatch, files, test_no_import_cycle_between_modules,
+                   "place.a", "place.b")  # fmt: skip

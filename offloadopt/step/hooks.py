@@ -19,15 +19,23 @@ from offloadopt.shards import is_dtensor
 __all__ = ["GradHooks", "ModuleWaits", "DDPGrads"]
 
 
-def _remove_with(owner: Any, hooks: Any) -> None:
-    """Take ``hooks``' handles off when ``owner`` is collected: an optimizer dropped without
-    ``close()`` leaves no hook behind on the model's params and modules (each would do
-    nothing, but they piled up, one per param per dropped optimizer: a fresh user's finding;
-    tests/test_faults.py)."""
-    weakref.finalize(owner, hooks.remove).atexit = False
+class _Handles:
+    """Hook handles taken off together by :meth:`remove` (``close()``), or when ``owner`` is
+    collected: an optimizer dropped without ``close()`` leaves no hook behind on the model's
+    params and modules (each would do nothing, but they piled up, one per param per dropped
+    optimizer: a fresh user's finding; tests/test_faults.py)."""
+
+    def __init__(self, owner: Any):
+        self.handles: list = []
+        weakref.finalize(owner, self.remove).atexit = False
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
-class GradHooks:
+class GradHooks(_Handles):
     """Post-accumulate-grad hooks on the given params, and an end-of-backward callback.
 
     ``owner.on_grad(p)`` runs when ``p``'s grad is final for this backward (on autograd's
@@ -57,15 +65,10 @@ class GradHooks:
                 torch.autograd.Variable._execution_engine.queue_callback(on_backward_end)
             opt.on_grad(p)
 
+        super().__init__(owner)
         self.handles = [
             p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad
         ]
-        _remove_with(owner, self)
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
 
 
 class Compiled:
@@ -92,7 +95,7 @@ def _compiled(model: torch.nn.Module) -> bool:
 READS_CHILDREN: tuple[type, ...] = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer)
 
 
-class ModuleWaits:
+class ModuleWaits(_Handles):
     """Forward pre-hooks (run before any other pre-hook of the module) that make the module's
     stream wait for the copies back of its own params only (of its whole subtree for the
     types in :data:`READS_CHILDREN`): ``owner.wait_for(params)``; and a
@@ -104,8 +107,8 @@ class ModuleWaits:
     held weakly."""
 
     def __init__(self, owner: Any, model: torch.nn.Module, offloaded: set[torch.Tensor]):
+        super().__init__(owner)
         ref = weakref.ref(owner)
-        self.handles = []
         self.modules = 0
         self.compiled = compiled = Compiled()
         compiled.seen = _compiled(model)
@@ -162,12 +165,6 @@ class ModuleWaits:
         # On every submodule: a framework may save a part (model.module, model.backbone).
         for module in model.modules():
             self.handles.append(module.register_state_dict_pre_hook(state_dict_pre_hook))
-        _remove_with(owner, self)
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
 
 
 class DDPGrads:
