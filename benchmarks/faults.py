@@ -64,6 +64,7 @@ from collections import Counter
 import torch
 
 from offloadopt import HybridAdamW
+from offloadopt.harness.train_log import host_rss_nbytes
 from offloadopt.link.worker import WorkerError
 
 SHAPES = [(64, 32), (64,), (48, 64), (48,), (32, 48), (32,), (7, 5, 3)]
@@ -543,13 +544,8 @@ def worker_error(seed: int, mode: str = "step", fraction: float = 1.0, nth: int 
 # ---------------------------------------------------------------------------------- lifetimes
 def process_figures() -> dict:
     """Host RSS (bytes), OS threads and open file descriptors of this process (Linux /proc)."""
-    rss = 0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) * 1024
     return {
-        "rss_nbytes": rss,
+        "rss_nbytes": host_rss_nbytes(),
         "threads": len(os.listdir("/proc/self/task")),
         "fds": len(os.listdir("/proc/self/fd")),
         "py_threads": threading.active_count(),
