@@ -87,6 +87,20 @@ class HybridAdamW(HybridOptimizer):
         min_offload_numel: params with fewer elements keep their state on the device.
         master_weights: keep an fp32 master for bf16/fp16 params (on the host for offloaded
             params, on the device otherwise); with False they update in their own dtype.
+            ``"bf16-sr"``: no fp32 master; the bf16 weight is the master, and the update is
+            computed in fp32 and rounded back stochastically (offloadopt's own kernel; 2 bytes
+            per param instead of 4 on the host and over the link; docs/compressed-state.md has
+            its measured quality). fp32 params keep updating in fp32.
+        state_dtype: how ``exp_avg`` and ``exp_avg_sq`` are stored: ``"fp32"`` (default:
+            torch's kernel, bitwise ``torch.optim.AdamW(fused=True)``), ``"bf16"`` (rounded
+            stochastically: 4 bytes per param instead of 8) or ``"int8"`` (block-wise codes, one
+            fp32 scale per 256 elements: about 2.03 bytes per param; in ``opt.state`` the keys
+            ``exp_avg_q``, ``exp_avg_scale``, ``exp_avg_sq_q`` and ``exp_avg_sq_scale``).
+            Compressed state runs offloadopt's fused CPU kernel, compiled with the machine's
+            C++ compiler at first use (``RuntimeError`` at construction, saying what to
+            install, when it cannot be built); device-resident params use the same
+            representation. ``state_dict()`` holds the moments in fp32 under torch's keys (and
+            the int8 codes beside them, for an exact resume), so ``torch.optim.AdamW`` loads it.
         pin_memory: pin crossing host buffers (checked); False reproduces the slow pageable path
             and warns once.
         bucket_nbytes: target bytes of fp32 state per bucket (pipelining unit); default 64 MiB,

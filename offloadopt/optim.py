@@ -10,11 +10,13 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
+from dataclasses import replace as dc_replace
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
+from offloadopt import kernels
 from offloadopt.debug import Debug
 from offloadopt.interrupts import no_grad_whole, signals_deferred
 from offloadopt.options import Options
@@ -89,6 +91,13 @@ class HybridOptimizer(Optimizer):
         o = Options.parse(type(self).__name__, options)
         validate_options(self.rule, hyper, o, amsgrad=amsgrad, capturable=capturable,
                          differentiable=differentiable)  # fmt: skip
+        if o.state_dtype != "fp32" or o.master_weights == "bf16-sr":
+            # A compressed representation: the rule runs offloadopt's own kernel
+            # (offloadopt/kernels/), built now so that a missing compiler fails here.
+            self.rule = dc_replace(self.rule, moments=o.state_dtype,
+                                   master_sr=o.master_weights == "bf16-sr",
+                                   flush_denormal=o.flush_denormal)  # fmt: skip
+            kernels.load()
         params = validate_params_arg(params)
         sizes = budget.sizes(max_gpu_memory=o.max_gpu_memory, max_host_memory=o.max_host_memory,
                              activation_bytes=o.activation_bytes)  # fmt: skip
@@ -129,7 +138,7 @@ class HybridOptimizer(Optimizer):
             on_offloaded=lambda params: me()._start.hook(params),
         )  # fmt: skip
         self._updater = Updater(  # the rule's application; making and loading state
-            self.rule, self._records, self.state, master_weights=o.master_weights,
+            self.rule, self._records, self.state, master_weights=o.master_weights is True,
             bucket_nbytes=self._placer.bucket_nbytes, timeout_s=self.timeout_s,
             warn_once=self._warn_once,
         )  # fmt: skip
@@ -642,6 +651,7 @@ class HybridOptimizer(Optimizer):
         self.synchronize()
         self._guards.check_snapshot()
         sd = checkpoint.pack(super().state_dict(), on_device=self._snapshot_on_device)
+        sd = checkpoint.export_moments(sd, self.rule)  # fp32 under torch's keys
         params = [p for g in self.param_groups for p in g["params"]]
         return checkpoint.wrap_shards(checkpoint.drop_placement(sd), params)
 

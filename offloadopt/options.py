@@ -24,7 +24,8 @@ class Options:
 
     offload_fraction: float | str = 1.0  # share of the eligible state bytes on the host, or "auto"
     min_offload_numel: int = 4096  # smaller params keep their state on the device
-    master_weights: bool = True  # fp32 masters for bf16/fp16 params
+    master_weights: bool | str = True  # fp32 masters for bf16/fp16 params; "bf16-sr": none
+    state_dtype: str = "fp32"  # the moments: "fp32" (torch's), "bf16" or "int8" (compressed)
     pin_memory: bool = True  # pin host buffers that cross the link (False: the pageable path)
     bucket_nbytes: int | None = None  # fp32 state bytes per bucket; None: by overlap (optim.py)
     flush_denormal: bool = True  # the CPU update with flush-to-zero
@@ -65,7 +66,8 @@ class OffloadOptions(TypedDict, total=False):
 
     offload_fraction: float | str
     min_offload_numel: int
-    master_weights: bool
+    master_weights: bool | str
+    state_dtype: str
     pin_memory: bool
     bucket_nbytes: int | None
     flush_denormal: bool

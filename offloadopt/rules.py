@@ -20,7 +20,12 @@ from typing import Any
 
 import torch
 
+# Elements per block of the int8 moments (one fp32 scale per block; offloadopt/kernels/formats.py).
+BLOCK = 256
+
 __all__ = [
+    "BLOCK",
+    "MOMENTS",
     "Hyper",
     "Rule",
     "AdamWRule",
@@ -74,10 +79,41 @@ class Rule:
     # State keys that appear in ``opt.state`` only after a param's first update, as torch's SGD
     # adds ``momentum_buffer`` (the kernel's ``is_first_step`` initialises them).
     lazy_state: bool = False
+    # How the state is stored (``state_dtype=``, ``master_weights="bf16-sr"``; the default is
+    # torch's own representation and kernel): the moments in "fp32" (the update dtype), "bf16"
+    # (stochastic rounding) or "int8" (block-wise codes and scales, offloadopt/kernels/formats.py);
+    # ``master_sr``: bf16 params keep no fp32 master and are rounded stochastically.
+    moments: str = "fp32"
+    master_sr: bool = False
+    flush_denormal: bool = True  # the compressed CPU kernel sets flush-to-zero in its threads
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the update is offloadopt's own kernel (a compressed representation) rather
+        than torch's fused one."""
+        return self.moments != "fp32" or self.master_sr
 
     def state_keys_for(self, values: dict[str, Any]) -> tuple[str, ...]:
         """The state keys a group with these values keeps (SGD without momentum: none)."""
         return self.state_keys
+
+    def key_dtype(self, key: str, update_dtype: torch.dtype) -> torch.dtype:
+        """The dtype state ``key`` is stored in for params updated in ``update_dtype``."""
+        return update_dtype
+
+    def blockwise(self, key: str) -> bool:
+        """Whether state ``key`` holds one value per block of :data:`BLOCK` elements of the
+        param (a 1-D tensor of ``ceil(numel / BLOCK)``) rather than one per element (shaped
+        like the param)."""
+        return False
+
+    def elem_bytes(self, values: dict[str, Any], update_dtype: torch.dtype) -> float:
+        """Bytes of state per param element (the master aside), for the placement's sizes."""
+        keys = self.state_keys_for(values)
+        return sum(
+            self.key_dtype(k, update_dtype).itemsize / (BLOCK if self.blockwise(k) else 1)
+            for k in keys
+        )
 
     def validate(self, values: dict[str, Any]) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -107,6 +143,9 @@ class Rule:
         ``grad_scale`` and ``found_inf`` for the kernel, on the tensors' device
         (offloadopt/step/amp.py), or None."""
         raise NotImplementedError  # pragma: no cover - abstract
+
+
+MOMENTS = ("fp32", "bf16", "int8")  # the values of state_dtype=
 
 
 def _validate_adam_values(values: dict[str, Any]) -> None:
@@ -147,10 +186,31 @@ class AdamWRule(Rule):
         _validate_adam_values(values)
 
     kernel = staticmethod(torch._fused_adamw_)
+    decoupled = True  # weight decay applied to the weights (AdamW), not added to the grad
+
+    def state_keys_for(self, values: dict[str, Any]) -> tuple[str, ...]:
+        if self.moments == "int8":  # codes and their blocks' scales, in the kernel's order
+            return ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale")
+        return self.state_keys
+
+    def key_dtype(self, key: str, update_dtype: torch.dtype) -> torch.dtype:
+        if key.endswith("_q"):
+            return torch.uint8
+        if key.endswith("_scale"):
+            return torch.float32
+        if self.moments == "bf16":
+            return torch.bfloat16
+        # fp32 moments beside a bf16 master rounded stochastically; torch's: the update dtype
+        return torch.float32 if self.compressed else update_dtype
+
+    def blockwise(self, key: str) -> bool:
+        return key.endswith("_scale")
 
     def update(
         self, hyper: Hyper, weights, grads, states, steps, host: bool, first=False, amp=None
     ) -> None:
+        """torch's fused kernel (a compressed representation's update is offloadopt's own:
+        :func:`offloadopt.kernels.adam.adam_update`, which the optimizer calls instead)."""
         if not weights:
             return
         exp_avgs, exp_avg_sqs = states
@@ -179,6 +239,7 @@ class AdamRule(AdamWRule):
     as ``torch.optim.Adam(fused=True)`` calls it (Kingma & Ba, arXiv 1412.6980)."""
 
     kernel = staticmethod(torch._fused_adam_)
+    decoupled = False
 
 
 def _validate_sgd_values(values: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from offloadopt.options import Options
-from offloadopt.rules import Rule
+from offloadopt.rules import MOMENTS, Rule
 
 __all__ = ["validate_options", "check_combinations", "validate_group", "validate_params_arg"]
 
@@ -92,8 +92,22 @@ def validate_options(
     _check(o.wait in ("step", "module"), f"Invalid wait: {o.wait!r} (expected 'step' or 'module')")
     _check(o.max_grad_norm is None or (number(o.max_grad_norm) and 0 < o.max_grad_norm < float("inf")),
            f"Invalid max_grad_norm: {o.max_grad_norm!r} (expected None or a finite number > 0)")  # fmt: skip
+    _check(isinstance(o.master_weights, bool) or o.master_weights == "bf16-sr",
+           f"Invalid master_weights: {o.master_weights!r} (expected True, False or 'bf16-sr')",
+           TypeError)  # fmt: skip
+    _check(isinstance(o.state_dtype, str) and o.state_dtype in MOMENTS,
+           f"Invalid state_dtype: {o.state_dtype!r} (expected 'fp32', 'bf16' or 'int8')")  # fmt: skip
+    compressed = o.state_dtype != "fp32" or o.master_weights == "bf16-sr"
+    if compressed:
+        what = (f"state_dtype={o.state_dtype!r}" if o.state_dtype != "fp32"
+                else "master_weights='bf16-sr'")  # fmt: skip
+        _check(rule.name in ("AdamW", "Adam"),
+               f"{what} is for HybridAdamW and HybridAdam; Hybrid{rule.name} keeps torch's "
+               "fp32 state (state_dtype='fp32', master_weights=True or False)")  # fmt: skip
+        _check(o.master_weights is not False,
+               f"{what} with master_weights=False: a compressed representation keeps fp32 "
+               "masters (True) or bf16 masters rounded stochastically ('bf16-sr')")  # fmt: skip
     for flag, value in [
-        ("master_weights", o.master_weights),
         ("pin_memory", o.pin_memory),
         ("flush_denormal", o.flush_denormal),
         ("grads_final", o.grads_final),

@@ -13,10 +13,11 @@ import offloadopt
 ROOT = Path(offloadopt.__file__).parent
 # What each folder may import from the package, besides itself and the leaf modules.
 ALLOWED = {
+    "kernels": set(),  # the compressed representations' update: below everything
     "link": set(),
-    "state": {"link"},
-    "place": {"link", "state"},
-    "step": {"link", "state", "place"},
+    "state": {"link", "kernels"},
+    "place": {"link", "state", "kernels"},
+    "step": {"link", "state", "place", "kernels"},
 }
 LEAVES = {"rules", "options", "shards", "warn", "interrupts", "validation"}
 

@@ -49,6 +49,9 @@ class Arena:
     master: torch.Tensor | None = None  # (numel,) update dtype, pinned host: crosses H2D
     states: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> (numel,), pageable
     buffers: HostBuffers | None = None
+    # Elements each param's start is aligned to: 1 (packed), or a blockwise representation's block
+    block: int = 1
+    blockwise: set[str] = field(default_factory=set)  # state keys with one value per block
 
     @property
     def nbytes(self) -> int:
@@ -63,16 +66,26 @@ class Arena:
         self.params.append(param)
         self.names.append(name)
         self.order.append(order)
-        self.offsets.append(self.numel)
-        self.numel += local(param).numel()  # an FSDP2 param: this rank's shard
+        start = -(-self.numel // self.block) * self.block  # params start at a block boundary
+        self.offsets.append(start)
+        self.numel = start + local(param).numel()  # an FSDP2 param: this rank's shard
 
     def view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
-        """Param ``k``'s range of ``flat``, shaped like the param."""
+        """Param ``k``'s range of ``flat``, shaped like the param (a blockwise buffer's: its
+        blocks, 1-D)."""
         p = local(self.params[k])
+        if flat.numel() != self.numel:  # a blockwise state key's buffer
+            lo = self.offsets[k] // self.block
+            return flat[lo : lo - (-p.numel() // self.block)]
         return flat[self.offsets[k] : self.offsets[k] + p.numel()].view(p.shape)
 
-    def allocate(self, state_keys: tuple[str, ...], pin: bool) -> None:
+    def allocate(self, state_keys: tuple[str, ...], pin: bool, specs: dict | None = None) -> None:
         """Allocate the master (pinned when ``pin``) and one pageable buffer per state key.
+
+        ``specs``: per state key ``(dtype, blockwise)`` where it is not the update dtype, one
+        value per element (a compressed representation: bf16 moments, int8 codes); a
+        blockwise key holds one value per :attr:`block` elements (the arena's params then start
+        at multiples of ``block``, so each param's blocks are its own).
 
         Raises:
             PinnedAllocationError: the memory could not be had (the bytes asked for).
@@ -80,9 +93,11 @@ class Arena:
         self.buffers = HostBuffers(self)
         self.master = self.buffers.alloc(self.numel, self.dtype, pin, f"the master of {self.label}")
         for key in state_keys:
-            self.states[key] = self.buffers.alloc(
-                self.numel, self.dtype, False, f"{key} of {self.label}"
-            )
+            dtype, blockwise = (specs or {}).get(key, (self.dtype, False))
+            if blockwise:
+                self.blockwise.add(key)
+            n = -(-self.numel // self.block) if blockwise else self.numel
+            self.states[key] = self.buffers.alloc(n, dtype, False, f"{key} of {self.label}")
 
     def release(self) -> None:
         """Unpin and drop the buffers now (construction failed after they were allocated)."""
@@ -142,9 +157,17 @@ class Bucket:
         key = (flat.data_ptr(), -1)
         views = self._views.get(key)
         if views is None:
-            views = [
-                flat[self.lo + s.offset : self.lo + s.offset + s.hi - s.lo] for s in self.segments
-            ]
+            if flat.numel() != self.arena.numel:  # blockwise: each segment's blocks
+                b = self.arena.block  # segments start at block boundaries (build_arenas)
+                views = [
+                    flat[(self.lo + s.offset) // b : -(-(self.lo + s.offset + s.hi - s.lo) // b)]
+                    for s in self.segments
+                ]
+            else:
+                views = [
+                    flat[self.lo + s.offset : self.lo + s.offset + s.hi - s.lo]
+                    for s in self.segments
+                ]
             self._views[key] = views
         return views
 
@@ -174,7 +197,9 @@ class Bucket:
 
 
 def build_arenas(
-    items: list[tuple[torch.Tensor, str, int, torch.dtype]], bucket_nbytes: int
+    items: list[tuple[torch.Tensor, str, int, torch.dtype]],
+    bucket_nbytes: int,
+    align: int = CUT_ALIGN,
 ) -> tuple[list[Arena], list[Bucket]]:
     """Lay params out in arenas and cut the arenas into buckets of at most ``bucket_nbytes``.
 
@@ -182,6 +207,8 @@ def build_arenas(
         items: ``(param, name, group label, update_dtype)`` in backward order (last-registered
             first); params of one group label share an arena per (device, dtype).
         bucket_nbytes: most bytes (of update dtype) per bucket.
+        align: a multiple of :data:`CUT_ALIGN`: params start at, and are cut at, multiples of
+            it (a blockwise state representation's block, so a segment holds whole blocks).
 
     Returns:
         The arenas (one per (group, device, dtype)) and the buckets, ordered by the earliest
@@ -191,19 +218,20 @@ def build_arenas(
     for order, (param, name, group, dtype) in enumerate(items):
         key = (group, param.device, dtype)
         if key not in arenas:
-            arenas[key] = Arena(group_label=group, device=param.device, dtype=dtype)
+            arenas[key] = Arena(group_label=group, device=param.device, dtype=dtype,
+                                 block=align if align > CUT_ALIGN else 1)  # fmt: skip
         arenas[key].add(param, name, order)
     buckets = []
     for arena in arenas.values():
-        size = max(CUT_ALIGN, bucket_nbytes // arena.dtype.itemsize)
+        size = max(align, bucket_nbytes // arena.dtype.itemsize)
         lo, segments = 0, []
         for k, p in enumerate(arena.params):
             start, n, done = arena.offsets[k], local(p).numel(), 0
             while done < n:
                 room = size - (start + done - lo)
                 take = n - done
-                if take > room:  # cut param k, at a multiple of CUT_ALIGN from its start
-                    take = (done + room) // CUT_ALIGN * CUT_ALIGN - done
+                if take > room:  # cut param k, at a multiple of align from its start
+                    take = (done + room) // align * align - done
                 if take <= 0:  # no aligned cut fits: close this bucket first
                     buckets.append(Bucket(arena, lo, start + done, segments))
                     lo, segments = start + done, []

@@ -32,6 +32,7 @@ class ParamInfo:
     contiguous: bool = True  # offloaded params are copied as flat ranges, so must be contiguous
     n_states: int = 2  # state tensors the rule keeps for its group (AdamW 2; SGD 1, or 0)
     shard_of: tuple[int, ...] | None = None  # an FSDP2 param: ``shape`` is this rank's shard
+    elem_bytes: float | None = None  # a compressed representation's state bytes per element
 
     @property
     def numel(self) -> int:
@@ -68,13 +69,22 @@ def update_dtype(dtype: torch.dtype, master_weights: bool) -> torch.dtype:
     return dtype
 
 
-def state_nbytes(numel: int, dtype: torch.dtype, master_weights: bool, n_states: int = 2) -> int:
+def state_nbytes(
+    numel: int,
+    dtype: torch.dtype,
+    master_weights: bool,
+    n_states: int = 2,
+    elem_bytes: float | None = None,
+) -> int:
     """Bytes of optimizer state for one param: ``n_states`` tensors of the update dtype (the
-    rule's state keys: AdamW's two moments), plus an fp32 master when the update dtype differs
-    from the param's dtype."""
+    rule's state keys: AdamW's two moments), or ``elem_bytes`` per element (a compressed
+    representation: bf16 moments 4, int8 moments 2 plus the blocks' scales), plus an fp32
+    master when the update dtype differs from the param's dtype."""
     udt = update_dtype(dtype, master_weights)
-    copies = n_states + (1 if udt != dtype else 0)
-    return numel * udt.itemsize * copies
+    master = udt.itemsize if udt != dtype else 0
+    if elem_bytes is not None:
+        return int(numel * (elem_bytes + master) + 0.5)
+    return numel * (udt.itemsize * n_states + master)
 
 
 def place(
@@ -105,7 +115,8 @@ def place(
     is taken while ``taken + nbytes / 2 <= target``), so fraction 0 offloads nothing, fraction 1
     everything eligible, and a fraction in between misses its target by at most half a param.
     """
-    nbytes = [state_nbytes(i.numel, i.dtype, master_weights, i.n_states) for i in infos]
+    nbytes = [state_nbytes(i.numel, i.dtype, master_weights, i.n_states, i.elem_bytes)
+              for i in infos]  # fmt: skip
     where = ["device"] * len(infos)
     reason = [""] * len(infos)
     eligible = []

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from offloadopt.link.layout import Arena, Bucket, build_arenas
+from offloadopt.link.layout import CUT_ALIGN, Arena, Bucket, build_arenas
 from offloadopt.link.pipeline import Pipeline
 from offloadopt.link.transfer import Transfer
 from offloadopt.link.worker import default_cpu_threads, start_worker
@@ -32,7 +32,7 @@ from offloadopt.place.placement import (
 )
 from offloadopt.place.records import ParamRecord
 from offloadopt.place.report import check_pinned
-from offloadopt.rules import Rule
+from offloadopt.rules import BLOCK, Rule
 from offloadopt.shards import check_setup, local
 
 __all__ = ["BUCKET_NBYTES", "Placer"]
@@ -95,7 +95,7 @@ class Placer:
         self.on_offloaded = on_offloaded
         self.policy = o.placement_policy
         self.min_offload_numel = o.min_offload_numel
-        self.master_weights = o.master_weights
+        self.master_weights = o.master_weights is True  # fp32 masters ("bf16-sr": none)
         self.pin_memory = o.pin_memory
         self.bucket_nbytes = (
             o.bucket_nbytes if o.bucket_nbytes is not None else BUCKET_NBYTES[o.overlap]
@@ -357,7 +357,8 @@ class Placer:
                            self.master_weights, self.policy)  # fmt: skip
         order = [(tensors[k], pl.name, pl.group, update_dtype(pl.dtype, self.master_weights))
                  for k, pl in reversed(list(enumerate(placements))) if pl.offloaded]  # fmt: skip
-        arenas, buckets = build_arenas(order, self.bucket_nbytes)
+        align = BLOCK if self.rule.moments == "int8" else CUT_ALIGN  # whole blocks per segment
+        arenas, buckets = build_arenas(order, self.bucket_nbytes, align)
         devices = {a.device for a in arenas}
         pin = {d: self.pin_memory and d.type == "cuda" for d in devices}
         if not self.pin_memory and any(d.type == "cuda" for d in devices):
@@ -370,7 +371,10 @@ class Placer:
         new_transfers: dict[torch.device, Transfer] = {}
         try:
             for arena in arenas:
-                arena.allocate(keys[arena.group_label], pin[arena.device])
+                ks = keys[arena.group_label]
+                specs = {k: (self.rule.key_dtype(k, arena.dtype), self.rule.blockwise(k))
+                         for k in ks}  # fmt: skip
+                arena.allocate(ks, pin[arena.device], specs)
             landing = {}
             if self.overlap == "delayed":  # the next weights, published at the next step()
                 for arena in arenas:
@@ -438,7 +442,8 @@ class Placer:
         if rec is None:
             keys = self.rule.state_keys_for(group)
             info = ParamInfo(-1, self.param_name(group, gi, i), gi, tuple(p.shape), p.dtype,
-                             p.requires_grad, group.get("offload"), n_states=len(keys))  # fmt: skip
+                             p.requires_grad, group.get("offload"), n_states=len(keys),
+                             elem_bytes=self.elem_bytes(group, p.dtype))  # fmt: skip
             pl = place([info], 0.0, 0, self.master_weights)[0]
             rec = ParamRecord(pl.name, dc_replace(pl, reason="added by hand"), state_keys=keys)
             self.records[p] = rec
@@ -470,9 +475,18 @@ class Placer:
                 infos.append(
                     ParamInfo(start + len(infos), self.param_name(g, gi, i), gi, tuple(mine.shape),
                               p.dtype, p.requires_grad, g["offload"], mine.is_contiguous(),
-                              len(keys), tuple(p.shape) if mine is not p else None)
+                              len(keys), tuple(p.shape) if mine is not p else None,
+                              self.elem_bytes(g, p.dtype))
                 )  # fmt: skip
         return infos
+
+    def elem_bytes(self, group: dict[str, Any], dtype: torch.dtype) -> float | None:
+        """Bytes of state per element of a param of ``dtype`` in ``group`` (the master aside)
+        under a compressed representation; None under torch's (the update dtype's size per
+        state key)."""
+        if not self.rule.compressed:
+            return None
+        return self.rule.elem_bytes(group, update_dtype(dtype, self.master_weights))
 
     def param_name(self, group: dict[str, Any], gi: int, i: int) -> str:
         """The name of param ``i`` of group ``gi``: its record's, else from ``param_names``."""

@@ -40,6 +40,12 @@ class ParamRecord:
     landing: torch.Tensor | None = None
 
     @property
+    def salt(self) -> int:
+        """The seed of this param's stochastic rounding (compressed representations): its
+        position over all groups at placement, the same in every run of the same model."""
+        return self.placement.index
+
+    @property
     def offloaded(self) -> bool:
         return self.arena is not None
 

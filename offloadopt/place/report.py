@@ -80,9 +80,13 @@ def bytes_per_param(
             if p.requires_grad:
                 by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + local(p).numel()
     dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.float32
-    master = update_dtype(dtype, master_weights) != dtype
+    udt = update_dtype(dtype, master_weights)
+    master = udt.itemsize if udt != dtype else 0
+    if rule.compressed:  # the representation's bytes (bf16 or int8 moments, a bf16 master)
+        return {"weight_bytes": dtype.itemsize,
+                "state_bytes": rule.elem_bytes(param_groups[0], udt) + master}  # fmt: skip
     n_states = len(rule.state_keys_for(param_groups[0]))
-    return {"weight_bytes": dtype.itemsize, "state_bytes": 4 * n_states + 4 * master}
+    return {"weight_bytes": dtype.itemsize, "state_bytes": 4 * n_states + master}
 
 
 def numel_by_side(records: dict[torch.Tensor, Any]) -> dict[bool, int]:

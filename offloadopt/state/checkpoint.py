@@ -20,7 +20,20 @@ import torch
 from offloadopt.rules import Rule
 from offloadopt.shards import is_dtensor, wrap_like
 
-__all__ = ["ParamSpec", "pack", "drop_placement", "wrap_shards", "validate", "merge_group"]
+__all__ = [
+    "ParamSpec",
+    "pack",
+    "drop_placement",
+    "wrap_shards",
+    "validate",
+    "merge_group",
+    "export_moments",
+    "stored_entry",
+]
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")  # torch's keys, fp32 in every checkpoint of ours
+# int8 moments (offloadopt/kernels/formats.py): codes shaped like the param, fp32 block scales
+CODE_KEYS = ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale")
 
 # Group keys that belong to the optimizer that loads, never to the checkpoint.
 _OWN_KEYS = ("params", "param_names", "offload")
@@ -66,6 +79,61 @@ def drop_placement(sd: dict[str, Any]) -> dict[str, Any]:
         # checkpoint state_dict: optim.param_groups.0.offload").
         g.pop("offload", None)
     return sd
+
+
+def export_moments(sd: dict[str, Any], rule: Rule) -> dict[str, Any]:
+    """``sd`` (a packed snapshot, changed in place and returned) with the moments of a
+    compressed representation under torch's keys in fp32, so that ``torch.optim.AdamW``
+    loads it: bf16 moments upcast (exact); int8 codes decoded, the codes and scales kept
+    beside them for an exact resume (:func:`stored_entry` prefers them)."""
+    if rule.moments == "fp32":
+        return sd
+    from offloadopt.kernels import formats
+
+    for entry in sd["state"].values():
+        if not isinstance(entry, dict):
+            continue
+        if rule.moments == "bf16":
+            for k in MOMENT_KEYS:
+                if isinstance(entry.get(k), torch.Tensor):
+                    entry[k] = entry[k].float()
+        elif all(isinstance(entry.get(k), torch.Tensor) for k in CODE_KEYS):
+            q, s = entry["exp_avg_q"], entry["exp_avg_scale"]
+            entry["exp_avg"] = formats.decode_m(q.reshape(-1), s).view(q.shape)
+            q, s = entry["exp_avg_sq_q"], entry["exp_avg_sq_scale"]
+            entry["exp_avg_sq"] = formats.decode_v(q.reshape(-1), s).view(q.shape)
+    return sd
+
+
+def stored_entry(entry: dict[str, Any], rule: Rule, keys: tuple[str, ...]) -> dict[str, Any]:
+    """A validated saved entry's moments in the representation ``keys`` (the loading
+    param's state keys) stores: int8 codes and scales copied when the entry has them (an exact
+    resume), else encoded from the fp32 moments (a checkpoint of torch's AdamW, or of another
+    representation); fp32 or bf16 moments from torch's keys (copied, or cast by the caller),
+    else decoded from codes. Other keys (``step``, ``master``) as they are."""
+    out = {k: v for k, v in entry.items() if k not in MOMENT_KEYS and k not in CODE_KEYS}
+    want_codes = "exp_avg_q" in keys
+    has_codes = all(isinstance(entry.get(k), torch.Tensor) for k in CODE_KEYS)
+    has_moments = all(isinstance(entry.get(k), torch.Tensor) for k in MOMENT_KEYS)
+    if want_codes and has_codes:
+        out.update({k: entry[k] for k in CODE_KEYS})
+    elif want_codes and has_moments:
+        from offloadopt.kernels import formats
+
+        for key in MOMENT_KEYS:
+            x = entry[key].detach().to("cpu", torch.float32).reshape(-1)
+            encode = formats.encode_m if key == "exp_avg" else formats.encode_v
+            out[f"{key}_q"], out[f"{key}_scale"] = encode(x)
+    elif has_moments or not has_codes:
+        out.update({k: entry[k] for k in MOMENT_KEYS if k in entry})
+    else:  # codes only, into fp32 or bf16 moments
+        from offloadopt.kernels import formats
+
+        q, s = entry["exp_avg_q"], entry["exp_avg_scale"]
+        out["exp_avg"] = formats.decode_m(q.reshape(-1), s).view(q.shape)
+        q, s = entry["exp_avg_sq_q"], entry["exp_avg_sq_scale"]
+        out["exp_avg_sq"] = formats.decode_v(q.reshape(-1), s).view(q.shape)
+    return out
 
 
 def wrap_shards(sd: dict[str, Any], params: list[torch.Tensor]) -> dict[str, Any]:
@@ -135,6 +203,9 @@ def validate(
     params = [spec for g in groups for spec in g]
     state: dict[int, dict] = {}
     state_keys = {"step", "master", *rule.state_keys}
+    adam = tuple(rule.state_keys) == MOMENT_KEYS  # any representation's checkpoint loads
+    if adam:
+        state_keys |= set(CODE_KEYS)
     if not isinstance(sd["state"], dict):
         raise ValueError("state_dict['state'] must be a dict")
     for key, entry in sd["state"].items():
@@ -151,7 +222,11 @@ def validate(
                 f"state of {name} has keys {sorted(unknown)} that Hybrid{rule.name} does not use"
             )
         required = ("step",) if rule.has_step else ()
-        required += () if rule.lazy_state else rule.state_keys
+        coded = adam and any(k in entry for k in CODE_KEYS)
+        if coded:  # int8 codes: all four, and torch's keys (decoded) need not be there
+            required += CODE_KEYS
+        elif not rule.lazy_state:
+            required += rule.state_keys
         for k in required:
             if k not in entry:
                 raise ValueError(f"state of {name} lacks {k!r}")
@@ -180,10 +255,13 @@ def validate(
 
 def _checked_tensors(entry: dict, name: str, shape: tuple, rule: Rule) -> dict:
     """``entry`` after checking its state tensors (and optional master) against the shape."""
+    coded = any(k in entry for k in CODE_KEYS)
+    if coded:
+        _checked_codes(entry, name, shape)
     for k in (*rule.state_keys, "master"):
         t = entry.get(k)
-        if t is None and (k == "master" or rule.lazy_state):
-            continue  # no master; or a lazy key not made yet (SGD's buffer before a step)
+        if t is None and (k == "master" or rule.lazy_state or coded):
+            continue  # no master; a lazy key not made yet (SGD's buffer); codes instead
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.is_complex():
             what = f"a {t.dtype} Tensor" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"state of {name}: {k!r} must be a floating-point Tensor, got {what}")
@@ -194,6 +272,26 @@ def _checked_tensors(entry: dict, name: str, shape: tuple, rule: Rule) -> dict:
                 f"state of {name}: {k!r} has shape {tuple(t.shape)}, the param {tuple(shape)}"
             )
     return dict(entry)
+
+
+def _checked_codes(entry: dict, name: str, shape: tuple) -> None:
+    """Check int8 moments: uint8 codes shaped like the param, fp32 scales, one per block."""
+    from offloadopt.rules import BLOCK
+
+    numel = math.prod(shape)
+    for k in CODE_KEYS:
+        t = entry[k]
+        scale = k.endswith("_scale")
+        want = (torch.float32, (-(-numel // BLOCK),)) if scale else (torch.uint8, tuple(shape))
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"state of {name}: {k!r} must be a Tensor, got {type(t).__name__}")
+        if t.is_meta or t.layout != torch.strided:
+            raise ValueError(f"state of {name}: {k!r} has no values here ({t.device}, {t.layout})")
+        if (t.dtype, tuple(t.shape)) != want:
+            raise ValueError(
+                f"state of {name}: {k!r} is {t.dtype} of shape {tuple(t.shape)}, expected "
+                f"{want[0]} of shape {want[1]}"
+            )
 
 
 def merge_group(mine: dict[str, Any], saved: dict[str, Any], rule: Rule) -> dict[str, Any]:

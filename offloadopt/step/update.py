@@ -9,12 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from offloadopt.kernels.adam import adam_update
 from offloadopt.link.layout import CUT_ALIGN
 from offloadopt.link.pipeline import BucketWork
 from offloadopt.place.placement import update_dtype
 from offloadopt.place.records import ParamRecord
-from offloadopt.rules import Hyper
+from offloadopt.rules import BLOCK, Hyper
 from offloadopt.shards import local
+from offloadopt.state import checkpoint
 from offloadopt.step.step import Step
 from offloadopt.warn import warn
 
@@ -148,8 +150,27 @@ class Updater:
             segs = [work.idx[j] for j in positions]
             columns = [[masters[i] for i in segs], [grads[j] for j in positions]]
             columns += [[s[i] for i in segs] for s in states]
-            (weights, gs, *ss), steps = _joined([b.segments[i] for i in segs], columns, steps)
-            self.rule.update(hyper, weights, gs, ss, steps, host=True, first=first, amp=amp)
+            where = None
+            if self.rule.compressed:  # per segment: its param's salt, its first element
+                where = [(self.records[b.arena.params[b.segments[i].k]].salt, b.segments[i].lo)
+                         for i in segs]  # fmt: skip
+                weights, gs, *ss = columns
+            else:
+                (weights, gs, *ss), steps = _joined([b.segments[i] for i in segs], columns, steps)
+            self.apply(hyper, weights, gs, ss, steps, host=True, first=first, amp=amp,
+                       where=where)  # fmt: skip
+
+    def apply(self, hyper: Hyper, weights, grads, states, steps, *, host: bool, first: bool,
+              amp, where) -> None:  # fmt: skip
+        """The rule over lists of same-device tensors (:meth:`offloadopt.rules.Rule.update`'s
+        arguments): torch's fused kernel, or under a compressed representation offloadopt's
+        own (:func:`offloadopt.kernels.adam.adam_update`; ``where``: per tensor its param's
+        rounding seed and its first element within the param)."""
+        if self.rule.compressed:
+            adam_update(self.rule, hyper, weights, grads, states, steps, host=host, amp=amp,
+                        where=where)  # fmt: skip
+        else:
+            self.rule.update(hyper, weights, grads, states, steps, host=host, first=first, amp=amp)
 
     def prepare(self, st: Step, params: list[torch.Tensor]) -> None:
         """Create state lazily, refresh stale masters, advance the offloaded params' ``step``
@@ -214,11 +235,18 @@ class Updater:
 
     def new_state_tensor(self, p: torch.Tensor, rec: ParamRecord, key: str) -> torch.Tensor:
         """State ``key`` of ``p`` at zero: its arena view when offloaded, else a device tensor
-        in the update dtype shaped like ``p``."""
+        in the rule's dtype for the key (the update dtype under torch's representation) shaped
+        like ``p`` (a blockwise key: ``(ceil(numel / BLOCK),)``, contiguous)."""
         if rec.offloaded:
             return rec.home(key).zero_()
         udt = update_dtype(p.dtype, self.master_weights)
-        return torch.zeros_like(local(p), dtype=udt, memory_format=torch.preserve_format)
+        dtype = self.rule.key_dtype(key, udt)
+        mine = local(p)
+        if self.rule.blockwise(key):
+            return torch.zeros(-(-mine.numel() // BLOCK), dtype=dtype, device=mine.device)
+        if self.rule.compressed:  # the kernels walk flat memory: contiguous, like the param
+            return torch.zeros(mine.shape, dtype=dtype, device=mine.device)
+        return torch.zeros_like(mine, dtype=udt, memory_format=torch.preserve_format)
 
     def refresh_if_stale(self, p: torch.Tensor, rec: ParamRecord) -> None:
         """No stale masters: weights changed outside the optimizer win over its copy."""
@@ -242,6 +270,8 @@ class Updater:
         if not self.state.get(p):
             self.init_state(p, rec)
         mine = self.state[p]
+        if self.rule.compressed or any(k in entry for k in checkpoint.CODE_KEYS):
+            entry = checkpoint.stored_entry(entry, self.rule, rec.state_keys)
         if self.rule.has_step:
             mine["step"].fill_(entry["step"])
         for k in rec.state_keys:
@@ -290,10 +320,12 @@ class Updater:
         """The rule on the device, on the compute stream; fp32 masters where they exist, fed
         grads upcast (and multiplied by the clip factors ``scale``) chunk by chunk so the fp32
         temporaries stay under ``bucket_nbytes``; ``amp``: a GradScaler's inputs or None."""
-        plain = [p for p in params if "master" not in self.state[p] and _dense(local(p))]
         # torch's fused kernels walk a tensor's memory flat: a strided view (Parameter(base[..., 0]))
-        # is updated through a contiguous copy (tests/test_state_contract.py).
-        strided = [p for p in params if "master" not in self.state[p] and not _dense(local(p))]
+        # is updated through a contiguous copy (tests/test_state_contract.py); the compressed
+        # kernels pair elements with contiguous state, so they need a contiguous param.
+        flat = (lambda t: t.is_contiguous()) if self.rule.compressed else _dense
+        plain = [p for p in params if "master" not in self.state[p] and flat(local(p))]
+        strided = [p for p in params if "master" not in self.state[p] and not flat(local(p))]
         mastered = [p for p in params if "master" in self.state[p]]
         if scale is None:
             weights = [local(p) for p in plain]
@@ -354,7 +386,9 @@ class Updater:
         if steps:
             torch._foreach_add_(steps, 1)
         args = None if amp is None else amp.kernel_args(host=False)
-        self.rule.update(hyper, weights, grads, states, steps, host=False, first=first, amp=args)
+        where = [(self.records[p].salt, 0) for p in params] if self.rule.compressed else None
+        self.apply(hyper, weights, grads, states, steps, host=False, first=first, amp=args,
+                   where=where)  # fmt: skip
         if steps and amp is not None and amp.found_inf is not None:
             # as torch.optim.AdamW(fused=True): a skipped step does not count
             torch._foreach_sub_(steps, [amp.found_inf.to(steps[0].device)] * len(steps))

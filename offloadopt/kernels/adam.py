@@ -1,0 +1,115 @@
+"""The compressed representations' Adam/AdamW update, as :class:`offloadopt.rules.AdamWRule`
+calls it: CPU tensors go to the fused C++ kernel (:func:`offloadopt.kernels.load`), device
+tensors to the same math in torch ops (:mod:`offloadopt.kernels.reference`).
+
+The representations (``state_dtype=``, ``master_weights="bf16-sr"``; docs/compressed-state.md):
+moments in fp32, in bf16 rounded stochastically, or as int8 block-wise codes with one fp32 scale
+per :data:`offloadopt.rules.BLOCK` elements (:mod:`offloadopt.kernels.formats`); the master in
+fp32, or the bf16 weight itself rounded stochastically. The update itself is torch's AdamW/Adam
+(``torch.optim.AdamW``'s algorithm, Loshchilov & Hutter, arXiv 1711.05101), computed in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["adam_update", "MOMENT_CODES"]
+
+MOMENT_CODES = {"fp32": 0, "bf16": 1, "int8": 2}  # the kernel's ``moments`` argument
+
+
+def _flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.view(-1) for t in tensors]
+
+
+def adam_update(
+    rule: Any,
+    hyper: Any,
+    weights: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[list[torch.Tensor]],
+    steps: list[torch.Tensor],
+    *,
+    host: bool,
+    amp: dict[str, torch.Tensor] | None,
+    where: list[tuple[int, int]] | None,
+) -> None:
+    """One update over same-device lists (contiguous tensors, pairwise the same numel).
+
+    Args:
+        rule: the :class:`offloadopt.rules.AdamWRule` (``moments``, ``master_sr``,
+            ``decoupled``, ``flush_denormal``).
+        hyper: the group's frozen :class:`offloadopt.rules.Hyper`.
+        weights: the masters: fp32, or bf16 weights (then rounded stochastically when
+            ``rule.master_sr``), updated in place.
+        grads: fp32 or bf16, read only.
+        states: in ``rule.state_keys_for`` order: ``[exp_avg, exp_avg_sq]`` (fp32 or bf16), or
+            ``[exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale]`` (uint8 codes and
+            fp32 block scales).
+        steps: 0-dim fp32 step tensors, already advanced.
+        host: the learning rate as the host kernel takes it (:attr:`Hyper.lr_host`).
+        amp: a GradScaler's ``grad_scale`` and ``found_inf`` (on the tensors' device), or None.
+        where: per tensor ``(salt, offset)``: its param's rounding seed and the index of its
+            first element within the param (a multiple of ``BLOCK``).
+    """
+    if not weights:
+        return
+    grad_scale = None
+    if amp is not None:
+        found_inf = amp.get("found_inf")
+        if found_inf is not None and bool(found_inf.item()):
+            return  # an inf/NaN step is skipped, as torch's fused kernels skip it
+        scale = amp.get("grad_scale")
+        grad_scale = None if scale is None else float(scale.item())
+    lr = hyper.lr_host if host else hyper["lr"]
+    lr = float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
+    beta1, beta2 = (float(b) for b in hyper["betas"])
+    if rule.moments == "int8":
+        m, m_scale, v, v_scale = states
+    else:
+        (m, v), m_scale, v_scale = states, [], []
+    step_values = torch.stack([s.detach().reshape(()) for s in steps]).tolist()
+    where = where or [(0, 0)] * len(weights)
+    # One call per master dtype (a device group may mix fp32 and bf16 params).
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, w in enumerate(weights):
+        by_dtype.setdefault(w.dtype, []).append(i)
+    for dtype, idx in by_dtype.items():
+
+        def pick(ts: list, idx=idx) -> list:
+            return [ts[i] for i in idx] if ts else []
+
+        args = dict(
+            masters=_flat(pick(weights)),
+            grads=_flat(pick(grads)),
+            exp_avgs=_flat(pick(m)),
+            exp_avg_sqs=_flat(pick(v)),
+            exp_avg_scales=pick(m_scale),
+            exp_avg_sq_scales=pick(v_scale),
+            weights_out=[],
+            steps=[float(step_values[i]) for i in idx],
+            salts=[int(where[i][0]) for i in idx],
+            offsets=[int(where[i][1]) for i in idx],
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=float(hyper["weight_decay"]),
+            eps=float(hyper["eps"]),
+            maximize=bool(hyper["maximize"]),
+            decoupled=rule.decoupled,
+            grad_scale=grad_scale,
+            moments=MOMENT_CODES[rule.moments],
+            master_sr=rule.master_sr and dtype == torch.bfloat16,
+        )
+        if weights[idx[0]].device.type == "cpu":
+            from offloadopt.kernels import load, torch_vec_size
+
+            load().adam_step(
+                *args.values(), torch_vec_size(), rule.flush_denormal
+            )  # the positional order of the C++ signature
+        else:
+            from offloadopt.kernels import reference
+
+            reference.adam_step(**args)
