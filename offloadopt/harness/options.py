@@ -33,6 +33,8 @@ def resolve_device(device: str | None) -> str:
 # --- train --------------------------------------------------------------------------------------
 
 OPTIMIZERS = ("hybrid", "adamw")
+STATE_DTYPES = ("fp32", "bf16", "int8")  # HybridAdamW(state_dtype=)
+MASTERS = ("fp32", "bf16-sr")  # HybridAdamW(master_weights=True or "bf16-sr")
 # The modes the main job offers: step and delayed clip with torch's clip_grad_norm_; backward
 # clips through the optimizer (max_grad_norm), or declares grads final with --grad-clip 0.
 OVERLAPS = ("step", "backward", "delayed")
@@ -75,6 +77,8 @@ class TrainConfig:
         False  # HybridAdamW, overlap "backward": free offloaded grads as they land
     )
     delay_after: int = 0  # HybridAdamW, overlap "delayed": synchronous steps before the delay
+    state_dtype: str = "fp32"  # HybridAdamW: exp_avg and exp_avg_sq in fp32, bf16 or int8
+    master_weights: str = "fp32"  # HybridAdamW: fp32 masters, or "bf16-sr" (none; bf16 params)
     checkpointing: bool = False  # activation checkpointing per block (recomputed in backward)
     # optimizer steps; on the tiny preset (seed 0) the held-out loss after 200 steps of its own
     # schedule is that of 300 (2.316 vs 2.326 nats; 150: 2.390) for two thirds of the time
@@ -108,7 +112,8 @@ class TrainConfig:
                 ``FIELD_CHECKS`` and, across fields, ``seq_len`` <= the preset's block_size.
         """
         for name, choices in (("preset", PRESETS), ("optimizer", OPTIMIZERS), ("dtype", DTYPE_NAMES),
-                              ("overlap", OVERLAPS), ("parallel", PARALLELS)):  # fmt: skip
+                              ("overlap", OVERLAPS), ("parallel", PARALLELS),
+                              ("state_dtype", STATE_DTYPES), ("master_weights", MASTERS)):  # fmt: skip
             value = getattr(self, name)
             known = isinstance(value, str) and value in choices
             if not known and not (name == "dtype" and value is None):
@@ -165,6 +170,8 @@ class TrainConfig:
         for flag, value, default in (
             ("--offload-fraction", cfg.offload_fraction, d.offload_fraction),
             ("--min-offload-numel", cfg.min_offload_numel, d.min_offload_numel),
+            ("--state-dtype", cfg.state_dtype, d.state_dtype),
+            ("--master-weights", cfg.master_weights, d.master_weights),
         ):
             if cfg.optimizer != "hybrid" and value != default:
                 raise UsageError(
@@ -257,6 +264,8 @@ HELP = {
     "max_gpu_memory": "HybridAdamW: a GPU budget, bytes or 120GB / 112GiB; it picks the smallest fraction that fits, at the first step (with --offload-fraction auto: measured too)",
     "overlap": "HybridAdamW: step; backward: updates start during backward (clipping through the optimizer; --grad-clip 0: none, grads final); or delayed: the update runs during the next forward and backward, which read weights one step old (default: %(default)s)",
     "delay_after": "HybridAdamW, --overlap delayed: synchronous steps before the delay begins, as ZeRO-Offload does (default: %(default)s)",
+    "state_dtype": "HybridAdamW: exp_avg and exp_avg_sq in fp32 (torch's), bf16 (stochastic rounding) or int8 (block-wise codes): 8, 4 or about 2 bytes per param (default: %(default)s)",
+    "master_weights": "HybridAdamW: fp32 masters for bf16 params, or bf16-sr: none, the bf16 weights rounded stochastically (default: %(default)s)",
     "steps": "optimizer steps (default: %(default)s)",
     "batch_size": "sequences per step (default: per preset, 16 for tiny)",
     "seq_len": "tokens per sequence (default: the preset's block_size)",
@@ -283,7 +292,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     one-line error."""
     d = TrainConfig()
     choices = {"preset": list(PRESETS), "optimizer": list(OPTIMIZERS), "dtype": list(DTYPE_NAMES),
-               "overlap": list(OVERLAPS)}  # fmt: skip
+               "overlap": list(OVERLAPS), "state_dtype": list(STATE_DTYPES),
+               "master_weights": list(MASTERS)}  # fmt: skip
     for name, help_text in HELP.items():
         kwargs = {"choices": choices[name]} if name in choices else {"type": FIELD_CHECKS[name]}
         metavar = {"data": "FILE", "save": "PATH", "resume": "PATH", "tensorboard": "DIR"}

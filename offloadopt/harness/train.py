@@ -118,6 +118,8 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
             **chosen,
             min_offload_numel=cfg.min_offload_numel,
             overlap=cfg.overlap,
+            state_dtype=cfg.state_dtype,
+            master_weights=True if cfg.master_weights == "fp32" else cfg.master_weights,
             **clip,
             **kwargs,
         )

@@ -1,0 +1,221 @@
+"""Compressed optimizer state through the whole optimizer (state_dtype=, master_weights="bf16-sr"):
+the same bits at every fraction and in every mode (the CPU kernel runs every param here), the
+math of the plain-torch reference, checkpoints that torch loads and that resume bitwise, the
+bytes the placement counts, and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import groups_of, hybrid, make_params, seeded_grads
+
+from offloadopt import HybridAdamW, HybridSGD
+from offloadopt.kernels import reference
+
+SETTINGS = [
+    pytest.param(dict(state_dtype="bf16"), torch.float32, id="bf16-moments"),
+    pytest.param(dict(state_dtype="int8"), torch.float32, id="int8-moments"),
+    pytest.param(dict(state_dtype="int8"), torch.bfloat16, id="int8-moments-bf16-params"),
+    pytest.param(dict(master_weights="bf16-sr"), torch.bfloat16, id="bf16-sr-master"),
+    pytest.param(
+        dict(master_weights="bf16-sr", state_dtype="int8"), torch.bfloat16, id="bf16-sr-int8"
+    ),  # fmt: skip
+]
+
+
+def run(params, steps, start=0, opt=None, **kw):
+    opt = opt or hybrid(params, kw.pop("fraction", 1.0), **kw)
+    for step in range(start, start + steps):
+        for p, g in zip(params, seeded_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    return opt
+
+
+def zeros_state(n: int, moments: str) -> dict:
+    """The reference's state arguments for one fresh param of ``n`` elements."""
+    if moments == "int8":
+        blocks = -(-n // 256)
+        return dict(exp_avgs=[torch.zeros(n, dtype=torch.uint8)],
+                    exp_avg_sqs=[torch.zeros(n, dtype=torch.uint8)],
+                    exp_avg_scales=[torch.zeros(blocks)], exp_avg_sq_scales=[torch.zeros(blocks)])  # fmt: skip
+    dtype = torch.bfloat16 if moments == "bf16" else torch.float32
+    return dict(exp_avgs=[torch.zeros(n, dtype=dtype)], exp_avg_sqs=[torch.zeros(n, dtype=dtype)],
+                exp_avg_scales=[], exp_avg_sq_scales=[])  # fmt: skip
+
+
+def state_of(opt, params):
+    return [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+
+
+def assert_same(a, b, what=""):
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if isinstance(x, dict):
+            assert x.keys() == y.keys(), (what, i, x.keys(), y.keys())
+            for k in x:
+                torch.testing.assert_close(x[k], y[k], rtol=0, atol=0, msg=f"{what} {i} {k}")
+        else:
+            torch.testing.assert_close(x, y, rtol=0, atol=0, msg=f"{what} param {i}")
+
+
+@pytest.mark.parametrize("kw,dtype", SETTINGS)
+def test_every_fraction_gives_the_same_bits(kw, dtype):
+    results = []
+    for fraction in (0.0, 0.5, 1.0):
+        params = make_params(dtype)
+        opt = run(params, 6, fraction=fraction, **kw)
+        results.append(([p.detach().clone() for p in params], state_of(opt, params)))
+    for w, s in results[1:]:
+        assert_same(w, results[0][0], "weights")
+        assert_same(s, results[0][1], "state")
+
+
+def test_buckets_cutting_params_give_the_same_bits():
+    whole, cut = make_params(), make_params()
+    a = run(whole, 5, state_dtype="int8")
+    b = run(cut, 5, state_dtype="int8", bucket_nbytes=1024)  # 256 fp32 elements a bucket
+    assert len(b.debug.buckets) > len(a.debug.buckets)
+    assert_same([p.detach() for p in cut], [p.detach() for p in whole])
+    assert_same(state_of(b, cut), state_of(a, whole))
+
+
+def test_backward_mode_gives_the_bits_of_step_mode():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    twin = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    twin.load_state_dict(model.state_dict())
+    kw = dict(min_offload_numel=64, state_dtype="int8", lr=1e-2)
+    a = HybridAdamW(model.parameters(), **kw)
+    b = HybridAdamW(twin.parameters(), overlap="backward", grads_final=True, **kw)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    for _ in range(4):
+        for m, opt in ((model, a), (twin, b)):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same([p.detach() for p in twin.parameters()], [p.detach() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("kw,dtype", SETTINGS)
+def test_the_update_is_the_reference_math(kw, dtype):
+    """HybridAdamW against a loop over kernels.reference (plain torch ops), param by param: the
+    same representation and rounding, so only the order of fp32 operations may differ."""
+    params, ref_params = make_params(dtype), make_params(dtype)
+    run(params, 8, **kw)
+    groups = groups_of(ref_params)
+    moments = kw.get("state_dtype", "fp32")
+    sr = kw.get("master_weights") == "bf16-sr"
+    masters = [p.detach().clone() if sr or dtype == torch.float32 else p.detach().float()
+               for p in ref_params]  # fmt: skip
+    states = {}
+    for step in range(8):
+        grads = seeded_grads(ref_params, step)
+        for g in groups:
+            hyper = {**HybridAdamW([torch.zeros(1, requires_grad=True)]).defaults, **g}
+            for p in g["params"]:
+                i = ref_params.index(p)
+                n = p.numel()
+                st = states.setdefault(i, zeros_state(n, moments))
+                reference.adam_step(
+                    masters=[masters[i].view(-1)], grads=[grads[i].view(-1)], **st,
+                    weights_out=[], steps=[float(step + 1)], salts=[i], offsets=[0],
+                    lr=hyper["lr"], beta1=hyper["betas"][0], beta2=hyper["betas"][1],
+                    weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=False,
+                    decoupled=True, grad_scale=None, moments={"fp32": 0, "bf16": 1, "int8": 2}[moments],
+                    master_sr=sr and masters[i].dtype == torch.bfloat16,
+                )  # fmt: skip
+    for i, (p, m) in enumerate(zip(params, masters, strict=True)):
+        tol = (
+            dict(rtol=2e-2, atol=2e-2) if m.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+        )
+        torch.testing.assert_close(p.detach().float(), m.to(p.dtype).float(), **tol,
+                                   msg=lambda s, i=i: f"param {i}: {s}")  # fmt: skip
+
+
+@pytest.mark.parametrize("kw,dtype", SETTINGS)
+def test_a_checkpoint_resumes_bitwise_and_torch_loads_it(kw, dtype):
+    whole = make_params(dtype)
+    a = run(whole, 8, **kw)
+    first = make_params(dtype)
+    b = run(first, 4, **kw)
+    sd = b.state_dict()
+    for entry in sd["state"].values():  # torch's keys, fp32, shaped like the param
+        assert entry["exp_avg"].dtype == entry["exp_avg_sq"].dtype == torch.float32
+    weights = [p.detach().clone() for p in first]
+    del b
+    second = make_params(dtype)
+    with torch.no_grad():
+        for p, w in zip(second, weights, strict=True):
+            p.copy_(w)
+    c = hybrid(second, 1.0, **kw)
+    c.load_state_dict(torch.load(_saved(sd), weights_only=True))
+    run(second, 4, start=4, opt=c)
+    assert_same([p.detach() for p in second], [p.detach() for p in whole])
+    assert_same(state_of(c, second), state_of(a, whole))
+    theirs = torch.optim.AdamW(groups_of([p.detach().float().requires_grad_() for p in first]),
+                               fused=True)  # fmt: skip
+    theirs.load_state_dict(sd)
+
+
+def _saved(sd):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return buf
+
+
+def test_a_torch_checkpoint_loads_into_int8_moments():
+    ref_params, params = make_params(), make_params()
+    ref = torch.optim.AdamW(groups_of(ref_params), fused=True)
+    for step in range(3):
+        for p, g in zip(ref_params, seeded_grads(ref_params, step), strict=True):
+            p.grad = g
+        ref.step()
+    opt = hybrid(params, 1.0, state_dtype="int8")
+    opt.load_state_dict(ref.state_dict())
+    back = opt.state_dict()
+    for i, p in enumerate(ref_params):
+        theirs, mine = ref.state[p], back["state"][i]
+        for k, rtol in (("exp_avg", 1 / 16), ("exp_avg_sq", 1 / 16)):
+            scale = theirs[k].abs().max()
+            err = (mine[k] - theirs[k]).abs()
+            assert (err <= rtol * theirs[k].abs() + 2**-13 * scale).all(), (i, k, err.max())
+
+
+def test_the_placement_counts_the_compressed_bytes():
+    params = make_params()
+    numel = sum(p.numel() for p in params if p.numel() >= 64)
+    full = hybrid(params, 1.0)
+    int8 = hybrid(make_params(), 1.0, state_dtype="int8")
+    bf16 = hybrid(make_params(), 1.0, state_dtype="bf16")
+    size = {name: sum(pl.state_nbytes for pl in o.placement if pl.offloaded)
+            for name, o in (("fp32", full), ("int8", int8), ("bf16", bf16))}  # fmt: skip
+    assert size["fp32"] == 8 * numel
+    assert size["bf16"] == 4 * numel
+    assert 2 * numel < size["int8"] < 2.1 * numel
+
+
+def test_refusals_name_the_value():
+    p = [torch.nn.Parameter(torch.zeros(4))]
+    with pytest.raises(ValueError, match="state_dtype: 'int4'"):
+        HybridAdamW(p, state_dtype="int4")
+    with pytest.raises(ValueError, match="HybridSGD keeps"):
+        HybridSGD(p, lr=0.1, state_dtype="bf16")
+    with pytest.raises(ValueError, match="master_weights=False"):
+        HybridAdamW(p, state_dtype="int8", master_weights=False)
+    with pytest.raises(TypeError, match="master_weights: 'bf16'"):
+        HybridAdamW(p, master_weights="bf16")
+
+
+def test_a_missing_compiler_fails_at_construction(monkeypatch):
+    from offloadopt import kernels
+
+    def fail():
+        raise kernels.KernelBuildError("offloadopt: no compiler (install g++)")
+
+    monkeypatch.setattr(kernels, "load", fail)
+    with pytest.raises(RuntimeError, match="install g"):
+        HybridAdamW([torch.nn.Parameter(torch.zeros(4))], state_dtype="bf16")
+    HybridAdamW([torch.nn.Parameter(torch.zeros(4))])  # torch's representation needs none
