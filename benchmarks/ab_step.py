@@ -6,6 +6,10 @@ Usage (GPU host, repo root): python benchmarks/ab_step.py --baseline-dir .baseli
 ``--baseline-dir`` holds an older ``offloadopt`` renamed ``offloadopt_base`` (see gpu_run.sh);
 without it only this tree runs. One process, configurations interleaved (A B B A), the same
 initial weights and batches for each; medians of the timed steps after warm-up.
+
+``--settings`` times this tree under several state representations in the same process (named
+as in benchmarks/quality.py: fp32, bf16-moments, int8-moments, bf16-sr, bf16-sr+int8), each
+against ``fp32`` (the first) in the summary.
 """
 
 from __future__ import annotations
@@ -23,6 +27,14 @@ import torch
 
 from offloadopt.harness import models
 from offloadopt.harness.data import get_batch, load_text
+
+SETTINGS = {
+    "fp32": {},
+    "bf16-moments": dict(state_dtype="bf16"),
+    "int8-moments": dict(state_dtype="int8"),
+    "bf16-sr": dict(master_weights="bf16-sr"),
+    "bf16-sr+int8": dict(master_weights="bf16-sr", state_dtype="int8"),
+}
 
 
 def zero_layernorm_(model: torch.nn.Module) -> None:
@@ -46,7 +58,9 @@ def run_config(pkg, model, init, batches, fraction, warmup, steps, loss_scale=1.
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         (loss_fn(model, x, y) * loss_scale).backward()
-        if not kw:  # step mode: time forward+backward apart (a sync that backward mode would pay)
+        if (
+            "overlap" not in kw
+        ):  # step mode: time forward+backward apart (a sync that backward mode would pay)
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         opt.step()
@@ -87,12 +101,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2, help="A/B rounds, order alternating")
     ap.add_argument("--baseline-dir", default=None)
+    ap.add_argument("--settings", nargs="+", default=["fp32"], choices=list(SETTINGS),
+                    help="state representations of this tree, each timed (default: fp32)")  # fmt: skip
     ap.add_argument("--out", default="ab-out")
     args = ap.parse_args()
-    impls = {"new": importlib.import_module("offloadopt")}
+    new = importlib.import_module("offloadopt")
+    impls = {("new" if s == "fp32" else s): (new, SETTINGS[s]) for s in args.settings}
     if args.baseline_dir:
         sys.path.insert(0, args.baseline_dir)
-        impls["base"] = importlib.import_module("offloadopt_base")
+        impls["base"] = (importlib.import_module("offloadopt_base"), {})
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = models.build_model(args.preset, device, torch.bfloat16)
@@ -117,9 +134,10 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for impl, init, fraction in order:
+        pkg, setting = impls[impl]
         r = run_config(
-            impls[impl], model, inits[init], batches, fraction, args.warmup, args.steps,
-            loss_scale=scales[init], **kw,
+            pkg, model, inits[init], batches, fraction, args.warmup, args.steps,
+            loss_scale=scales[init], **kw, **setting,
         )  # fmt: skip
         results.setdefault(f"{impl}/{init}/f{fraction:g}", []).append(r)
         print(f"{impl:5} {init:10} f{fraction:<4g} step {r['step_ms']:7.1f} ms (min {r['step_ms_min']:.1f}, max "
@@ -138,6 +156,10 @@ def main() -> int:
             new, base = summary.get(f"new/{init}/f{f:g}"), summary.get(f"base/{init}/f{f:g}")
             if new is not None and base is not None:
                 print(f"  new / base ({init}, f{f:g}): {new / base:.3f}")
+            for s in args.settings[1:]:
+                this, ref = summary.get(f"{s}/{init}/f{f:g}"), summary.get(f"new/{init}/f{f:g}")
+                if this is not None and ref is not None:
+                    print(f"  {s} / fp32 ({init}, f{f:g}): {this / ref:.3f}")
     return 0
 
 

@@ -74,7 +74,8 @@ def test_buckets_cutting_params_give_the_same_bits():
     whole, cut = make_params(), make_params()
     a = run(whole, 5, state_dtype="int8")
     b = run(cut, 5, state_dtype="int8", bucket_nbytes=1024)  # 256 fp32 elements a bucket
-    assert len(b.debug.buckets) > len(a.debug.buckets)
+    cuts = [len(r.buckets) for r in b.debug.records.values() if r.offloaded]
+    assert max(cuts) > 1  # a param cut in several buckets
     assert_same([p.detach() for p in cut], [p.detach() for p in whole])
     assert_same(state_of(b, cut), state_of(a, whole))
 
@@ -113,7 +114,7 @@ def test_the_update_is_the_reference_math(kw, dtype):
         for g in groups:
             hyper = {**HybridAdamW([torch.zeros(1, requires_grad=True)]).defaults, **g}
             for p in g["params"]:
-                i = ref_params.index(p)
+                i = next(k for k, q in enumerate(ref_params) if q is p)
                 n = p.numel()
                 st = states.setdefault(i, zeros_state(n, moments))
                 reference.adam_step(

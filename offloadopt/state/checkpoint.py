@@ -123,7 +123,8 @@ def stored_entry(entry: dict[str, Any], rule: Rule, keys: tuple[str, ...]) -> di
         for key in MOMENT_KEYS:
             x = entry[key].detach().to("cpu", torch.float32).reshape(-1)
             encode = formats.encode_m if key == "exp_avg" else formats.encode_v
-            out[f"{key}_q"], out[f"{key}_scale"] = encode(x)
+            codes, out[f"{key}_scale"] = encode(x)
+            out[f"{key}_q"] = codes.view(entry[key].shape)
     elif has_moments or not has_codes:
         out.update({k: entry[k] for k in MOMENT_KEYS if k in entry})
     else:  # codes only, into fp32 or bf16 moments
