@@ -1,0 +1,181 @@
+"""A fused CPU Adam/AdamW step for compressed optimizer state, built on first use.
+
+``load()`` compiles ``adam_cpu.cpp`` (shipped in this package) with
+``torch.utils.cpp_extension.load`` the first time a process asks for it and returns the module;
+its one entry point is::
+
+    adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
+              weights_out, steps, salts, offsets, lr, beta1, beta2, weight_decay, eps,
+              maximize, decoupled, grad_scale, moments, master_sr, vec_size, flush_denormal)
+
+Every list holds one entry per tensor (or is empty where noted); every tensor is 1-D,
+contiguous, on the CPU; tensor i of each list has the same numel ``n_i``.
+
+- ``masters``: float32 (the fp32 master) or bfloat16 (the bf16 weight itself; then
+  ``master_sr`` must be True: the new master is rounded back to bf16 stochastically).
+  Updated in place.
+- ``grads``: float32 or bfloat16 (upcast exactly); read only.
+- ``exp_avgs`` / ``exp_avg_sqs``: ``moments=0`` float32; ``1`` bfloat16 (stochastic
+  rounding); ``2`` uint8 int8-block codes (``formats``) with ``exp_avg_scales`` /
+  ``exp_avg_sq_scales`` float32 of ``nblocks(n_i)`` entries each (empty lists otherwise).
+- ``weights_out``: empty, or per tensor a bfloat16 ``(n_i,)`` that receives the new fp32
+  master rounded to nearest even (fp32 masters only).
+- ``steps``: per tensor its step count (float, already advanced, >= 1); ``salts``: per tensor
+  a 64-bit int seeding the stochastic rounding; ``offsets``: per tensor the element index of
+  its first element within its parameter (a multiple of ``BLOCK`` when the tensor is a piece
+  of a larger parameter), so the rounding does not depend on where a parameter is cut.
+- ``lr, beta1, beta2, weight_decay, eps``: floats; ``maximize``: bool; ``decoupled``: True for
+  AdamW (``p *= 1 - lr*wd``), False for Adam (``g += wd*p``); ``grad_scale``: float or None
+  (the grads are divided by it); ``vec_size``: ``torch_vec_size()``; ``flush_denormal``: set
+  FTZ/DAZ in the kernel's threads for the call.
+
+With fp32 masters and fp32 moments the result is bitwise equal to ``torch._fused_adamw_`` /
+``torch._fused_adam_`` (on AVX512 and, by inference, AVX2 hosts). Bad input raises ValueError
+naming the offending entry before anything is written. The work is split over
+``torch.get_num_threads()`` threads in blocks of 256 elements; results do not depend on the
+thread count.
+
+``offloadopt.kernels`` imports nothing else from offloadopt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from offloadopt.kernels.formats import BLOCK, decode_m, decode_v, encode_m, encode_v, nblocks
+
+__all__ = [
+    "BLOCK",
+    "KernelBuildError",
+    "available",
+    "decode_m",
+    "decode_v",
+    "encode_m",
+    "encode_v",
+    "load",
+    "nblocks",
+    "torch_vec_size",
+]
+
+SOURCE = Path(__file__).with_name("adam_cpu.cpp")
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"] + (
+    ["-mprefer-vector-width=512"] if _X86 else []
+)
+LDFLAGS = ["-fopenmp"]
+HINT = (
+    "offloadopt: compressed optimizer state (state_dtype='int8'/'bf16') needs a C++ compiler "
+    "and ninja to build its CPU kernel: install g++ (apt install g++) and ninja (pip install ninja)"
+)
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_error: KernelBuildError | None = None
+
+
+class KernelBuildError(RuntimeError):
+    """The CPU kernel could not be built (no compiler, no ninja, or a compiler error); the
+    message is one line saying what to install and the build's last line of output."""
+
+
+def torch_vec_size() -> int:
+    """Floats per vector in torch's CPU kernels on this host: 16 (AVX512), 8 (AVX2), 4 (no
+    AVX: torch's DEFAULT build); the kernel's ``vec_size`` argument."""
+    cap = torch.backends.cpu.get_cpu_capability().upper()
+    if "AVX512" in cap:
+        return 16
+    if "AVX2" in cap or "SVE256" in cap:
+        return 8
+    return 4
+
+
+def _cpu_tag() -> str:
+    """What -march=native depends on (so a build dir shared between hosts is not reused on
+    another CPU)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features", "model name")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_key() -> str:
+    """A hash of the source, torch's version, the flags and the CPU (16 hex digits)."""
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode(),
+                 _cpu_tag().encode()):  # fmt: skip
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """``$OFFLOADOPT_KERNEL_DIR`` if set, else ``~/.cache/offloadopt/kernels/<cache_key()>``."""
+    env = os.environ.get("OFFLOADOPT_KERNEL_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "offloadopt" / "kernels" / cache_key()
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def _build(directory: Path) -> ModuleType:
+    """Compile (or reuse a finished build in ``directory``) and import the extension. Several
+    processes building at once are serialized by torch's file baton (``directory/lock``).
+    Raises KernelBuildError."""
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise KernelBuildError(f"{HINT}; the build said: C++ compiler {cxx!r} not found")
+    if not cpp_extension.is_ninja_available():
+        raise KernelBuildError(f"{HINT}; the build said: ninja not found")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(
+            name=f"offloadopt_adam_cpu_{cache_key()}",
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
+            build_directory=str(directory),
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 - any build failure becomes one clear line
+        raise KernelBuildError(f"{HINT}; the build said: {_last_line(e)}") from e
+
+
+def load() -> ModuleType:
+    """The compiled kernel module (built once per process; the build is cached on disk in
+    ``build_dir()``, so later processes only import it). Raises KernelBuildError."""
+    global _module, _error
+    with _lock:
+        if _module is not None:
+            return _module
+        if _error is not None:
+            raise _error
+        try:
+            _module = _build(build_dir())
+        except KernelBuildError as e:
+            _error = e
+            raise
+        return _module
+
+
+def available() -> bool:
+    """Whether ``load()`` succeeds (builds on first call); never raises."""
+    try:
+        load()
+    except Exception:  # noqa: BLE001
+        return False
+    return True

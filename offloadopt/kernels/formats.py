@@ -1,0 +1,139 @@
+"""The int8 block-wise formats of compressed Adam moments, in torch ops (CPU and CUDA).
+
+A design in the spirit of Dettmers et al., "8-bit Optimizers via Block-wise Quantization"
+(ICLR 2022): each tensor is cut into blocks of ``BLOCK = 256`` elements (the last one may be
+shorter), each block keeps one fp32 absmax scale, and the codes are small non-linear floats
+relative to that scale. The update always uses the fresh fp32 moments; they are quantized after.
+
+exp_avg (m), a signed code: ``scale_m[b] = max |m|`` over the block;
+``code = 0x80 (sign of m) | mag``, ``mag = e << 3 | f`` encodes ``t = |m| / scale_m`` (in
+[0, 1]) as ``value(e, f) = 2^(e-15) * (1 + f/8)``, e in 1..15, f in 0..7; ``mag = 0`` is zero
+(and then the sign bit is clear). Rounding: to nearest, ties to even, done on the fp32 bit
+pattern of t (add 0x7FFFF plus the lowest kept bit, shift right by 20); a t below the smallest
+value 2^-14 becomes 0 when t < 2^-15, else the smallest value. Decode:
+``m = +-scale_m * value(mag)``. Worst-case relative error for t in [2^-14, 1]: 1/16 (half of
+the 1/8 spacing, relative to the smaller end).
+
+exp_avg_sq (v), stored as ``y = sqrt(v)``: ``scale_v[b] = max y``; ``code = e << 4 | f``
+encodes ``t = y / scale_v`` as ``value(e, f) = 2^(e-15) * (1 + f/16)``, e in 1..15, f in
+0..15, rounded as above (add 0x3FFFF plus the lowest kept bit, shift by 19). Code 0 is zero
+only for ``v == 0``: a nonzero y below the smallest value 2^-14 takes the smallest nonzero code
+0x10 (never 0: a zero second moment under a nonzero first moment would blow the update up to
+m/eps). Decode: ``v = (scale_v * value(code))^2``. Worst-case relative error of y for t in
+[2^-14, 1]: 1/32 (so about 1/16 on v).
+
+Blocks: a block whose absmax is 0 has scale 0 and all codes 0. A block holding a non-finite m
+or v (inf or NaN; also sqrt of a negative v) gets the scale NaN for both moments and all codes
+0, so the problem shows (every decoded value is NaN) instead of hiding. The element of largest
+magnitude decodes to exactly its block's scale (t = 1 is a code value). Encoding uses bit
+manipulation only (no table search) and vectorizes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["BLOCK", "decode_m", "decode_v", "encode_m", "encode_v", "nblocks"]
+
+BLOCK = 256
+_M_EXP_BIAS = 112  # fp32 exponent 127 - 15
+_SMALLEST = 0x38800000  # 2^-14 (fp32 bits)
+_HALF_SMALLEST = 0x38000000  # 2^-15
+
+
+def nblocks(n: int) -> int:
+    """Blocks of BLOCK elements for n elements (the last may be partial)."""
+    return (int(n) + BLOCK - 1) // BLOCK
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """(n,) -> (nblocks, BLOCK), zero padded."""
+    n = x.numel()
+    pad = nblocks(n) * BLOCK - n
+    return torch.nn.functional.pad(x.reshape(-1), (0, pad)).view(-1, BLOCK)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> its bit pattern as int64 in [0, 2^32)."""
+    return x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _check(x: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    if x.dtype != dtype or x.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D {dtype} tensor, got {x.dtype} {tuple(x.shape)}")
+
+
+def _encode(t: torch.Tensor, shift: int) -> torch.Tensor:
+    """t in [0, 1] -> e << (23 - shift) | f, or a negative value where t < 2^-14."""
+    u = _bits(t)
+    r = (u + ((1 << (shift - 1)) - 1) + ((u >> shift) & 1)) >> shift
+    mbits = 23 - shift
+    e = (r >> mbits) - _M_EXP_BIAS
+    return torch.where(e >= 1, r - (_M_EXP_BIAS << mbits), torch.full_like(r, -1))
+
+
+def encode_m(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp_avg fp32 (n,) -> (codes uint8 (n,), scales fp32 (nblocks(n),)), same device.
+    Non-finite blocks: scale NaN, codes 0. Raises ValueError for a non-1-D or non-fp32 m."""
+    _check(m, "encode_m", torch.float32)
+    n = m.numel()
+    mb = _blocks(m)
+    a = mb.abs()
+    scale = a.amax(dim=1) if n else torch.zeros(0, device=m.device)
+    bad = ~torch.isfinite(mb).all(dim=1)
+    div = torch.where(scale > 0, scale, torch.ones_like(scale))
+    t = a / div[:, None]
+    mag = _encode(t, 20)
+    below = torch.where(_bits(t) >= _HALF_SMALLEST, 8, 0)
+    mag = torch.where(mag >= 0, mag, below)
+    sign = torch.where(mb.view(torch.int32) < 0, 0x80, 0)
+    code = torch.where(mag != 0, mag | sign, 0)
+    code = torch.where((scale > 0)[:, None] & ~bad[:, None], code, 0)
+    scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
+    return code.reshape(-1)[:n].to(torch.uint8), scale
+
+
+def decode_m(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """uint8 codes (n,) and fp32 scales (nblocks(n),) -> exp_avg fp32 (n,)."""
+    _check(codes, "decode_m codes", torch.uint8)
+    _check(scales, "decode_m scales", torch.float32)
+    if scales.numel() != nblocks(codes.numel()):
+        raise ValueError(f"decode_m: {scales.numel()} scales for {codes.numel()} codes")
+    c = _blocks(codes.to(torch.int64))
+    mag = c & 0x7F
+    bits = torch.where(mag != 0, (mag + (_M_EXP_BIAS << 3)) << 20, 0).to(torch.int32)
+    val = scales[:, None] * bits.view(torch.float32)
+    val = torch.where(c >= 0x80, -val, val)
+    return val.reshape(-1)[: codes.numel()]
+
+
+def encode_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp_avg_sq fp32 (n,) -> (codes uint8 (n,), scales of sqrt(v) fp32 (nblocks(n),)).
+    Non-finite (or negative) blocks: scale NaN, codes 0."""
+    _check(v, "encode_v", torch.float32)
+    return _encode_y(v.sqrt())
+
+
+def _encode_y(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = y.numel()
+    yb = _blocks(y)
+    scale = yb.amax(dim=1) if n else torch.zeros(0, device=y.device)
+    bad = ~torch.isfinite(yb).all(dim=1)
+    div = torch.where(scale > 0, scale, torch.ones_like(scale))
+    code = _encode(yb / div[:, None], 19)
+    code = torch.where(code >= 0, code, torch.where(yb != 0, 0x10, 0))
+    code = torch.where((scale > 0)[:, None] & ~bad[:, None], code, 0)
+    scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
+    return code.reshape(-1)[:n].to(torch.uint8), scale
+
+
+def decode_v(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """uint8 codes (n,) and fp32 scales (nblocks(n),) -> exp_avg_sq fp32 (n,)."""
+    _check(codes, "decode_v codes", torch.uint8)
+    _check(scales, "decode_v scales", torch.float32)
+    if scales.numel() != nblocks(codes.numel()):
+        raise ValueError(f"decode_v: {scales.numel()} scales for {codes.numel()} codes")
+    c = _blocks(codes.to(torch.int64))
+    bits = torch.where(c != 0, (c + (_M_EXP_BIAS << 4)) << 19, 0).to(torch.int32)
+    s = scales[:, None] * bits.view(torch.float32)
+    return (s * s).reshape(-1)[: codes.numel()]

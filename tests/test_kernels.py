@@ -1,0 +1,371 @@
+"""offloadopt.kernels: the fused CPU Adam/AdamW kernel for compressed optimizer state against
+torch's fused kernel (bitwise, all-fp32 mode) and against the plain-torch reference (bf16 and
+int8 state), the int8 block formats, and the kernel's input checks. The extension is built once
+per session (about a minute the first time; a missing compiler fails these tests)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+
+import pytest
+import torch
+
+from offloadopt import kernels
+from offloadopt.kernels import formats, reference
+
+SIZES = [1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 100, 255, 256, 257, 1000, 1023, 4099]
+
+
+@pytest.fixture(scope="module")
+def mod():
+    return kernels.load()
+
+
+def rand_state(sizes, seed=0, mdtype=torch.float32, gdtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n in sizes:
+        p = torch.randn(n, generator=gen).to(mdtype)
+        g = (torch.randn(n, generator=gen) * 0.1).to(gdtype)
+        m = torch.randn(n, generator=gen) * 0.01
+        v = torch.rand(n, generator=gen) * 1e-3
+        out.append((p, g, m, v))
+    return out
+
+
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, maximize=False,
+          decoupled=True, grad_scale=None)  # fmt: skip
+
+
+def kcall(fn, masters, grads, ms, vs, *, sms=(), svs=(), wout=(), steps=None, salts=None,
+          offsets=None, moments=0, master_sr=False, flush_denormal=False, **hp):  # fmt: skip
+    t = len(masters)
+    h = dict(HP, **hp)
+    fn(list(masters), list(grads), list(ms), list(vs), list(sms), list(svs), list(wout),
+       steps if steps is not None else [1.0] * t, salts if salts is not None else [7] * t,
+       offsets if offsets is not None else [0] * t, h["lr"], h["beta1"], h["beta2"],
+       h["weight_decay"], h["eps"], h["maximize"], h["decoupled"], h["grad_scale"], moments,
+       master_sr, kernels.torch_vec_size(), flush_denormal)  # fmt: skip
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    bad = (bits(a) != bits(b)).nonzero().flatten()
+    assert bad.numel() == 0, (
+        f"{what}: {bad.numel()}/{a.numel()} differ, first at {bad[:5].tolist()}"
+    )
+
+
+# --- all-fp32 mode: bitwise parity with torch._fused_adam(w)_ -----------------------------
+
+CASES = list(itertools.product([True, False], [0.0, 0.1], [False, True], [None, 1024.0],
+                               [1.0, 1000.0], [torch.float32, torch.bfloat16]))  # fmt: skip
+
+
+@pytest.mark.parametrize("decoupled,wd,maximize,gs,step,gdtype", CASES)
+def test_fp32_mode_is_bitwise_torch_fused(mod, decoupled, wd, maximize, gs, step, gdtype):
+    state = rand_state(SIZES, seed=int(step) + int(wd * 10), gdtype=gdtype)
+    beta1 = 0.3 if maximize else 0.9  # 1 - beta1 >= 0.5: the lerp's other branch
+    hp = dict(lr=2e-3, beta1=beta1, beta2=0.999, weight_decay=wd, eps=1e-8, maximize=maximize)
+    tp, tg, tm, tv = ([s[k].float().clone() for s in state] for k in range(4))
+    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    fused(tp, tg, tm, tv, [], [torch.tensor(step)] * len(tp), amsgrad=False, **hp,
+          grad_scale=None if gs is None else torch.tensor(gs), found_inf=None)  # fmt: skip
+    kp, kg, km, kv = ([s[k].clone() for s in state] for k in range(4))
+    wout = [torch.empty(p.numel(), dtype=torch.bfloat16) for p in kp]
+    kcall(mod.adam_step, kp, kg, km, kv, wout=wout, steps=[step] * len(kp), decoupled=decoupled,
+          grad_scale=gs, **hp)  # fmt: skip
+    for i, n in enumerate(SIZES):
+        assert_bitwise(kp[i], tp[i], f"param n={n}")
+        assert_bitwise(km[i], tm[i], f"exp_avg n={n}")
+        assert_bitwise(kv[i], tv[i], f"exp_avg_sq n={n}")
+        assert_bitwise(wout[i], tp[i].to(torch.bfloat16), f"weights_out n={n}")
+        assert_bitwise(kg[i], state[i][1], f"grad n={n} (read only)")
+
+
+def test_fp32_mode_parity_holds_over_steps_and_with_threads(mod):
+    """Three steps in a row on one long tensor and many short ones, at 1 and 2 threads."""
+    sizes = [70_001, 13, 4096, 24]
+    for threads in (1, 2):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            state = rand_state(sizes, seed=threads)
+            tp, tg, tm, tv = ([s[k].clone() for s in state] for k in range(4))
+            kp, kg, km, kv = ([s[k].clone() for s in state] for k in range(4))
+            for step in (1.0, 2.0, 3.0):
+                torch._fused_adamw_(tp, [g.clone() for g in tg], tm, tv, [],
+                                    [torch.tensor(step)] * 4, amsgrad=False, lr=1e-3, beta1=0.9,
+                                    beta2=0.95, weight_decay=0.1, eps=1e-8, maximize=False)  # fmt: skip
+                kcall(mod.adam_step, kp, kg, km, kv, steps=[step] * 4, beta2=0.95)
+            for i in range(4):
+                assert_bitwise(kp[i], tp[i], f"threads={threads} param {i}")
+                assert_bitwise(kv[i], tv[i], f"threads={threads} exp_avg_sq {i}")
+        finally:
+            torch.set_num_threads(old)
+
+
+def test_reference_fp32_mode_is_close_to_torch():
+    state = rand_state([5000], seed=3)
+    tp, tg, tm, tv = ([s[k].clone() for s in state] for k in range(4))
+    rp, rg, rm, rv = ([s[k].clone() for s in state] for k in range(4))
+    torch._fused_adamw_(tp, tg, tm, tv, [], [torch.tensor(5.0)], amsgrad=False, lr=1e-3,
+                        beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, maximize=False)  # fmt: skip
+    kcall(reference.adam_step, rp, rg, rm, rv, steps=[5.0])
+    torch.testing.assert_close(rp[0], tp[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(rm[0], tm[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(rv[0], tv[0], rtol=1e-6, atol=0)
+
+
+# --- bf16 state and bf16 masters (stochastic rounding) vs the reference ---------------------
+
+
+def ulp_diff_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (bits(a).to(torch.int32) - bits(b).to(torch.int32)).abs()
+
+
+def assert_bf16_near(a, b, what):
+    """Equal, except at most 0.1% of elements 1 bf16 ulp apart: the kernel and the reference
+    draw the same random bits but may differ by an fp32 ulp before rounding (FMA vs separate
+    ops), which moves the rounded result only when the fp32 value sits that close to the
+    random threshold."""
+    d = ulp_diff_bf16(a, b)
+    assert int(d.max()) <= 1, f"{what}: max bf16 ulp difference {int(d.max())}"
+    assert int((d != 0).sum()) <= max(1, a.numel() // 1000), f"{what}: {int((d != 0).sum())} differ"
+
+
+def make_mode(sizes, seed, master_bf16, moments, gdtype=torch.bfloat16):
+    state = rand_state(sizes, seed=seed, gdtype=gdtype)
+    masters = [s[0].to(torch.bfloat16) if master_bf16 else s[0].clone() for s in state]
+    grads = [s[1] for s in state]
+    if moments == 0:
+        ms, vs, sms, svs = [s[2].clone() for s in state], [s[3].clone() for s in state], [], []
+    elif moments == 1:
+        ms = [s[2].to(torch.bfloat16) for s in state]
+        vs = [s[3].to(torch.bfloat16) for s in state]
+        sms, svs = [], []
+    else:
+        enc_m = [formats.encode_m(s[2]) for s in state]
+        enc_v = [formats.encode_v(s[3]) for s in state]
+        ms, sms = [c for c, _ in enc_m], [s for _, s in enc_m]
+        vs, svs = [c for c, _ in enc_v], [s for _, s in enc_v]
+    return masters, grads, ms, vs, sms, svs
+
+
+def clone_all(x):
+    return [[t.clone() for t in lst] for lst in x]
+
+
+MODES = [(False, 1), (True, 0), (True, 1), (False, 2), (True, 2)]
+
+
+@pytest.mark.parametrize("master_bf16,moments", MODES)
+def test_kernel_matches_reference(mod, master_bf16, moments):
+    sizes = [3000, 256, 17, 1]
+    a = make_mode(sizes, 11, master_bf16, moments)
+    b = clone_all(a)
+    kw = dict(steps=[3.0, 3.0, 4.0, 9.0], salts=[1, 2, 3, 2**40 + 5], offsets=[0, 256, 0, 512],
+              moments=moments, master_sr=master_bf16, weight_decay=0.01)  # fmt: skip
+    kcall(mod.adam_step, a[0], a[1], a[2], a[3], sms=a[4], svs=a[5], **kw)
+    kcall(reference.adam_step, b[0], b[1], b[2], b[3], sms=b[4], svs=b[5], **kw)
+    for i in range(len(sizes)):
+        if master_bf16:
+            assert_bf16_near(a[0][i], b[0][i], f"master {i}")
+        else:  # fp32 master: fp32 op order only (a few fp32 ulps after the int8 state)
+            torch.testing.assert_close(a[0][i], b[0][i], rtol=2e-6, atol=1e-7)
+        if moments == 1:
+            assert_bf16_near(a[2][i], b[2][i], f"exp_avg {i}")
+            assert_bf16_near(a[3][i], b[3][i], f"exp_avg_sq {i}")
+        elif moments == 2:
+            for k, name in ((2, "exp_avg"), (3, "exp_avg_sq")):
+                ca, cb = a[k][i].to(torch.int32), b[k][i].to(torch.int32)
+                eq = (ca == cb).float().mean().item()
+                assert eq >= 0.999, f"{name} codes {i}: only {eq:.4%} equal"
+                assert int(((ca & 0x7F) - (cb & 0x7F)).abs().max()) <= 1, f"{name} codes {i}"
+            torch.testing.assert_close(a[4][i], b[4][i], rtol=1e-6, atol=0)
+            torch.testing.assert_close(a[5][i], b[5][i], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("master_bf16,moments", [(False, 0)] + MODES)
+def test_result_does_not_depend_on_cuts_or_threads(mod, master_bf16, moments):
+    """One 1,024-element tensor vs two 512-element pieces (offsets 0 and 512, scale views),
+    at 1 and 2 threads: bitwise equal."""
+    whole = make_mode([1024], 5, master_bf16, moments)
+    results = []
+    for threads, cut in ((2, False), (1, False), (2, True), (1, True)):
+        x = clone_all(whole)
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            if cut:
+                parts = [[t[0][:512], t[0][512:]] for t in x[:4]]
+                sc = [[s[0][:2], s[0][2:]] for s in x[4:]] if moments == 2 else [[], []]
+                kcall(mod.adam_step, *parts, sms=sc[0], svs=sc[1], steps=[2.0, 2.0],
+                      salts=[9, 9], offsets=[0, 512], moments=moments, master_sr=master_bf16)  # fmt: skip
+            else:
+                kcall(mod.adam_step, *x[:4], sms=x[4], svs=x[5], steps=[2.0], salts=[9],
+                      offsets=[0], moments=moments, master_sr=master_bf16)  # fmt: skip
+        finally:
+            torch.set_num_threads(old)
+        results.append(x)
+    for r in results[1:]:
+        for lst_a, lst_b in zip(results[0], r, strict=True):
+            for ta, tb in zip(lst_a, lst_b, strict=True):
+                assert_bitwise(ta, tb, "cut/threads")
+
+
+def test_stochastic_rounding_is_unbiased(mod):
+    """A bf16 master at 1.0 gets 200 updates of -1e-4 (well below half a bf16 ulp, 2^-8 at 1.0;
+    round to nearest would never move it): the mean over 4,096 elements tracks 1 - 0.02."""
+    n, steps = 4096, 200
+    p = torch.ones(n, dtype=torch.bfloat16)
+    m = torch.zeros(n)
+    v = torch.zeros(n)
+    g = torch.full((n,), 1.0)
+    for s in range(1, steps + 1):
+        # lr chosen so the update is exactly lr/bc1 * m/(sqrt(v)/sqrt(bc2)+eps) ~= lr for g=1
+        kcall(mod.adam_step, [p], [g], [m], [v], steps=[float(s)], salts=[123], lr=1e-4,
+              weight_decay=0.0, eps=0.0, master_sr=True)  # fmt: skip
+    mean = p.float().mean().item()
+    assert abs(mean - (1 - steps * 1e-4)) < 2e-3, mean
+    assert p.float().std().item() > 0  # it did round up and down
+
+
+def test_flush_denormal_flushes_in_the_kernel_only(mod):
+    tiny = 1e-39  # a denormal fp32
+    for flush, expect_zero in ((False, False), (True, True)):
+        p = torch.full((64,), tiny)
+        z = torch.zeros(64)
+        kcall(mod.adam_step, [p], [z.clone()], [z.clone()], [z.clone()], weight_decay=0.5,
+              lr=1.0, flush_denormal=flush)  # fmt: skip
+        assert bool((p == 0).all()) == expect_zero, (flush, p[:3])
+    assert (torch.tensor([tiny]) * 0.5).item() != 0  # the caller's thread state restored
+
+
+# --- int8 formats ---------------------------------------------------------------------------
+
+
+def test_formats_round_trip_within_the_stated_error():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(10_000, generator=gen) * torch.exp(torch.randn(10_000, generator=gen))
+    codes, scales = formats.encode_m(x)
+    y = formats.decode_m(codes, scales)
+    s = scales.repeat_interleave(formats.BLOCK)[: x.numel()]
+    in_range = x.abs() >= s * 2.0**-14
+    rel = ((y - x).abs() / x.abs())[in_range]
+    assert rel.max().item() <= 1 / 16 + 1e-7, rel.max().item()
+    assert torch.equal(torch.sign(y[in_range]), torch.sign(x[in_range]))
+    v = x * x
+    cv, sv = formats.encode_v(v)
+    yv = formats.decode_v(cv, sv).sqrt()
+    sq = sv.repeat_interleave(formats.BLOCK)[: x.numel()]
+    ok = v.sqrt() >= sq * 2.0**-14
+    relv = ((yv - v.sqrt()).abs() / v.sqrt())[ok]
+    assert relv.max().item() <= 1 / 32 + 1e-7, relv.max().item()
+
+
+def test_formats_zero_absmax_and_idempotence():
+    x = torch.randn(700)
+    x[[3, 300, 650]] = 0.0
+    codes, scales = formats.encode_m(x)
+    assert codes[[3, 300, 650]].tolist() == [0, 0, 0]
+    y = formats.decode_m(codes, scales)
+    for b in range(3):
+        blk = x[b * 256 : (b + 1) * 256]
+        k = int(blk.abs().argmax())
+        assert y[b * 256 + k].abs().item() == scales[b].item()
+    c2, s2 = formats.encode_m(y)
+    assert torch.equal(formats.decode_m(c2, s2), y)
+    v = x * x
+    cv, sv = formats.encode_v(v)
+    assert cv[[3, 300, 650]].tolist() == [0, 0, 0]
+    dv = formats.decode_v(cv, sv)
+    cv2, sv2 = formats.encode_v(dv)
+    assert torch.equal(formats.decode_v(cv2, sv2), dv)
+    # a tiny nonzero v never gets code 0; an all-zero block has scale 0 and codes 0
+    w = torch.zeros(512)
+    w[0], w[1] = 1.0, 1e-30
+    cw, sw = formats.encode_v(w)
+    assert cw[1].item() == 0x10 and sw[1].item() == 0 and int(cw[256:].max()) == 0
+
+
+def test_formats_non_finite_block_gets_a_nan_scale():
+    x = torch.randn(600)
+    x[300] = float("inf")
+    codes, scales = formats.encode_m(x)
+    assert torch.isnan(scales[1]) and not torch.isnan(scales[0]) and not torch.isnan(scales[2])
+    assert int(codes[256:512].max()) == 0
+    assert torch.isnan(formats.decode_m(codes, scales)[256:512]).all()
+
+
+def test_kernel_int8_non_finite_and_zero_blocks(mod):
+    n = 768
+    p, g = torch.randn(n), torch.zeros(n)
+    g[300] = float("nan")
+    ms, vs = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    sm, sv = torch.zeros(3), torch.zeros(3)
+    kcall(mod.adam_step, [p], [g], [ms], [vs], sms=[sm], svs=[sv], moments=2, weight_decay=0.0)
+    assert sm[0].item() == 0 and sv[0].item() == 0 and int(ms[:256].max()) == 0
+    assert torch.isnan(sm[1]) and torch.isnan(sv[1]) and int(ms[256:512].max()) == 0
+    assert sm[2].item() == 0
+
+
+# --- input checks -----------------------------------------------------------------------------
+
+
+def bad_calls():
+    f32, bf = torch.float32, torch.bfloat16
+
+    def base():
+        return dict(masters=[torch.ones(8)], grads=[torch.ones(8)], ms=[torch.zeros(8)],
+                    vs=[torch.zeros(8)])  # fmt: skip
+
+    yield "numel", dict(base(), grads=[torch.ones(9)]), "grads[0]"
+    yield "contiguous", dict(base(), grads=[torch.ones(16)[::2]]), "contiguous"
+    yield "dtype", dict(base(), ms=[torch.zeros(8, dtype=torch.float64)]), "exp_avgs[0]"
+    yield "list length", dict(base(), vs=[torch.zeros(8), torch.zeros(8)]), "exp_avg_sqs"
+    yield "master_sr fp32", dict(base(), master_sr=True), "master_sr"
+    b = base()
+    b["masters"] = [torch.ones(8, dtype=bf)]
+    yield "wout bf16", dict(b, master_sr=True, wout=[torch.zeros(8, dtype=bf)]), "weights_out"
+    yield "bf16 no sr", dict(b), "master_sr"
+    q = dict(base(), ms=[torch.zeros(300, dtype=torch.uint8)], vs=[torch.zeros(300, dtype=torch.uint8)],
+             masters=[torch.ones(300)], grads=[torch.ones(300)], moments=2)  # fmt: skip
+    yield "scale length", dict(q, sms=[torch.zeros(1)], svs=[torch.zeros(2)]), "exp_avg_scales[0]"
+    yield "scales count", dict(q, sms=[], svs=[torch.zeros(2)]), "exp_avg_scales"
+    yield "2-D", dict(base(), masters=[torch.ones(2, 4)]), "1-D"
+    assert f32  # both dtypes used above
+
+
+@pytest.mark.parametrize("case", list(bad_calls()), ids=lambda c: c[0])
+def test_bad_input_is_refused_before_writing(mod, case):
+    _, kw, needle = case
+    masters = kw.pop("masters")
+    before = [m.clone() for m in masters]
+    with pytest.raises((ValueError, RuntimeError), match=re.escape(needle)):
+        kcall(mod.adam_step, masters, kw.pop("grads"), kw.pop("ms"), kw.pop("vs"), **kw)
+    for a, b in zip(masters, before, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_kernel_uses_every_thread(mod):
+    assert mod.num_threads_used() == min(torch.get_num_threads(), 1 << 16)
+
+
+# --- building ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cxx", ["/nonexistent/g++", "false"])
+def test_build_failure_is_one_clear_line(tmp_path, monkeypatch, cxx):
+    monkeypatch.setenv("CXX", cxx)
+    with pytest.raises(kernels.KernelBuildError) as info:
+        kernels._build(tmp_path / "build")
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert "install g++" in msg and "ninja" in msg and "the build said:" in msg
+    assert os.environ["CXX"] == cxx
