@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|compressed|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -20,6 +20,15 @@ for part in "${@:-all}"; do
   if [[ $part == tests || $part == all ]]; then
     timeout 300 python3 -m pytest tests/cuda -m cuda -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15
     python3 tests/cuda/record_fixture.py "$OUT/audit_trace_h200.json" 2>&1 | tail -3
+  fi
+  if [[ $part == compressed ]]; then
+    # compressed optimizer state: the kernel's build, its CUDA tests, the kernel against torch's
+    # fused fp32 AdamW over GPT-2 1.5B's 1.558e9 params, and the step at fraction 1 (backward)
+    python3 -c "import time; from offloadopt import kernels; t = time.time(); kernels.load(); print(f'kernel build {time.time() - t:.1f} s')"
+    timeout 200 python3 -m pytest tests/cuda/test_compressed_cuda.py tests/cuda/test_optim_cuda.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest_compressed.log" | tail -6
+    timeout 150 python3 benchmarks/cpu_kernel.py --repeats 5 2>&1 | tee "$OUT/cpu_kernel.log" | tail -12
+    timeout 240 python3 benchmarks/ab_step.py --settings fp32 int8-moments bf16-sr+int8 --overlap backward \
+      --fraction 1 --inits gpt2-init --warmup 3 --steps 6 --rounds 2 --out "$OUT/ab" 2>&1 | tee "$OUT/ab.log" | tail -8
   fi
   if [[ $part == launches ]]; then
     # the worker's copy launches: each piece on an idle process, then per iteration in the step
