@@ -251,6 +251,7 @@ def run_one(
         cmd = ["taskset", "-c", ",".join(map(str, cores)), *cmd]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONUNBUFFERED"] = "1"  # the log in the order written: a failure's message last
     t0 = time.perf_counter()
     with open(runs / f"{name}.log", "w") as log:
         log.write("$ " + shlex.join(cmd) + "\n")
@@ -268,16 +269,41 @@ def run_one(
     return {**row, "exit_code": 0, "summary": summary}
 
 
-def check_done(args, summary: dict, path: Path) -> None:
-    """A kept run must be one of these settings' runs (not one with other --steps...)."""
-    want = {"preset": args.preset, "steps": args.steps, "batch_size": args.batch_size,
-            "seq_len": args.seq_len, "dtype": args.dtype}  # fmt: skip
-    for key, value in want.items():
-        if summary.get(key) != value:
-            raise checks.UsageError(
-                f"{str(path)!r} is a run with {key} {summary.get(key)!r}, not {value!r}: "
-                "use another --out, or --force to rerun it"
-            )
+def _train_options(cmd: list[str]) -> list[str]:
+    """A run command's options after ``train``, without ``--data``'s path (the same corpus in a
+    moved folder is the same run)."""
+    rest = cmd[cmd.index("train") + 1 :]
+    i = rest.index("--data")
+    return rest[:i] + rest[i + 2 :]
+
+
+def _by_flag(options: list[str]) -> dict[str, str]:
+    """``["--steps", "3", "--no-progress"]`` -> ``{"--steps": "3", "--no-progress": ""}``."""
+    out: dict[str, str] = {}
+    for i, word in enumerate(options):
+        if word.startswith("--"):
+            nxt = options[i + 1] if i + 1 < len(options) else "--"
+            out[word] = "" if nxt.startswith("--") else nxt
+    return out
+
+
+def check_done(args, setting: str, seed: int, path: Path) -> None:
+    """A kept run must have been run with this command's options (not other --steps...): the
+    first line of its log holds its command. Raises ``UsageError`` naming the difference."""
+    log = path.with_suffix(".log")
+    first = log.read_text(errors="replace").split("\n", 1)[0] if log.exists() else ""
+    if not first.startswith("$ "):
+        raise checks.UsageError(f"{str(log)!r} holds no command line: cannot tell how "
+                                f"{path.name} was run (--force reruns it)")  # fmt: skip
+    was = _train_options(shlex.split(first[2:]))
+    now = _train_options(command(args, setting, seed, "-"))
+    if was != now:
+        a, b = _by_flag(was), _by_flag(now)
+        diff = [f"{k} {a.get(k, '(none)')} -> {b.get(k, '(none)')}" for k in {**a, **b}
+                if a.get(k) != b.get(k)]  # fmt: skip
+        raise checks.UsageError(
+            f"{str(path)!r} was run with other options ({'; '.join(diff) or 'in another order'}): "
+            "use another --out, or --force to rerun it")  # fmt: skip
 
 
 def environment(args) -> dict:
@@ -383,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         if path.exists() and not args.force:
             summary = json.loads(path.read_text())
             try:
-                check_done(args, summary, path)
+                check_done(args, setting, seed, path)
             except checks.UsageError as e:
                 print(f"quality.py: error: {e}", file=sys.stderr)
                 return 2
