@@ -440,7 +440,11 @@ def main(argv: list[str] | None = None) -> int:
                 left -= 1
                 rows[row["setting"], row["seed"]] = row
                 loss = row["summary"]["final_heldout_loss"] if "summary" in row else None
-                what = f"loss {loss:.4f}" if loss is not None else f"FAILED exit {row['exit_code']}"
+                what = (
+                    f"loss {loss:.4f}"
+                    if loss is not None
+                    else f"FAILED exit {row['exit_code']}: {row['error'][:150]}"
+                )
                 print(f"{row['setting']} seed {row['seed']}: {what}, {row['wall_s']:.1f} s, "
                       f"{left} run(s) left", file=sys.stderr, flush=True)  # fmt: skip
     ordered = [rows[key] for key in runs_of(args)]

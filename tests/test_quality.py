@@ -65,6 +65,8 @@ def test_quality_runs_every_setting_and_seed_into_its_table_and_json(smoke):
         assert json.loads((out / "runs" / f"{name}.json").read_text()) == r["summary"]
         log = (out / "runs" / f"{name}.log").read_text()
         assert f"--seed {r['seed']}" in log.splitlines()[0] and "--no-progress" in log
+        pinned = quality.core_slices(2) is not None  # one core each on a 2-core machine
+        assert log.startswith("$ taskset -c ") == pinned, log.splitlines()[0]
         assert r["summary"]["optimizer"] == ("adamw" if r["setting"] == "torch-adamw" else "hybrid")
     # one progress line per run, the last saying none is left
     lines = [line for line in progress.splitlines() if " seed " in line]
@@ -118,7 +120,10 @@ def _fake(losses: dict[tuple[str, int], float | None]):
     return command
 
 
-def test_quality_reports_a_failed_run_in_its_row_and_exits_1(tmp_path):
+def test_quality_reports_a_failed_run_in_its_row_and_exits_1(tmp_path, monkeypatch):
+    monkeypatch.delenv(
+        "PYTHONUNBUFFERED", raising=False
+    )  # the runs' own setting must order the log
     losses = {("torch-adamw", 0): 1.0, ("torch-adamw", 1): 1.5, ("int8-moments", 0): 1.25,
               ("int8-moments", 1): None, ("bf16-sr", 0): 2.0}  # fmt: skip
     argv = ["--device", "cpu", "--settings", "torch-adamw,int8-moments,bf16-sr", "--seeds", "2",
@@ -126,7 +131,7 @@ def test_quality_reports_a_failed_run_in_its_row_and_exits_1(tmp_path):
     with mock.patch.object(quality, "command", _fake(losses)):
         rc, table, progress = _main(argv)
     assert rc == 1 and "1 run(s) failed: int8-moments seed 1" in progress
-    assert "int8-moments seed 1: FAILED exit 3" in progress
+    assert "int8-moments seed 1: FAILED exit 3: no kernel here," in progress
     row = _row(table, "int8-moments")
     assert row[1] == "2" and row[2] == "1.2500, seed 1 failed (exit 3: no kernel here)"
     assert row[3] == "1.2500" and row[6] == "within torch's seed spread"
@@ -204,3 +209,21 @@ def test_quality_seeds_go_to_the_seeds_for_settings_only():
         "--offload-fraction 1.0"
     )
     assert "--offload-fraction" not in quality.command(args, "torch-adamw", 0, "c.txt")
+
+
+def test_quality_gives_parallel_runs_disjoint_cores(monkeypatch):
+    """P runs each sized to every core oversubscribe the host (two tiny CPU runs on 2 cores:
+    0.5 s a step became 3 s): each slot gets its own slice."""
+    monkeypatch.setattr(
+        quality.os, "sched_getaffinity", lambda pid: set(range(2, 19)), raising=False
+    )
+    monkeypatch.setattr(quality.shutil, "which", lambda name: "/usr/bin/" + name)
+    assert quality.core_slices(4) == [
+        [2, 3, 4, 5],
+        [6, 7, 8, 9],
+        [10, 11, 12, 13],
+        [14, 15, 16, 17],
+    ]
+    assert quality.core_slices(1) is None and quality.core_slices(18) is None
+    monkeypatch.setattr(quality.shutil, "which", lambda name: None)
+    assert quality.core_slices(4) is None
