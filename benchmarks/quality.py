@@ -15,6 +15,12 @@ same initial weights for a given seed (``--seed`` seeds both). Settings:
                    stochastically)
     bf16-sr+int8   --master-weights bf16-sr --state-dtype int8
 
+With ``--dtype bf16`` (the default), torch-adamw is torch's AdamW on the bf16 params themselves:
+its exp_avg/exp_avg_sq are bf16 too (``zeros_like(param)``) and there is no fp32 master (each
+update is rounded to nearest into the bf16 weight). It is the plain-torch run a user has without
+offloadopt, not an fp32-master reference; fp32 (HybridAdamW's fp32 masters and moments) is that.
+A setting better than torch's spread is "outside" too: read the sign of "mean - torch".
+
 The settings in ``--seeds-for`` (default torch-adamw, int8-moments, bf16-sr+int8) run seeds
 0 .. K-1 (``--seeds K``, default 3); the others seed 0 only.
 
@@ -385,6 +391,9 @@ def table(results: dict) -> str:
         f"Verdict: within torch's seed spread when {RULE} over {REFERENCE}'s seeds "
         "(std: sample, n - 1), else outside.",
     ]
+    if a["dtype"] == "bf16" and REFERENCE in by:
+        lines.append(f"{REFERENCE} on bf16 params: bf16 weights and moments, no fp32 master "
+                     "(torch's AdamW as it is); fp32 is HybridAdamW with fp32 masters and moments.")  # fmt: skip
     if a.get("parallel", 1) > 1:
         lines.append(f"{a['parallel']} runs at once: step times are those of a shared machine.")
     return "\n".join(lines)

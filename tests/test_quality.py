@@ -170,7 +170,12 @@ def test_quality_verdict_is_within_max_of_two_std_and_the_range(torch_losses, me
                "corpus": {"nbytes": 1, "sha256": "0" * 64}, "torch": "x",
                "runs": [*(run("torch-adamw", k, x) for k, x in enumerate(torch_losses)),
                         run("int8-moments", 0, mean)]}  # fmt: skip
-    assert _row(quality.table(results), "int8-moments")[6] == verdict
+    text = quality.table(results)
+    assert _row(text, "int8-moments")[6] == verdict
+    # bf16 params: torch's AdamW keeps bf16 moments and no master, and the footer says so
+    assert ("torch-adamw on bf16 params: bf16 weights and moments, no fp32 master" in text) == bool(
+        torch_losses
+    )
 
 
 BAD = [
