@@ -27,7 +27,8 @@ The settings in ``--seeds-for`` (default torch-adamw, int8-moments, bf16-sr+int8
 The corpus: every ``*.py`` file of the Python standard library's own sources
 (``sysconfig.get_paths()["stdlib"]``; no ``site-packages``, no ``test``/``tests``/``idlelib``
 folders), sorted by relative path, each preceded by a header line ``# ==> <relative path>``;
-written once to ``<out>/corpus.txt``, its size and sha256 kept in quality.json. Another Python
+written once to ``<out>/corpus.txt`` (git-ignored there by ``<out>/.gitignore``: a results
+folder is committed without it), its size and sha256 kept in quality.json. Another Python
 version gives another corpus: compare tables only when their sha256 agree.
 
 The GPU host runs (repo root)::
@@ -190,6 +191,11 @@ def write_corpus(out: Path, force: bool) -> dict:
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)  # whole or absent: a cut-short write leaves no half corpus
+    ignore = out / ".gitignore"  # 11 MB rebuilt from any Python of this version: its sha256 is kept
+    if not ignore.exists():
+        ignore.write_text(
+            "# rebuilt by benchmarks/quality.py; quality.json keeps its sha256\ncorpus.txt\n"
+        )
     root = sysconfig.get_paths()["stdlib"]
     return {"path": str(path), "nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
             "source": f"*.py under {root}, no {', '.join(sorted(EXCLUDED_DIRS))} folders",

@@ -51,6 +51,7 @@ def test_quality_runs_every_setting_and_seed_into_its_table_and_json(smoke):
         ("torch-adamw", 0), ("torch-adamw", 1), ("fp32", 0)]  # fmt: skip
     corpus = (out / "corpus.txt").read_bytes()
     assert results["corpus"]["nbytes"] == len(corpus) > 10**6
+    assert (out / ".gitignore").read_text().splitlines()[-1] == "corpus.txt"  # not committed
     assert corpus.startswith(b"# ==> ") and b"# ==> os.py\n" in corpus
     headers = [
         line[6:] for line in corpus.decode("latin-1").splitlines() if line.startswith("# ==> ")
