@@ -197,7 +197,8 @@ def write_corpus(out: Path, force: bool) -> dict:
             "# rebuilt by benchmarks/quality.py; quality.json keeps its sha256\ncorpus.txt\n"
         )
     root = sysconfig.get_paths()["stdlib"]
-    return {"path": str(path), "nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+    # absolute: the runs work in the repo's root, not in this process's working folder
+    return {"path": str(path.resolve()), "nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
             "source": f"*.py under {root}, no {', '.join(sorted(EXCLUDED_DIRS))} folders",
             "python": sys.version.split()[0]}  # fmt: skip
 

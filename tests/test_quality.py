@@ -116,6 +116,8 @@ def _fake(losses: dict[tuple[str, int], float | None]):
             line = json.dumps({"final_heldout_loss": loss, "median_step_ms": 10.0 + seed,
                                "peak_gpu_gb": 1.5, "seed": seed})  # fmt: skip
             code = f"print('log line'); print({line!r})"
+        # the corpus must be found from the run's working folder (the repo's root)
+        code = f"import os, sys; os.path.isfile({corpus!r}) or sys.exit(4); {code}"
         return [sys.executable, "-c", code, "train", "--data", corpus, "--seed", str(seed)]
 
     return command
@@ -127,8 +129,9 @@ def test_quality_reports_a_failed_run_in_its_row_and_exits_1(tmp_path, monkeypat
     )  # the runs' own setting must order the log
     losses = {("torch-adamw", 0): 1.0, ("torch-adamw", 1): 1.5, ("int8-moments", 0): 1.25,
               ("int8-moments", 1): None, ("bf16-sr", 0): 2.0}  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # a relative --out, from another folder than the runs'
     argv = ["--device", "cpu", "--settings", "torch-adamw,int8-moments,bf16-sr", "--seeds", "2",
-            "--out", str(tmp_path)]  # fmt: skip
+            "--out", "o"]  # fmt: skip
     with mock.patch.object(quality, "command", _fake(losses)):
         rc, table, progress = _main(argv)
     assert rc == 1 and "1 run(s) failed: int8-moments seed 1" in progress
@@ -138,9 +141,10 @@ def test_quality_reports_a_failed_run_in_its_row_and_exits_1(tmp_path, monkeypat
     assert row[3] == "1.2500" and row[6] == "within torch's seed spread"
     assert _row(table, "bf16-sr")[5:7] == ["+0.7500", "outside"]
     assert _row(table, "torch-adamw")[7:] == ["10.5", "1.50"]
-    assert not (tmp_path / "runs" / "int8-moments-seed1.json").exists()
-    assert (tmp_path / "runs" / "int8-moments-seed1.log").read_text().endswith("no kernel here\n")
-    assert json.loads((tmp_path / "quality.json").read_text())["runs"][3]["exit_code"] == 3
+    out = tmp_path / "o"
+    assert not (out / "runs" / "int8-moments-seed1.json").exists()
+    assert (out / "runs" / "int8-moments-seed1.log").read_text().endswith("no kernel here\n")
+    assert json.loads((out / "quality.json").read_text())["runs"][3]["exit_code"] == 3
 
 
 @pytest.mark.parametrize(
