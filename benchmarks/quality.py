@@ -70,7 +70,6 @@ import statistics
 import subprocess
 import sys
 import sysconfig
-import threading
 import time
 from pathlib import Path
 
@@ -435,7 +434,6 @@ def main(argv: list[str] | None = None) -> int:
             todo.append((setting, seed))
     if rows:
         print(f"{len(rows)} run(s) kept from {runs_dir}; {len(todo)} to run", file=sys.stderr)
-    lock = threading.Lock()
     left = len(todo)
     slots: queue.Queue[list[int] | None] = queue.Queue()
     for cores in core_slices(args.parallel) or [None] * args.parallel:
@@ -448,21 +446,26 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             slots.put(cores)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel)
+    try:
         futures = [pool.submit(slotted, s, k) for s, k in todo]
         for future in concurrent.futures.as_completed(futures):
             row = future.result()
-            with lock:
-                left -= 1
-                rows[row["setting"], row["seed"]] = row
-                loss = row["summary"]["final_heldout_loss"] if "summary" in row else None
-                what = (
-                    f"loss {loss:.4f}"
-                    if loss is not None
-                    else f"FAILED exit {row['exit_code']}: {row['error'][:150]}"
-                )
-                print(f"{row['setting']} seed {row['seed']}: {what}, {row['wall_s']:.1f} s, "
-                      f"{left} run(s) left", file=sys.stderr, flush=True)  # fmt: skip
+            left -= 1
+            rows[row["setting"], row["seed"]] = row
+            loss = row["summary"]["final_heldout_loss"] if "summary" in row else None
+            what = f"loss {loss:.4f}" if loss is not None else \
+                f"FAILED exit {row['exit_code']}: {row['error'][:150]}"  # fmt: skip
+            print(f"{row['setting']} seed {row['seed']}: {what}, {row['wall_s']:.1f} s, "
+                  f"{left} run(s) left", file=sys.stderr, flush=True)  # fmt: skip
+    except KeyboardInterrupt:
+        # the runs started got Ctrl-C too (one process group); the queued ones must not start
+        pool.shutdown(wait=True, cancel_futures=True)
+        print(f"interrupted: the same command continues from the {len(rows)} run(s) done",
+              file=sys.stderr)  # fmt: skip
+        return 130
+    finally:
+        pool.shutdown(wait=True)
     ordered = [rows[key] for key in runs_of(args)]
     results = {"command": shlex.join([sys.executable, *sys.argv]) if argv is None
                else shlex.join(["benchmarks/quality.py", *argv]),

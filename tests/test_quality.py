@@ -237,3 +237,16 @@ def test_quality_gives_parallel_runs_disjoint_cores(monkeypatch):
     assert quality.core_slices(1) is None and quality.core_slices(18) is None
     monkeypatch.setattr(quality.shutil, "which", lambda name: None)
     assert quality.core_slices(4) is None
+
+
+def test_quality_ctrl_c_starts_no_queued_run(tmp_path):
+    calls = []
+
+    def run_one(*args):
+        calls.append(args[1:3])
+        raise KeyboardInterrupt
+
+    argv = ["--device", "cpu", "--settings", "torch-adamw,fp32,bf16-sr", "--out", str(tmp_path)]
+    with mock.patch.object(quality, "run_one", run_one):
+        rc, _, err = _main(argv)
+    assert rc == 130 and calls == [("torch-adamw", 0)] and "interrupted" in err
