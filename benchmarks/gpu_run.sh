@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|compressed|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -29,6 +29,15 @@ for part in "${@:-all}"; do
     timeout 150 python3 benchmarks/cpu_kernel.py --repeats 5 2>&1 | tee "$OUT/cpu_kernel.log" | tail -12
     timeout 240 python3 benchmarks/ab_step.py --settings fp32 int8-moments bf16-sr+int8 --overlap backward \
       --fraction 1 --inits gpt2-init --warmup 3 --steps 6 --rounds 2 --out "$OUT/ab" 2>&1 | tee "$OUT/ab.log" | tail -8
+  fi
+  if [[ $part == quality ]]; then
+    # the quality table: GPT-2 124M on the standard library's sources, 2,000 steps; fraction 0
+    # (every update the plain-torch reference on the GPU: the representation and rounding of the
+    # CPU kernel, tests/cuda/test_compressed_cuda.py) so that four runs share the GPU
+    python3 -c "from offloadopt import kernels; kernels.load()"
+    timeout 330 python3 benchmarks/quality.py --out "$OUT/quality" --parallel 4 --steps 2000 \
+      --batch-size 8 --seq-len 256 --offload-fraction 0 \
+      --settings torch-adamw,int8-moments,bf16-sr+int8,fp32,bf16-moments,bf16-sr 2>&1 | tail -14
   fi
   if [[ $part == launches ]]; then
     # the worker's copy launches: each piece on an idle process, then per iteration in the step
