@@ -369,3 +369,36 @@ def test_build_failure_is_one_clear_line(tmp_path, monkeypatch, cxx):
     assert "\n" not in msg
     assert "install g++" in msg and "ninja" in msg and "the build said:" in msg
     assert os.environ["CXX"] == cxx
+
+
+def test_kernel_int8_encoding_equals_formats_on_ties_and_edges(mod):
+    """beta1 = beta2 = 0 and lr = 0 make the new exp_avg = g and exp_avg_sq = g*g exactly
+    (sqrt(g*g) == |g|), so the kernel's codes must equal formats' bit for bit on values placed
+    on exact rounding ties, just below the smallest code, and on zero."""
+    ties_m = [1 + (2 * f + 1) / 16 for f in range(8)]  # halfway between 3-bit mantissas
+    ties_v = [1 + (2 * f + 1) / 32 for f in range(16)]  # halfway between 4-bit mantissas
+    vals = [1.0]
+    for e in (1, 3, 9, 14):
+        vals += [t * 2.0**-e for t in ties_m + ties_v]
+    vals += [2.0**-15, 2.0**-15 * 1.5, 2.0**-16, 1e-7, 1e-18, 0.0, -0.0, 2.0**-14]
+    g = torch.tensor(vals * 3, dtype=torch.float32)
+    g = torch.cat([g, -g, g * 3.0])
+    n = g.numel()
+    cm, cv = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    sm, sv = torch.zeros(kernels.nblocks(n)), torch.zeros(kernels.nblocks(n))
+    p = torch.zeros(n)
+    kcall(mod.adam_step, [p], [g], [cm], [cv], sms=[sm], svs=[sv], moments=2, lr=0.0,
+          beta1=0.0, beta2=0.0, weight_decay=0.0)  # fmt: skip
+    em, esm = formats.encode_m(g)
+    ev, esv = formats.encode_v(g * g)
+    assert torch.equal(torch.sqrt(g * g), g.abs())
+    assert_bitwise(sm, esm, "exp_avg scales")
+    assert_bitwise(sv, esv, "exp_avg_sq scales")
+    assert torch.equal(cm, em), (cm != em).nonzero().flatten()[:5]
+    assert torch.equal(cv, ev), (cv != ev).nonzero().flatten()[:5]
+    # the formats' own choices on these edges
+    one = torch.tensor([1.0, 1.0625 * 2**-3, 1.1875 * 2**-3, 2.0**-15, 2.0**-16, 1e-18, 0.0])
+    c, _ = formats.encode_m(one)
+    assert c.tolist() == [15 << 3, 12 << 3, (12 << 3) | 2, 0x08, 0, 0, 0]
+    c, _ = formats.encode_v(one * one)
+    assert c.tolist()[3:] == [0x10, 0x10, 0x10, 0]

@@ -96,6 +96,8 @@ inline float u2f(uint32_t u) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+// a where mask is all ones, b where it is zero
+inline float sel(uint32_t mask, float a, float b) { return u2f((f2u(a) & mask) | (f2u(b) & ~mask)); }
 inline float bf2f(uint16_t b) { return u2f((uint32_t)b << 16); }
 
 // fp32 -> bf16 with stochastic rounding (r: 32 random bits, the low 16 used).
@@ -182,12 +184,18 @@ void run_block(const Job& J, size_t i, int64_t j0) {
   ST* M = static_cast<ST*>(J.m[i]) + j0;
   ST* V = static_cast<ST*>(J.v[i]) + j0;
   uint16_t* W = WOUT ? static_cast<uint16_t*>(J.wo[i]) + j0 : nullptr;
-  const int64_t tail = J.tail_start[i] - j0;
+  // element k of the block uses torch's scalar-tail form of exp_avg_sq from here on
+  const int tail = (int)std::min<int64_t>(BLOCK, J.tail_start[i] - j0);
   const uint64_t cbase = (uint64_t)(J.offsets[i] + j0);
-  const bool has_gs = J.has_gs, maximize = J.maximize, has_wd = J.has_wd, adamw = J.adamw;
+  // Loop-invariant choices as bit masks (GCC does not vectorize a float select on an
+  // invariant bool): all-ones picks the first operand of sel().
+  const uint32_t gs_mask = J.has_gs ? ~0U : 0U;
+  const uint32_t adamw_mask = (J.has_wd && J.adamw) ? ~0U : 0U;
+  const uint32_t adam_mask = (J.has_wd && !J.adamw) ? ~0U : 0U;
+  const uint32_t small_mask = c.lerp_small ? ~0U : 0U;
+  const uint32_t neg = J.maximize ? 0x80000000U : 0U;  // maximize: flip g's sign bit
   const float gscale = c.gscale, wd = c.wd, decay = c.decay, lc = c.lerp_c, b2 = c.b2,
               c2 = c.c2, bc2s = c.bc2s, eps = c.eps, nss = c.nss;
-  const bool small = c.lerp_small;
   float sm = 0.f, sv = 0.f;
   float* mscale = nullptr;
   float* vscale = nullptr;
@@ -201,8 +209,9 @@ void run_block(const Job& J, size_t i, int64_t j0) {
   alignas(64) float ybuf[BLOCK];
   float mabs = 0.f, yabs = 0.f;
   int bad = 0;
+  const int n = (int)len;
 #pragma omp simd reduction(max : mabs, yabs) reduction(| : bad)
-  for (int64_t k = 0; k < len; ++k) {
+  for (int k = 0; k < n; ++k) {
     float p, g, m0, v0;
     if constexpr (MBF16) p = bf2f(P[k]); else p = P[k];
     if constexpr (GBF16) g = bf2f(G[k]); else g = G[k];
@@ -216,13 +225,11 @@ void run_block(const Job& J, size_t i, int64_t j0) {
       m0 = decode_m1(M[k], sm);
       v0 = decode_v1(V[k], sv);
     }
-    if (has_gs) g = g / gscale;
-    if (maximize) g = -g;
-    if (has_wd) {
-      if (adamw) p = p * decay;
-      else g = std::fma(p, wd, g);
-    }
-    float m = std::fma(lc, g - m0, small ? m0 : g);
+    g = sel(gs_mask, g / gscale, g);
+    g = u2f(f2u(g) ^ neg);
+    p = sel(adamw_mask, p * decay, p);
+    g = sel(adam_mask, std::fma(p, wd, g), g);
+    float m = std::fma(lc, g - m0, sel(small_mask, m0, g));
     float cg = c2 * g;
     float v = k >= tail ? std::fma(v0, b2, cg * g) : std::fma(cg, g, v0 * b2);
     float y = std::sqrt(v);
@@ -259,15 +266,17 @@ void run_block(const Job& J, size_t i, int64_t j0) {
     }
     *mscale = mabs;
     *vscale = yabs;
-    const bool mz = mabs == 0.f, vz = yabs == 0.f;
+    // a zero block: scale 0, codes 0 (the masks also keep 0/0 out of the codes)
+    const uint32_t mkeep = mabs == 0.f ? 0U : 0xFFU, vkeep = yabs == 0.f ? 0U : 0xFFU;
+    const float mdiv = mabs == 0.f ? 1.f : mabs, ydiv = yabs == 0.f ? 1.f : yabs;
 #pragma omp simd
-    for (int64_t k = 0; k < len; ++k) {
+    for (int k = 0; k < n; ++k) {
       float m = mbuf[k];
       float y = ybuf[k];
-      uint32_t mm = mz ? 0U : encode_m_mag(std::fabs(m) / mabs);
+      uint32_t mm = encode_m_mag(std::fabs(m) / mdiv);
       uint32_t sign = (f2u(m) >> 24) & 0x80U;
-      M[k] = (uint8_t)(mm ? (mm | sign) : 0U);
-      V[k] = (uint8_t)(vz ? 0U : encode_v_code(y / yabs, y != 0.f));
+      M[k] = (uint8_t)((mm ? (mm | sign) : 0U) & mkeep);
+      V[k] = (uint8_t)(encode_v_code(y / ydiv, y != 0.f) & vkeep);
     }
   }
 }
