@@ -166,10 +166,12 @@ MODES = [(False, 1), (True, 0), (True, 1), (False, 2), (True, 2)]
 
 @pytest.mark.parametrize("master_bf16,moments", MODES)
 def test_kernel_matches_reference(mod, master_bf16, moments):
-    sizes = [3000, 256, 17, 1]
+    sizes = [3000, 256, 600, 1]
     a = make_mode(sizes, 11, master_bf16, moments)
     b = clone_all(a)
-    kw = dict(steps=[3.0, 3.0, 4.0, 9.0], salts=[1, 2, 3, 2**40 + 5], offsets=[0, 256, 0, 512],
+    # the third tensor's random counter crosses 2^32 mid-block (offset not a block multiple)
+    offsets = [0, 256, 2**32 - 100 if moments != 2 else 2**32 - 256, 512]
+    kw = dict(steps=[3.0, 3.0, 4.0, 9.0], salts=[1, 2, 3, 2**40 + 5], offsets=offsets,
               moments=moments, master_sr=master_bf16, weight_decay=0.01)  # fmt: skip
     kcall(mod.adam_step, a[0], a[1], a[2], a[3], sms=a[4], svs=a[5], **kw)
     kcall(reference.adam_step, b[0], b[1], b[2], b[3], sms=b[4], svs=b[5], **kw)
@@ -258,7 +260,7 @@ def test_formats_round_trip_within_the_stated_error():
     s = scales.repeat_interleave(formats.BLOCK)[: x.numel()]
     in_range = x.abs() >= s * 2.0**-14
     rel = ((y - x).abs() / x.abs())[in_range]
-    assert rel.max().item() <= 1 / 16 + 1e-7, rel.max().item()
+    assert rel.max().item() <= 1 / 16 + 1e-6, rel.max().item()
     assert torch.equal(torch.sign(y[in_range]), torch.sign(x[in_range]))
     v = x * x
     cv, sv = formats.encode_v(v)
@@ -266,7 +268,7 @@ def test_formats_round_trip_within_the_stated_error():
     sq = sv.repeat_interleave(formats.BLOCK)[: x.numel()]
     ok = v.sqrt() >= sq * 2.0**-14
     relv = ((yv - v.sqrt()).abs() / v.sqrt())[ok]
-    assert relv.max().item() <= 1 / 32 + 1e-7, relv.max().item()
+    assert relv.max().item() <= 1 / 32 + 1e-6, relv.max().item()
 
 
 def test_formats_zero_absmax_and_idempotence():

@@ -81,9 +81,10 @@ inline uint32_t fmix32(uint32_t x) {
   return x;
 }
 
-inline uint32_t sr_hash(uint32_t k0, uint32_t k1, uint64_t counter) {
-  uint32_t x = fmix32((uint32_t)counter ^ k0);
-  return fmix32(x ^ k1 ^ ((uint32_t)(counter >> 32) * 0x9E3779B9U));
+// counter = hi << 32 | lo, all in 32-bit lanes (the caller carries lo's wrap into hi)
+inline uint32_t sr_hash(uint32_t k0, uint32_t k1, uint32_t lo, uint32_t hi) {
+  uint32_t x = fmix32(lo ^ k0);
+  return fmix32(x ^ k1 ^ (hi * 0x9E3779B9U));
 }
 
 inline uint32_t f2u(float f) {
@@ -126,7 +127,7 @@ inline float decode_m1(uint8_t c, float scale) {
   return (c & 0x80U) ? -v : v;
 }
 
-// t = |m| / scale in [0, 1] -> magnitude code (RNE on the fp32 bits; below 2^-14 -> 0 or the
+// t = |m| * (1/scale) in [0, 1 + 2 ulp] -> magnitude code (RNE on the fp32 bits; below 2^-14 -> 0 or the
 // smallest code, the nearer, 2^-15 itself going up).
 inline uint32_t encode_m_mag(float t) {
   uint32_t u = f2u(t);
@@ -187,9 +188,9 @@ void run_block(const Job& J, size_t i, int64_t j0) {
   // element k of the block uses torch's scalar-tail form of exp_avg_sq from here on
   const int tail = (int)std::min<int64_t>(BLOCK, J.tail_start[i] - j0);
   const uint64_t cbase = (uint64_t)(J.offsets[i] + j0);
+  const uint32_t lo0 = (uint32_t)cbase, hi0 = (uint32_t)(cbase >> 32);
   // Loop-invariant choices as bit masks (GCC does not vectorize a float select on an
   // invariant bool): all-ones picks the first operand of sel().
-  const uint32_t gs_mask = J.has_gs ? ~0U : 0U;
   const uint32_t adamw_mask = (J.has_wd && J.adamw) ? ~0U : 0U;
   const uint32_t adam_mask = (J.has_wd && !J.adamw) ? ~0U : 0U;
   const uint32_t small_mask = c.lerp_small ? ~0U : 0U;
@@ -210,11 +211,24 @@ void run_block(const Job& J, size_t i, int64_t j0) {
   float mabs = 0.f, yabs = 0.f;
   int bad = 0;
   const int n = (int)len;
+  // the grads, upcast (and divided by grad_scale) into an L1-resident buffer first: the
+  // division is paid only when there is a grad_scale
+  alignas(64) float gbuf[BLOCK];
+  if (J.has_gs) {
+#pragma omp simd
+    for (int k = 0; k < n; ++k) {
+      if constexpr (GBF16) gbuf[k] = bf2f(G[k]) / gscale; else gbuf[k] = G[k] / gscale;
+    }
+  } else {
+#pragma omp simd
+    for (int k = 0; k < n; ++k) {
+      if constexpr (GBF16) gbuf[k] = bf2f(G[k]); else gbuf[k] = G[k];
+    }
+  }
 #pragma omp simd reduction(max : mabs, yabs) reduction(| : bad)
   for (int k = 0; k < n; ++k) {
-    float p, g, m0, v0;
+    float p, g = gbuf[k], m0, v0;
     if constexpr (MBF16) p = bf2f(P[k]); else p = P[k];
-    if constexpr (GBF16) g = bf2f(G[k]); else g = G[k];
     if constexpr (MOM == 0) {
       m0 = M[k];
       v0 = V[k];
@@ -225,7 +239,6 @@ void run_block(const Job& J, size_t i, int64_t j0) {
       m0 = decode_m1(M[k], sm);
       v0 = decode_v1(V[k], sv);
     }
-    g = sel(gs_mask, g / gscale, g);
     g = u2f(f2u(g) ^ neg);
     p = sel(adamw_mask, p * decay, p);
     g = sel(adam_mask, std::fma(p, wd, g), g);
@@ -234,8 +247,9 @@ void run_block(const Job& J, size_t i, int64_t j0) {
     float v = k >= tail ? std::fma(v0, b2, cg * g) : std::fma(cg, g, v0 * b2);
     float y = std::sqrt(v);
     float pn = p + (nss * m) / (y / bc2s + eps);
+    const uint32_t lo = lo0 + (uint32_t)k, hi = hi0 + (lo < lo0 ? 1U : 0U);
     if constexpr (MBF16) {
-      P[k] = f2bf_sr(pn, sr_hash(c.k[0][0], c.k[0][1], cbase + k));
+      P[k] = f2bf_sr(pn, sr_hash(c.k[0][0], c.k[0][1], lo, hi));
     } else {
       P[k] = pn;
     }
@@ -244,8 +258,8 @@ void run_block(const Job& J, size_t i, int64_t j0) {
       M[k] = m;
       V[k] = v;
     } else if constexpr (MOM == 1) {
-      M[k] = f2bf_sr(m, sr_hash(c.k[1][0], c.k[1][1], cbase + k));
-      V[k] = f2bf_sr(v, sr_hash(c.k[2][0], c.k[2][1], cbase + k));
+      M[k] = f2bf_sr(m, sr_hash(c.k[1][0], c.k[1][1], lo, hi));
+      V[k] = f2bf_sr(v, sr_hash(c.k[2][0], c.k[2][1], lo, hi));
     } else {
       float am = std::fabs(m);
       mbuf[k] = m;
@@ -268,15 +282,16 @@ void run_block(const Job& J, size_t i, int64_t j0) {
     *vscale = yabs;
     // a zero block: scale 0, codes 0 (the masks also keep 0/0 out of the codes)
     const uint32_t mkeep = mabs == 0.f ? 0U : 0xFFU, vkeep = yabs == 0.f ? 0U : 0xFFU;
-    const float mdiv = mabs == 0.f ? 1.f : mabs, ydiv = yabs == 0.f ? 1.f : yabs;
+    // t = |m| * (1/scale): one division a block, not one an element (formats.py does the same)
+    const float minv = mabs == 0.f ? 1.f : 1.f / mabs, yinv = yabs == 0.f ? 1.f : 1.f / yabs;
 #pragma omp simd
     for (int k = 0; k < n; ++k) {
       float m = mbuf[k];
       float y = ybuf[k];
-      uint32_t mm = encode_m_mag(std::fabs(m) / mdiv);
+      uint32_t mm = encode_m_mag(std::fabs(m) * minv);
       uint32_t sign = (f2u(m) >> 24) & 0x80U;
       M[k] = (uint8_t)((mm ? (mm | sign) : 0U) & mkeep);
-      V[k] = (uint8_t)(encode_v_code(y / ydiv, y != 0.f) & vkeep);
+      V[k] = (uint8_t)(encode_v_code(y * yinv, y != 0.f) & vkeep);
     }
   }
 }
