@@ -412,3 +412,13 @@ def test_available_is_false_not_an_exception_when_the_build_fails(monkeypatch):
 
     monkeypatch.setattr(kernels, "load", fail)
     assert kernels.available() is False
+
+
+def test_a_compiler_error_is_named_in_the_one_line(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("int broken = ;\n")
+    monkeypatch.setattr(kernels, "SOURCE", bad)
+    with pytest.raises(kernels.KernelBuildError) as info:
+        kernels._build(tmp_path / "build")
+    msg = str(info.value)
+    assert "\n" not in msg and "bad.cpp" in msg and "error" in msg, msg
