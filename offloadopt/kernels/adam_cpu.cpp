@@ -173,15 +173,16 @@ struct Job {
   std::vector<Coefs> coefs;
 };
 
+// One block of tensor i from element j0; the grads come from gsrc (already at j0).
 template <bool MBF16, bool GBF16, int MOM, bool WOUT>
-void run_block(const Job& J, size_t i, int64_t j0) {
+void block_core(const Job& J, size_t i, int64_t j0, const void* gsrc) {
   const Coefs& c = J.coefs[i];
   const int64_t len = std::min<int64_t>(BLOCK, J.numel[i] - j0);
   using MT = std::conditional_t<MBF16, uint16_t, float>;
   using GT = std::conditional_t<GBF16, uint16_t, float>;
   using ST = std::conditional_t<MOM == 0, float, std::conditional_t<MOM == 1, uint16_t, uint8_t>>;
   MT* P = static_cast<MT*>(J.master[i]) + j0;
-  const GT* G = static_cast<const GT*>(J.grad[i]) + j0;
+  const GT* G = static_cast<const GT*>(gsrc);
   ST* M = static_cast<ST*>(J.m[i]) + j0;
   ST* V = static_cast<ST*>(J.v[i]) + j0;
   uint16_t* W = WOUT ? static_cast<uint16_t*>(J.wo[i]) + j0 : nullptr;
@@ -195,7 +196,7 @@ void run_block(const Job& J, size_t i, int64_t j0) {
   const uint32_t adam_mask = (J.has_wd && !J.adamw) ? ~0U : 0U;
   const uint32_t small_mask = c.lerp_small ? ~0U : 0U;
   const uint32_t neg = J.maximize ? 0x80000000U : 0U;  // maximize: flip g's sign bit
-  const float gscale = c.gscale, wd = c.wd, decay = c.decay, lc = c.lerp_c, b2 = c.b2,
+  const float wd = c.wd, decay = c.decay, lc = c.lerp_c, b2 = c.b2,
               c2 = c.c2, bc2s = c.bc2s, eps = c.eps, nss = c.nss;
   float sm = 0.f, sv = 0.f;
   float* mscale = nullptr;
@@ -211,24 +212,11 @@ void run_block(const Job& J, size_t i, int64_t j0) {
   float mabs = 0.f, yabs = 0.f;
   int bad = 0;
   const int n = (int)len;
-  // the grads, upcast (and divided by grad_scale) into an L1-resident buffer first: the
-  // division is paid only when there is a grad_scale
-  alignas(64) float gbuf[BLOCK];
-  if (J.has_gs) {
-#pragma omp simd
-    for (int k = 0; k < n; ++k) {
-      if constexpr (GBF16) gbuf[k] = bf2f(G[k]) / gscale; else gbuf[k] = G[k] / gscale;
-    }
-  } else {
-#pragma omp simd
-    for (int k = 0; k < n; ++k) {
-      if constexpr (GBF16) gbuf[k] = bf2f(G[k]); else gbuf[k] = G[k];
-    }
-  }
 #pragma omp simd reduction(max : mabs, yabs) reduction(| : bad)
   for (int k = 0; k < n; ++k) {
-    float p, g = gbuf[k], m0, v0;
+    float p, g, m0, v0;
     if constexpr (MBF16) p = bf2f(P[k]); else p = P[k];
+    if constexpr (GBF16) g = bf2f(G[k]); else g = G[k];
     if constexpr (MOM == 0) {
       m0 = M[k];
       v0 = V[k];
@@ -294,6 +282,23 @@ void run_block(const Job& J, size_t i, int64_t j0) {
       V[k] = (uint8_t)(encode_v_code(y * yinv, y != 0.f) & vkeep);
     }
   }
+}
+
+// With a grad_scale, the block's grads are first upcast and divided into an L1-resident fp32
+// buffer (so the division is paid only then), and the core reads that buffer as fp32 grads.
+template <bool MBF16, bool GBF16, int MOM, bool WOUT>
+void run_block(const Job& J, size_t i, int64_t j0) {
+  using GT = std::conditional_t<GBF16, uint16_t, float>;
+  const GT* G = static_cast<const GT*>(J.grad[i]) + j0;
+  if (!J.has_gs) return block_core<MBF16, GBF16, MOM, WOUT>(J, i, j0, G);
+  const int n = (int)std::min<int64_t>(BLOCK, J.numel[i] - j0);
+  const float gscale = J.coefs[i].gscale;
+  alignas(64) float gbuf[BLOCK];
+#pragma omp simd
+  for (int k = 0; k < n; ++k) {
+    if constexpr (GBF16) gbuf[k] = bf2f(G[k]) / gscale; else gbuf[k] = G[k] / gscale;
+  }
+  block_core<MBF16, false, MOM, WOUT>(J, i, j0, gbuf);
 }
 
 using BlockFn = void (*)(const Job&, size_t, int64_t);
