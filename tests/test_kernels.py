@@ -356,7 +356,15 @@ def test_bad_input_is_refused_before_writing(mod, case):
 
 
 def test_kernel_uses_every_thread(mod):
-    assert mod.num_threads_used() == min(torch.get_num_threads(), 1 << 16)
+    """A parallel region of the extension runs on torch.get_num_threads() threads (built
+    without OpenMP, at::parallel_for would run on one)."""
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert mod.num_threads_used() == threads
+    finally:
+        torch.set_num_threads(old)
 
 
 # --- building ---------------------------------------------------------------------------------
