@@ -89,8 +89,9 @@ def test_fp32_mode_is_bitwise_torch_fused(mod, decoupled, wd, maximize, gs, step
 
 
 def test_fp32_mode_parity_holds_over_steps_and_with_threads(mod):
-    """Three steps in a row on one long tensor and many short ones, at 1 and 2 threads."""
-    sizes = [70_001, 13, 4096, 24]
+    """Three steps in a row on long tensors (one over a loop run of 4,096 blocks) and short
+    ones, at 1 and 2 threads."""
+    sizes = [70_001, 13, 4096, 24, 1_100_007]
     for threads in (1, 2):
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -100,10 +101,10 @@ def test_fp32_mode_parity_holds_over_steps_and_with_threads(mod):
             kp, kg, km, kv = ([s[k].clone() for s in state] for k in range(4))
             for step in (1.0, 2.0, 3.0):
                 torch._fused_adamw_(tp, [g.clone() for g in tg], tm, tv, [],
-                                    [torch.tensor(step)] * 4, amsgrad=False, lr=1e-3, beta1=0.9,
+                                    [torch.tensor(step)] * 5, amsgrad=False, lr=1e-3, beta1=0.9,
                                     beta2=0.95, weight_decay=0.1, eps=1e-8, maximize=False)  # fmt: skip
-                kcall(mod.adam_step, kp, kg, km, kv, steps=[step] * 4, beta2=0.95)
-            for i in range(4):
+                kcall(mod.adam_step, kp, kg, km, kv, steps=[step] * 5, beta2=0.95)
+            for i in range(5):
                 assert_bitwise(kp[i], tp[i], f"threads={threads} param {i}")
                 assert_bitwise(kv[i], tv[i], f"threads={threads} exp_avg_sq {i}")
         finally:
@@ -430,3 +431,17 @@ def test_a_compiler_error_is_named_in_the_one_line(tmp_path, monkeypatch):
         kernels._build(tmp_path / "build")
     msg = str(info.value)
     assert "\n" not in msg and "bad.cpp" in msg and "error" in msg, msg
+
+
+def test_the_benchmark_runs_at_a_tiny_size(mod, monkeypatch, capsys):
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import cpu_kernel
+
+    monkeypatch.setattr(sys, "argv", ["cpu_kernel.py", "--numel", "5000", "--repeats", "1"])
+    cpu_kernel.main()
+    out = capsys.readouterr().out
+    for row in ["torch fused fp32", *cpu_kernel.MODES]:
+        assert row in out, out

@@ -69,6 +69,7 @@
 namespace {
 
 constexpr int64_t BLOCK = 256;
+constexpr int64_t RUN = 4096;  // blocks in one loop at most (1 Mi elements: int indices)
 
 inline uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
@@ -182,11 +183,12 @@ struct Job {
   std::vector<Coefs> coefs;
 };
 
-// One block of tensor i from element j0; the grads come from gsrc (already at j0).
+// Elements [j0, j1) of tensor i (one block with int8 moments; with fp32/bf16 moments a run of
+// up to RUN blocks); the grads come from gsrc (already at j0).
 template <bool MBF16, bool GBF16, int MOM, bool WOUT>
-void block_core(const Job& J, size_t i, int64_t j0, const void* gsrc) {
+void block_core(const Job& J, size_t i, int64_t j0, int64_t j1, const void* gsrc) {
   const Coefs& c = J.coefs[i];
-  const int64_t len = std::min<int64_t>(BLOCK, J.numel[i] - j0);
+  const int64_t len = std::min<int64_t>(j1, J.numel[i]) - j0;
   using MT = std::conditional_t<MBF16, uint16_t, float>;
   using GT = std::conditional_t<GBF16, uint16_t, float>;
   using ST = std::conditional_t<MOM == 0, float, std::conditional_t<MOM == 1, uint16_t, uint8_t>>;
@@ -196,7 +198,7 @@ void block_core(const Job& J, size_t i, int64_t j0, const void* gsrc) {
   ST* V = static_cast<ST*>(J.v[i]) + j0;
   uint16_t* W = WOUT ? static_cast<uint16_t*>(J.wo[i]) + j0 : nullptr;
   // element k of the block uses torch's scalar-tail form of exp_avg_sq from here on
-  const int tail = (int)std::min<int64_t>(BLOCK, J.tail_start[i] - j0);
+  const int tail = (int)std::min<int64_t>(len, J.tail_start[i] - j0);
   const uint64_t cbase = (uint64_t)(J.offsets[i] + j0);
   const uint32_t lo0 = (uint32_t)cbase, hi0 = (uint32_t)(cbase >> 32);
   // Loop-invariant choices as bit masks (GCC does not vectorize a float select on an
@@ -296,10 +298,10 @@ void block_core(const Job& J, size_t i, int64_t j0, const void* gsrc) {
 // With a grad_scale, the block's grads are first upcast and divided into an L1-resident fp32
 // buffer (so the division is paid only then), and the core reads that buffer as fp32 grads.
 template <bool MBF16, bool GBF16, int MOM, bool WOUT>
-void run_block(const Job& J, size_t i, int64_t j0) {
+void run_block(const Job& J, size_t i, int64_t j0, int64_t j1) {
   using GT = std::conditional_t<GBF16, uint16_t, float>;
   const GT* G = static_cast<const GT*>(J.grad[i]) + j0;
-  if (!J.has_gs) return block_core<MBF16, GBF16, MOM, WOUT>(J, i, j0, G);
+  if (!J.has_gs) return block_core<MBF16, GBF16, MOM, WOUT>(J, i, j0, j1, G);
   const int n = (int)std::min<int64_t>(BLOCK, J.numel[i] - j0);
   const float gscale = J.coefs[i].gscale;
   alignas(64) float gbuf[BLOCK];
@@ -307,10 +309,10 @@ void run_block(const Job& J, size_t i, int64_t j0) {
   for (int k = 0; k < n; ++k) {
     if constexpr (GBF16) gbuf[k] = bf2f(G[k]) / gscale; else gbuf[k] = G[k] / gscale;
   }
-  block_core<MBF16, false, MOM, WOUT>(J, i, j0, gbuf);
+  block_core<MBF16, false, MOM, WOUT>(J, i, j0, j0 + BLOCK, gbuf);
 }
 
-using BlockFn = void (*)(const Job&, size_t, int64_t);
+using BlockFn = void (*)(const Job&, size_t, int64_t, int64_t);
 
 template <bool MBF16, bool GBF16>
 BlockFn pick_mom(int moments, bool wout) {
@@ -463,6 +465,7 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
   J.first_block[T] = nblocks;
   if (nblocks == 0) return;
   const BlockFn fn = pick(mbf16, gbf16, (int)moments, J.wout);
+  const bool runs = moments != 2 && !J.has_gs;
 
   at::parallel_for(0, nblocks, 1, [&](int64_t begin, int64_t end) {
 #ifdef OFFLOADOPT_HAVE_MXCSR
@@ -470,9 +473,14 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
     if (flush_denormal) _mm_setcsr(csr | 0x8040U);  // FTZ | DAZ
 #endif
     size_t i = std::upper_bound(J.first_block.begin(), J.first_block.end(), begin) - J.first_block.begin() - 1;
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t b = begin; b < end;) {
       while (b >= J.first_block[i + 1]) ++i;
-      fn(J, i, (b - J.first_block[i]) * BLOCK);
+      // one block, or (fp32/bf16 moments, no grad_scale: nothing kept per block) a run of
+      // blocks of this tensor in one loop
+      const int64_t run = runs ? std::min({end, J.first_block[i + 1], b + RUN}) - b : 1;
+      const int64_t j0 = (b - J.first_block[i]) * BLOCK;
+      fn(J, i, j0, j0 + run * BLOCK);
+      b += run;
     }
 #ifdef OFFLOADOPT_HAVE_MXCSR
     _mm_setcsr(csr);
