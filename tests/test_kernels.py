@@ -63,7 +63,7 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 # --- all-fp32 mode: bitwise parity with torch._fused_adam(w)_ -----------------------------
 
-CASES = list(itertools.product([True, False], [0.0, 0.1], [False, True], [None, 1024.0],
+CASES = list(itertools.product([True, False], [0.0, 0.1], [False, True], [None, 3.0],
                                [1.0, 1000.0], [torch.float32, torch.bfloat16]))  # fmt: skip
 
 
@@ -89,8 +89,9 @@ def test_fp32_mode_is_bitwise_torch_fused(mod, decoupled, wd, maximize, gs, step
 
 
 def test_fp32_mode_parity_holds_over_steps_and_with_threads(mod):
-    """Three steps in a row on one long tensor and many short ones, at 1 and 2 threads."""
-    sizes = [70_001, 13, 4096, 24]
+    """Three steps in a row on long tensors (one over a loop run of 4,096 blocks) and short
+    ones, at 1 and 2 threads."""
+    sizes = [70_001, 13, 4096, 24, 1_100_007]
     for threads in (1, 2):
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -100,10 +101,10 @@ def test_fp32_mode_parity_holds_over_steps_and_with_threads(mod):
             kp, kg, km, kv = ([s[k].clone() for s in state] for k in range(4))
             for step in (1.0, 2.0, 3.0):
                 torch._fused_adamw_(tp, [g.clone() for g in tg], tm, tv, [],
-                                    [torch.tensor(step)] * 4, amsgrad=False, lr=1e-3, beta1=0.9,
+                                    [torch.tensor(step)] * 5, amsgrad=False, lr=1e-3, beta1=0.9,
                                     beta2=0.95, weight_decay=0.1, eps=1e-8, maximize=False)  # fmt: skip
-                kcall(mod.adam_step, kp, kg, km, kv, steps=[step] * 4, beta2=0.95)
-            for i in range(4):
+                kcall(mod.adam_step, kp, kg, km, kv, steps=[step] * 5, beta2=0.95)
+            for i in range(5):
                 assert_bitwise(kp[i], tp[i], f"threads={threads} param {i}")
                 assert_bitwise(kv[i], tv[i], f"threads={threads} exp_avg_sq {i}")
         finally:
@@ -166,10 +167,12 @@ MODES = [(False, 1), (True, 0), (True, 1), (False, 2), (True, 2)]
 
 @pytest.mark.parametrize("master_bf16,moments", MODES)
 def test_kernel_matches_reference(mod, master_bf16, moments):
-    sizes = [3000, 256, 17, 1]
+    sizes = [3000, 256, 600, 1]
     a = make_mode(sizes, 11, master_bf16, moments)
     b = clone_all(a)
-    kw = dict(steps=[3.0, 3.0, 4.0, 9.0], salts=[1, 2, 3, 2**40 + 5], offsets=[0, 256, 0, 512],
+    # the third tensor's random counter crosses 2^32 mid-block (offset not a block multiple)
+    offsets = [0, 256, 2**32 - 100 if moments != 2 else 2**32 - 256, 512]
+    kw = dict(steps=[3.0, 3.0, 4.0, 9.0], salts=[1, 2, 3, 2**40 + 5], offsets=offsets,
               moments=moments, master_sr=master_bf16, weight_decay=0.01)  # fmt: skip
     kcall(mod.adam_step, a[0], a[1], a[2], a[3], sms=a[4], svs=a[5], **kw)
     kcall(reference.adam_step, b[0], b[1], b[2], b[3], sms=b[4], svs=b[5], **kw)
@@ -258,7 +261,7 @@ def test_formats_round_trip_within_the_stated_error():
     s = scales.repeat_interleave(formats.BLOCK)[: x.numel()]
     in_range = x.abs() >= s * 2.0**-14
     rel = ((y - x).abs() / x.abs())[in_range]
-    assert rel.max().item() <= 1 / 16 + 1e-7, rel.max().item()
+    assert rel.max().item() <= 1 / 16 + 1e-6, rel.max().item()
     assert torch.equal(torch.sign(y[in_range]), torch.sign(x[in_range]))
     v = x * x
     cv, sv = formats.encode_v(v)
@@ -266,7 +269,7 @@ def test_formats_round_trip_within_the_stated_error():
     sq = sv.repeat_interleave(formats.BLOCK)[: x.numel()]
     ok = v.sqrt() >= sq * 2.0**-14
     relv = ((yv - v.sqrt()).abs() / v.sqrt())[ok]
-    assert relv.max().item() <= 1 / 32 + 1e-7, relv.max().item()
+    assert relv.max().item() <= 1 / 32 + 1e-6, relv.max().item()
 
 
 def test_formats_zero_absmax_and_idempotence():
@@ -354,7 +357,15 @@ def test_bad_input_is_refused_before_writing(mod, case):
 
 
 def test_kernel_uses_every_thread(mod):
-    assert mod.num_threads_used() == min(torch.get_num_threads(), 1 << 16)
+    """A parallel region of the extension runs on torch.get_num_threads() threads (built
+    without OpenMP, at::parallel_for would run on one)."""
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert mod.num_threads_used() == threads
+    finally:
+        torch.set_num_threads(old)
 
 
 # --- building ---------------------------------------------------------------------------------
@@ -369,3 +380,68 @@ def test_build_failure_is_one_clear_line(tmp_path, monkeypatch, cxx):
     assert "\n" not in msg
     assert "install g++" in msg and "ninja" in msg and "the build said:" in msg
     assert os.environ["CXX"] == cxx
+
+
+def test_kernel_int8_encoding_equals_formats_on_ties_and_edges(mod):
+    """beta1 = beta2 = 0 and lr = 0 make the new exp_avg = g and exp_avg_sq = g*g exactly
+    (sqrt(g*g) == |g|), so the kernel's codes must equal formats' bit for bit on values placed
+    on exact rounding ties, just below the smallest code, and on zero."""
+    ties_m = [1 + (2 * f + 1) / 16 for f in range(8)]  # halfway between 3-bit mantissas
+    ties_v = [1 + (2 * f + 1) / 32 for f in range(16)]  # halfway between 4-bit mantissas
+    vals = [1.0]
+    for e in (1, 3, 9, 14):
+        vals += [t * 2.0**-e for t in ties_m + ties_v]
+    vals += [2.0**-15, 2.0**-15 * 1.5, 2.0**-16, 1e-7, 1e-18, 0.0, -0.0, 2.0**-14]
+    g = torch.tensor(vals * 3, dtype=torch.float32)
+    g = torch.cat([g, -g, g * 3.0])
+    n = g.numel()
+    cm, cv = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    sm, sv = torch.zeros(kernels.nblocks(n)), torch.zeros(kernels.nblocks(n))
+    p = torch.zeros(n)
+    kcall(mod.adam_step, [p], [g], [cm], [cv], sms=[sm], svs=[sv], moments=2, lr=0.0,
+          beta1=0.0, beta2=0.0, weight_decay=0.0)  # fmt: skip
+    em, esm = formats.encode_m(g)
+    ev, esv = formats.encode_v(g * g)
+    assert torch.equal(torch.sqrt(g * g), g.abs())
+    assert_bitwise(sm, esm, "exp_avg scales")
+    assert_bitwise(sv, esv, "exp_avg_sq scales")
+    assert torch.equal(cm, em), (cm != em).nonzero().flatten()[:5]
+    assert torch.equal(cv, ev), (cv != ev).nonzero().flatten()[:5]
+    # the formats' own choices on these edges
+    one = torch.tensor([1.0, 1.0625 * 2**-3, 1.1875 * 2**-3, 2.0**-15, 2.0**-16, 1e-18, 0.0])
+    c, _ = formats.encode_m(one)
+    assert c.tolist() == [15 << 3, 12 << 3, (12 << 3) | 2, 0x08, 0, 0, 0]
+    c, _ = formats.encode_v(one * one)
+    assert c.tolist()[3:] == [0x10, 0x10, 0x10, 0]
+
+
+def test_available_is_false_not_an_exception_when_the_build_fails(monkeypatch):
+    def fail():
+        raise kernels.KernelBuildError("offloadopt: ... the build said: no compiler")
+
+    monkeypatch.setattr(kernels, "load", fail)
+    assert kernels.available() is False
+
+
+def test_a_compiler_error_is_named_in_the_one_line(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("int broken = ;\n")
+    monkeypatch.setattr(kernels, "SOURCE", bad)
+    with pytest.raises(kernels.KernelBuildError) as info:
+        kernels._build(tmp_path / "build")
+    msg = str(info.value)
+    assert "\n" not in msg and "bad.cpp" in msg and "error" in msg, msg
+
+
+def test_the_benchmark_runs_at_a_tiny_size(mod, monkeypatch, capsys):
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import cpu_kernel
+
+    monkeypatch.setattr(sys, "argv", ["cpu_kernel.py", "--numel", "5000", "--repeats", "1"])
+    cpu_kernel.main()
+    out = capsys.readouterr().out
+    for row in ["torch fused fp32", *cpu_kernel.MODES]:
+        assert row in out, out

@@ -19,7 +19,9 @@ ALLOWED = {
     "place": {"link", "state", "kernels"},
     "step": {"link", "state", "place", "kernels"},
 }
-LEAVES = {"rules", "options", "shards", "warn", "interrupts", "validation"}
+LEAVES = {"rules", "options", "shards", "warn", "interrupts", "validation", "kernels"}
+# leaf packages: every layer may import them; they import nothing of the package but themselves
+LEAF_PACKAGES = {"kernels"}
 
 
 def imports() -> dict[str, set[str]]:
@@ -74,6 +76,13 @@ def test_the_leaf_modules_import_nothing_of_the_package_but_leaves():
     assert not bad, bad
 
 
+def test_the_leaf_packages_import_only_themselves():
+    bad = [f"{mod} imports {dep}" for mod, deps in imports().items()
+           if mod.split(".")[0] in LEAF_PACKAGES for dep in deps
+           if dep.split(".")[0] != mod.split(".")[0]]  # fmt: skip
+    assert not bad, bad
+
+
 def test_no_import_cycle_between_modules():
     graph = imports()
     state: dict[str, int] = {}  # 1 visiting, 2 done
@@ -123,3 +132,10 @@ def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
              "place/b.py": "def f():\n    from offloadopt.place.a import y\nx = 1\n"}  # fmt: skip
     assert_catches(tmp_path, monkeypatch, files, test_no_import_cycle_between_modules,
                    "place.a", "place.b")  # fmt: skip
+
+
+def test_the_leaf_package_check_can_fail(tmp_path, monkeypatch):
+    files = {"kernels/__init__.py": "", "kernels/a.py": "from offloadopt.rules import x\n",
+             "rules.py": "x = 1\n"}  # fmt: skip
+    assert_catches(tmp_path, monkeypatch, files, test_the_leaf_packages_import_only_themselves,
+                   "kernels.a imports rules")  # fmt: skip

@@ -126,8 +126,10 @@ def build_dir() -> Path:
 
 
 def _last_line(text: str) -> str:
+    """The build output's first compiler error line, else its last line."""
     lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
-    return lines[-1] if lines else "(no output)"
+    errors = [ln for ln in lines if "error:" in ln.lower()]
+    return (errors or lines or ["(no output)"])[0 if errors else -1]
 
 
 def _build(directory: Path) -> ModuleType:

@@ -38,7 +38,16 @@
 // 0x94D049BB133111EB); fmix32 is a 32-bit xor-shift-multiply finalizer (shifts 16/15/16,
 // multipliers 0x7FEB352D, 0x846CA68B; a bijection on 32 bits with low bias). Two keyed rounds
 // decorrelate streams and steps; everything per element is 32-bit and vectorizes.
-// Streams: 0 master, 1 exp_avg, 2 exp_avg_sq.
+// Streams: 0 master, 1 exp_avg, 2 exp_avg_sq. A finite value above the largest bf16 may round
+// up to inf (as round-to-nearest would for most of that range).
+//
+// Work: all tensors' 256-element blocks are one range split over torch.get_num_threads()
+// threads by at::parallel_for (OpenMP; a block never splits across threads). One block is one
+// pass of a vectorized loop (omp simd; loop-invariant choices are bit masks, since GCC does
+// not vectorize a float select on an invariant bool) reading each operand once and writing
+// each once; the int8 mode keeps the block's fresh fp32 m and sqrt(v) in two 1 KiB buffers
+// for the absmax, then encodes them in a second (L1-resident) pass. Checked with objdump:
+// the block loops compile to vfmadd*ps / vsqrtps / vpmulld on zmm registers.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -60,6 +69,7 @@
 namespace {
 
 constexpr int64_t BLOCK = 256;
+constexpr int64_t RUN = 4096;  // blocks in one loop at most (1 Mi elements: int indices)
 
 inline uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
@@ -81,9 +91,10 @@ inline uint32_t fmix32(uint32_t x) {
   return x;
 }
 
-inline uint32_t sr_hash(uint32_t k0, uint32_t k1, uint64_t counter) {
-  uint32_t x = fmix32((uint32_t)counter ^ k0);
-  return fmix32(x ^ k1 ^ ((uint32_t)(counter >> 32) * 0x9E3779B9U));
+// counter = hi << 32 | lo, all in 32-bit lanes (the caller carries lo's wrap into hi)
+inline uint32_t sr_hash(uint32_t k0, uint32_t k1, uint32_t lo, uint32_t hi) {
+  uint32_t x = fmix32(lo ^ k0);
+  return fmix32(x ^ k1 ^ (hi * 0x9E3779B9U));
 }
 
 inline uint32_t f2u(float f) {
@@ -96,6 +107,8 @@ inline float u2f(uint32_t u) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+// a where mask is all ones, b where it is zero
+inline float sel(uint32_t mask, float a, float b) { return u2f((f2u(a) & mask) | (f2u(b) & ~mask)); }
 inline float bf2f(uint16_t b) { return u2f((uint32_t)b << 16); }
 
 // fp32 -> bf16 with stochastic rounding (r: 32 random bits, the low 16 used).
@@ -124,7 +137,7 @@ inline float decode_m1(uint8_t c, float scale) {
   return (c & 0x80U) ? -v : v;
 }
 
-// t = |m| / scale in [0, 1] -> magnitude code (RNE on the fp32 bits; below 2^-14 -> 0 or the
+// t = |m| * (1/scale) in [0, 1 + 2 ulp] -> magnitude code (RNE on the fp32 bits; below 2^-14 -> 0 or the
 // smallest code, the nearer, 2^-15 itself going up).
 inline uint32_t encode_m_mag(float t) {
   uint32_t u = f2u(t);
@@ -170,24 +183,32 @@ struct Job {
   std::vector<Coefs> coefs;
 };
 
+// Elements [j0, j1) of tensor i (one block with int8 moments; with fp32/bf16 moments a run of
+// up to RUN blocks); the grads come from gsrc (already at j0).
 template <bool MBF16, bool GBF16, int MOM, bool WOUT>
-void run_block(const Job& J, size_t i, int64_t j0) {
+void block_core(const Job& J, size_t i, int64_t j0, int64_t j1, const void* gsrc) {
   const Coefs& c = J.coefs[i];
-  const int64_t len = std::min<int64_t>(BLOCK, J.numel[i] - j0);
+  const int64_t len = std::min<int64_t>(j1, J.numel[i]) - j0;
   using MT = std::conditional_t<MBF16, uint16_t, float>;
   using GT = std::conditional_t<GBF16, uint16_t, float>;
   using ST = std::conditional_t<MOM == 0, float, std::conditional_t<MOM == 1, uint16_t, uint8_t>>;
   MT* P = static_cast<MT*>(J.master[i]) + j0;
-  const GT* G = static_cast<const GT*>(J.grad[i]) + j0;
+  const GT* G = static_cast<const GT*>(gsrc);
   ST* M = static_cast<ST*>(J.m[i]) + j0;
   ST* V = static_cast<ST*>(J.v[i]) + j0;
   uint16_t* W = WOUT ? static_cast<uint16_t*>(J.wo[i]) + j0 : nullptr;
-  const int64_t tail = J.tail_start[i] - j0;
+  // element k of the block uses torch's scalar-tail form of exp_avg_sq from here on
+  const int tail = (int)std::min<int64_t>(len, J.tail_start[i] - j0);
   const uint64_t cbase = (uint64_t)(J.offsets[i] + j0);
-  const bool has_gs = J.has_gs, maximize = J.maximize, has_wd = J.has_wd, adamw = J.adamw;
-  const float gscale = c.gscale, wd = c.wd, decay = c.decay, lc = c.lerp_c, b2 = c.b2,
+  const uint32_t lo0 = (uint32_t)cbase, hi0 = (uint32_t)(cbase >> 32);
+  // Loop-invariant choices as bit masks (GCC does not vectorize a float select on an
+  // invariant bool): all-ones picks the first operand of sel().
+  const uint32_t adamw_mask = (J.has_wd && J.adamw) ? ~0U : 0U;
+  const uint32_t adam_mask = (J.has_wd && !J.adamw) ? ~0U : 0U;
+  const uint32_t small_mask = c.lerp_small ? ~0U : 0U;
+  const uint32_t neg = J.maximize ? 0x80000000U : 0U;  // maximize: flip g's sign bit
+  const float wd = c.wd, decay = c.decay, lc = c.lerp_c, b2 = c.b2,
               c2 = c.c2, bc2s = c.bc2s, eps = c.eps, nss = c.nss;
-  const bool small = c.lerp_small;
   float sm = 0.f, sv = 0.f;
   float* mscale = nullptr;
   float* vscale = nullptr;
@@ -201,8 +222,9 @@ void run_block(const Job& J, size_t i, int64_t j0) {
   alignas(64) float ybuf[BLOCK];
   float mabs = 0.f, yabs = 0.f;
   int bad = 0;
+  const int n = (int)len;
 #pragma omp simd reduction(max : mabs, yabs) reduction(| : bad)
-  for (int64_t k = 0; k < len; ++k) {
+  for (int k = 0; k < n; ++k) {
     float p, g, m0, v0;
     if constexpr (MBF16) p = bf2f(P[k]); else p = P[k];
     if constexpr (GBF16) g = bf2f(G[k]); else g = G[k];
@@ -216,19 +238,17 @@ void run_block(const Job& J, size_t i, int64_t j0) {
       m0 = decode_m1(M[k], sm);
       v0 = decode_v1(V[k], sv);
     }
-    if (has_gs) g = g / gscale;
-    if (maximize) g = -g;
-    if (has_wd) {
-      if (adamw) p = p * decay;
-      else g = std::fma(p, wd, g);
-    }
-    float m = std::fma(lc, g - m0, small ? m0 : g);
+    g = u2f(f2u(g) ^ neg);
+    p = sel(adamw_mask, p * decay, p);
+    g = sel(adam_mask, std::fma(p, wd, g), g);
+    float m = std::fma(lc, g - m0, sel(small_mask, m0, g));
     float cg = c2 * g;
     float v = k >= tail ? std::fma(v0, b2, cg * g) : std::fma(cg, g, v0 * b2);
     float y = std::sqrt(v);
     float pn = p + (nss * m) / (y / bc2s + eps);
+    const uint32_t lo = lo0 + (uint32_t)k, hi = hi0 + (lo < lo0 ? 1U : 0U);
     if constexpr (MBF16) {
-      P[k] = f2bf_sr(pn, sr_hash(c.k[0][0], c.k[0][1], cbase + k));
+      P[k] = f2bf_sr(pn, sr_hash(c.k[0][0], c.k[0][1], lo, hi));
     } else {
       P[k] = pn;
     }
@@ -237,8 +257,8 @@ void run_block(const Job& J, size_t i, int64_t j0) {
       M[k] = m;
       V[k] = v;
     } else if constexpr (MOM == 1) {
-      M[k] = f2bf_sr(m, sr_hash(c.k[1][0], c.k[1][1], cbase + k));
-      V[k] = f2bf_sr(v, sr_hash(c.k[2][0], c.k[2][1], cbase + k));
+      M[k] = f2bf_sr(m, sr_hash(c.k[1][0], c.k[1][1], lo, hi));
+      V[k] = f2bf_sr(v, sr_hash(c.k[2][0], c.k[2][1], lo, hi));
     } else {
       float am = std::fabs(m);
       mbuf[k] = m;
@@ -259,20 +279,40 @@ void run_block(const Job& J, size_t i, int64_t j0) {
     }
     *mscale = mabs;
     *vscale = yabs;
-    const bool mz = mabs == 0.f, vz = yabs == 0.f;
+    // a zero block: scale 0, codes 0 (the masks also keep 0/0 out of the codes)
+    const uint32_t mkeep = mabs == 0.f ? 0U : 0xFFU, vkeep = yabs == 0.f ? 0U : 0xFFU;
+    // t = |m| * (1/scale): one division a block, not one an element (formats.py does the same)
+    const float minv = mabs == 0.f ? 1.f : 1.f / mabs, yinv = yabs == 0.f ? 1.f : 1.f / yabs;
 #pragma omp simd
-    for (int64_t k = 0; k < len; ++k) {
+    for (int k = 0; k < n; ++k) {
       float m = mbuf[k];
       float y = ybuf[k];
-      uint32_t mm = mz ? 0U : encode_m_mag(std::fabs(m) / mabs);
+      uint32_t mm = encode_m_mag(std::fabs(m) * minv);
       uint32_t sign = (f2u(m) >> 24) & 0x80U;
-      M[k] = (uint8_t)(mm ? (mm | sign) : 0U);
-      V[k] = (uint8_t)(vz ? 0U : encode_v_code(y / yabs, y != 0.f));
+      M[k] = (uint8_t)((mm ? (mm | sign) : 0U) & mkeep);
+      V[k] = (uint8_t)(encode_v_code(y * yinv, y != 0.f) & vkeep);
     }
   }
 }
 
-using BlockFn = void (*)(const Job&, size_t, int64_t);
+// With a grad_scale, the block's grads are first upcast and divided into an L1-resident fp32
+// buffer (so the division is paid only then), and the core reads that buffer as fp32 grads.
+template <bool MBF16, bool GBF16, int MOM, bool WOUT>
+void run_block(const Job& J, size_t i, int64_t j0, int64_t j1) {
+  using GT = std::conditional_t<GBF16, uint16_t, float>;
+  const GT* G = static_cast<const GT*>(J.grad[i]) + j0;
+  if (!J.has_gs) return block_core<MBF16, GBF16, MOM, WOUT>(J, i, j0, j1, G);
+  const int n = (int)std::min<int64_t>(BLOCK, J.numel[i] - j0);
+  const float gscale = J.coefs[i].gscale;
+  alignas(64) float gbuf[BLOCK];
+#pragma omp simd
+  for (int k = 0; k < n; ++k) {
+    if constexpr (GBF16) gbuf[k] = bf2f(G[k]) / gscale; else gbuf[k] = G[k] / gscale;
+  }
+  block_core<MBF16, false, MOM, WOUT>(J, i, j0, j0 + BLOCK, gbuf);
+}
+
+using BlockFn = void (*)(const Job&, size_t, int64_t, int64_t);
 
 template <bool MBF16, bool GBF16>
 BlockFn pick_mom(int moments, bool wout) {
@@ -425,6 +465,7 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
   J.first_block[T] = nblocks;
   if (nblocks == 0) return;
   const BlockFn fn = pick(mbf16, gbf16, (int)moments, J.wout);
+  const bool runs = moments != 2 && !J.has_gs;
 
   at::parallel_for(0, nblocks, 1, [&](int64_t begin, int64_t end) {
 #ifdef OFFLOADOPT_HAVE_MXCSR
@@ -432,9 +473,14 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
     if (flush_denormal) _mm_setcsr(csr | 0x8040U);  // FTZ | DAZ
 #endif
     size_t i = std::upper_bound(J.first_block.begin(), J.first_block.end(), begin) - J.first_block.begin() - 1;
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t b = begin; b < end;) {
       while (b >= J.first_block[i + 1]) ++i;
-      fn(J, i, (b - J.first_block[i]) * BLOCK);
+      // one block, or (fp32/bf16 moments, no grad_scale: nothing kept per block) a run of
+      // blocks of this tensor in one loop
+      const int64_t run = runs ? std::min({end, J.first_block[i + 1], b + RUN}) - b : 1;
+      const int64_t j0 = (b - J.first_block[i]) * BLOCK;
+      fn(J, i, j0, j0 + run * BLOCK);
+      b += run;
     }
 #ifdef OFFLOADOPT_HAVE_MXCSR
     _mm_setcsr(csr);

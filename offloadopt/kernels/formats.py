@@ -7,7 +7,8 @@ relative to that scale. The update always uses the fresh fp32 moments; they are 
 
 exp_avg (m), a signed code: ``scale_m[b] = max |m|`` over the block;
 ``code = 0x80 (sign of m) | mag``, ``mag = e << 3 | f`` encodes ``t = |m| / scale_m`` (in
-[0, 1]) as ``value(e, f) = 2^(e-15) * (1 + f/8)``, e in 1..15, f in 0..7; ``mag = 0`` is zero
+[0, 1], computed as ``|m| * (1 / scale_m)`` in fp32: one division a block; t may exceed 1 by
+two ulps, which rounds to 1) as ``value(e, f) = 2^(e-15) * (1 + f/8)``, e in 1..15, f in 0..7; ``mag = 0`` is zero
 (and then the sign bit is clear). Rounding: to nearest, ties to even, done on the fp32 bit
 pattern of t (add 0x7FFFF plus the lowest kept bit, shift right by 20); a t below the smallest
 value 2^-14 becomes 0 when t < 2^-15, else the smallest value. Decode:
@@ -15,7 +16,7 @@ value 2^-14 becomes 0 when t < 2^-15, else the smallest value. Decode:
 the 1/8 spacing, relative to the smaller end).
 
 exp_avg_sq (v), stored as ``y = sqrt(v)``: ``scale_v[b] = max y``; ``code = e << 4 | f``
-encodes ``t = y / scale_v`` as ``value(e, f) = 2^(e-15) * (1 + f/16)``, e in 1..15, f in
+encodes ``t = y * (1 / scale_v)`` as ``value(e, f) = 2^(e-15) * (1 + f/16)``, e in 1..15, f in
 0..15, rounded as above (add 0x3FFFF plus the lowest kept bit, shift by 19). Code 0 is zero
 only for ``v == 0``: a nonzero y below the smallest value 2^-14 takes the smallest nonzero code
 0x10 (never 0: a zero second moment under a nonzero first moment would blow the update up to
@@ -81,8 +82,8 @@ def encode_m(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a = mb.abs()
     scale = a.amax(dim=1) if n else torch.zeros(0, device=m.device)
     bad = ~torch.isfinite(mb).all(dim=1)
-    div = torch.where(scale > 0, scale, torch.ones_like(scale))
-    t = a / div[:, None]
+    inv = torch.where(scale > 0, 1.0 / scale, torch.ones_like(scale))
+    t = a * inv[:, None]
     mag = _encode(t, 20)
     below = torch.where(_bits(t) >= _HALF_SMALLEST, 8, 0)
     mag = torch.where(mag >= 0, mag, below)
@@ -119,8 +120,8 @@ def _encode_y(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     yb = _blocks(y)
     scale = yb.amax(dim=1) if n else torch.zeros(0, device=y.device)
     bad = ~torch.isfinite(yb).all(dim=1)
-    div = torch.where(scale > 0, scale, torch.ones_like(scale))
-    code = _encode(yb / div[:, None], 19)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.ones_like(scale))
+    code = _encode(yb * inv[:, None], 19)
     code = torch.where(code >= 0, code, torch.where(yb != 0, 0x10, 0))
     code = torch.where((scale > 0)[:, None] & ~bad[:, None], code, 0)
     scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)

@@ -23,7 +23,7 @@ import struct
 
 import torch
 
-from offloadopt.kernels.formats import BLOCK, _encode_y, decode_m, decode_v, encode_m, nblocks
+from offloadopt.kernels.formats import BLOCK, _encode_y, decode_m, decode_v, encode_m
 
 __all__ = ["adam_step", "round_bf16_sr", "sr_bits", "sr_key"]
 
@@ -118,9 +118,7 @@ def adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_
             else:
                 g = g.add(p, alpha=_f32(weight_decay))
         n = p.numel()
-        if moments == 0:
-            m0, v0 = exp_avgs[i].float(), exp_avg_sqs[i].float()
-        elif moments == 1:
+        if moments in (0, 1):
             m0, v0 = exp_avgs[i].float(), exp_avg_sqs[i].float()
         else:
             m0 = decode_m(exp_avgs[i], exp_avg_scales[i])
@@ -160,4 +158,3 @@ def adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_
             exp_avg_sqs[i].copy_(cv)
             exp_avg_scales[i].copy_(sm)
             exp_avg_sq_scales[i].copy_(sv)
-            assert sm.numel() == nblocks(n)

@@ -1,0 +1,133 @@
+"""The fused CPU Adam/AdamW kernel of offloadopt.kernels against torch._fused_adamw_, per
+optimizer-state mode: ns/param, GB/s and bytes moved per param.
+
+Each mode steps N params (default 1.558e9, GPT-2 1.5B, split into --tensors equal tensors) in
+one call, a median over --repeats calls after one warm-up call. Rows:
+  torch fused fp32      torch._fused_adamw_ (fp32 param, grad, exp_avg, exp_avg_sq): 28 B/param
+  ours fp32             the kernel in the all-fp32 mode (bitwise torch's result): 28 B/param
+  fp32m bf16 state      fp32 master, bf16 grad, bf16 moments, bf16 weights out
+  fp32m int8 state      fp32 master, bf16 grad, int8 moments, bf16 weights out
+  bf16m bf16 state      bf16 master (stochastic rounding), bf16 grad, bf16 moments
+  bf16m int8 state      bf16 master (stochastic rounding), bf16 grad, int8 moments
+Bytes per param count each operand read once and each written once (int8 scales included).
+Only one mode's tensors are alive at a time. ``--numel 2e7`` runs in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from offloadopt import kernels
+
+B16, F32, U8 = torch.bfloat16, torch.float32, torch.uint8
+# name: (master dtype, grad dtype, moments, weights_out)
+MODES = {
+    "ours fp32": (F32, F32, 0, False),
+    "fp32m bf16 state": (F32, B16, 1, True),
+    "fp32m int8 state": (F32, B16, 2, True),
+    "bf16m bf16 state": (B16, B16, 1, False),
+    "bf16m int8 state": (B16, B16, 2, False),
+}
+STATE = {0: (F32, 4), 1: (B16, 2), 2: (U8, 1)}
+HP = dict(lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8)
+
+
+def bytes_per_param(master: torch.dtype, grad: torch.dtype, moments: int, wout: bool) -> float:
+    mb = 4 if master == F32 else 2
+    gb = 4 if grad == F32 else 2
+    sb = STATE[moments][1]
+    scales = 2 * 2 * 4 / kernels.BLOCK if moments == 2 else 0.0  # two scales, read + write
+    return 2 * mb + gb + 4 * sb + (2 if wout else 0) + scales
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def filled(n: int, dtype: torch.dtype, lo: float, hi: float) -> torch.Tensor:
+    return torch.empty(n, dtype=F32).uniform_(lo, hi).to(dtype)
+
+
+def run_torch(sizes: list[int], repeats: int) -> float:
+    ps = [filled(n, F32, -1, 1) for n in sizes]
+    gs = [filled(n, F32, -1e-2, 1e-2) for n in sizes]
+    ms = [filled(n, F32, -1e-3, 1e-3) for n in sizes]
+    vs = [filled(n, F32, 1e-8, 1e-6) for n in sizes]
+    step = [torch.tensor(10.0) for _ in sizes]
+    return timed(
+        lambda: torch._fused_adamw_(ps, gs, ms, vs, [], step, amsgrad=False, maximize=False, **HP),
+        repeats,
+    )
+
+
+def run_ours(mod, sizes: list[int], mode: tuple, repeats: int) -> float:
+    master, grad, moments, wout = mode
+    sdt = STATE[moments][0]
+    ps = [filled(n, master, -1, 1) for n in sizes]
+    gs = [filled(n, grad, -1e-2, 1e-2) for n in sizes]
+    if moments == 2:
+        ms = [torch.zeros(n, dtype=U8) for n in sizes]
+        vs = [torch.zeros(n, dtype=U8) for n in sizes]
+        sm = [torch.zeros(kernels.nblocks(n)) for n in sizes]
+        sv = [torch.zeros(kernels.nblocks(n)) for n in sizes]
+    else:
+        ms = [filled(n, sdt, -1e-3, 1e-3) for n in sizes]
+        vs = [filled(n, sdt, 1e-8, 1e-6) for n in sizes]
+        sm, sv = [], []
+    wo = [torch.empty(n, dtype=B16) for n in sizes] if wout else []
+    t = len(sizes)
+    vec = kernels.torch_vec_size()
+
+    def call() -> None:
+        mod.adam_step(ps, gs, ms, vs, sm, sv, wo, [10.0] * t, list(range(t)), [0] * t,
+                      HP["lr"], HP["beta1"], HP["beta2"], HP["weight_decay"], HP["eps"], False,
+                      True, None, moments, master == B16, vec, False)  # fmt: skip
+
+    return timed(call, repeats)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--numel", type=float, default=1.558e9, help="params in all (default 1.558e9)")
+    ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (default: as is)"
+    )
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--modes", nargs="*", default=None, help=f"subset of {list(MODES)}")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n = int(args.numel)
+    k = max(1, args.tensors)
+    sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
+    t0 = time.perf_counter()
+    mod = kernels.load()
+    built = time.perf_counter() - t0
+    print(f"params {n:,} in {k} tensors, threads {torch.get_num_threads()}, "
+          f"capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"kernel threads {mod.num_threads_used()}, load {built:.1f} s, repeats {args.repeats}")  # fmt: skip
+    print(f"{'mode':<20} {'B/param':>8} {'ms':>9} {'ns/param':>9} {'GB/s':>7} {'vs torch':>8}")
+    rows = [("torch fused fp32", 28.0, run_torch(sizes, args.repeats))]
+    for name, mode in MODES.items():
+        if args.modes and name not in args.modes:
+            continue
+        rows.append((name, bytes_per_param(*mode), run_ours(mod, sizes, mode, args.repeats)))
+    base = rows[0][2]
+    for name, b, sec in rows:
+        print(f"{name:<20} {b:>8.2f} {sec * 1e3:>9.2f} {sec / n * 1e9:>9.3f} "
+              f"{b * n / sec / 1e9:>7.1f} {base / sec:>7.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
