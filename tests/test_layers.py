@@ -13,11 +13,10 @@ import offloadopt
 ROOT = Path(offloadopt.__file__).parent
 # What each folder may import from the package, besides itself and the leaf modules.
 ALLOWED = {
-    "kernels": set(),  # the compressed representations' update: below everything
     "link": set(),
-    "state": {"link", "kernels"},
-    "place": {"link", "state", "kernels"},
-    "step": {"link", "state", "place", "kernels"},
+    "state": {"link"},
+    "place": {"link", "state"},
+    "step": {"link", "state", "place"},
 }
 LEAVES = {"rules", "options", "shards", "warn", "interrupts", "validation", "kernels"}
 # leaf packages: every layer may import them; they import nothing of the package but themselves
