@@ -220,3 +220,22 @@ def test_a_missing_compiler_fails_at_construction(monkeypatch):
     with pytest.raises(RuntimeError, match="install g"):
         HybridAdamW([torch.nn.Parameter(torch.zeros(4))], state_dtype="bf16")
     HybridAdamW([torch.nn.Parameter(torch.zeros(4))])  # torch's representation needs none
+
+
+def test_opt_state_assignment_round_trips_int8_state():
+    params = make_params()
+    opt = run(params, 3, state_dtype="int8")
+    snapshot = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+    run(params, 2, start=3, opt=opt)
+    opt.state = snapshot  # the scales have one value per block, not per element
+    for p in params:
+        for k, v in snapshot[p].items():
+            torch.testing.assert_close(opt.state[p][k], v, rtol=0, atol=0)
+
+
+def test_fsdp2_params_are_refused_with_compressed_state(monkeypatch):
+    from offloadopt.place import placer
+
+    monkeypatch.setattr(placer, "is_dtensor", lambda p: True)
+    with pytest.raises(NotImplementedError, match="FSDP2"):
+        HybridAdamW([torch.nn.Parameter(torch.zeros(4))], state_dtype="int8")

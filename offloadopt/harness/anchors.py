@@ -104,6 +104,17 @@ def torchao_offload(model: torch.nn.Module, lr: float) -> dict[str, Any]:
     return {"opt": opt, "fraction": 1.0, "kind": "anchor", "numerics": numerics}
 
 
+def representation(state_dtype: str = "fp32", master_weights: str = "fp32") -> dict[str, Any]:
+    """HybridAdamW's keywords for the commands' ``--state-dtype`` and ``--master-weights``
+    (none for torch's representation, so the default configurations are built as before)."""
+    out: dict[str, Any] = {}
+    if state_dtype != "fp32":
+        out["state_dtype"] = state_dtype
+    if master_weights != "fp32":
+        out["master_weights"] = master_weights
+    return out
+
+
 def hybrid(fraction: float, mode: str = "step", **kwargs):
     """HybridAdamW at ``fraction`` in ``mode`` (a key of :data:`MODES`; fraction 0 in step
     mode is the benchmark's baseline). Modes other than step watch the model."""

@@ -34,7 +34,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def make_optimizer(
     name: str, model: torch.nn.Module, lr: float, fraction: float, pin_memory: bool,
-    mode: str = "step",
+    mode: str = "step", representation: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Build optimizer ``name`` (one of :data:`OPTIMIZERS`) over ``model``'s params; ``mode``
     (a key of ``anchors.MODES``) applies to ``"hybrid"``.
@@ -44,7 +44,8 @@ def make_optimizer(
         anchors.Unavailable: the anchor's package is not importable.
     """
     if name == "hybrid":
-        return anchors.hybrid(fraction, mode, pin_memory=pin_memory)(model, lr)
+        return anchors.hybrid(fraction, mode, pin_memory=pin_memory,
+                              **(representation or {}))(model, lr)  # fmt: skip
     if name == "adamw":
         return anchors.torch_adamw(model, lr)
     if name == "megatron":
@@ -66,6 +67,13 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.mode != "step" and args.optimizer != "hybrid":
         raise UsageError(f"--mode {args.mode}: HybridAdamW's overlap modes need --optimizer hybrid")
+    for flag, value in (
+        ("--state-dtype", args.state_dtype),
+        ("--master-weights", args.master_weights),
+    ):
+        if value != "fp32" and args.optimizer != "hybrid":
+            raise UsageError(f"{flag} {value}: HybridAdamW's option; --optimizer "
+                             f"{args.optimizer} would ignore it")  # fmt: skip
     if args.no_pin_memory and args.optimizer != "hybrid":
         raise UsageError(f"--no-pin-memory: HybridAdamW's option; --optimizer {args.optimizer} "
                          "would ignore it")  # fmt: skip
@@ -99,7 +107,13 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
     with device:
         model = GPT(cfg).to(DTYPES[args.dtype])
     built = make_optimizer(
-        args.optimizer, model, args.lr, args.offload_fraction, not args.no_pin_memory, args.mode
+        args.optimizer,
+        model,
+        args.lr,
+        args.offload_fraction,
+        not args.no_pin_memory,
+        args.mode,
+        anchors.representation(args.state_dtype, args.master_weights),
     )
     opt = built["opt"]
     gen = torch.Generator().manual_seed(args.seed)

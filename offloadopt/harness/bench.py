@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -321,7 +322,11 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
               "cpu_threads": torch.get_num_threads()}  # fmt: skip
     header["world_size"] = ranks.world
-    base = anchors.hybrid_fsdp2 if cfg.fsdp else anchors.hybrid  # --fsdp: FSDP2 over every rank
+    rep = anchors.representation(cfg.state_dtype, cfg.master_weights)  # HybridAdamW state
+    if cfg.fsdp and rep:
+        raise UsageError("--state-dtype/--master-weights: compressed state is not supported "
+                         "with --fsdp (FSDP2 params) yet")  # fmt: skip
+    base = anchors.hybrid_fsdp2 if cfg.fsdp else partial(anchors.hybrid, **rep)
     tag = "hybrid-fsdp2" if cfg.fsdp else "hybrid"
     jobs = [(f"{tag}:0", _tagged(base(0.0), baseline=True), False),
             (f"{tag}:0 (repeat)", _tagged(base(0.0), repeat=True), False)]  # fmt: skip
@@ -329,7 +334,7 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     if cfg.fsdp and set(cfg.modes) - {"step"}:
         raise UsageError("--modes: with --fsdp the bench runs step mode only (its FSDP2 "
                          "anchors name their own modes)")  # fmt: skip
-    jobs += [(f"hybrid-{mode}:{f:g}", anchors.hybrid(f, mode), False)
+    jobs += [(f"hybrid-{mode}:{f:g}", anchors.hybrid(f, mode, **rep), False)
              for mode in cfg.modes if mode != "step" for f in sorted(set(cfg.fractions))]  # fmt: skip
     results: list[dict[str, Any]] = []
     for name in cfg.anchors:

@@ -362,6 +362,8 @@ class BenchConfig:
     audit: bool = True  # audit one training iteration per configuration (pageable copies)
     progress: bool = True
     fsdp: bool = False  # under torchrun: every configuration under FSDP2 across the job's ranks
+    state_dtype: str = "fp32"  # HybridAdamW configurations: the moments' representation
+    master_weights: str = "fp32"  # HybridAdamW configurations: "fp32" masters or "bf16-sr"
 
 
 # The check of each BenchConfig field that has one: its --flag's argparse type, and
@@ -400,6 +402,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
            "max_grad_norm=1.0)")
     a("--anchors", nargs="*", default=d.anchors, choices=list(ANCHOR_NAMES), metavar="ANCHOR",
       help=f"any of {sorted(ANCHOR_NAMES)}; none: --anchors")
+    a("--state-dtype", default=d.state_dtype, choices=list(STATE_DTYPES),
+      help="every HybridAdamW configuration's exp_avg/exp_avg_sq: fp32 (torch's), bf16 or int8")
+    a("--master-weights", default=d.master_weights, choices=list(MASTERS),
+      help="every HybridAdamW configuration's masters: fp32, or bf16-sr (none: the bf16 "
+           "weights rounded stochastically)")
     a("--no-kernel", action="store_true", help="skip timing the fused kernel alone")
     a("--no-audit", action="store_true", help="skip the memcpy audit of each configuration")
     a("--mock-data", action="store_true", help="uniform random tokens")
@@ -433,6 +440,10 @@ def add_audit_args(p: argparse.ArgumentParser) -> None:
            "max_grad_norm=1.0; delayed: the delayed update)")
     a("--no-pin-memory", action="store_true",
       help="HybridAdamW(pin_memory=False): the pageable path")
+    a("--state-dtype", default="fp32", choices=list(STATE_DTYPES),
+      help="HybridAdamW's exp_avg/exp_avg_sq: fp32 (torch's), bf16 or int8")
+    a("--master-weights", default="fp32", choices=list(MASTERS),
+      help="HybridAdamW's masters: fp32, or bf16-sr (the bf16 weights rounded stochastically)")
     a("--steps", type=checks.positive_int, default=1, help="audited training iterations")
     a("--warmup", type=checks.nonneg_int, default=2,
       help="iterations before the audit (steady state)")

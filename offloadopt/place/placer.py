@@ -33,7 +33,7 @@ from offloadopt.place.placement import (
 from offloadopt.place.records import ParamRecord
 from offloadopt.place.report import check_pinned
 from offloadopt.rules import BLOCK, Rule
-from offloadopt.shards import check_setup, local
+from offloadopt.shards import check_setup, is_dtensor, local
 
 __all__ = ["BUCKET_NBYTES", "Placer"]
 
@@ -350,6 +350,16 @@ class Placer:
         check_setup([(self.param_name(self.param_groups[gi], gi, i), p) for gi in group_indices
                      for i, p in enumerate(self.param_groups[gi]["params"])],
                     self.overlap, ddp=self.ddp)  # fmt: skip
+        if self.rule.compressed:
+            sharded = [p for gi in group_indices for p in self.param_groups[gi]["params"]
+                       if is_dtensor(p)]  # fmt: skip
+            if sharded:
+                raise NotImplementedError(
+                    "compressed optimizer state (state_dtype=, master_weights='bf16-sr') with "
+                    f"FSDP2 (DTensor) params is not supported yet ({len(sharded)} here): its "
+                    "per-block scales are not laid out like the params' shards; use "
+                    "state_dtype='fp32' and master_weights=True with FSDP2"
+                )
         keys = {gi: self.rule.state_keys_for(self.param_groups[gi]) for gi in group_indices}
         infos = self.infos(group_indices)
         tensors = [p for gi in group_indices for p in self.param_groups[gi]["params"]]

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from offloadopt.interrupts import signals_deferred
+from offloadopt.rules import BLOCK
 from offloadopt.shards import is_dtensor, local
 
 __all__ = ["OptimizerState", "StateEntry"]
@@ -172,10 +173,12 @@ class OptimizerState(defaultdict):
                     "expected a dict of its state"
                 )
             for key, v in entry.items():
-                if key != "step" and isinstance(v, torch.Tensor) and v.numel() != p.numel():
+                # an int8 representation's scales: one per block of BLOCK elements
+                want = -(-p.numel() // BLOCK) if key.endswith("_scale") else p.numel()
+                if key != "step" and isinstance(v, torch.Tensor) and v.numel() != want:
                     raise ValueError(
                         f"opt.state = ...: {rec.name}'s {key!r} has {v.numel()} elements, "
-                        f"the param {p.numel()}"
+                        f"expected {want}"
                     )
         with signals_deferred(), lock:
             synchronize()  # no update in flight reads or writes the old state
