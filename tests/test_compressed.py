@@ -239,3 +239,25 @@ def test_fsdp2_params_are_refused_with_compressed_state(monkeypatch):
     monkeypatch.setattr(placer, "is_dtensor", lambda p: True)
     with pytest.raises(NotImplementedError, match="FSDP2"):
         HybridAdamW([torch.nn.Parameter(torch.zeros(4))], state_dtype="int8")
+
+
+@pytest.mark.parametrize(
+    "dtype, kw, match",
+    [
+        (torch.float16, dict(master_weights="bf16-sr"), "torch.float16"),
+        (torch.float64, dict(state_dtype="int8"), "torch.float64"),
+        (torch.float64, dict(master_weights="bf16-sr"), "torch.float64"),
+    ],
+)
+def test_params_the_kernel_cannot_update_are_refused_when_added(dtype, kw, match):
+    # Found by trying it: these were accepted, and the first step() failed in the kernel
+    # (on the worker, for offloaded params).
+    ok = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    bad = torch.nn.Parameter(torch.zeros(8, dtype=dtype))
+    with pytest.raises(ValueError, match=match):
+        HybridAdamW([ok, bad], **kw)
+    opt = HybridAdamW([ok], **kw)
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": [bad]})
+    assert len(opt.param_groups) == 1
+    opt.close()
