@@ -261,3 +261,39 @@ def test_params_the_kernel_cannot_update_are_refused_when_added(dtype, kw, match
         opt.add_param_group({"params": [bad]})
     assert len(opt.param_groups) == 1
     opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_codes_that_no_longer_match_the_moments_give_way_to_them(dtype):
+    # int8 checkpoint -> torch.optim.AdamW (which casts the codes to the param's dtype and
+    # keeps them), a few steps, its checkpoint -> int8 again: refused ("'exp_avg_q' is
+    # torch.float32"), or with uint8 codes the stale codes won over torch's new moments.
+    params = make_params(dtype)
+    sd = run(params, 2, state_dtype="int8").state_dict()
+    theirs_params = [p.detach().clone().requires_grad_() for p in params]
+    theirs = torch.optim.AdamW(groups_of(theirs_params), fused=True)
+    theirs.load_state_dict(torch.load(_saved(sd), weights_only=True))
+    for step in range(2, 5):
+        for p, g in zip(theirs_params, seeded_grads(theirs_params, step), strict=True):
+            p.grad = g.to(p.dtype)
+        theirs.step()
+    later = torch.load(_saved(theirs.state_dict()), weights_only=True)
+    stripped = {**later, "state": {i: {k: v for k, v in e.items() if not k.endswith(("_q", "_scale"))}
+                                   for i, e in later["state"].items()}}  # fmt: skip
+    edited = {
+        **sd,
+        "state": {i: {**e, "exp_avg": e["exp_avg"] * 2} for i, e in sd["state"].items()},
+    }
+    for ckpt, clean in ((later, stripped), (edited, None)):
+        a = hybrid(make_params(dtype), 1.0, state_dtype="int8")
+        a.load_state_dict(ckpt)
+        if clean is None:  # uint8 codes beside moments they do not encode: the moments win
+            clean = {**ckpt, "state": {i: {k: v for k, v in e.items() if not k.endswith(("_q", "_scale"))}
+                                       for i, e in ckpt["state"].items()}}  # fmt: skip
+        b = hybrid(make_params(dtype), 1.0, state_dtype="int8")
+        b.load_state_dict(clean)
+        for i, (x, y) in enumerate(
+            zip(a.state_dict()["state"].values(), b.state_dict()["state"].values(), strict=False)
+        ):
+            for k in ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale"):
+                assert torch.equal(x[k], y[k]), (i, k)
