@@ -236,8 +236,9 @@ def validate_group(param_group: Any, defaults: dict[str, Any], rule: Rule) -> di
 
     Raises:
         TypeError: not a dict, or a param that is not a Tensor.
-        ValueError: a duplicate, complex, non-float, sparse or non-cpu/cuda param (named), or a
-            bad hyperparameter or ``"offload"`` key.
+        ValueError: a duplicate, complex, non-float, sparse or non-cpu/cuda param (named), a
+            param the compressed representation cannot update (fp64; fp16 with ``"bf16-sr"``),
+            or a bad hyperparameter or ``"offload"`` key.
         NotImplementedError: ``amsgrad`` set in the group.
     """
     _check(
@@ -282,6 +283,20 @@ def validate_group(param_group: Any, defaults: dict[str, Any], rule: Rule) -> di
             p.layout == torch.strided,
             f"sparse parameters are not supported: {label} has layout {p.layout}",
         )
+        if rule.compressed:  # offloadopt's kernel takes fp32 and bf16 weights, fp32 masters
+            _check(
+                not (rule.master_sr and p.dtype == torch.float16),
+                f"master_weights='bf16-sr' rounds bf16 weights stochastically: {label} is "
+                "torch.float16 (give fp16 params fp32 masters, master_weights=True, or cast "
+                "the model to bf16)",
+            )
+            _check(
+                p.dtype in (torch.float32, torch.bfloat16, torch.float16),
+                f"compressed optimizer state (state_dtype={rule.moments!r}, master_weights="
+                f"{'bf16-sr' if rule.master_sr else True!r}) updates fp32, bf16 and fp16 "
+                f"params: {label} is {p.dtype} (torch's kernel, the default state_dtype='fp32' "
+                "and master_weights=True, updates it)",
+            )
         _check(
             p.device.type in ("cpu", "cuda", "meta"),
             f"{label} is on {p.device}: HybridAdamW supports cpu and cuda params (and meta "

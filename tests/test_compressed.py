@@ -239,3 +239,61 @@ def test_fsdp2_params_are_refused_with_compressed_state(monkeypatch):
     monkeypatch.setattr(placer, "is_dtensor", lambda p: True)
     with pytest.raises(NotImplementedError, match="FSDP2"):
         HybridAdamW([torch.nn.Parameter(torch.zeros(4))], state_dtype="int8")
+
+
+@pytest.mark.parametrize(
+    "dtype, kw, match",
+    [
+        (torch.float16, dict(master_weights="bf16-sr"), "torch.float16"),
+        (torch.float64, dict(state_dtype="int8"), "torch.float64"),
+        (torch.float64, dict(master_weights="bf16-sr"), "torch.float64"),
+    ],
+)
+def test_params_the_kernel_cannot_update_are_refused_when_added(dtype, kw, match):
+    # Found by trying it: these were accepted, and the first step() failed in the kernel
+    # (on the worker, for offloaded params).
+    ok = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    bad = torch.nn.Parameter(torch.zeros(8, dtype=dtype))
+    with pytest.raises(ValueError, match=match):
+        HybridAdamW([ok, bad], **kw)
+    opt = HybridAdamW([ok], **kw)
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": [bad]})
+    assert len(opt.param_groups) == 1
+    opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_codes_that_no_longer_match_the_moments_give_way_to_them(dtype):
+    # int8 checkpoint -> torch.optim.AdamW (which casts the codes to the param's dtype and
+    # keeps them), a few steps, its checkpoint -> int8 again: refused ("'exp_avg_q' is
+    # torch.float32"), or with uint8 codes the stale codes won over torch's new moments.
+    params = make_params(dtype)
+    sd = run(params, 2, state_dtype="int8").state_dict()
+    theirs_params = [p.detach().clone().requires_grad_() for p in params]
+    theirs = torch.optim.AdamW(groups_of(theirs_params), fused=True)
+    theirs.load_state_dict(torch.load(_saved(sd), weights_only=True))
+    for step in range(2, 5):
+        for p, g in zip(theirs_params, seeded_grads(theirs_params, step), strict=True):
+            p.grad = g.to(p.dtype)
+        theirs.step()
+    later = torch.load(_saved(theirs.state_dict()), weights_only=True)
+    stripped = {**later, "state": {i: {k: v for k, v in e.items() if not k.endswith(("_q", "_scale"))}
+                                   for i, e in later["state"].items()}}  # fmt: skip
+    edited = {
+        **sd,
+        "state": {i: {**e, "exp_avg": e["exp_avg"] * 2} for i, e in sd["state"].items()},
+    }
+    for ckpt, clean in ((later, stripped), (edited, None)):
+        a = hybrid(make_params(dtype), 1.0, state_dtype="int8")
+        a.load_state_dict(ckpt)
+        if clean is None:  # uint8 codes beside moments they do not encode: the moments win
+            clean = {**ckpt, "state": {i: {k: v for k, v in e.items() if not k.endswith(("_q", "_scale"))}
+                                       for i, e in ckpt["state"].items()}}  # fmt: skip
+        b = hybrid(make_params(dtype), 1.0, state_dtype="int8")
+        b.load_state_dict(clean)
+        for i, (x, y) in enumerate(
+            zip(a.state_dict()["state"].values(), b.state_dict()["state"].values(), strict=False)
+        ):
+            for k in ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale"):
+                assert torch.equal(x[k], y[k]), (i, k)

@@ -255,7 +255,15 @@ def validate(
 
 
 def _checked_tensors(entry: dict, name: str, shape: tuple, rule: Rule) -> dict:
-    """``entry`` after checking its state tensors (and optional master) against the shape."""
+    """``entry`` after checking its state tensors (and optional master) against the shape.
+    With torch's keys beside them, int8 codes are a cache of those moments: kept only when
+    they are exactly their encoding (our own checkpoint, an exact resume), else dropped, so
+    that the moments win (``torch.optim.AdamW`` loads our checkpoint, casts the codes to the
+    param's dtype, steps on and saves codes that no longer match)."""
+    entry = dict(entry)
+    if all(k in entry for k in CODE_KEYS) and not _codes_match(entry, name, shape):
+        for k in CODE_KEYS:
+            del entry[k]
     coded = any(k in entry for k in CODE_KEYS)
     if coded:
         _checked_codes(entry, name, shape)
@@ -273,6 +281,31 @@ def _checked_tensors(entry: dict, name: str, shape: tuple, rule: Rule) -> dict:
                 f"state of {name}: {k!r} has shape {tuple(t.shape)}, the param {tuple(shape)}"
             )
     return dict(entry)
+
+
+def _codes_match(entry: dict, name: str, shape: tuple) -> bool:
+    """Whether ``entry`` has no fp32 moments under torch's keys, or has well-formed codes that
+    decode bitwise to them (what :func:`export_moments` writes)."""
+    moments = [entry.get(k) for k in MOMENT_KEYS]
+    if not all(isinstance(t, torch.Tensor) for t in moments):
+        return True  # codes only: they are the state (checked as such)
+    if any(
+        t.dtype != torch.float32 or tuple(t.shape) != tuple(shape) or t.is_meta for t in moments
+    ):
+        return False  # not our export's moments (cast, or another shape: checked after)
+    try:
+        _checked_codes(entry, name, shape)
+    except ValueError:
+        return False  # torch's AdamW cast the codes to the param's dtype
+    from offloadopt.kernels import formats
+
+    for key, t in zip(MOMENT_KEYS, moments, strict=True):
+        decode = formats.decode_m if key == "exp_avg" else formats.decode_v
+        q, s = entry[f"{key}_q"], entry[f"{key}_scale"]
+        decoded = decode(q.detach().reshape(-1).cpu(), s.detach().cpu()).view(q.shape)
+        if not torch.equal(decoded, t.detach().cpu()):
+            return False
+    return True
 
 
 def _checked_codes(entry: dict, name: str, shape: tuple) -> None:
