@@ -303,6 +303,12 @@ def validate_group(param_group: Any, defaults: dict[str, Any], rule: Rule) -> di
             "params materialized in place before the first step)",
         )
     rule.validate({k: group.get(k, defaults[k]) for k in rule.hyper_defaults})
+    for key in ("state_dtype", "master_weights"):  # a group carrying one would be ignored
+        _check(
+            key not in group,
+            f"a param group has {key}={group.get(key)!r}: the state's representation is one "
+            f"per optimizer (HybridAdamW(..., {key}=...)), not per group",
+        )
     offload = group.get("offload")
     _check(
         offload is None or isinstance(offload, bool),

@@ -297,3 +297,13 @@ def test_codes_that_no_longer_match_the_moments_give_way_to_them(dtype):
         ):
             for k in ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale"):
                 assert torch.equal(x[k], y[k]), (i, k)
+
+
+def test_a_group_key_for_the_representation_is_refused_not_ignored():
+    with pytest.raises(ValueError, match="state_dtype='int4'.*per optimizer"):
+        HybridAdamW([{"params": [torch.nn.Parameter(torch.zeros(4))], "state_dtype": "int4"}])
+    opt = HybridAdamW([torch.nn.Parameter(torch.zeros(4))], state_dtype="int8")
+    with pytest.raises(ValueError, match="master_weights"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4))],
+                             "master_weights": "bf16-sr"})  # fmt: skip
+    assert len(opt.param_groups) == 1
