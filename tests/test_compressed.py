@@ -307,3 +307,14 @@ def test_a_group_key_for_the_representation_is_refused_not_ignored():
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4))],
                              "master_weights": "bf16-sr"})  # fmt: skip
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("kw,dtype", SETTINGS[1:2] + SETTINGS[4:])
+def test_set_offload_fraction_moves_compressed_state_without_loss(kw, dtype):
+    steady, moved = make_params(dtype), make_params(dtype)
+    run(steady, 6, **kw)
+    opt = run(moved, 3, **kw)
+    opt.set_offload_fraction(0.5)  # the state moves between the host arenas and the device
+    run(moved, 3, start=3, opt=opt)
+    assert any(not r.offloaded for p, r in opt.debug.records.items() if p.numel() >= 64)
+    assert_same([p.detach() for p in moved], [p.detach() for p in steady])
