@@ -59,6 +59,47 @@ def test_resume_continues_an_interrupted_run_bit_for_bit(tmp_path, capsys, monke
         assert resumed[key] == summary[key], key  # the full floats, exactly
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_delayed_saving_and_evaluating_do_not_change_the_losses(tmp_path, capsys, monkeypatch,
+                                                                 dtype):  # fmt: skip
+    # --overlap delayed: a checkpoint or an evaluation needs the newest weights in the params
+    # (opt.synchronize()), which used to end the delay once, so the next forward read weights
+    # one step newer: saving changed the losses, and a resume matched neither run unless it
+    # saved and evaluated at the same steps.
+    argv = [*ARGS, "--overlap", "delayed", "--dtype", dtype, "--eval-every", "100"]
+    real_step, losses = train.train_step, []
+
+    def recorded(*args, **kwargs):  # every step's loss, the full float
+        loss = real_step(*args, **kwargs)
+        losses.append(loss.item())
+        return loss
+
+    monkeypatch.setattr(train, "train_step", recorded)
+    status, _, summary = _run(capsys, argv)
+    whole, losses[:] = list(losses), []
+    assert status == 0 and len(whole) == 2 * N
+
+    ck = str(tmp_path / "run.pt")
+    real_get_batch, fetched = train.get_batch, []
+
+    def interrupted(data, split, *args, **kwargs):  # Ctrl-C as step N + 1 fetches its batch
+        if split == "train":
+            fetched.append(1)
+            if len(fetched) == N + 1:
+                raise KeyboardInterrupt
+        return real_get_batch(data, split, *args, **kwargs)
+
+    monkeypatch.setattr(train, "get_batch", interrupted)
+    status, _, _ = _run(capsys, [*argv, "--save", ck, "--save-every", "1", "--eval-every", "1"])
+    monkeypatch.setattr(train, "get_batch", real_get_batch)
+    assert status == 130 and losses == whole[:N]
+    assert torch.load(ck, weights_only=True)["delayed_weights"]  # the update in flight at N
+
+    status, _, resumed = _run(capsys, [*argv, "--resume", ck, "--eval-every", "2"])
+    assert status == 0 and losses == whole  # a resume that neither saves nor evaluates at N + 1
+    assert resumed["final_train_loss"] == summary["final_train_loss"]
+
+
 def test_a_checkpoint_is_written_whole(tmp_path, monkeypatch):
     cfg = options.TrainConfig(steps=2, batch_size=2, seq_len=16).resolved()
     model, opt = train.make_model_and_optimizer(cfg)

@@ -62,6 +62,7 @@ from offloadopt.harness.train_log import (  # noqa: F401 - imported from here to
     log,
     per_rank,
 )
+from offloadopt.shards import local
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # options.DTYPE_NAMES' dtypes
 
@@ -128,15 +129,97 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
     return model, opt
 
 
+class DelayedSchedule:
+    """``--overlap delayed``: an evaluation or a checkpoint does not change the losses.
+
+    Both need the newest weights in the params (``opt.synchronize()`` copies the update in
+    flight in), which ends the delayed parameter update's staleness once: the next forward would
+    read weights one step newer than in a run that neither evaluates nor saves there. So after
+    them the params that changed get back the weights the delayed schedule reads
+    (:meth:`keep_delay`), and the newest go in again just before the next ``opt.step()``
+    (:meth:`publish`), where the optimizer would have copied them in. The copies go through
+    ``param.data``: the optimizer sees no outside write (no master refresh). A checkpoint keeps
+    those weights (``"delayed_weights"``) and a resumed run puts them back (:meth:`resume`), so
+    it continues an uninterrupted run bit for bit, whatever ``--save-every`` and ``--eval-every``.
+
+    Holds, between :meth:`newest` and :meth:`publish`, two host copies of the params whose
+    update was in flight (on the CPU device: copies beside them).
+    """
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer):
+        self.model, self.opt = model, opt
+        self.delayed = getattr(opt, "overlap", None) == "delayed"
+        # name -> (this rank's shard of the param, the weights the schedule reads, the newest)
+        self.held: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def newest(self) -> dict[str, torch.Tensor]:
+        """Put the newest weights in the params (every mode: ``opt.synchronize()`` where the
+        optimizer has it). Returns {param name: the weights the delayed schedule's next forward
+        reads} for the params where they differ (CPU tensors; empty unless delayed)."""
+        if not self.delayed:
+            if hasattr(self.opt, "synchronize"):
+                self.opt.synchronize()
+            return {}
+        if self.held:  # already held at this step (an evaluation, then a checkpoint)
+            self._copy(newest=True)
+        else:
+            shards = {name: local(p) for name, p in self.model.named_parameters()}
+            before = {name: t.detach().to("cpu", copy=True) for name, t in shards.items()}
+            self.opt.synchronize()  # the update in flight copied in
+            for name, t in shards.items():
+                now = t.detach().to("cpu", copy=True)
+                if not torch.equal(now, before[name]):
+                    self.held[name] = (t, before[name], now)
+        return {name: stale for name, (_, stale, _) in self.held.items()}
+
+    def keep_delay(self) -> None:
+        """After an evaluation or a checkpoint: the params read the delayed schedule's weights
+        until :meth:`publish`."""
+        self._copy(newest=False)
+
+    def publish(self) -> None:
+        """Just before ``opt.step()``: the newest weights go in, as the optimizer's own copy-in
+        of the update in flight would have put them (a no-op when nothing is held)."""
+        if self.held:
+            self._copy(newest=True)
+            self.held = {}
+
+    def resume(self, delayed_weights: dict[str, torch.Tensor], path: str) -> None:
+        """A resumed run (model and optimizer loaded: the newest weights in the params): its
+        next forward reads the checkpoint's ``delayed_weights``, as the saved run's did.
+
+        Raises:
+            UsageError: a name that is not a param of the model, or a shape that is not its
+                (naming ``--resume``, the file and the param).
+        """
+        shards = {name: local(p) for name, p in self.model.named_parameters()}
+        for name, stale in delayed_weights.items():
+            t = shards.get(name)
+            if t is None or not self.delayed or tuple(stale.shape) != tuple(t.shape):
+                raise checks.UsageError(
+                    f"--resume: {path!r}: its delayed weights of {name!r} "
+                    f"({tuple(stale.shape)}) match no param of this model"
+                )
+            self.held[name] = (t, stale, t.detach().to("cpu", copy=True))
+        self.keep_delay()
+
+    @torch.no_grad()
+    def _copy(self, newest: bool) -> None:
+        for t, stale, now in self.held.values():
+            t.data.copy_(now if newest else stale)  # .data: the param's version does not move
+
+
 def train_step(
     model: GPT,
     opt: torch.optim.Optimizer,
     x: torch.Tensor,
     y: torch.Tensor,
     grad_clip: float = 1.0,
+    before_step: DelayedSchedule | None = None,
 ) -> torch.Tensor:
     """One forward, backward, optional grad clipping (torch's, unless the optimizer clips:
-    ``max_grad_norm``), ``opt.step()`` and ``zero_grad``.
+    ``max_grad_norm``), ``opt.step()`` and ``zero_grad``. ``before_step``: its ``publish()``
+    runs just before ``opt.step()`` (:class:`DelayedSchedule`).
 
     ``x``, ``y``: (batch, seq) int64 on the model's device. Returns the detached 0-dim fp32
     loss on the device: this function adds no host sync and no device-to-host copy of its own
@@ -146,6 +229,8 @@ def train_step(
     loss.backward()
     if grad_clip > 0 and getattr(opt, "max_grad_norm", None) is None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # stays on the device
+    if before_step is not None:
+        before_step.publish()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
@@ -228,9 +313,11 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
     gen = torch.Generator().manual_seed((cfg.seed + 7919 * ranks.rank) % 2**63)  # own batches
     first_loss = train_loss = val_loss = float("nan")
     start = 1
+    schedule = DelayedSchedule(model, opt)  # evaluations and checkpoints keep the delayed update's
     if resume is not None:
         model.load_state_dict(resume["model"])
         opt.load_state_dict(resume["optimizer"])
+        schedule.resume(resume.get("delayed_weights", {}), cfg.resume)
         gen.set_state(resume["generator"])
         torch.set_rng_state(resume["torch_rng"])
         start, first_loss = resume["step"] + 1, resume["first_train_loss"]
@@ -271,7 +358,7 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
                 torch.cuda.synchronize(device)  # the timed window starts with an idle GPU
             t0 = time.perf_counter()
             x, y = get_batch(data, "train", cfg.batch_size, cfg.seq_len, gen, device)
-            loss = train_step(model, opt, x, y, cfg.grad_clip)
+            loss = train_step(model, opt, x, y, cfg.grad_clip, before_step=schedule)
             if cuda:
                 torch.cuda.synchronize(device)  # the window ends when the step's GPU work is done
             step_ms.append((time.perf_counter() - t0) * 1e3)
@@ -280,8 +367,7 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
                 first_loss = train_loss
             evaluated = step % cfg.eval_every == 0 or step == cfg.steps
             if evaluated:
-                if hasattr(opt, "synchronize"):
-                    opt.synchronize()  # delayed: evaluate the newest weights (copied in now)
+                schedule.newest()  # delayed: evaluate the newest weights (copied in now)
                 val_loss = to_host(evaluate(model, data, cfg))
             if step % cfg.log_every == 0 or step in (start, cfg.steps) or evaluated:
                 peak_gpu = torch.cuda.max_memory_allocated(device) / gb if cuda else 0.0
@@ -306,8 +392,11 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
             if cfg.save is not None and (
                 step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)
             ):
-                save_checkpoint(cfg.save, cfg, step, model, opt, gen, first_loss)
+                stale = schedule.newest()
+                save_checkpoint(cfg.save, cfg, step, model, opt, gen, first_loss, stale)
                 log.info(f"saved: {cfg.save} at step {step}")
+            if step < cfg.steps:
+                schedule.keep_delay()  # after an evaluation or a checkpoint: the delay goes on
             bar.set_postfix(loss=f"{train_loss:.3f}", refresh=False)
     finally:
         bar.close()

@@ -27,14 +27,16 @@ RESUME_MAY_CHANGE = ("progress", "eval_every", "eval_batches", "log_every", "sav
 
 
 def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: torch.Generator,
-                    first_loss: float) -> None:  # fmt: skip
+                    first_loss: float, delayed_weights: dict | None = None) -> None:  # fmt: skip
     """Write the run's state after ``step`` to ``path`` whole: ``torch.save`` into a temporary
     file in the same folder, flushed to disk, then ``os.replace``, so an interrupt (Ctrl-C,
     SIGTERM, a full disk) leaves either the previous checkpoint or the new one, never half a file.
 
     Holds the model's ``state_dict``, the optimizer's (after ``synchronize()`` in delayed mode),
     ``step``, the batch sampler's generator state, torch's global RNG state, the resolved config
-    (a dict) and the first step's loss (for the summary).
+    (a dict) and the first step's loss (for the summary); ``delayed_weights`` ({param name:
+    CPU tensor}, ``--overlap delayed``): the weights the run's next forward reads where they are
+    not the newest (:class:`offloadopt.harness.train.DelayedSchedule`), saved as given.
     """
     if hasattr(opt, "synchronize"):
         opt.synchronize()  # delayed: the masters and moments of every step taken
@@ -48,6 +50,7 @@ def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: tor
         "generator": gen.get_state(),
         "torch_rng": torch.get_rng_state(),
         "first_train_loss": first_loss,
+        "delayed_weights": dict(delayed_weights or {}),
         "torch": str(torch.__version__),
     }
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
