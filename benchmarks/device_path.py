@@ -92,7 +92,10 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=None, help="divide every numel by this")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated rows of MODES")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     scale = a.scale or (1 if a.device.startswith("cuda") else 20)
     sizes = [max(1, n // scale) for n in gpt2_124m_numels()]
     print(f"device {a.device}  {len(sizes)} tensors  {sum(sizes):,} elements (GPT-2 124M / "

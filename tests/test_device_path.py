@@ -14,6 +14,19 @@ from offloadopt import kernels
 from offloadopt.kernels import adam, reference
 
 SIZES = [1, 255, 256, 257, 1000, 70_000]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread unless a test sets more: the results do not depend on it (checked
+    below), and on a shared 2-core host two threads per op made the file several times
+    slower."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 STEPS = [1.0, 2.0, 7.0, 1000.0, 3.0, 12.0]
 SALTS = [1, 2, 3, 2**40 + 5, 2**63 + 11, 0]
 # the third tensor's random counter crosses 2^32 (mid-block where the blocks allow it)
@@ -235,7 +248,9 @@ def test_the_benchmark_runs_at_a_tiny_size(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import device_path
 
-    monkeypatch.setattr(sys, "argv", ["device_path.py", "--scale", "2000", "--repeats", "1"])
+    monkeypatch.setattr(
+        sys, "argv", ["device_path.py", "--scale", "2000", "--repeats", "1", "--threads", "1"]
+    )
     device_path.main()
     out = capsys.readouterr().out
     assert "per tensor" in out and "flat" in out and "cpu" in out, out

@@ -188,7 +188,9 @@ def _check_flat_args(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_
                 f"{dtype} on {device} (one call, one master dtype and device)"
             )
         if (p.dtype == torch.bfloat16) != bool(master_sr):
-            raise ValueError("adam_step: master_sr=True goes with bf16 masters and only with them")
+            raise ValueError(
+                "adam_step_flat: master_sr=True goes with bf16 masters and only with them"
+            )
         lists = [("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)]
         if weights_out:
             lists.append(("weights_out", weights_out))
@@ -266,7 +268,7 @@ def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_av
     total_blocks = sum(counts)
     # per-tensor scalars, in double on the host exactly as adam_step computes them
     neg_step_size, sqrt_bc2, ints = [], [], []
-    cuda_div = device.type != "cpu"
+    cuda_div = device.type == "cuda"
     for i in range(len(masters)):
         step = float(steps[i])
         bc1 = 1 - beta1**step
@@ -287,9 +289,11 @@ def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_av
     it = torch.tensor(ints, dtype=torch.int64)  # (n_t, 7)
     # block b of tensor i: its counter base = offset_i + BLOCK * (b - first block of i)
     first = torch.cumsum(counts_t, 0) - counts_t
-    if device.type != "cpu":
+    if device.type == "cuda":  # pinned: the copies do not wait for the host
         fl, it, counts_t, first = (x.pin_memory().to(device, non_blocking=True)
                                    for x in (fl, it, counts_t, first))  # fmt: skip
+    elif device.type != "cpu":
+        fl, it, counts_t, first = (x.to(device) for x in (fl, it, counts_t, first))
     fl_b = fl.repeat_interleave(counts_t, dim=0, output_size=total_blocks)  # (blocks, 2)
     it_b = it.repeat_interleave(counts_t, dim=0, output_size=total_blocks)  # (blocks, 7)
     first_b = first.repeat_interleave(counts_t, output_size=total_blocks)
