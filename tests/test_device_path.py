@@ -80,27 +80,32 @@ def test_flat_is_bitwise_the_per_tensor_reference(master_bf16, moments, wout, hp
 
 @pytest.mark.parametrize("master_bf16,moments", [(False, 2), (True, 2), (True, 1)])
 def test_a_non_finite_grad_spoils_its_own_block_only(master_bf16, moments):
-    """A NaN in the grad of one tensor's last (partial) block: that block's scales are NaN;
-    the tensors beside it, and its other blocks, get the bits of a call without the NaN."""
+    """A NaN in the grad of one tensor's last (partial) block, and a grad of 1e30 in another's
+    (its exp_avg stays finite, its exp_avg_sq overflows): those blocks' two scales are NaN and
+    their codes 0; the tensor beside them, and their other blocks, get the bits of a call
+    without them; the per-tensor reference gets the same bits."""
     sizes = [300, 600, 257]
     clean = make_mode(sizes, 8, master_bf16, moments)
     a, b = clone_all(clean), clone_all(clean)
     b[1][1][520] = float("nan")  # tensor 1, block 2 (elements 512..599)
+    b[1][0][290] = 1e30  # tensor 0, block 1 (elements 256..299): v = g*g = inf
     kw = call_kwargs(moments, master_bf16, steps=[2.0, 3.0, 4.0], salts=[5, 6, 7],
                      offsets=[0, 0, 0])  # fmt: skip
     ref = clone_all(b)
     kcall(reference.adam_step_flat, *a[:4], sms=a[4], svs=a[5], **kw)
     kcall(reference.adam_step_flat, *b[:4], sms=b[4], svs=b[5], **kw)
     kcall(reference.adam_step, *ref[:4], sms=ref[4], svs=ref[5], **kw)
-    assert_lists_bitwise(b, ref, "flat vs per tensor with a NaN")
+    assert_lists_bitwise(b, ref, "flat vs per tensor with non-finite blocks")
     for k in (k for k in range(len(a)) if a[k]):  # the scales lists are empty but for int8
-        for i in (0, 2):
-            same_bits(a[k][i], b[k][i], f"list {k} tensor {i} beside the NaN")
+        same_bits(a[k][2], b[k][2], f"list {k} tensor 2 beside the non-finite blocks")
         if k < 4:
             same_bits(a[k][1][:512], b[k][1][:512], f"list {k} blocks before the NaN")
+            same_bits(a[k][0][:256], b[k][0][:256], f"list {k} block before the overflow")
     if moments == 2:
-        assert torch.isnan(b[4][1][2]) and torch.isnan(b[5][1][2])
-        assert not torch.isnan(b[4][1][:2]).any() and int(b[2][1][512:].max()) == 0
+        for t, blk in ((1, 2), (0, 1)):
+            assert torch.isnan(b[4][t][blk]) and torch.isnan(b[5][t][blk]), (t, blk)
+            assert not torch.isnan(b[4][t][:blk]).any()
+            assert int(b[2][t][blk * 256 :].max()) == 0 and int(b[3][t][blk * 256 :].max()) == 0
     assert torch.isnan(b[0][1][520].float())
 
 
