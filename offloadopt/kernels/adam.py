@@ -1,6 +1,8 @@
 """The compressed representations' Adam/AdamW update, as :class:`offloadopt.rules.AdamWRule`
 calls it: CPU tensors go to the fused C++ kernel (:func:`offloadopt.kernels.load`), device
-tensors to the same math in torch ops (:mod:`offloadopt.kernels.reference`).
+tensors to the same math in torch ops, one flat pass over all tensors of a call
+(:func:`offloadopt.kernels.reference.adam_step_flat`, bitwise the per-tensor ``adam_step``; big
+calls in passes of :data:`FLAT_NUMEL` elements: :func:`device_step`).
 
 The representations (``state_dtype=``, ``master_weights="bf16-sr"``; docs/compressed-state.md):
 moments in fp32, in bf16 rounded stochastically, or as int8 block-wise codes with one fp32 scale
@@ -15,13 +17,73 @@ from typing import Any
 
 import torch
 
-__all__ = ["adam_update", "MOMENT_CODES"]
+__all__ = ["adam_update", "device_step", "MOMENT_CODES"]
 
 MOMENT_CODES = {"fp32": 0, "bf16": 1, "int8": 2}  # the kernel's ``moments`` argument
+# Elements per flat pass of the device path (reference.adam_step_flat): its temporaries are
+# about a dozen fp32/int64 copies of a pass. On CUDA big passes amortize the launches (2**27
+# elements: a few GiB of temporaries); on the CPU a pass that stays in cache runs faster than
+# a big one (fresh big temporaries cost page faults and memory bandwidth).
+FLAT_NUMEL = {"cpu": 2**16}
+FLAT_NUMEL_DEFAULT = 2**27
 
 
 def _flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.view(-1) for t in tensors]
+
+
+def _pieces(n: int, max_numel: int) -> list[tuple[int, int]]:
+    """[0, n) cut into [a, b) of at most max_numel elements (a multiple of BLOCK)."""
+    if n <= max_numel:
+        return [(0, n)]
+    return [(a, min(a + max_numel, n)) for a in range(0, n, max_numel)]
+
+
+def device_step(*, max_numel: int | None = None, **args: Any) -> None:
+    """:func:`offloadopt.kernels.reference.adam_step_flat` (keyword arguments: those of
+    ``adam_step``) over passes of at most ``max_numel`` padded elements (default by device:
+    :data:`FLAT_NUMEL`); a tensor longer than that is cut at multiples of BLOCK (its offset
+    and scales follow, so the bits are those of one pass). Raises ValueError for a
+    ``max_numel`` that is not a positive multiple of BLOCK."""
+    from offloadopt.kernels.formats import BLOCK, nblocks
+    from offloadopt.kernels.reference import adam_step_flat
+
+    masters = args["masters"]
+    if not masters:
+        adam_step_flat(**args)
+        return
+    if max_numel is None:
+        max_numel = FLAT_NUMEL.get(masters[0].device.type, FLAT_NUMEL_DEFAULT)
+    if max_numel <= 0 or max_numel % BLOCK:
+        raise ValueError(
+            f"device_step: max_numel={max_numel}; expected a positive multiple of {BLOCK}"
+        )
+    per_tensor = ("masters", "grads", "exp_avgs", "exp_avg_sqs")
+    scales = ("exp_avg_scales", "exp_avg_sq_scales")
+    chunks: list[list[tuple[int, int, int]]] = [[]]
+    used = 0
+    for i, p in enumerate(masters):
+        for a, b in _pieces(p.numel(), max_numel):
+            padded = nblocks(b - a) * BLOCK
+            if chunks[-1] and used + padded > max_numel:
+                chunks.append([])
+                used = 0
+            chunks[-1].append((i, a, b))
+            used += padded
+    if len(chunks) == 1 and all(a == 0 and b == masters[i].numel() for i, a, b in chunks[0]):
+        adam_step_flat(**args)
+        return
+    for chunk in chunks:
+        part = dict(args)
+        for key in per_tensor + (("weights_out",) if args["weights_out"] else ()):
+            part[key] = [args[key][i][a:b] for i, a, b in chunk]
+        if args["moments"] == 2:
+            for key in scales:
+                part[key] = [args[key][i][a // BLOCK : nblocks(b)] for i, a, b in chunk]
+        for key in ("steps", "salts"):
+            part[key] = [args[key][i] for i, _, _ in chunk]
+        part["offsets"] = [args["offsets"][i] + a for i, a, _ in chunk]
+        adam_step_flat(**part)
 
 
 def adam_update(
@@ -35,6 +97,7 @@ def adam_update(
     host: bool,
     amp: dict[str, torch.Tensor] | None,
     where: list[tuple[int, int]] | None,
+    use_kernel: bool | None = None,
 ) -> None:
     """One update over same-device lists (contiguous tensors, pairwise the same numel).
 
@@ -53,6 +116,9 @@ def adam_update(
         amp: a GradScaler's ``grad_scale`` and ``found_inf`` (on the tensors' device), or None.
         where: per tensor ``(salt, offset)``: its param's rounding seed and the index of its
             first element within the param (a multiple of ``BLOCK``).
+        use_kernel: None: CPU tensors to the C++ kernel, others to :func:`device_step`
+            (``reference.adam_step_flat`` in passes); False: :func:`device_step` on any device
+            (the tests compare the two on the CPU); True on CUDA tensors raises ValueError.
     """
     if not weights:
         return
@@ -103,13 +169,17 @@ def adam_update(
             moments=MOMENT_CODES[rule.moments],
             master_sr=rule.master_sr and dtype == torch.bfloat16,
         )
-        if weights[idx[0]].device.type == "cpu":
+        on_cpu = weights[idx[0]].device.type == "cpu"
+        if use_kernel and not on_cpu:
+            raise ValueError(
+                f"adam_update: use_kernel=True for tensors on {weights[idx[0]].device}; the "
+                "kernel runs on the CPU only"
+            )
+        if on_cpu and use_kernel is not False:
             from offloadopt.kernels import load, torch_vec_size
 
             load().adam_step(
                 *args.values(), torch_vec_size(), rule.flush_denormal
             )  # the positional order of the C++ signature
         else:
-            from offloadopt.kernels import reference
-
-            reference.adam_step(**args)
+            device_step(**args)

@@ -23,9 +23,9 @@ import struct
 
 import torch
 
-from offloadopt.kernels.formats import BLOCK, _encode_y, decode_m, decode_v, encode_m
+from offloadopt.kernels.formats import BLOCK, _encode_y, decode_m, decode_v, encode_m, nblocks
 
-__all__ = ["adam_step", "round_bf16_sr", "sr_bits", "sr_key"]
+__all__ = ["adam_step", "adam_step_flat", "round_bf16_sr", "sr_bits", "sr_key"]
 
 M64 = (1 << 64) - 1
 M32 = 0xFFFFFFFF
@@ -158,3 +158,208 @@ def adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_
             exp_avg_sqs[i].copy_(cv)
             exp_avg_scales[i].copy_(sm)
             exp_avg_sq_scales[i].copy_(sv)
+
+
+def _check_flat_args(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
+                     weights_out, steps, salts, offsets, moments, master_sr) -> None:  # fmt: skip
+    n_t = len(masters)
+    for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
+                      ("steps", steps), ("salts", salts), ("offsets", offsets)):  # fmt: skip
+        if len(lst) != n_t:
+            raise ValueError(f"adam_step_flat: {name} has {len(lst)} entries; masters has {n_t}")
+    if moments not in (0, 1, 2):
+        raise ValueError(f"adam_step_flat: moments={moments}; expected 0, 1 or 2")
+    if moments == 2 and (len(exp_avg_scales) != n_t or len(exp_avg_sq_scales) != n_t):
+        raise ValueError(
+            f"adam_step_flat: exp_avg_scales / exp_avg_sq_scales have {len(exp_avg_scales)} / "
+            f"{len(exp_avg_sq_scales)} entries; masters has {n_t}"
+        )
+    if weights_out and len(weights_out) != n_t:
+        raise ValueError(
+            f"adam_step_flat: weights_out has {len(weights_out)} entries; masters has {n_t}"
+        )
+    if not n_t:
+        return
+    dtype, device = masters[0].dtype, masters[0].device
+    for i, p in enumerate(masters):
+        if p.dtype != dtype or p.device != device:
+            raise ValueError(
+                f"adam_step_flat: masters[{i}] is {p.dtype} on {p.device}; masters[0] is "
+                f"{dtype} on {device} (one call, one master dtype and device)"
+            )
+        if (p.dtype == torch.bfloat16) != bool(master_sr):
+            raise ValueError(
+                "adam_step_flat: master_sr=True goes with bf16 masters and only with them"
+            )
+        lists = [("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)]
+        if weights_out:
+            lists.append(("weights_out", weights_out))
+        for name, lst in [("masters", masters), *lists]:
+            t = lst[i]
+            if t.dim() != 1 or t.numel() != p.numel() or t.device != device:
+                raise ValueError(
+                    f"adam_step_flat: {name}[{i}] is {tuple(t.shape)} on {t.device}; expected "
+                    f"({p.numel()},) on {device}"
+                )
+        if moments == 2:
+            for name, lst in (("exp_avg_scales", exp_avg_scales),
+                              ("exp_avg_sq_scales", exp_avg_sq_scales)):  # fmt: skip
+                if lst[i].dim() != 1 or lst[i].numel() != nblocks(p.numel()):
+                    raise ValueError(
+                        f"adam_step_flat: {name}[{i}] is {tuple(lst[i].shape)}; expected "
+                        f"({nblocks(p.numel())},)"
+                    )
+
+
+def _gather(ts: list[torch.Tensor], pads: list[int]) -> torch.Tensor:
+    """1-D tensors -> one flat tensor, tensor i followed by pads[i] zeros (torch.cat's dtype
+    promotion where the dtypes differ)."""
+    zeros = ts[0].new_zeros(max(pads) if pads else 0)
+    pieces = []
+    for t, pad in zip(ts, pads, strict=True):
+        pieces.append(t)
+        if pad:
+            pieces.append(zeros[:pad])
+    return torch.cat(pieces)
+
+
+def _scatter(dst: list[torch.Tensor], flat: torch.Tensor, lengths: list[int]) -> None:
+    """The inverse of _gather: the first numel of each padded range copied into dst."""
+    parts = torch.split(flat.reshape(-1), lengths)
+    torch._foreach_copy_(dst, [s[: d.numel()] for d, s in zip(dst, parts, strict=True)])
+
+
+def _sr_bits_blocks(
+    key_lo: torch.Tensor, key_hi: torch.Tensor, counter: torch.Tensor
+) -> torch.Tensor:
+    """sr_bits with per-block keys: key_lo / key_hi int64 (nblocks, 1), the key's 32-bit
+    halves; counter int64 (nblocks, BLOCK)."""
+    x = _fmix32((counter & M32) ^ key_lo)
+    hi = _mul32(counter >> 32, 0x9E3779B9)
+    return _fmix32(x ^ key_hi ^ hi)
+
+
+def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
+                   weights_out, steps, salts, offsets, lr, beta1, beta2, weight_decay, eps,
+                   maximize, decoupled, grad_scale, moments, master_sr, vec_size=None,
+                   flush_denormal=False):  # fmt: skip
+    """:func:`adam_step` in one pass over all tensors of the call; the same arguments and
+    bitwise the same results, in about 60 launches whatever the number of tensors and without
+    a host sync.
+
+    The tensors (1-D, one master dtype, one device) are packed into flat buffers, each
+    tensor's range padded with zeros up to a multiple of ``BLOCK`` so an int8 block never
+    mixes two tensors (a zero pad does not raise a block's absmax). The per-tensor scalars
+    (the bias corrections of its step, its rounding keys, its counter offset) are computed on
+    the host as :func:`adam_step` computes them and broadcast per block. Temporaries: about
+    a dozen fp32 and int64 copies of the call's padded element count (callers chunk big
+    calls: :func:`offloadopt.kernels.adam.adam_update`). Raises ValueError for mismatched
+    lists, shapes, dtypes, devices or modes."""
+    _check_flat_args(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
+                     weights_out, steps, salts, offsets, moments, master_sr)  # fmt: skip
+    if not masters:
+        return
+    device = masters[0].device
+    bf16_master = masters[0].dtype == torch.bfloat16
+    sizes = [p.numel() for p in masters]
+    counts = [nblocks(n) for n in sizes]
+    lengths = [c * BLOCK for c in counts]
+    pads = [ln - n for ln, n in zip(lengths, sizes, strict=True)]
+    total_blocks = sum(counts)
+    # per-tensor scalars, in double on the host exactly as adam_step computes them
+    neg_step_size, sqrt_bc2, ints = [], [], []
+    cuda_div = device.type == "cuda"
+    for i in range(len(masters)):
+        step = float(steps[i])
+        bc1 = 1 - beta1**step
+        bc2 = 1 - beta2**step
+        neg_step_size.append(_f32(-(lr / bc1)))
+        s = _f32(math.sqrt(bc2))
+        # A tensor divided by a host scalar on CUDA is a multiplication by its fp32 reciprocal
+        # (torch's div_true_kernel_cuda); 1/s rounded once from double equals the fp32
+        # division (double rounding is innocuous for division, 53 >= 2*24 + 2).
+        sqrt_bc2.append(_f32(1.0 / s) if cuda_div else s)
+        keys = [sr_key(salts[i], step, stream) for stream in (0, 1, 2)]
+        row = [int(offsets[i])]
+        for k in keys:
+            row += [k & M32, k >> 32]
+        ints.append(row)
+    counts_t = torch.tensor(counts, dtype=torch.int64)
+    fl = torch.tensor([neg_step_size, sqrt_bc2], dtype=torch.float32).t()  # (n_t, 2)
+    it = torch.tensor(ints, dtype=torch.int64)  # (n_t, 7)
+    # block b of tensor i: its counter base = offset_i + BLOCK * (b - first block of i)
+    first = torch.cumsum(counts_t, 0) - counts_t
+    if device.type == "cuda":  # pinned: the copies do not wait for the host
+        fl, it, counts_t, first = (x.pin_memory().to(device, non_blocking=True)
+                                   for x in (fl, it, counts_t, first))  # fmt: skip
+    elif device.type != "cpu":
+        fl, it, counts_t, first = (x.to(device) for x in (fl, it, counts_t, first))
+    fl_b = fl.repeat_interleave(counts_t, dim=0, output_size=total_blocks)  # (blocks, 2)
+    it_b = it.repeat_interleave(counts_t, dim=0, output_size=total_blocks)  # (blocks, 7)
+    first_b = first.repeat_interleave(counts_t, output_size=total_blocks)
+    ss = fl_b[:, 0:1]
+    sb2 = fl_b[:, 1:2]
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, BLOCK)
+
+    p = blocks(_gather(masters, pads).float())
+    g = blocks(_gather(grads, pads).float())
+    if grad_scale is not None:
+        g = g / _f32(float(grad_scale))
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        if decoupled:
+            p = p * _f32(1 - lr * weight_decay)
+        else:
+            g = g.add(p, alpha=_f32(weight_decay))
+    if moments in (0, 1):
+        m0 = blocks(_gather(exp_avgs, pads).float())
+        v0 = blocks(_gather(exp_avg_sqs, pads).float())
+    else:
+        m0 = blocks(decode_m(_gather(exp_avgs, pads), torch.cat(exp_avg_scales)))
+        v0 = blocks(decode_v(_gather(exp_avg_sqs, pads), torch.cat(exp_avg_sq_scales)))
+    m = torch.lerp(m0, g, _f32(1 - beta1))
+    v = (v0 * _f32(beta2)).addcmul_(g, g, value=_f32(1 - beta2))
+    y = v.sqrt()
+    denom = (y * sb2 if cuda_div else y / sb2).add_(_f32(eps))
+    p = p + (m * ss) / denom
+    counter = None
+    if bf16_master or moments == 1:
+        idx = torch.arange(total_blocks, dtype=torch.int64, device=device)
+        base = it_b[:, 0] + (idx - first_b) * BLOCK
+        counter = base[:, None] + torch.arange(BLOCK, dtype=torch.int64, device=device)
+
+    def sr(x: torch.Tensor, stream: int) -> torch.Tensor:
+        key_lo, key_hi = (
+            it_b[:, 1 + 2 * stream : 2 + 2 * stream],
+            it_b[:, 2 + 2 * stream : 3 + 2 * stream],
+        )
+        return round_bf16_sr(x, _sr_bits_blocks(key_lo, key_hi, counter))
+
+    if bf16_master:
+        _scatter(masters, sr(p, STREAM_MASTER), lengths)
+    else:
+        _scatter(masters, p, lengths)
+        if weights_out:
+            _scatter(weights_out, p.to(torch.bfloat16), lengths)
+    if moments == 0:
+        _scatter(exp_avgs, m, lengths)
+        _scatter(exp_avg_sqs, v, lengths)
+    elif moments == 1:
+        _scatter(exp_avgs, sr(m, STREAM_EXP_AVG), lengths)
+        _scatter(exp_avg_sqs, sr(v, STREAM_EXP_AVG_SQ), lengths)
+    else:
+        cm, sm = encode_m(m.reshape(-1))
+        cv, sv = _encode_y(y.reshape(-1))
+        bad = torch.isnan(sm) | torch.isnan(sv)
+        rows = bad[:, None]
+        cm = torch.where(rows, 0, blocks(cm)).to(torch.uint8)
+        cv = torch.where(rows, 0, blocks(cv)).to(torch.uint8)
+        nan = torch.full_like(sm, float("nan"))
+        sm, sv = torch.where(bad, nan, sm), torch.where(bad, nan, sv)
+        _scatter(exp_avgs, cm, lengths)
+        _scatter(exp_avg_sqs, cv, lengths)
+        torch._foreach_copy_(exp_avg_scales, list(torch.split(sm, counts)))
+        torch._foreach_copy_(exp_avg_sq_scales, list(torch.split(sv, counts)))

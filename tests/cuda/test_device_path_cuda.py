@@ -1,0 +1,65 @@
+"""The device path of the compressed-state update on the GPU: reference.adam_step_flat is
+bitwise the per-tensor reference adam_step on CUDA tensors in every mode (divisions by a host
+scalar are multiplications by its reciprocal there, and the flat pass follows), passes cut
+anywhere give the bits of one pass, and the pass makes no host sync. Run on the GPU host."""
+
+import pytest
+import torch
+
+from offloadopt.kernels import adam, reference
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (tests/cuda run on the GPU host)")
+
+
+def _cuda_mode(master_bf16, moments, wout):
+    from test_device_path import SIZES
+    from test_kernels import make_mode
+
+    x = [[t.cuda() for t in lst] for lst in make_mode(SIZES, 4, master_bf16, moments)]
+    w = [torch.zeros(n, dtype=torch.bfloat16, device="cuda") for n in SIZES] if wout else []
+    return x, w
+
+
+@pytest.mark.parametrize("hp", [0, 1, 2], ids=["adamw", "adam-max-scaled", "no-wd"])
+@pytest.mark.parametrize("mode", range(8))
+def test_flat_is_bitwise_the_per_tensor_reference_on_cuda(mode, hp):
+    from test_device_path import HYPER, MODES, assert_lists_bitwise, call_kwargs
+    from test_kernels import kcall
+
+    master_bf16, moments, wout = MODES[mode]
+    a, wa = _cuda_mode(master_bf16, moments, wout)
+    b, wb = [[t.clone() for t in lst] for lst in a], [w.clone() for w in wa]
+    kw = call_kwargs(moments, master_bf16, **HYPER[hp])
+    for _ in range(2):
+        kcall(reference.adam_step, *a[:4], sms=a[4], svs=a[5], wout=wa, **kw)
+        kcall(reference.adam_step_flat, *b[:4], sms=b[4], svs=b[5], wout=wb, **kw)
+        kw["steps"] = [s + 1 for s in kw["steps"]]
+    torch.cuda.synchronize()
+    cpu = [[t.cpu() for t in lst] for lst in (*a, wa)], [[t.cpu() for t in lst] for lst in (*b, wb)]
+    assert_lists_bitwise(*cpu, "flat vs per tensor on cuda")
+
+
+@pytest.mark.parametrize("mode", [3, 4, 5, 7])
+def test_passes_on_cuda_give_the_bits_of_one_pass_without_a_host_sync(mode):
+    from test_device_path import MODES, _args, assert_lists_bitwise, call_kwargs
+
+    master_bf16, moments, wout = MODES[mode]
+    a, wa = _cuda_mode(master_bf16, moments, wout)
+    b, wb = [[t.clone() for t in lst] for lst in a], [w.clone() for w in wa]
+    kw = call_kwargs(moments, master_bf16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a synchronizing op raises
+    try:
+        reference.adam_step_flat(**_args(*a[:4], a[4], a[5], wa, **kw))
+        adam.device_step(max_numel=1024, **_args(*b[:4], b[4], b[5], wb, **kw))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    cpu = [[t.cpu() for t in lst] for lst in (*a, wa)], [[t.cpu() for t in lst] for lst in (*b, wb)]
+    assert_lists_bitwise(*cpu, "passes vs one pass on cuda")

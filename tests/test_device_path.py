@@ -1,0 +1,266 @@
+"""The device path of the compressed-state update: kernels.reference.adam_step_flat (one pass
+over all tensors of a call) against the per-tensor reference adam_step, bitwise, in every mode;
+kernels.adam.device_step's passes; and the optimizer at offload fraction 0 on the reference
+path against the C++ kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import make_params, seeded_grads
+from test_kernels import assert_bitwise, clone_all, kcall, make_mode
+
+from offloadopt import kernels
+from offloadopt.kernels import adam, reference
+
+SIZES = [1, 255, 256, 257, 1000, 70_000]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread unless a test sets more: the results do not depend on it (checked
+    below), and on a shared 2-core host two threads per op made the file several times
+    slower."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+STEPS = [1.0, 2.0, 7.0, 1000.0, 3.0, 12.0]
+SALTS = [1, 2, 3, 2**40 + 5, 2**63 + 11, 0]
+# the third tensor's random counter crosses 2^32 (mid-block where the blocks allow it)
+OFFSETS = [0, 256, 2**32 - 100, 512, 0, 2**20]
+
+
+def call_kwargs(moments: int, master_bf16: bool, **hp) -> dict:
+    offsets = [o // 256 * 256 for o in OFFSETS] if moments == 2 else OFFSETS
+    kw = dict(steps=STEPS, salts=SALTS, offsets=offsets, moments=moments, master_sr=master_bf16)
+    return {**kw, **hp}
+
+
+def same_bits(x: torch.Tensor, y: torch.Tensor, what: str) -> None:
+    if x.dtype == torch.uint8:
+        diff = (x != y).nonzero().flatten()
+        assert diff.numel() == 0, f"{what}: codes differ at {diff[:5].tolist()}"
+    else:
+        assert_bitwise(x.reshape(-1), y.reshape(-1), what)
+
+
+def assert_lists_bitwise(a, b, what: str) -> None:
+    for k, (la, lb) in enumerate(zip(a, b, strict=True)):
+        for i, (x, y) in enumerate(zip(la, lb, strict=True)):
+            same_bits(x, y, f"{what}: list {k} tensor {i}")
+
+
+# (master bf16, moments, weights_out); weights_out goes with fp32 masters only
+MODES = [(False, 0, True), (False, 1, False), (False, 1, True), (True, 0, False),
+         (True, 1, False), (False, 2, False), (False, 2, True), (True, 2, False)]  # fmt: skip
+HYPER = [dict(decoupled=True, maximize=False, grad_scale=None, weight_decay=0.1),
+         dict(decoupled=False, maximize=True, grad_scale=3.0, weight_decay=0.01),
+         dict(decoupled=True, maximize=True, grad_scale=0.5, weight_decay=0.0)]  # fmt: skip
+
+
+@pytest.mark.parametrize("hp", HYPER, ids=["adamw", "adam-max-scaled", "no-wd"])
+@pytest.mark.parametrize("master_bf16,moments,wout", MODES)
+def test_flat_is_bitwise_the_per_tensor_reference(master_bf16, moments, wout, hp):
+    a = make_mode(SIZES, 4, master_bf16, moments)
+    b = clone_all(a)
+    wa = [torch.zeros(n, dtype=torch.bfloat16) for n in SIZES] if wout else []
+    wb = [w.clone() for w in wa]
+    kw = call_kwargs(moments, master_bf16, **hp)
+    for _ in range(2):  # the second step reads the first's rounded / encoded state
+        kcall(reference.adam_step, *a[:4], sms=a[4], svs=a[5], wout=wa, **kw)
+        kcall(reference.adam_step_flat, *b[:4], sms=b[4], svs=b[5], wout=wb, **kw)
+        kw["steps"] = [s + 1 for s in kw["steps"]]
+    assert_lists_bitwise([*a, wa], [*b, wb], "flat vs per tensor")
+    before = make_mode(SIZES, 4, master_bf16, moments)[0]
+    assert not torch.equal(b[0][-1], before[-1])  # it stepped
+
+
+@pytest.mark.parametrize("master_bf16,moments", [(False, 2), (True, 2), (True, 1)])
+def test_a_non_finite_grad_spoils_its_own_block_only(master_bf16, moments):
+    """A NaN in the grad of one tensor's last (partial) block, and a grad of 1e30 in another's
+    (its exp_avg stays finite, its exp_avg_sq overflows): those blocks' two scales are NaN and
+    their codes 0; the tensor beside them, and their other blocks, get the bits of a call
+    without them; the per-tensor reference gets the same bits."""
+    sizes = [300, 600, 257]
+    clean = make_mode(sizes, 8, master_bf16, moments)
+    a, b = clone_all(clean), clone_all(clean)
+    b[1][1][520] = float("nan")  # tensor 1, block 2 (elements 512..599)
+    b[1][0][290] = 1e30  # tensor 0, block 1 (elements 256..299): v = g*g = inf
+    kw = call_kwargs(moments, master_bf16, steps=[2.0, 3.0, 4.0], salts=[5, 6, 7],
+                     offsets=[0, 0, 0])  # fmt: skip
+    ref = clone_all(b)
+    kcall(reference.adam_step_flat, *a[:4], sms=a[4], svs=a[5], **kw)
+    kcall(reference.adam_step_flat, *b[:4], sms=b[4], svs=b[5], **kw)
+    kcall(reference.adam_step, *ref[:4], sms=ref[4], svs=ref[5], **kw)
+    assert_lists_bitwise(b, ref, "flat vs per tensor with non-finite blocks")
+    for k in (k for k in range(len(a)) if a[k]):  # the scales lists are empty but for int8
+        same_bits(a[k][2], b[k][2], f"list {k} tensor 2 beside the non-finite blocks")
+        if k < 4:
+            same_bits(a[k][1][:512], b[k][1][:512], f"list {k} blocks before the NaN")
+            same_bits(a[k][0][:256], b[k][0][:256], f"list {k} block before the overflow")
+    if moments == 2:
+        for t, blk in ((1, 2), (0, 1)):
+            assert torch.isnan(b[4][t][blk]) and torch.isnan(b[5][t][blk]), (t, blk)
+            assert not torch.isnan(b[4][t][:blk]).any()
+            assert int(b[2][t][blk * 256 :].max()) == 0 and int(b[3][t][blk * 256 :].max()) == 0
+    assert torch.isnan(b[0][1][520].float())
+
+
+def test_an_empty_call_does_nothing_and_bad_lists_are_refused():
+    reference.adam_step_flat([], [], [], [], [], [], [], [], [], [], **_hp())
+    adam.device_step(**_args([], [], [], []))
+    one = [torch.ones(8)]
+    with pytest.raises(ValueError, match="grads has 0 entries"):
+        reference.adam_step_flat(one, [], one, one, [], [], [], [1.0], [0], [0], **_hp())
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\] is \(9,\)"):
+        reference.adam_step_flat(one, one, [torch.ones(9)], one, [], [], [], [1.0], [0], [0],
+                                 **_hp())  # fmt: skip
+    with pytest.raises(ValueError, match="masters\\[1\\] is torch.bfloat16"):
+        two = [torch.ones(8), torch.ones(8, dtype=torch.bfloat16)]
+        reference.adam_step_flat(two, two, two, two, [], [], [], [1.0] * 2, [0] * 2, [0] * 2,
+                                 **_hp())  # fmt: skip
+    with pytest.raises(ValueError, match="max_numel=100"):
+        adam.device_step(max_numel=100, **_args(one, one, one, one))
+
+
+def _hp(**kw) -> dict:
+    h = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, maximize=False,
+             decoupled=True, grad_scale=None, moments=0, master_sr=False)  # fmt: skip
+    return {**h, **kw}
+
+
+def _args(masters, grads, ms, vs, sms=(), svs=(), wout=(), **kw) -> dict:
+    t = len(masters)
+    return dict(masters=list(masters), grads=list(grads), exp_avgs=list(ms), exp_avg_sqs=list(vs),
+                exp_avg_scales=list(sms), exp_avg_sq_scales=list(svs), weights_out=list(wout),
+                steps=kw.pop("steps", STEPS[:t]), salts=kw.pop("salts", SALTS[:t]),
+                offsets=kw.pop("offsets", [0] * t), **_hp(**kw))  # fmt: skip
+
+
+@pytest.mark.parametrize("master_bf16,moments", [(False, 2), (True, 2), (True, 1), (False, 0)])
+def test_passes_cut_anywhere_give_the_bits_of_one_pass(master_bf16, moments):
+    """device_step in passes of 512 and 1,024 elements (70,000 and 1,000 elements cut, the
+    offsets and scales following) at 1 and 2 threads: the bits of one pass."""
+    whole = make_mode(SIZES, 2, master_bf16, moments)
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for max_numel, threads in ((2**27, 2), (512, 2), (1024, 1), (2**16, 1)):
+            torch.set_num_threads(threads)
+            x = clone_all(whole)
+            wout = [torch.zeros(n, dtype=torch.bfloat16) for n in SIZES] if not master_bf16 else []
+            kw = call_kwargs(moments, master_bf16)
+            adam.device_step(max_numel=max_numel, **_args(*x[:4], x[4], x[5], wout, **kw))
+            results.append([*x, wout])
+    finally:
+        torch.set_num_threads(old)
+    for r in results[1:]:
+        assert_lists_bitwise(results[0], r, "passes")
+
+
+def test_device_step_passes_stay_under_the_limit(monkeypatch):
+    seen = []
+    real = reference.adam_step_flat
+
+    def spy(**kw):
+        seen.append(sum(-(-t.numel() // 256) * 256 for t in kw["masters"]))
+        real(**kw)
+
+    monkeypatch.setattr(reference, "adam_step_flat", spy)
+    x = make_mode(SIZES, 1, False, 2)
+    adam.device_step(max_numel=1024, **_args(*x[:4], x[4], x[5], moments=2))
+    assert max(seen) <= 1024 and sum(seen) >= sum(SIZES) and len(seen) > 70
+
+
+# --- through the optimizer: the reference path at fraction 0 against the kernel --------------
+
+SETTINGS = [
+    pytest.param(dict(state_dtype="int8"), torch.float32, id="int8-moments"),
+    pytest.param(dict(state_dtype="bf16"), torch.float32, id="bf16-moments"),
+    pytest.param(
+        dict(master_weights="bf16-sr", state_dtype="int8"), torch.bfloat16, id="bf16-sr-int8"
+    ),
+]
+
+
+def _train(params, fraction, steps=4, **kw):
+    from oracle import hybrid
+
+    opt = hybrid(params, fraction, **kw)
+    for step in range(steps):
+        for p, g in zip(params, seeded_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("kw,dtype", SETTINGS)
+def test_the_device_path_on_cpu_tensors_matches_the_kernel(monkeypatch, kw, dtype):
+    """HybridAdamW at offload fraction 0 with the device path forced on (CPU tensors run
+    reference.adam_step_flat instead of the C++ kernel) against fraction 1 (the kernel):
+    equal up to the order of fp32 operations (the tolerances of test_kernels); and the same
+    bits as the per-tensor reference on that path."""
+    import offloadopt.step.update as update
+
+    calls = []
+    real_device_step = adam.device_step
+
+    def counted(**k):
+        calls.append(len(k["masters"]))
+        real_device_step(**k)
+
+    def forced(*args, **k):
+        return adam.adam_update(*args, use_kernel=False, **k)
+
+    kernel_params = make_params(dtype)
+    _train(kernel_params, 1.0, **kw)
+    monkeypatch.setattr(update, "adam_update", forced)
+    monkeypatch.setattr(adam, "device_step", counted)
+    flat_params = make_params(dtype)
+    flat_opt = _train(flat_params, 0.0, **kw)
+    assert sum(calls) >= 4 * len(flat_params)  # every param, every step, on the flat path
+    monkeypatch.setattr(adam, "device_step", _per_tensor_device_step)
+    ref_params = make_params(dtype)
+    ref_opt = _train(ref_params, 0.0, **kw)
+    for i, (p, q, r) in enumerate(zip(kernel_params, flat_params, ref_params, strict=True)):
+        same_bits(q.detach(), r.detach(), f"param {i}: flat vs per tensor")
+        for key, t in flat_opt.state[q].items():
+            same_bits(t, ref_opt.state[r][key], f"param {i} {key}: flat vs per tensor")
+        if dtype == torch.bfloat16:
+            d = (q.detach().float() - p.detach().float()).abs()
+            assert float((d > 2e-2 * p.detach().float().abs() + 2e-2).float().mean()) == 0.0
+        else:
+            torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-4, atol=1e-5,
+                                       msg=lambda s, i=i: f"param {i}: {s}")  # fmt: skip
+
+
+def _per_tensor_device_step(*, max_numel=None, **args):
+    reference.adam_step(**args)
+
+
+def test_the_cpu_default_is_still_the_kernel(monkeypatch):
+    """adam_update without use_kernel sends CPU tensors to the C++ kernel, not the device
+    path."""
+    called = []
+    monkeypatch.setattr(adam, "device_step", lambda **kw: called.append(1))
+    params = make_params()
+    _train(params, 0.0, steps=1, state_dtype="int8")
+    assert not called and kernels.available()
+
+
+def test_the_benchmark_runs_at_a_tiny_size(monkeypatch, capsys):
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import device_path
+
+    monkeypatch.setattr(
+        sys, "argv", ["device_path.py", "--scale", "2000", "--repeats", "1", "--threads", "1"]
+    )
+    device_path.main()
+    out = capsys.readouterr().out
+    assert "per tensor" in out and "flat" in out and "cpu" in out, out
