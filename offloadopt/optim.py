@@ -91,12 +91,10 @@ class HybridOptimizer(Optimizer):
         o = Options.parse(type(self).__name__, options)
         validate_options(self.rule, hyper, o, amsgrad=amsgrad, capturable=capturable,
                          differentiable=differentiable)  # fmt: skip
-        if o.state_dtype != "fp32" or o.master_weights == "bf16-sr":
-            # A compressed representation: the rule runs offloadopt's own kernel
-            # (offloadopt/kernels/), built now so that a missing compiler fails here.
-            self.rule = dc_replace(self.rule, moments=o.state_dtype,
-                                   master_sr=o.master_weights == "bf16-sr",
-                                   flush_denormal=o.flush_denormal)  # fmt: skip
+        rule = dc_replace(self.rule, moments=o.state_dtype, master_sr=o.master_weights == "bf16-sr",
+                          flush_denormal=o.flush_denormal)  # fmt: skip
+        if rule.compressed:  # offloadopt's own kernel (offloadopt/kernels/), built now so that
+            self.rule = rule  # a missing compiler fails here; else the class's rule, as before
             kernels.load()
         params = validate_params_arg(params)
         sizes = budget.sizes(max_gpu_memory=o.max_gpu_memory, max_host_memory=o.max_host_memory,
@@ -510,7 +508,7 @@ class HybridOptimizer(Optimizer):
         if isinstance(mapping, OptimizerState) or "state" not in self.__dict__:
             self.__dict__["state"] = mapping  # ours, or torch's __init__ before our own
             return
-        self.state.reset(mapping, self._records, self._timeline.lock, self.synchronize)
+        self.state.reset(mapping, self._records, self.rule, self._timeline.lock, self.synchronize)
 
     # ------------------------------------------------------------------ placement
     def ensure_placed(self) -> None:

@@ -20,12 +20,19 @@ from typing import Any
 
 import torch
 
-# Elements per block of the int8 moments (one fp32 scale per block; offloadopt/kernels/formats.py).
-BLOCK = 256
+# BLOCK: elements per block of the int8 moments (one fp32 scale per block), the formats' own
+from offloadopt.kernels.formats import BLOCK
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")  # Adam's state keys, as torch names them
+# Adam's state keys under state_dtype="int8", in the kernel's order: codes shaped like the param
+# (uint8) and their blocks' scales (fp32, ceil(numel / BLOCK))
+INT8_KEYS = ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale")
 
 __all__ = [
     "BLOCK",
     "MOMENTS",
+    "MOMENT_KEYS",
+    "INT8_KEYS",
     "Hyper",
     "Rule",
     "AdamWRule",
@@ -190,7 +197,7 @@ class AdamWRule(Rule):
 
     def state_keys_for(self, values: dict[str, Any]) -> tuple[str, ...]:
         if self.moments == "int8":  # codes and their blocks' scales, in the kernel's order
-            return ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale")
+            return INT8_KEYS
         return self.state_keys
 
     def key_dtype(self, key: str, update_dtype: torch.dtype) -> torch.dtype:
@@ -297,7 +304,7 @@ _ADAM_FLAGS = dict(amsgrad=False, foreach=None, capturable=False, differentiable
 
 ADAMW = AdamWRule(
     name="AdamW",
-    state_keys=("exp_avg", "exp_avg_sq"),
+    state_keys=MOMENT_KEYS,
     has_step=True,
     hyper_defaults=dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, maximize=False),
     torch_flags=dict(_ADAM_FLAGS, decoupled_weight_decay=True),
@@ -306,7 +313,7 @@ ADAMW = AdamWRule(
 
 ADAM = AdamRule(
     name="Adam",
-    state_keys=("exp_avg", "exp_avg_sq"),
+    state_keys=MOMENT_KEYS,
     has_step=True,
     hyper_defaults=dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, maximize=False),
     torch_flags=dict(_ADAM_FLAGS, decoupled_weight_decay=False),

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from offloadopt.rules import Rule
+from offloadopt.rules import BLOCK, INT8_KEYS, MOMENT_KEYS, Rule
 from offloadopt.shards import is_dtensor, wrap_like
 
 __all__ = [
@@ -31,9 +31,6 @@ __all__ = [
     "stored_entry",
 ]
 
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq")  # torch's keys, fp32 in every checkpoint of ours
-# int8 moments (offloadopt/kernels/formats.py): codes shaped like the param, fp32 block scales
-CODE_KEYS = ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale")
 
 # Group keys that belong to the optimizer that loads, never to the checkpoint.
 _OWN_KEYS = ("params", "param_names", "offload")
@@ -88,8 +85,6 @@ def export_moments(sd: dict[str, Any], rule: Rule) -> dict[str, Any]:
     beside them for an exact resume (:func:`stored_entry` prefers them)."""
     if rule.moments == "fp32":
         return sd
-    from offloadopt.kernels import formats
-
     for entry in sd["state"].values():
         if not isinstance(entry, dict):
             continue
@@ -97,12 +92,21 @@ def export_moments(sd: dict[str, Any], rule: Rule) -> dict[str, Any]:
             for k in MOMENT_KEYS:
                 if isinstance(entry.get(k), torch.Tensor):
                     entry[k] = entry[k].float()
-        elif all(isinstance(entry.get(k), torch.Tensor) for k in CODE_KEYS):
-            q, s = entry["exp_avg_q"], entry["exp_avg_scale"]
-            entry["exp_avg"] = formats.decode_m(q.reshape(-1), s).view(q.shape)
-            q, s = entry["exp_avg_sq_q"], entry["exp_avg_sq_scale"]
-            entry["exp_avg_sq"] = formats.decode_v(q.reshape(-1), s).view(q.shape)
+        elif all(isinstance(entry.get(k), torch.Tensor) for k in INT8_KEYS):
+            entry.update(_decoded(entry))
     return sd
+
+
+def _decoded(entry: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """An entry's int8 codes and scales decoded: torch's keys -> fp32 moments shaped like the
+    codes, where the codes live."""
+    from offloadopt.kernels import formats
+
+    out = {}
+    for key, decode in zip(MOMENT_KEYS, (formats.decode_m, formats.decode_v), strict=True):
+        q, s = entry[f"{key}_q"], entry[f"{key}_scale"]
+        out[key] = decode(q.reshape(-1), s).view(q.shape)
+    return out
 
 
 def stored_entry(entry: dict[str, Any], rule: Rule, keys: tuple[str, ...]) -> dict[str, Any]:
@@ -111,12 +115,12 @@ def stored_entry(entry: dict[str, Any], rule: Rule, keys: tuple[str, ...]) -> di
     resume), else encoded from the fp32 moments (a checkpoint of torch's AdamW, or of another
     representation); fp32 or bf16 moments from torch's keys (copied, or cast by the caller),
     else decoded from codes. Other keys (``step``, ``master``) as they are."""
-    out = {k: v for k, v in entry.items() if k not in MOMENT_KEYS and k not in CODE_KEYS}
+    out = {k: v for k, v in entry.items() if k not in MOMENT_KEYS and k not in INT8_KEYS}
     want_codes = "exp_avg_q" in keys
-    has_codes = all(isinstance(entry.get(k), torch.Tensor) for k in CODE_KEYS)
+    has_codes = all(isinstance(entry.get(k), torch.Tensor) for k in INT8_KEYS)
     has_moments = all(isinstance(entry.get(k), torch.Tensor) for k in MOMENT_KEYS)
     if want_codes and has_codes:
-        out.update({k: entry[k] for k in CODE_KEYS})
+        out.update({k: entry[k] for k in INT8_KEYS})
     elif want_codes and has_moments:
         from offloadopt.kernels import formats
 
@@ -128,12 +132,7 @@ def stored_entry(entry: dict[str, Any], rule: Rule, keys: tuple[str, ...]) -> di
     elif has_moments or not has_codes:
         out.update({k: entry[k] for k in MOMENT_KEYS if k in entry})
     else:  # codes only, into fp32 or bf16 moments
-        from offloadopt.kernels import formats
-
-        q, s = entry["exp_avg_q"], entry["exp_avg_scale"]
-        out["exp_avg"] = formats.decode_m(q.reshape(-1), s).view(q.shape)
-        q, s = entry["exp_avg_sq_q"], entry["exp_avg_sq_scale"]
-        out["exp_avg_sq"] = formats.decode_v(q.reshape(-1), s).view(q.shape)
+        out.update(_decoded(entry))
     return out
 
 
@@ -206,7 +205,7 @@ def validate(
     state_keys = {"step", "master", *rule.state_keys}
     adam = tuple(rule.state_keys) == MOMENT_KEYS  # any representation's checkpoint loads
     if adam:
-        state_keys |= set(CODE_KEYS)
+        state_keys |= set(INT8_KEYS)
     if not isinstance(sd["state"], dict):
         raise ValueError("state_dict['state'] must be a dict")
     for key, entry in sd["state"].items():
@@ -223,9 +222,9 @@ def validate(
                 f"state of {name} has keys {sorted(unknown)} that Hybrid{rule.name} does not use"
             )
         required = ("step",) if rule.has_step else ()
-        coded = adam and any(k in entry for k in CODE_KEYS)
+        coded = adam and any(k in entry for k in INT8_KEYS)
         if coded:  # int8 codes: all four, and torch's keys (decoded) need not be there
-            required += CODE_KEYS
+            required += INT8_KEYS
         elif not rule.lazy_state:
             required += rule.state_keys
         for k in required:
@@ -261,10 +260,10 @@ def _checked_tensors(entry: dict, name: str, shape: tuple, rule: Rule) -> dict:
     that the moments win (``torch.optim.AdamW`` loads our checkpoint, casts the codes to the
     param's dtype, steps on and saves codes that no longer match)."""
     entry = dict(entry)
-    if all(k in entry for k in CODE_KEYS) and not _codes_match(entry, name, shape):
-        for k in CODE_KEYS:
+    if all(k in entry for k in INT8_KEYS) and not _codes_match(entry, name, shape):
+        for k in INT8_KEYS:
             del entry[k]
-    coded = any(k in entry for k in CODE_KEYS)
+    coded = any(k in entry for k in INT8_KEYS)
     if coded:
         _checked_codes(entry, name, shape)
     for k in (*rule.state_keys, "master"):
@@ -297,23 +296,16 @@ def _codes_match(entry: dict, name: str, shape: tuple) -> bool:
         _checked_codes(entry, name, shape)
     except ValueError:
         return False  # torch's AdamW cast the codes to the param's dtype
-    from offloadopt.kernels import formats
-
-    for key, t in zip(MOMENT_KEYS, moments, strict=True):
-        decode = formats.decode_m if key == "exp_avg" else formats.decode_v
-        q, s = entry[f"{key}_q"], entry[f"{key}_scale"]
-        decoded = decode(q.detach().reshape(-1).cpu(), s.detach().cpu()).view(q.shape)
-        if not torch.equal(decoded, t.detach().cpu()):
-            return False
-    return True
+    decoded = _decoded({k: entry[k].detach().cpu() for k in INT8_KEYS})
+    return all(
+        torch.equal(decoded[k], t.detach().cpu()) for k, t in zip(MOMENT_KEYS, moments, strict=True)
+    )
 
 
 def _checked_codes(entry: dict, name: str, shape: tuple) -> None:
     """Check int8 moments: uint8 codes shaped like the param, fp32 scales, one per block."""
-    from offloadopt.rules import BLOCK
-
     numel = math.prod(shape)
-    for k in CODE_KEYS:
+    for k in INT8_KEYS:
         t = entry[k]
         scale = k.endswith("_scale")
         want = (torch.float32, (-(-numel // BLOCK),)) if scale else (torch.uint8, tuple(shape))

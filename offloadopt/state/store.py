@@ -146,13 +146,15 @@ class OptimizerState(defaultdict):
         self,
         mapping: Any,
         records: dict[torch.Tensor, Any],
+        rule: Any,
         lock: Any,
         synchronize: Callable[[], None],
     ) -> None:
         """``opt.state = mapping``: this object is emptied in place and refilled from
         ``mapping``, each entry of a param in ``records`` (param -> its
         :class:`offloadopt.place.records.ParamRecord`) copied into its buffers as an
-        assignment to ``opt.state[p]`` is. Every entry is checked before anything changes;
+        assignment to ``opt.state[p]`` is; ``rule``: the optimizer's
+        :class:`offloadopt.rules.Rule` (which keys hold one value per block). Every entry is checked before anything changes;
         then, under ``lock`` (the step's) with signals deferred, ``synchronize()`` waits for
         the update in flight.
 
@@ -173,8 +175,8 @@ class OptimizerState(defaultdict):
                     "expected a dict of its state"
                 )
             for key, v in entry.items():
-                # an int8 representation's scales: one per block of BLOCK elements
-                want = -(-p.numel() // BLOCK) if key.endswith("_scale") else p.numel()
+                # a blockwise key (int8 scales): one value per block of BLOCK elements
+                want = -(-p.numel() // BLOCK) if rule.blockwise(key) else p.numel()
                 if key != "step" and isinstance(v, torch.Tensor) and v.numel() != want:
                     raise ValueError(
                         f"opt.state = ...: {rec.name}'s {key!r} has {v.numel()} elements, "

@@ -14,7 +14,7 @@ from offloadopt.link.layout import CUT_ALIGN
 from offloadopt.link.pipeline import BucketWork
 from offloadopt.place.placement import update_dtype
 from offloadopt.place.records import ParamRecord
-from offloadopt.rules import BLOCK, Hyper
+from offloadopt.rules import BLOCK, INT8_KEYS, Hyper
 from offloadopt.shards import local
 from offloadopt.state import checkpoint
 from offloadopt.step.step import Step
@@ -270,7 +270,7 @@ class Updater:
         if not self.state.get(p):
             self.init_state(p, rec)
         mine = self.state[p]
-        if self.rule.compressed or any(k in entry for k in checkpoint.CODE_KEYS):
+        if self.rule.compressed or any(k in entry for k in INT8_KEYS):
             entry = checkpoint.stored_entry(entry, self.rule, rec.state_keys)
         if self.rule.has_step:
             mine["step"].fill_(entry["step"])
