@@ -178,8 +178,6 @@ def adam_update(
         if on_cpu and use_kernel is not False:
             from offloadopt.kernels import load, torch_vec_size
 
-            load().adam_step(
-                *args.values(), torch_vec_size(), rule.flush_denormal
-            )  # the positional order of the C++ signature
+            load().adam_step(**args, vec_size=torch_vec_size(), flush_denormal=rule.flush_denormal)
         else:
             device_step(**args)

@@ -77,18 +77,28 @@ def encode_m(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """exp_avg fp32 (n,) -> (codes uint8 (n,), scales fp32 (nblocks(n),)), same device.
     Non-finite blocks: scale NaN, codes 0. Raises ValueError for a non-1-D or non-fp32 m."""
     _check(m, "encode_m", torch.float32)
-    n = m.numel()
     mb = _blocks(m)
-    a = mb.abs()
-    scale = a.amax(dim=1) if n else torch.zeros(0, device=m.device)
-    bad = ~torch.isfinite(mb).all(dim=1)
-    inv = torch.where(scale > 0, 1.0 / scale, torch.ones_like(scale))
-    t = a * inv[:, None]
+    t, scale, bad = _scaled(mb, mb.abs())
     mag = _encode(t, 20)
     below = torch.where(_bits(t) >= _HALF_SMALLEST, 8, 0)
     mag = torch.where(mag >= 0, mag, below)
     sign = torch.where(mb.view(torch.int32) < 0, 0x80, 0)
     code = torch.where(mag != 0, mag | sign, 0)
+    return _packed(code, scale, bad, m.numel())
+
+
+def _scaled(blocks: torch.Tensor, magnitude: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(magnitude / its block's absmax, the absmax (the scale), whether the block holds a
+    non-finite value)`` for ``blocks`` (nblocks, BLOCK) and their magnitudes, fp32."""
+    scale = magnitude.amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
+    bad = ~torch.isfinite(blocks).all(dim=1)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.ones_like(scale))
+    return magnitude * inv[:, None], scale, bad
+
+
+def _packed(code: torch.Tensor, scale: torch.Tensor, bad: torch.Tensor, n: int):
+    """The codes (uint8 (n,)) and scales of :func:`_scaled`'s blocks: a block of zeros or with a
+    non-finite value has codes 0, and the latter a NaN scale."""
     code = torch.where((scale > 0)[:, None] & ~bad[:, None], code, 0)
     scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
     return code.reshape(-1)[:n].to(torch.uint8), scale
@@ -116,16 +126,11 @@ def encode_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _encode_y(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    n = y.numel()
     yb = _blocks(y)
-    scale = yb.amax(dim=1) if n else torch.zeros(0, device=y.device)
-    bad = ~torch.isfinite(yb).all(dim=1)
-    inv = torch.where(scale > 0, 1.0 / scale, torch.ones_like(scale))
-    code = _encode(yb * inv[:, None], 19)
+    t, scale, bad = _scaled(yb, yb)
+    code = _encode(t, 19)
     code = torch.where(code >= 0, code, torch.where(yb != 0, 0x10, 0))
-    code = torch.where((scale > 0)[:, None] & ~bad[:, None], code, 0)
-    scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
-    return code.reshape(-1)[:n].to(torch.uint8), scale
+    return _packed(code, scale, bad, y.numel())
 
 
 def decode_v(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

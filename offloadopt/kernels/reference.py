@@ -85,6 +85,28 @@ def round_bf16_sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return out.to(torch.int16).view(torch.bfloat16)
 
 
+def _adam_math(p, g, m0, v0, *, lr, beta1, beta2, weight_decay, eps, maximize, decoupled,
+               grad_scale, neg_step_size, divide_bc2):  # fmt: skip
+    """The update itself, elementwise in fp32 (the module docstring's formula): ``p``, ``g``,
+    ``m0``, ``v0`` fp32 of one shape; ``neg_step_size`` ``-lr / bc1`` as fp32 (a float, or a
+    tensor that broadcasts); ``divide_bc2(y)``: ``y / sqrt(bc2)`` as the caller's device
+    computes it. Returns ``(p, m, v, sqrt(v))``, new tensors."""
+    if grad_scale is not None:
+        g = g / _f32(float(grad_scale))
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        if decoupled:
+            p = p * _f32(1 - lr * weight_decay)
+        else:
+            g = g.add(p, alpha=_f32(weight_decay))
+    m = torch.lerp(m0, g, _f32(1 - beta1))
+    v = (v0 * _f32(beta2)).addcmul_(g, g, value=_f32(1 - beta2))
+    y = v.sqrt()
+    denom = divide_bc2(y).add_(_f32(eps))
+    return p + (m * neg_step_size) / denom, m, v, y
+
+
 def adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
               weights_out, steps, salts, offsets, lr, beta1, beta2, weight_decay, eps, maximize,
               decoupled, grad_scale, moments, master_sr, vec_size=None, flush_denormal=False):  # fmt: skip
@@ -106,28 +128,19 @@ def adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_
         bc1 = 1 - beta1**step
         bc2 = 1 - beta2**step
         step_size = lr / bc1
-        p = p_in.float()
-        g = grads[i].float()
-        if grad_scale is not None:
-            g = g / _f32(float(grad_scale))
-        if maximize:
-            g = -g
-        if weight_decay != 0:
-            if decoupled:
-                p = p * _f32(1 - lr * weight_decay)
-            else:
-                g = g.add(p, alpha=_f32(weight_decay))
-        n = p.numel()
+        sqrt_bc2 = _f32(math.sqrt(bc2))
+        n = p_in.numel()
         if moments in (0, 1):
             m0, v0 = exp_avgs[i].float(), exp_avg_sqs[i].float()
         else:
             m0 = decode_m(exp_avgs[i], exp_avg_scales[i])
             v0 = decode_v(exp_avg_sqs[i], exp_avg_sq_scales[i])
-        m = torch.lerp(m0, g, _f32(1 - beta1))
-        v = (v0 * _f32(beta2)).addcmul_(g, g, value=_f32(1 - beta2))
-        y = v.sqrt()
-        denom = (y / _f32(math.sqrt(bc2))).add_(_f32(eps))
-        p = p + (m * _f32(-step_size)) / denom
+        p, m, v, y = _adam_math(
+            p_in.float(), grads[i].float(), m0, v0, lr=lr, beta1=beta1, beta2=beta2,
+            weight_decay=weight_decay, eps=eps, maximize=maximize, decoupled=decoupled,
+            grad_scale=grad_scale, neg_step_size=_f32(-step_size),
+            divide_bc2=lambda y: y / sqrt_bc2,  # noqa: B023 - called in this iteration
+        )  # fmt: skip
         counter = None
         if bf16_master or moments == 1:
             counter = offsets[i] + torch.arange(n, dtype=torch.int64, device=p.device)
@@ -303,28 +316,18 @@ def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_av
     def blocks(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, BLOCK)
 
-    p = blocks(_gather(masters, pads).float())
-    g = blocks(_gather(grads, pads).float())
-    if grad_scale is not None:
-        g = g / _f32(float(grad_scale))
-    if maximize:
-        g = -g
-    if weight_decay != 0:
-        if decoupled:
-            p = p * _f32(1 - lr * weight_decay)
-        else:
-            g = g.add(p, alpha=_f32(weight_decay))
     if moments in (0, 1):
         m0 = blocks(_gather(exp_avgs, pads).float())
         v0 = blocks(_gather(exp_avg_sqs, pads).float())
     else:
         m0 = blocks(decode_m(_gather(exp_avgs, pads), torch.cat(exp_avg_scales)))
         v0 = blocks(decode_v(_gather(exp_avg_sqs, pads), torch.cat(exp_avg_sq_scales)))
-    m = torch.lerp(m0, g, _f32(1 - beta1))
-    v = (v0 * _f32(beta2)).addcmul_(g, g, value=_f32(1 - beta2))
-    y = v.sqrt()
-    denom = (y * sb2 if cuda_div else y / sb2).add_(_f32(eps))
-    p = p + (m * ss) / denom
+    p, m, v, y = _adam_math(
+        blocks(_gather(masters, pads).float()), blocks(_gather(grads, pads).float()), m0, v0,
+        lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=maximize,
+        decoupled=decoupled, grad_scale=grad_scale, neg_step_size=ss,
+        divide_bc2=(lambda y: y * sb2) if cuda_div else (lambda y: y / sb2),
+    )  # fmt: skip
     counter = None
     if bf16_master or moments == 1:
         idx = torch.arange(total_blocks, dtype=torch.int64, device=device)
