@@ -27,6 +27,21 @@ def _run(capsys, argv: list[str]) -> tuple[int, dict[int, tuple[str, str]], dict
     return status, steps, summary
 
 
+def _interrupt_at_step(monkeypatch, step: int):
+    """Ctrl-C as training step ``step`` fetches its batch; returns the real get_batch."""
+    real_get_batch, fetched = train.get_batch, []
+
+    def interrupted(data, split, *args, **kwargs):
+        if split == "train":
+            fetched.append(1)
+            if len(fetched) == step:
+                raise KeyboardInterrupt
+        return real_get_batch(data, split, *args, **kwargs)
+
+    monkeypatch.setattr(train, "get_batch", interrupted)
+    return real_get_batch
+
+
 @pytest.mark.parametrize(
     "flags", [["--overlap", "step"], ["--overlap", "delayed"], ["--optimizer", "adamw"]], ids=str
 )
@@ -36,16 +51,7 @@ def test_resume_continues_an_interrupted_run_bit_for_bit(tmp_path, capsys, monke
     assert status == 0 and sorted(whole) == list(range(1, 2 * N + 1))
 
     ck = str(tmp_path / "run.pt")
-    real_get_batch, fetched = train.get_batch, []
-
-    def interrupted(data, split, *args, **kwargs):  # Ctrl-C as step N + 1 fetches its batch
-        if split == "train":
-            fetched.append(1)
-            if len(fetched) == N + 1:
-                raise KeyboardInterrupt
-        return real_get_batch(data, split, *args, **kwargs)
-
-    monkeypatch.setattr(train, "get_batch", interrupted)
+    real_get_batch = _interrupt_at_step(monkeypatch, N + 1)
     status, first, _ = _run(capsys, [*argv, "--save", ck, "--save-every", str(N)])
     monkeypatch.setattr(train, "get_batch", real_get_batch)
     assert status == 130 and sorted(first) == list(range(1, N + 1))
@@ -80,16 +86,7 @@ def test_delayed_saving_and_evaluating_do_not_change_the_losses(tmp_path, capsys
     assert status == 0 and len(whole) == 2 * N
 
     ck = str(tmp_path / "run.pt")
-    real_get_batch, fetched = train.get_batch, []
-
-    def interrupted(data, split, *args, **kwargs):  # Ctrl-C as step N + 1 fetches its batch
-        if split == "train":
-            fetched.append(1)
-            if len(fetched) == N + 1:
-                raise KeyboardInterrupt
-        return real_get_batch(data, split, *args, **kwargs)
-
-    monkeypatch.setattr(train, "get_batch", interrupted)
+    real_get_batch = _interrupt_at_step(monkeypatch, N + 1)
     status, _, _ = _run(capsys, [*argv, "--save", ck, "--save-every", "1", "--eval-every", "1"])
     monkeypatch.setattr(train, "get_batch", real_get_batch)
     assert status == 130 and losses == whole[:N]
