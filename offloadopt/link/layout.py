@@ -51,7 +51,6 @@ class Arena:
     buffers: HostBuffers | None = None
     # Elements each param's start is aligned to: 1 (packed), or a blockwise representation's block
     block: int = 1
-    blockwise: set[str] = field(default_factory=set)  # state keys with one value per block
 
     @property
     def nbytes(self) -> int:
@@ -94,8 +93,6 @@ class Arena:
         self.master = self.buffers.alloc(self.numel, self.dtype, pin, f"the master of {self.label}")
         for key in state_keys:
             dtype, blockwise = (specs or {}).get(key, (self.dtype, False))
-            if blockwise:
-                self.blockwise.add(key)
             n = -(-self.numel // self.block) if blockwise else self.numel
             self.states[key] = self.buffers.alloc(n, dtype, False, f"{key} of {self.label}")
 
