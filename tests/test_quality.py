@@ -18,7 +18,7 @@ import quality  # noqa: E402
 
 SMOKE = ["--preset", "tiny", "--device", "cpu", "--dtype", "fp32", "--steps", "3",
          "--batch-size", "2", "--seq-len", "32", "--settings", "torch-adamw,fp32", "--seeds", "2",
-         "--eval-batches", "2", "--parallel", "2"]  # fmt: skip
+         "--seeds-for", "torch-adamw", "--eval-batches", "2", "--parallel", "2"]  # fmt: skip
 
 
 def _main(argv: list[str]) -> tuple[int, str, str]:
@@ -87,6 +87,9 @@ def test_quality_runs_every_setting_and_seed_into_its_table_and_json(smoke):
     bound = max(2 * statistics.stdev(torch_losses), max(torch_losses) - min(torch_losses))
     assert row[6] == ("within torch's seed spread" if abs(diff) <= bound else "outside")
     assert float(row[7]) > 0 and row[8] == "0.00"  # median step ms; no GPU
+    # against fp32 (the second reference): one seed gives no spread
+    assert row[9:] == ["+0.0000", "reference"]
+    assert ref[9:] == [f"{-diff:+.4f}", "n/a (fp32 needs >= 2 seeds)"]
     assert quality.RULE in table
 
 
@@ -140,7 +143,7 @@ def test_quality_reports_a_failed_run_in_its_row_and_exits_1(tmp_path, monkeypat
     assert row[1] == "2" and row[2] == "1.2500, seed 1 failed (exit 3: no kernel here)"
     assert row[3] == "1.2500" and row[6] == "within torch's seed spread"
     assert _row(table, "bf16-sr")[5:7] == ["+0.7500", "outside"]
-    assert _row(table, "torch-adamw")[7:] == ["10.5", "1.50"]
+    assert _row(table, "torch-adamw")[7:9] == ["10.5", "1.50"]
     out = tmp_path / "o"
     assert not (out / "runs" / "int8-moments-seed1.json").exists()
     assert (out / "runs" / "int8-moments-seed1.log").read_text().endswith("no kernel here\n")
@@ -183,6 +186,29 @@ def test_quality_verdict_is_within_max_of_two_std_and_the_range(torch_losses, me
     )
 
 
+def test_quality_judges_each_setting_against_fp32_too():
+    """torch-adamw on bf16 params keeps no fp32 master; the last two columns judge a setting
+    against HybridAdamW's fp32 default with the same rule."""
+
+    def run(setting, seed, loss):
+        return {"setting": setting, "seed": seed, "exit_code": 0,
+                "summary": {"final_heldout_loss": loss, "median_step_ms": 1.0, "peak_gpu_gb": 0}}  # fmt: skip
+
+    results = {"args": {"preset": "tiny", "dtype": "bf16", "device": "cuda", "steps": 1,
+                        "batch_size": 1, "seq_len": 1, "lr": None, "grad_clip": 1.0,
+                        "offload_fraction": 1.0, "eval_batches": 1, "parallel": 1},
+               "corpus": {"nbytes": 1, "sha256": "0" * 64}, "torch": "x",
+               "runs": [run("torch-adamw", 0, 2.0), run("torch-adamw", 1, 2.5),
+                        run("fp32", 0, 1.0), run("fp32", 1, 1.5), run("int8-moments", 0, 1.375),
+                        run("bf16-sr", 0, 2.25)]}  # fmt: skip
+    text = quality.table(results)
+    assert _row(text, "int8-moments")[5:7] == ["-0.8750", "outside"]  # bound 0.707
+    assert _row(text, "int8-moments")[9:] == ["+0.1250", "within fp32's seed spread"]
+    assert _row(text, "bf16-sr")[9:] == ["+1.0000", "outside"]
+    assert _row(text, "fp32")[9:] == ["+0.0000", "reference"]
+    assert _row(text, "torch-adamw")[9:] == ["+1.0000", "outside"]
+
+
 BAD = [
     (["--settings", "nonsense"], "argument --settings: 'nonsense' is not a setting"),
     (["--settings", "fp32,int4-moments"], "argument --settings: 'int4-moments' is not a setting"),
@@ -209,7 +235,7 @@ def test_quality_seeds_go_to_the_seeds_for_settings_only():
     args = quality.parse_args(["--device", "cpu", "--seeds", "2"])
     assert args.settings == list(quality.SETTINGS) and args.eval_every == args.steps == 2000
     assert quality.runs_of(args) == [
-        ("torch-adamw", 0), ("torch-adamw", 1), ("fp32", 0), ("bf16-moments", 0),
+        ("torch-adamw", 0), ("torch-adamw", 1), ("fp32", 0), ("fp32", 1), ("bf16-moments", 0),
         ("int8-moments", 0), ("int8-moments", 1), ("bf16-sr", 0), ("bf16-sr+int8", 0),
         ("bf16-sr+int8", 1)]  # fmt: skip
     cmd = quality.command(args, "bf16-sr+int8", 1, "c.txt")
