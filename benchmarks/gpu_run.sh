@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -21,23 +21,35 @@ for part in "${@:-all}"; do
     timeout 300 python3 -m pytest tests/cuda -m cuda -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15
     python3 tests/cuda/record_fixture.py "$OUT/audit_trace_h200.json" 2>&1 | tail -3
   fi
-  if [[ $part == compressed ]]; then
-    # compressed optimizer state: the kernel's build, its CUDA tests, the kernel against torch's
-    # fused fp32 AdamW over GPT-2 1.5B's 1.558e9 params, and the step at fraction 1 (backward)
+  if [[ $part == ctests ]]; then
+    # compressed optimizer state, correctness: the kernel's build, the CUDA tests of the
+    # compressed modes and of the flat device path
     python3 -c "import time; from offloadopt import kernels; t = time.time(); kernels.load(); print(f'kernel build {time.time() - t:.1f} s')"
-    timeout 200 python3 -m pytest tests/cuda/test_compressed_cuda.py tests/cuda/test_optim_cuda.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest_compressed.log" | tail -6
-    timeout 150 python3 benchmarks/cpu_kernel.py --repeats 5 2>&1 | tee "$OUT/cpu_kernel.log" | tail -12
+    timeout 150 python3 -m pytest tests/cuda/test_compressed_cuda.py tests/cuda/test_device_path_cuda.py \
+      -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest_compressed.log" | tail -6
+  fi
+  if [[ $part == compressed ]]; then
+    # compressed optimizer state, speed: the kernel against torch's fused fp32 AdamW over GPT-2
+    # 1.5B's 1.558e9 params, the device path (device-resident params), and the step at
+    # fraction 1 (backward)
+    python3 -c "from offloadopt import kernels; kernels.load()"
+    timeout 60 python3 benchmarks/device_path.py 2>&1 | tee "$OUT/device_path.log" | tail -8
+    timeout 200 python3 benchmarks/cpu_kernel.py --repeats 5 2>&1 | tee "$OUT/cpu_kernel.log" | tail -12
     timeout 240 python3 benchmarks/ab_step.py --settings fp32 int8-moments bf16-sr+int8 --overlap backward \
       --fraction 1 --inits gpt2-init --warmup 3 --steps 6 --rounds 2 --out "$OUT/ab" 2>&1 | tee "$OUT/ab.log" | tail -8
   fi
   if [[ $part == quality ]]; then
     # the quality table: GPT-2 124M on the standard library's sources, 2,000 steps; fraction 0
-    # (every update the plain-torch reference on the GPU: the representation and rounding of the
-    # CPU kernel, tests/cuda/test_compressed_cuda.py) so that four runs share the GPU
+    # (every update the flat torch-ops pass on the GPU: the representation and rounding of the
+    # CPU kernel, tests/cuda/test_device_path_cuda.py) so that seven runs share the GPU. The
+    # runs go to $QUALITY_DIR (in the tree: a later call carries the done runs and continues)
+    # and come back as $OUT/quality.tgz (file names with "+" do not come back one by one).
+    q=${QUALITY_DIR:-quality-h200}
     python3 -c "from offloadopt import kernels; kernels.load()"
-    timeout 330 python3 benchmarks/quality.py --out "$OUT/quality" --parallel 4 --steps 2000 \
+    timeout "${QUALITY_TIMEOUT:-540}" python3 benchmarks/quality.py --out "$q" --parallel 7 --steps 2000 \
       --batch-size 8 --seq-len 256 --offload-fraction 0 \
-      --settings torch-adamw,int8-moments,bf16-sr+int8,fp32,bf16-moments,bf16-sr 2>&1 | tail -14
+      --settings int8-moments,bf16-sr+int8,fp32,torch-adamw,bf16-moments,bf16-sr 2>&1 | tail -16
+    tar -czf "$OUT/quality.tgz" --exclude corpus.txt "$q"
   fi
   if [[ $part == launches ]]; then
     # the worker's copy launches: each piece on an idle process, then per iteration in the step
