@@ -264,3 +264,80 @@ def test_the_benchmark_runs_at_a_tiny_size(monkeypatch, capsys):
     device_path.main()
     out = capsys.readouterr().out
     assert "per tensor" in out and "flat" in out and "cpu" in out, out
+
+
+def assert_near_eager(eager, compiled, moments: int, what: str) -> None:
+    """The compiled pass against the eager one (lists as make_mode's plus weights_out): fp32
+    values within a few ulps, bf16 values within one bf16 step (the compiler fuses
+    multiply-adds, so a stochastic rounding can land on the other neighbour), int8 moments
+    within one code step of their block's scale after decoding, and nearly every element
+    bitwise equal."""
+    from offloadopt.kernels import formats
+
+    def near(x, y, rtol, atol, name):
+        torch.testing.assert_close(y.float(), x.float(), rtol=rtol, atol=atol, equal_nan=True,
+                                   msg=lambda m: f"{what}: {name}: {m}")  # fmt: skip
+
+    (pa, _, ma, va, sma, sva, wa), (pb, _, mb, vb, smb, svb, wb) = eager, compiled
+    total = differ = 0
+    for i in range(len(pa)):
+        bf16 = pa[i].dtype == torch.bfloat16
+        near(pa[i], pb[i], 2**-7 if bf16 else 1e-6, 1e-9, f"master {i}")
+        if wa:
+            near(wa[i], wb[i], 2**-7, 1e-9, f"weights_out {i}")
+        if moments == 2:
+            dm_a, dm_b = formats.decode_m(ma[i], sma[i]), formats.decode_m(mb[i], smb[i])
+            dv_a, dv_b = formats.decode_v(va[i], sva[i]), formats.decode_v(vb[i], svb[i])
+            near(sma[i], smb[i], 1e-5, 1e-12, f"exp_avg scales {i}")
+            near(sva[i], svb[i], 1e-5, 1e-12, f"exp_avg_sq scales {i}")
+            step_m = sma[i].repeat_interleave(256)[: dm_a.numel()] / 8 + 1e-12
+            step_y = sva[i].repeat_interleave(256)[: dv_a.numel()] / 16 + 1e-12
+            assert bool(((dm_a - dm_b).abs() <= step_m).all()), f"{what}: exp_avg {i}"
+            assert bool(((dv_a.sqrt() - dv_b.sqrt()).abs() <= step_y).all()), (
+                f"{what}: exp_avg_sq {i}"
+            )
+        else:
+            rtol = 2**-7 if ma[i].dtype == torch.bfloat16 else 1e-6
+            near(ma[i], mb[i], rtol, 1e-9, f"exp_avg {i}")
+            near(va[i], vb[i], rtol, 1e-12, f"exp_avg_sq {i}")
+        for x, y in ((pa[i], pb[i]), (ma[i], mb[i]), (va[i], vb[i])):
+            total += x.numel()
+            differ += int((x != y).sum()) if x.dtype == torch.uint8 else int(
+                (x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+                 != y.view(torch.int16 if y.element_size() == 2 else torch.int32)).sum())  # fmt: skip
+    assert differ <= 0.4 * total, f"{what}: {differ} of {total} elements differ"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("master_bf16,moments,wout", [(True, 1, False), (False, 2, True)])
+def test_the_compiled_pass_lands_near_the_eager_one(master_bf16, moments, wout):
+    """reference.adam_step_flat(compiled=True) (torch.compile of the elementwise part: the
+    default on CUDA, tests/cuda/test_device_path_cuda.py) over two steps, on the CPU: within
+    assert_near_eager's tolerance of the eager pass, with a loss scale and a new lr on the
+    second step. Every mode: on the GPU host."""
+    import functools
+
+    a = make_mode(SIZES, 4, master_bf16, moments)
+    b = clone_all(a)
+    wa = [torch.zeros(n, dtype=torch.bfloat16) for n in SIZES] if wout else []
+    wb = [w.clone() for w in wa]
+    kw = call_kwargs(moments, master_bf16, **HYPER[0])
+    compiled = functools.partial(reference.adam_step_flat, compiled=True)
+    for lr, scale in ((1e-3, None), (3e-4, 2.0)):
+        kcall(reference.adam_step_flat, *a[:4], sms=a[4], svs=a[5], wout=wa, lr=lr,
+              **{**kw, "grad_scale": scale})  # fmt: skip
+        kcall(compiled, *b[:4], sms=b[4], svs=b[5], wout=wb, lr=lr, **{**kw, "grad_scale": scale})
+        kw["steps"] = [s + 1 for s in kw["steps"]]
+    assert_near_eager([*a, wa], [*b, wb], moments, "compiled vs eager")
+    assert not torch.equal(b[0][-1], make_mode(SIZES, 4, master_bf16, moments)[0][-1])
+
+
+def test_the_device_step_setting_is_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv("OFFLOADOPT_DEVICE_STEP", raising=False)
+    assert adam.compile_device_step(torch.device("cuda", 0))
+    assert not adam.compile_device_step(torch.device("cpu"))
+    monkeypatch.setenv("OFFLOADOPT_DEVICE_STEP", "eager")
+    assert not adam.compile_device_step(torch.device("cuda", 0))
+    monkeypatch.setenv("OFFLOADOPT_DEVICE_STEP", "fast")
+    with pytest.raises(ValueError, match="OFFLOADOPT_DEVICE_STEP='fast'"):
+        adam.compile_device_step(torch.device("cuda", 0))

@@ -26,6 +26,23 @@ MOMENT_CODES = {"fp32": 0, "bf16": 1, "int8": 2}  # the kernel's ``moments`` arg
 # a big one (fresh big temporaries cost page faults and memory bandwidth).
 FLAT_NUMEL = {"cpu": 2**16}
 FLAT_NUMEL_DEFAULT = 2**27
+# The device path on CUDA runs the flat pass's elementwise part under torch.compile
+# (reference.adam_step_flat(compiled=True)): the eager pass took about 60 ms of H200 time per
+# step for GPT-2 124M's int8 state, memory-bound on int64 temporaries
+# (benchmarks/results/2026-12-03-compressed-h200/notes.md). OFFLOADOPT_DEVICE_STEP=eager
+# keeps the eager pass (bitwise the per-tensor reference).
+COMPILE_ON = ("cuda",)
+
+
+def compile_device_step(device: torch.device) -> bool:
+    """Whether :func:`device_step` compiles its pass on ``device``: on CUDA unless the
+    environment says ``OFFLOADOPT_DEVICE_STEP=eager``. Raises ValueError for another value."""
+    import os
+
+    mode = os.environ.get("OFFLOADOPT_DEVICE_STEP", "compiled")
+    if mode not in ("compiled", "eager"):
+        raise ValueError(f"OFFLOADOPT_DEVICE_STEP={mode!r}; expected 'compiled' or 'eager'")
+    return mode == "compiled" and device.type in COMPILE_ON
 
 
 def _flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -39,11 +56,12 @@ def _pieces(n: int, max_numel: int) -> list[tuple[int, int]]:
     return [(a, min(a + max_numel, n)) for a in range(0, n, max_numel)]
 
 
-def device_step(*, max_numel: int | None = None, **args: Any) -> None:
+def device_step(*, max_numel: int | None = None, compiled: bool | None = None, **args: Any) -> None:
     """:func:`offloadopt.kernels.reference.adam_step_flat` (keyword arguments: those of
     ``adam_step``) over passes of at most ``max_numel`` padded elements (default by device:
     :data:`FLAT_NUMEL`); a tensor longer than that is cut at multiples of BLOCK (its offset
-    and scales follow, so the bits are those of one pass). Raises ValueError for a
+    and scales follow, so the bits are those of one pass). ``compiled``: the pass under
+    ``torch.compile`` (default :func:`compile_device_step`). Raises ValueError for a
     ``max_numel`` that is not a positive multiple of BLOCK."""
     from offloadopt.kernels.formats import BLOCK, nblocks
     from offloadopt.kernels.reference import adam_step_flat
@@ -52,6 +70,9 @@ def device_step(*, max_numel: int | None = None, **args: Any) -> None:
     if not masters:
         adam_step_flat(**args)
         return
+    if compiled is None:
+        compiled = compile_device_step(masters[0].device)
+    args["compiled"] = compiled
     if max_numel is None:
         max_numel = FLAT_NUMEL.get(masters[0].device.type, FLAT_NUMEL_DEFAULT)
     if max_numel <= 0 or max_numel % BLOCK:

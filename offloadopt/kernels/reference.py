@@ -85,25 +85,35 @@ def round_bf16_sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return out.to(torch.int16).view(torch.bfloat16)
 
 
-def _adam_math(p, g, m0, v0, *, lr, beta1, beta2, weight_decay, eps, maximize, decoupled,
-               grad_scale, neg_step_size, divide_bc2):  # fmt: skip
+def _consts(beta1: float, beta2: float, weight_decay: float, eps: float) -> tuple[float, ...]:
+    """The update's fp32 constants, rounded from double on the host as torch rounds them:
+    ``(1 - beta1, beta2, 1 - beta2, eps, weight_decay)``."""
+    return _f32(1 - beta1), _f32(beta2), _f32(1 - beta2), _f32(eps), _f32(weight_decay)
+
+
+def _adam_math(p, g, m0, v0, *, k, maximize, decoupled, grad_scale, neg_step_size,
+               divide_bc2, wd_factor):  # fmt: skip
     """The update itself, elementwise in fp32 (the module docstring's formula): ``p``, ``g``,
-    ``m0``, ``v0`` fp32 of one shape; ``neg_step_size`` ``-lr / bc1`` as fp32 (a float, or a
-    tensor that broadcasts); ``divide_bc2(y)``: ``y / sqrt(bc2)`` as the caller's device
-    computes it. Returns ``(p, m, v, sqrt(v))``, new tensors."""
+    ``m0``, ``v0`` fp32 of one shape; ``k``: :func:`_consts`; ``neg_step_size`` ``-lr / bc1``
+    as fp32 (a float, or a tensor that broadcasts); ``divide_bc2(y)``: ``y / sqrt(bc2)`` as the
+    caller's device computes it; ``wd_factor``: AdamW's ``1 - lr * wd`` as fp32 (a float or a
+    0-dim tensor; unused unless decoupled with wd != 0); ``grad_scale``: an fp32 value as a
+    float, a 0-dim fp32 tensor, or None. Python floats only (no struct calls): the compiled
+    pass traces this function. Returns ``(p, m, v, sqrt(v))``, new tensors."""
+    one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay = k
     if grad_scale is not None:
-        g = g / _f32(float(grad_scale))
+        g = g / grad_scale
     if maximize:
         g = -g
     if weight_decay != 0:
         if decoupled:
-            p = p * _f32(1 - lr * weight_decay)
+            p = p * wd_factor
         else:
-            g = g.add(p, alpha=_f32(weight_decay))
-    m = torch.lerp(m0, g, _f32(1 - beta1))
-    v = (v0 * _f32(beta2)).addcmul_(g, g, value=_f32(1 - beta2))
+            g = g.add(p, alpha=weight_decay)
+    m = torch.lerp(m0, g, one_minus_beta1)
+    v = (v0 * beta2).addcmul_(g, g, value=one_minus_beta2)
     y = v.sqrt()
-    denom = divide_bc2(y).add_(_f32(eps))
+    denom = divide_bc2(y).add_(eps)
     return p + (m * neg_step_size) / denom, m, v, y
 
 
@@ -136,9 +146,10 @@ def adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_
             m0 = decode_m(exp_avgs[i], exp_avg_scales[i])
             v0 = decode_v(exp_avg_sqs[i], exp_avg_sq_scales[i])
         p, m, v, y = _adam_math(
-            p_in.float(), grads[i].float(), m0, v0, lr=lr, beta1=beta1, beta2=beta2,
-            weight_decay=weight_decay, eps=eps, maximize=maximize, decoupled=decoupled,
-            grad_scale=grad_scale, neg_step_size=_f32(-step_size),
+            p_in.float(), grads[i].float(), m0, v0, k=_consts(beta1, beta2, weight_decay, eps),
+            wd_factor=_f32(1 - lr * weight_decay), maximize=maximize, decoupled=decoupled,
+            grad_scale=None if grad_scale is None else _f32(float(grad_scale)),
+            neg_step_size=_f32(-step_size),
             divide_bc2=lambda y: y / sqrt_bc2,  # noqa: B023 - called in this iteration
         )  # fmt: skip
         counter = None
@@ -255,7 +266,7 @@ def _sr_bits_blocks(
 def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
                    weights_out, steps, salts, offsets, lr, beta1, beta2, weight_decay, eps,
                    maximize, decoupled, grad_scale, moments, master_sr, vec_size=None,
-                   flush_denormal=False):  # fmt: skip
+                   flush_denormal=False, compiled=False):  # fmt: skip
     """:func:`adam_step` in one pass over all tensors of the call; the same arguments and
     bitwise the same results, in about 60 launches whatever the number of tensors and without
     a host sync.
@@ -267,7 +278,14 @@ def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_av
     the host as :func:`adam_step` computes them and broadcast per block. Temporaries: about
     a dozen fp32 and int64 copies of the call's padded element count (callers chunk big
     calls: :func:`offloadopt.kernels.adam.adam_update`). Raises ValueError for mismatched
-    lists, shapes, dtypes, devices or modes."""
+    lists, shapes, dtypes, devices or modes.
+
+    ``compiled=True`` runs the elementwise part (:func:`_flat_core`) under ``torch.compile``
+    (one graph for any element count): a few fused kernels instead of about 60 launches over
+    int64 temporaries. Its results may differ from the eager pass's in the last bit of the
+    fp32 update (the compiler fuses multiply-adds), which can move a rounded bf16 value or an
+    int8 code by one step; the formats and the rounding bits are the same
+    (tests/cuda/test_device_path_cuda.py)."""
     _check_flat_args(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
                      weights_out, steps, salts, offsets, moments, master_sr)  # fmt: skip
     if not masters:
@@ -310,6 +328,55 @@ def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_av
     fl_b = fl.repeat_interleave(counts_t, dim=0, output_size=total_blocks)  # (blocks, 2)
     it_b = it.repeat_interleave(counts_t, dim=0, output_size=total_blocks)  # (blocks, 7)
     first_b = first.repeat_interleave(counts_t, output_size=total_blocks)
+    if moments in (0, 1):
+        m_in, v_in = _gather(exp_avgs, pads), _gather(exp_avg_sqs, pads)
+        m_sc = v_sc = None
+    else:
+        m_in, m_sc = _gather(exp_avgs, pads), torch.cat(exp_avg_scales)
+        v_in, v_sc = _gather(exp_avg_sqs, pads), torch.cat(exp_avg_sq_scales)
+    wd_factor = _f32(1 - lr * weight_decay) if weight_decay != 0 and decoupled else None
+    gs = None if grad_scale is None else _f32(float(grad_scale))
+    core = _flat_core
+    if compiled:
+        # the per-call scalars as tensors: a new lr (a scheduler) or loss scale must not
+        # recompile the pass
+        sc = torch.tensor([wd_factor or 1.0, gs or 1.0], dtype=torch.float32)
+        sc = (
+            sc.pin_memory().to(device, non_blocking=True)
+            if device.type == "cuda"
+            else sc.to(device)
+        )
+        wd_factor = None if wd_factor is None else sc[0]
+        gs = None if gs is None else sc[1]
+        core = _compiled_core
+    p_out, w_out, m_out, v_out, sm, sv = core(
+        _gather(masters, pads), _gather(grads, pads), m_in, m_sc, v_in, v_sc, fl_b, it_b,
+        first_b, wd_factor=wd_factor, grad_scale=gs, k=_consts(beta1, beta2, weight_decay, eps),
+        maximize=maximize, decoupled=decoupled,
+        moments=moments, bf16_master=bf16_master, weights_out=bool(weights_out),
+        cuda_div=cuda_div,
+    )  # fmt: skip
+    _scatter(masters, p_out, lengths)
+    if weights_out:
+        _scatter(weights_out, w_out, lengths)
+    _scatter(exp_avgs, m_out, lengths)
+    _scatter(exp_avg_sqs, v_out, lengths)
+    if moments == 2:
+        torch._foreach_copy_(exp_avg_scales, list(torch.split(sm, counts)))
+        torch._foreach_copy_(exp_avg_sq_scales, list(torch.split(sv, counts)))
+
+
+def _flat_core(p_in, g_in, m_in, m_sc, v_in, v_sc, fl_b, it_b, first_b, *, wd_factor,
+               grad_scale, k, maximize, decoupled, moments, bf16_master, weights_out,
+               cuda_div):  # fmt: skip
+    """The elementwise part of :func:`adam_step_flat` over the gathered (padded) flat buffers,
+    a pure function of tensors: returns ``(master, bf16 weights or None, exp_avg or its codes,
+    exp_avg_sq or its codes, exp_avg scales or None, exp_avg_sq scales or None)``, new tensors
+    in the stored dtypes. ``fl_b`` (blocks, 2) fp32: per block ``-lr / bc1`` and ``sqrt(bc2)``
+    (its reciprocal when ``cuda_div``); ``it_b`` (blocks, 7) int64: the counter offset and the
+    three rounding keys' 32-bit halves; ``first_b`` (blocks,) the first block of each block's
+    tensor. ``k``: :func:`_consts`. ``wd_factor`` / ``grad_scale``: fp32 values as floats or
+    0-dim fp32 tensors (a compiled pass takes tensors), or None."""
     ss = fl_b[:, 0:1]
     sb2 = fl_b[:, 1:2]
 
@@ -317,22 +384,21 @@ def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_av
         return x.reshape(-1, BLOCK)
 
     if moments in (0, 1):
-        m0 = blocks(_gather(exp_avgs, pads).float())
-        v0 = blocks(_gather(exp_avg_sqs, pads).float())
+        m0, v0 = blocks(m_in.float()), blocks(v_in.float())
     else:
-        m0 = blocks(decode_m(_gather(exp_avgs, pads), torch.cat(exp_avg_scales)))
-        v0 = blocks(decode_v(_gather(exp_avg_sqs, pads), torch.cat(exp_avg_sq_scales)))
+        m0, v0 = blocks(decode_m(m_in, m_sc)), blocks(decode_v(v_in, v_sc))
     p, m, v, y = _adam_math(
-        blocks(_gather(masters, pads).float()), blocks(_gather(grads, pads).float()), m0, v0,
-        lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=maximize,
-        decoupled=decoupled, grad_scale=grad_scale, neg_step_size=ss,
+        blocks(p_in.float()), blocks(g_in.float()), m0, v0, k=k, maximize=maximize,
+        decoupled=decoupled,
+        grad_scale=grad_scale, neg_step_size=ss, wd_factor=wd_factor,
         divide_bc2=(lambda y: y * sb2) if cuda_div else (lambda y: y / sb2),
     )  # fmt: skip
     counter = None
     if bf16_master or moments == 1:
-        idx = torch.arange(total_blocks, dtype=torch.int64, device=device)
+        total_blocks = fl_b.shape[0]
+        idx = torch.arange(total_blocks, dtype=torch.int64, device=p.device)
         base = it_b[:, 0] + (idx - first_b) * BLOCK
-        counter = base[:, None] + torch.arange(BLOCK, dtype=torch.int64, device=device)
+        counter = base[:, None] + torch.arange(BLOCK, dtype=torch.int64, device=p.device)
 
     def sr(x: torch.Tensor, stream: int) -> torch.Tensor:
         key_lo, key_hi = (
@@ -341,28 +407,49 @@ def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_av
         )
         return round_bf16_sr(x, _sr_bits_blocks(key_lo, key_hi, counter))
 
+    w_out = sm = sv = None
     if bf16_master:
-        _scatter(masters, sr(p, STREAM_MASTER), lengths)
+        p_out = sr(p, STREAM_MASTER)
     else:
-        _scatter(masters, p, lengths)
+        p_out = p
         if weights_out:
-            _scatter(weights_out, p.to(torch.bfloat16), lengths)
+            w_out = p.to(torch.bfloat16)
     if moments == 0:
-        _scatter(exp_avgs, m, lengths)
-        _scatter(exp_avg_sqs, v, lengths)
+        m_out, v_out = m, v
     elif moments == 1:
-        _scatter(exp_avgs, sr(m, STREAM_EXP_AVG), lengths)
-        _scatter(exp_avg_sqs, sr(v, STREAM_EXP_AVG_SQ), lengths)
+        m_out, v_out = sr(m, STREAM_EXP_AVG), sr(v, STREAM_EXP_AVG_SQ)
     else:
         cm, sm = encode_m(m.reshape(-1))
         cv, sv = _encode_y(y.reshape(-1))
         bad = torch.isnan(sm) | torch.isnan(sv)
         rows = bad[:, None]
-        cm = torch.where(rows, 0, blocks(cm)).to(torch.uint8)
-        cv = torch.where(rows, 0, blocks(cv)).to(torch.uint8)
+        m_out = torch.where(rows, 0, blocks(cm)).to(torch.uint8)
+        v_out = torch.where(rows, 0, blocks(cv)).to(torch.uint8)
         nan = torch.full_like(sm, float("nan"))
         sm, sv = torch.where(bad, nan, sm), torch.where(bad, nan, sv)
-        _scatter(exp_avgs, cm, lengths)
-        _scatter(exp_avg_sqs, cv, lengths)
-        torch._foreach_copy_(exp_avg_scales, list(torch.split(sm, counts)))
-        torch._foreach_copy_(exp_avg_sq_scales, list(torch.split(sv, counts)))
+    return p_out, w_out, m_out, v_out, sm, sv
+
+
+_COMPILED = None
+# One graph per mode (moments, master dtype, weight decay on/off, maximize, a loss scale, the
+# group's betas and eps): more than torch's default of 8 for one code object when a process
+# runs several optimizers or modes (the tests do).
+RECOMPILE_LIMIT = 64
+
+
+def _compiled_core(*args, **kwargs):
+    """:func:`_flat_core` under ``torch.compile`` (dynamic shapes: one graph for any numel),
+    built once per process on first use."""
+    import torch._dynamo  # noqa: F401 - torch.compile's config
+
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(_flat_core, dynamic=True, fullgraph=True)
+    name = (
+        "recompile_limit"
+        if hasattr(torch._dynamo.config, "recompile_limit")
+        else "cache_size_limit"
+    )
+    limit = max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT)
+    with torch._dynamo.config.patch({name: limit}):
+        return _COMPILED(*args, **kwargs)

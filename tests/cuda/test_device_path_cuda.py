@@ -1,7 +1,9 @@
 """The device path of the compressed-state update on the GPU: reference.adam_step_flat is
 bitwise the per-tensor reference adam_step on CUDA tensors in every mode (divisions by a host
 scalar are multiplications by its reciprocal there, and the flat pass follows), passes cut
-anywhere give the bits of one pass, and the pass makes no host sync. Run on the GPU host."""
+anywhere give the bits of one pass, and the pass makes no host sync; the compiled pass (the
+default on CUDA) lands near the eager one, makes no host sync once compiled, and a new lr or
+loss scale does not recompile it. Run on the GPU host."""
 
 import pytest
 import torch
@@ -57,9 +59,48 @@ def test_passes_on_cuda_give_the_bits_of_one_pass_without_a_host_sync(mode):
     torch.cuda.set_sync_debug_mode("error")  # a synchronizing op raises
     try:
         reference.adam_step_flat(**_args(*a[:4], a[4], a[5], wa, **kw))
-        adam.device_step(max_numel=1024, **_args(*b[:4], b[4], b[5], wb, **kw))
+        adam.device_step(max_numel=1024, compiled=False, **_args(*b[:4], b[4], b[5], wb, **kw))
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     cpu = [[t.cpu() for t in lst] for lst in (*a, wa)], [[t.cpu() for t in lst] for lst in (*b, wb)]
     assert_lists_bitwise(*cpu, "passes vs one pass on cuda")
+
+
+@pytest.mark.parametrize("mode", range(8))
+def test_the_compiled_pass_lands_near_the_eager_one_on_cuda(mode):
+    from test_device_path import HYPER, MODES, _args, assert_near_eager, call_kwargs
+
+    master_bf16, moments, wout = MODES[mode]
+    a, wa = _cuda_mode(master_bf16, moments, wout)
+    b, wb = [[t.clone() for t in lst] for lst in a], [w.clone() for w in wa]
+    kw = call_kwargs(moments, master_bf16, **HYPER[0])
+    for lr, scale in ((1e-3, None), (3e-4, 2.0)):
+        kw.update(lr=lr, grad_scale=scale)
+        reference.adam_step_flat(**_args(*a[:4], a[4], a[5], wa, **kw))
+        adam.device_step(**_args(*b[:4], b[4], b[5], wb, **kw))  # compiled: CUDA's default
+        kw["steps"] = [s + 1 for s in kw["steps"]]
+    torch.cuda.synchronize()
+    cpu = [[t.cpu() for t in lst] for lst in (*a, wa)], [[t.cpu() for t in lst] for lst in (*b, wb)]
+    assert_near_eager(*cpu, moments, "compiled vs eager on cuda")
+
+
+def test_the_compiled_pass_makes_no_host_sync_and_a_new_lr_does_not_recompile():
+    from test_device_path import MODES, _args, call_kwargs
+    from torch._dynamo.utils import counters
+
+    master_bf16, moments, wout = MODES[7]
+    b, wb = _cuda_mode(master_bf16, moments, wout)
+    kw = call_kwargs(moments, master_bf16)
+    adam.device_step(compiled=True, **_args(*b[:4], b[4], b[5], wb, **kw))  # compiles
+    torch.cuda.synchronize()
+    graphs = counters["stats"]["unique_graphs"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for lr in (3e-4, 1e-4):
+            kw.update(lr=lr, grad_scale=lr * 1e4)
+            kw["steps"] = [s + 1 for s in kw["steps"]]
+            adam.device_step(compiled=True, **_args(*b[:4], b[4], b[5], wb, **kw))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert counters["stats"]["unique_graphs"] == graphs
