@@ -1,9 +1,9 @@
 """The device path of the compressed-state update (HybridAdamW's device-resident params with
-``state_dtype=`` / ``master_weights="bf16-sr"``): the per-tensor torch-ops reference
-(``kernels.reference.adam_step``: ~60 launches and a host sync per tensor) against one flat
-pass over all tensors (``reference.adam_step_flat``) and the passes ``adam_update`` runs
-(``kernels.adam.device_step``), ms per step, with torch's fused AdamW (fp32 state) as the
-floor.
+``state_dtype=`` / ``master_weights="bf16-sr"``): the flat pass over all tensors
+(``kernels.adam.device_step``), eager (about 60 launches over int64 temporaries) and compiled
+(``torch.compile`` of its elementwise part, CUDA's default), and with ``--per-tensor`` the
+per-tensor torch-ops reference (``kernels.reference.adam_step``: ~60 launches and a host sync
+per tensor); ms per step, with torch's fused AdamW (fp32 state) as the floor.
 
 The tensors: GPT-2 124M's 148 parameter shapes, each numel divided by ``--scale`` (default 20
 on the CPU, 1 on CUDA). Runs on CUDA when available, else the CPU (``--device`` to choose).
@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated rows of MODES")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    ap.add_argument("--per-tensor", action="store_true", help="also the per-tensor reference")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -103,8 +104,11 @@ def main() -> None:
     print(f"{'torch fused AdamW fp32':44s} {time_fused(sizes, a.repeats, a.device):10.2f} ms")
     for name in a.modes.split(","):
         args = make_args(sizes, MODES[name], a.device)
-        rows = (("per tensor", reference.adam_step), ("flat, one pass", reference.adam_step_flat),
-                ("flat, adam_update's passes", adam.device_step))  # fmt: skip
+        rows = [("flat, eager", functools.partial(adam.device_step, compiled=False))]
+        if a.device.startswith("cuda"):  # the compiled pass is the device path on CUDA only
+            rows.append(("flat, compiled", functools.partial(adam.device_step, compiled=True)))
+        if a.per_tensor:
+            rows.insert(0, ("per tensor", reference.adam_step))
         for label, fn in rows:
             ms = timed(functools.partial(fn, **args), a.repeats, a.device)
             print(f"{name + ': ' + label:44s} {ms:10.2f} ms")

@@ -259,11 +259,13 @@ def test_the_benchmark_runs_at_a_tiny_size(monkeypatch, capsys):
     import device_path
 
     monkeypatch.setattr(
-        sys, "argv", ["device_path.py", "--scale", "2000", "--repeats", "1", "--threads", "1"]
+        sys,
+        "argv",
+        ["device_path.py", "--scale", "2000", "--repeats", "1", "--threads", "1", "--per-tensor"],
     )
     device_path.main()
     out = capsys.readouterr().out
-    assert "per tensor" in out and "flat" in out and "cpu" in out, out
+    assert "per tensor" in out and "flat, eager" in out and "cpu" in out, out
 
 
 def assert_near_eager(eager, compiled, moments: int, what: str) -> None:
