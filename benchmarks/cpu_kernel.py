@@ -133,15 +133,17 @@ def main() -> None:
           f"capability {torch.backends.cpu.get_cpu_capability()}, "
           f"kernel threads {mod.num_threads_used()}, load {built:.1f} s, repeats {args.repeats}")  # fmt: skip
     print(f"{'mode':<20} {'B/param':>8} {'ms':>9} {'ns/param':>9} {'GB/s':>7} {'vs torch':>8}")
-    rows = [("torch fused fp32", 28.0, run_torch(sizes, args.repeats))]
+    base = run_torch(sizes, args.repeats)
+
+    def row(name: str, b: float, sec: float) -> None:  # printed as measured: a timeout keeps them
+        print(f"{name:<20} {b:>8.2f} {sec * 1e3:>9.2f} {sec / n * 1e9:>9.3f} "
+              f"{b * n / sec / 1e9:>7.1f} {base / sec:>7.2f}x", flush=True)  # fmt: skip
+
+    row("torch fused fp32", 28.0, base)
     for name, mode in MODES.items():
         if args.modes and name not in args.modes:
             continue
-        rows.append((name, bytes_per_param(*mode), run_ours(mod, sizes, mode, args.repeats)))
-    base = rows[0][2]
-    for name, b, sec in rows:
-        print(f"{name:<20} {b:>8.2f} {sec * 1e3:>9.2f} {sec / n * 1e9:>9.3f} "
-              f"{b * n / sec / 1e9:>7.1f} {base / sec:>7.2f}x")  # fmt: skip
+        row(name, bytes_per_param(*mode), run_ours(mod, sizes, mode, args.repeats))
 
 
 if __name__ == "__main__":

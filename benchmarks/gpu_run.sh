@@ -46,7 +46,7 @@ for part in "${@:-all}"; do
     # and come back as $OUT/quality.tgz (file names with "+" do not come back one by one).
     q=${QUALITY_DIR:-quality-h200}
     python3 -c "from offloadopt import kernels; kernels.load()"
-    timeout "${QUALITY_TIMEOUT:-540}" python3 benchmarks/quality.py --out "$q" --parallel 7 --steps 2000 \
+    timeout "${QUALITY_TIMEOUT:-540}" python3 benchmarks/quality.py --out "$q" --parallel "${QUALITY_PARALLEL:-7}" --steps 2000 \
       --batch-size 8 --seq-len 256 --offload-fraction 0 \
       --settings int8-moments,bf16-sr+int8,fp32,torch-adamw,bf16-moments,bf16-sr 2>&1 | tail -16
     tar -czf "$OUT/quality.tgz" --exclude corpus.txt "$q"
