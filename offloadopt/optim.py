@@ -152,6 +152,13 @@ class HybridOptimizer(Optimizer):
         )  # fmt: skip
         for g in self.param_groups:
             self._placer.check_auto_group(g)
+        if rule.master_sr and not any(p.dtype == torch.bfloat16 for g in self.param_groups
+                                      for p in g["params"]):  # fmt: skip
+            self._warn_once("bf16-sr-no-bf16", (
+                "master_weights='bf16-sr' has no bf16 param to act on: fp32 params keep "
+                "updating in fp32 (the fp32 weight is its own master) and fp16 params are "
+                "refused; cast the model to bf16 (model.to(torch.bfloat16)) for bf16 masters, "
+                "or leave master_weights out"))  # fmt: skip
         if o.ddp is not None:
             check_ddp(o.ddp, self.param_groups, self._placer.param_name)
         check_zero(o.overlap, self.param_groups, world_size())

@@ -5,6 +5,8 @@ bytes the placement counts, and the refusals."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from oracle import groups_of, hybrid, make_params, seeded_grads
@@ -318,3 +320,15 @@ def test_set_offload_fraction_moves_compressed_state_without_loss(kw, dtype):
     run(moved, 3, start=3, opt=opt)
     assert any(not r.offloaded for p, r in opt.debug.records.items() if p.numel() >= 64)
     assert_same([p.detach() for p in moved], [p.detach() for p in steady])
+
+
+def test_bf16_sr_without_a_bf16_param_says_it_does_nothing():
+    """master_weights='bf16-sr' acts on bf16 params only: on an fp32 model it is a no-op, which
+    the user hears about once, at construction; with a bf16 param there is nothing to say."""
+    fp32 = [torch.nn.Parameter(torch.randn(300))]
+    with pytest.warns(UserWarning, match="master_weights='bf16-sr' has no bf16 param to act on"):
+        HybridAdamW(fp32, lr=1e-2, master_weights="bf16-sr")
+    mixed = [torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(8).bfloat16())]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HybridAdamW(mixed, lr=1e-2, master_weights="bf16-sr")
