@@ -253,7 +253,9 @@ def test_main_job_says_why_a_gpu_budget_cannot_be_met():
     assert r.returncode == 2 and "--max-gpu-memory: HybridAdamW's option" in r.stderr
 
 
-@pytest.mark.parametrize("name", ["gpt-9b", "gpt-13b", "gpt-17.5b", "gpt-18b"])
+@pytest.mark.parametrize(
+    "name", ["gpt-9b", "gpt-13b", "gpt-17.5b", "gpt-18b", "gpt-25b", "gpt-30b", "gpt-32b"]
+)
 def test_the_width_4096_presets_count_their_params(name):
     with torch.device("meta"):
         model = GPT(PRESETS[name])
@@ -264,6 +266,10 @@ def test_the_width_4096_presets_count_their_params(name):
 def test_the_largest_preset_is_over_17_5e9_params():
     assert PRESETS["gpt-17.5b"].num_params() >= 17.5e9
     assert PRESETS["gpt-18b"].num_params() == pytest.approx(17.93e9, rel=1e-3)
+    # the compressed-state presets: past 25e9 (int8 moments) and 30e9 (bf16-sr + int8)
+    assert 25e9 <= PRESETS["gpt-25b"].num_params() < 25.5e9
+    assert 30e9 <= PRESETS["gpt-30b"].num_params() < 30.5e9
+    assert PRESETS["gpt-32b"].num_params() == pytest.approx(32.22e9, rel=1e-3)
 
 
 def test_the_model_is_built_in_its_dtype_never_in_fp32_first(monkeypatch):

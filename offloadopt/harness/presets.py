@@ -44,6 +44,11 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt-13b": GPTConfig(n_layer=64, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
     "gpt-17.5b": GPTConfig(n_layer=87, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
     "gpt-18b": GPTConfig(n_layer=89, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
+    # Past the fp32-state wall (about 17.8e9 on one H200 + 128 GiB): compressed host state
+    # (docs/compressed-state.md), int8 moments with fp32 masters, then bf16-sr masters.
+    "gpt-25b": GPTConfig(n_layer=125, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
+    "gpt-30b": GPTConfig(n_layer=150, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
+    "gpt-32b": GPTConfig(n_layer=160, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
 }
 
 
