@@ -382,6 +382,25 @@ def test_build_failure_is_one_clear_line(tmp_path, monkeypatch, cxx):
     assert os.environ["CXX"] == cxx
 
 
+def test_a_baton_left_by_a_killed_build_does_not_hang_the_next_one(mod, tmp_path):
+    """A build killed part-way leaves torch's baton (``<build dir>/lock``); torch's loader waits
+    for it to go, forever. A fresh process that finds one while it holds offloadopt's flock
+    removes it and loads the kernel (here from the finished build of this session's tests)."""
+    import subprocess
+    import sys
+
+    directory = kernels.build_dir()
+    (directory / "lock").touch()
+    code = "from offloadopt import kernels; kernels.load(); print('loaded')"
+    env = {**os.environ, "OFFLOADOPT_KERNEL_DIR": str(directory)}
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=240, env=env)  # fmt: skip
+    finally:
+        (directory / "lock").unlink(missing_ok=True)
+    assert r.returncode == 0 and r.stdout.strip() == "loaded", r.stderr[-2000:]
+
+
 def test_kernel_int8_encoding_equals_formats_on_ties_and_edges(mod):
     """beta1 = beta2 = 0 and lr = 0 make the new exp_avg = g and exp_avg_sq = g*g exactly
     (sqrt(g*g) == |g|), so the kernel's codes must equal formats' bit for bit on values placed

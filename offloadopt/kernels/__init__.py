@@ -40,6 +40,7 @@ thread count.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -134,8 +135,8 @@ def _last_line(text: str) -> str:
 
 def _build(directory: Path) -> ModuleType:
     """Compile (or reuse a finished build in ``directory``) and import the extension. Several
-    processes building at once are serialized by torch's file baton (``directory/lock``).
-    Raises KernelBuildError."""
+    processes building at once are serialized by an ``flock`` (:func:`_exclusive`; a stale
+    baton of torch's, left by a killed build, is removed). Raises KernelBuildError."""
     from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX", "c++")
@@ -145,16 +146,40 @@ def _build(directory: Path) -> ModuleType:
         raise KernelBuildError(f"{HINT}; the build said: ninja not found")
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(
-            name=f"offloadopt_adam_cpu_{cache_key()}",
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
-            build_directory=str(directory),
-            verbose=False,
-        )
+        with _exclusive(directory):
+            return cpp_extension.load(
+                name=f"offloadopt_adam_cpu_{cache_key()}",
+                sources=[str(SOURCE)],
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
+                build_directory=str(directory),
+                verbose=False,
+            )
     except Exception as e:  # noqa: BLE001 - any build failure becomes one clear line
         raise KernelBuildError(f"{HINT}; the build said: {_last_line(e)}") from e
+
+
+@contextlib.contextmanager
+def _exclusive(directory: Path):
+    """Hold an ``flock`` on ``directory/offloadopt.lock`` around a build or import.
+
+    torch's file baton (``directory/lock``, made with O_EXCL) is never removed when the process
+    holding it dies: a build killed part-way (Ctrl-C, OOM) left it, and every later process
+    waited on it forever. The kernel releases an ``flock`` when its holder dies, so whoever
+    holds this one is the only offloadopt process in the directory, and a baton found then is
+    stale: it is removed. Without ``fcntl`` (not POSIX) only torch's baton serializes."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(directory / "offloadopt.lock", "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 def load() -> ModuleType:
