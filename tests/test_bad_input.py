@@ -88,6 +88,8 @@ CASES = [
     (["audit", "--steps", "0"], "--steps: 0 is not an integer >= 1"),
     (["train", "--optimizer", "adamw", "--offload-fraction", "0.5"], "--offload-fraction 0.5: HybridAdamW's option; --optimizer adamw keeps everything on the device (it would be ignored)"),
     (["train", "--optimizer", "adamw", "--min-offload-numel", "5"], "--min-offload-numel 5: HybridAdamW's option; --optimizer adamw keeps everything on the device (it would be ignored)"),
+    (["train", "--fsdp", "--state-dtype", "int8"], "--state-dtype int8 with --fsdp: compressed optimizer state does not support FSDP2 params yet (its block scales are not laid out like the shards); use --ddp, or leave out --state-dtype and --master-weights"),
+    (["train", "--master-weights", "bf16-sr", "--dtype", "fp32"], "--master-weights bf16-sr with --dtype fp32: bf16-sr makes the bf16 weights their own masters; give --dtype bf16 (fp32 params would keep fp32 updates, fp16 params are refused)"),
     (["train", "--delay-after", "3"], "--delay-after: the synchronous steps before the delayed update, so it needs --overlap delayed (not 'step')"),
     (["train", "--delay-after", "-1"], "--delay-after: -1 is not an integer >= 0"),
     (["audit", "--mode", "backward", "--optimizer", "adamw"], "--mode backward: HybridAdamW's overlap modes need --optimizer hybrid"),

@@ -2,6 +2,7 @@
 optimizer state exists, and the run is then exactly the run at that fraction."""
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -52,8 +53,14 @@ def test_the_budget_chooses_the_smallest_fraction_that_fits_at_the_first_step():
     assert choice["predicted_gpu_bytes"] == choice["measured_bytes"] + device_state + 4 * BUCKET
     assert (
         choice["host_bytes"]
-        == sum(p.state_nbytes for p in opt.placement if p.offloaded) + 2 * BUCKET
+        == sum(p.host_nbytes for p in opt.placement if p.offloaded) + 2 * BUCKET
     )
+    # fp32 params: the host keeps a copy of each offloaded weight beside its state (the arena's
+    # master, which state_nbytes does not count: it frees no device memory); the host bytes
+    # predicted are those the optimizer holds
+    for p in opt.placement:
+        assert p.host_nbytes == p.state_nbytes + 4 * math.prod(p.shape)
+    assert choice["host_bytes"] == opt.host_nbytes
     # One step less offload would not fit (a fraction is of state bytes; params go whole).
     smaller = HybridAdamW(model().parameters(), min_offload_numel=1, bucket_nbytes=BUCKET,
                           offload_fraction=choice["fraction"] - 0.01)  # fmt: skip

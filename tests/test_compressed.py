@@ -235,12 +235,39 @@ def test_opt_state_assignment_round_trips_int8_state():
             torch.testing.assert_close(opt.state[p][k], v, rtol=0, atol=0)
 
 
+def test_assigning_torchs_moment_keys_encodes_them_into_the_int8_state():
+    """opt.state[p]["exp_avg"] = t (as Lightning and users do) under int8 state: the value goes
+    into the codes and scales, so state_dict() and the next step use it; no stray fp32 key."""
+    from offloadopt.kernels import formats
+
+    params = make_params()
+    opt = run(params, 2, state_dtype="int8")
+    p = params[0]
+    m = torch.randn(p.shape) * 1e-3
+    opt.state[p]["exp_avg"] = m
+    opt.state[p]["exp_avg_sq"] = torch.zeros(p.shape)
+    assert "exp_avg" not in opt.state[p] and "exp_avg_sq" not in opt.state[p]
+    codes, scales = formats.encode_m(m.reshape(-1))
+    assert torch.equal(opt.state[p]["exp_avg_q"].reshape(-1), codes)
+    assert torch.equal(opt.state[p]["exp_avg_scale"], scales)
+    saved = opt.state_dict()["state"][0]
+    torch.testing.assert_close(saved["exp_avg"], formats.decode_m(codes, scales).reshape(p.shape),
+                               rtol=0, atol=0)  # fmt: skip
+    assert int(saved["exp_avg_sq"].count_nonzero()) == 0
+    with pytest.raises(ValueError, match=r"'exp_avg_q' has shape"):
+        opt.state[p]["exp_avg"] = torch.zeros(3)
+    with pytest.raises(TypeError, match="assign a tensor"):
+        opt.state[p]["exp_avg"] = 0.0
+
+
 def test_fsdp2_params_are_refused_with_compressed_state(monkeypatch):
     from offloadopt.place import placer
 
     monkeypatch.setattr(placer, "is_dtensor", lambda p: True)
-    with pytest.raises(NotImplementedError, match="FSDP2"):
+    with pytest.raises(NotImplementedError, match=r"state \(state_dtype='int8'\) with FSDP2"):
         HybridAdamW([torch.nn.Parameter(torch.zeros(4))], state_dtype="int8")
+    with pytest.raises(NotImplementedError, match=r"state \(master_weights='bf16-sr'\) with FSDP2"):
+        HybridAdamW([torch.nn.Parameter(torch.zeros(4).bfloat16())], master_weights="bf16-sr")
 
 
 @pytest.mark.parametrize(

@@ -2,10 +2,12 @@
 predictions against the H200 runs recorded in benchmarks/results/ (GPT-2 1.5B, bf16), each predicted
 from measurements taken at one fraction of the same run, within 15% at every other."""
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from offloadopt.place.costmodel import (
     Measurements,
@@ -50,6 +52,28 @@ def test_memory_per_param_as_the_readme_states():
     assert p1.gpu_bytes == 4 * 10**9 + 4 * 64 * MiB
     assert p1.host_bytes == 12 * 10**9 + 2 * 64 * MiB
     assert predict(m, 1.0, "delayed").gpu_bytes == p1.gpu_bytes + 2 * 10**9  # landing buffers
+    # without an fp32 master in state_bytes (fp32 params, "bf16-sr") the host keeps a copy of
+    # the weights too: host bytes only
+    bf16_sr = toy(activation_bytes=0, state_bytes=4.03, host_copy_bytes=2)
+    assert predict(bf16_sr, 1.0).host_bytes == int(6.03 * 10**9) + 2 * 64 * MiB
+    assert predict(bf16_sr, 1.0).gpu_bytes == p1.gpu_bytes
+
+
+def test_bytes_per_param_counts_the_host_copy_where_no_master_is_counted():
+    from offloadopt.place import report
+    from offloadopt.rules import ADAMW
+
+    def sizes(dtype, master_weights=True, **rep):
+        group = {"params": [torch.zeros(8, dtype=dtype, requires_grad=True)], "weight_decay": 0}
+        rule = dataclasses.replace(ADAMW, **rep)
+        return report.bytes_per_param([group], rule, master_weights)
+
+    assert sizes(torch.bfloat16) == {"weight_bytes": 2, "state_bytes": 12, "host_copy_bytes": 0}
+    assert sizes(torch.float32) == {"weight_bytes": 4, "state_bytes": 8, "host_copy_bytes": 4}
+    bf16_sr = sizes(torch.bfloat16, False, moments="int8", master_sr=True)
+    assert bf16_sr["host_copy_bytes"] == 2 and bf16_sr["state_bytes"] == pytest.approx(2 + 8 / 256)
+    int8 = sizes(torch.bfloat16, True, moments="int8")
+    assert int8["host_copy_bytes"] == 0 and int8["state_bytes"] == pytest.approx(6 + 8 / 256)
 
 
 def test_the_smallest_fitting_fraction_and_the_largest_hidden_one():

@@ -178,6 +178,21 @@ class TrainConfig:
                     f"{flag} {value}: HybridAdamW's option; --optimizer {cfg.optimizer} keeps "
                     "everything on the device (it would be ignored)"
                 )
+        compressed = [f"{flag} {value}" for flag, value, default in (
+            ("--state-dtype", cfg.state_dtype, d.state_dtype),
+            ("--master-weights", cfg.master_weights, d.master_weights)) if value != default]  # fmt: skip
+        if compressed and cfg.parallel == "fsdp":
+            raise UsageError(  # HybridAdamW refuses it too, but only once the model is built
+                f"{' '.join(compressed)} with --fsdp: compressed optimizer state does not support "
+                "FSDP2 params yet (its block scales are not laid out like the shards); use "
+                "--ddp, or leave out --state-dtype and --master-weights"
+            )
+        if cfg.master_weights == "bf16-sr" and cfg.dtype not in (None, "bf16"):
+            raise UsageError(
+                f"--master-weights bf16-sr with --dtype {cfg.dtype}: bf16-sr makes the bf16 "
+                "weights their own masters; give --dtype bf16 (fp32 params would keep fp32 "
+                "updates, fp16 params are refused)"
+            )
         if cfg.overlap != "step" and cfg.optimizer != "hybrid":
             raise UsageError(
                 f"--overlap: {cfg.overlap!r} is HybridAdamW's mode; --optimizer {cfg.optimizer} "

@@ -305,6 +305,12 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
             if cfg.optimizer == "hybrid" and cfg.max_gpu_memory
             else ""
         )
+        + (
+            f", state_dtype {cfg.state_dtype}, master_weights {cfg.master_weights}"
+            if cfg.optimizer == "hybrid"
+            and (cfg.state_dtype, cfg.master_weights) != ("fp32", "fp32")
+            else ""
+        )
         + f" | batch {cfg.batch_size} x {cfg.seq_len} = {tokens_per_step:,} tokens/step"
         + (" per rank" if ranks.initialized else "")
         + f" | {cfg.steps} steps, lr {cfg.lr:g}"
@@ -415,6 +421,9 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
         "offload_fraction": opt.offload_fraction if cfg.optimizer == "hybrid" else 0.0,
         "placement_choice": getattr(opt, "placement_choice", None),
         "overlap": cfg.overlap if cfg.optimizer == "hybrid" else "step",
+        # HybridAdamW's representation of the state (docs/compressed-state.md)
+        "state_dtype": cfg.state_dtype if cfg.optimizer == "hybrid" else None,
+        "master_weights": cfg.master_weights if cfg.optimizer == "hybrid" else None,
         "delay_after": cfg.delay_after,
         "steps": cfg.steps,
         "batch_size": cfg.batch_size,

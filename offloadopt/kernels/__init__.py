@@ -45,6 +45,7 @@ import hashlib
 import os
 import platform
 import shutil
+import sys
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -73,7 +74,8 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-er
 )
 LDFLAGS = ["-fopenmp"]
 HINT = (
-    "offloadopt: compressed optimizer state (state_dtype='int8'/'bf16') needs a C++ compiler "
+    "offloadopt: compressed optimizer state (state_dtype='int8'/'bf16', master_weights='bf16-sr') "
+    "needs a C++ compiler "
     "and ninja to build its CPU kernel: install g++ (apt install g++) and ninja (pip install ninja)"
 )
 
@@ -147,6 +149,9 @@ def _build(directory: Path) -> ModuleType:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with _exclusive(directory):
+            if not any(directory.glob("offloadopt_adam_cpu_*.so")):  # a build, not an import
+                print(f"offloadopt: building the CPU kernel of compressed optimizer state (once, "
+                      f"about 40 s; cached in {directory})", file=sys.stderr, flush=True)  # fmt: skip
             return cpp_extension.load(
                 name=f"offloadopt_adam_cpu_{cache_key()}",
                 sources=[str(SOURCE)],

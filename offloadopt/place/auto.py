@@ -81,6 +81,7 @@ def measurements(
     bucket_nbytes: int,
     weight_bytes: int = 2,
     state_bytes: int = 12,
+    host_copy_bytes: int = 0,
 ) -> costmodel.Measurements:
     """:class:`costmodel.Measurements` from one placement's figures: the medians of the
     windows (ms), the optimizer's ``stats`` of a step there (the worker's kernel time, its busy
@@ -111,7 +112,7 @@ def measurements(
         d2h_gbps=gbps("d2h"), h2d_gbps=gbps("h2d"),
         bucket_overhead_ms=max(0.0, busy_ms - kernel_ms) / max(1, stats.get("buckets", 1)),
         bucket_nbytes=bucket_nbytes, weight_bytes=weight_bytes, grad_bytes=weight_bytes,
-        state_bytes=state_bytes,
+        state_bytes=state_bytes, host_copy_bytes=host_copy_bytes,
     )  # fmt: skip
 
 

@@ -71,7 +71,8 @@ def choose(
     ``grads_in_flight`` (``wait="module"``: ``step()`` returns while copies still read the
     offloaded grads, and ``zero_grad`` frees them to blocks the allocator reuses only once
     those copies are done, ``record_stream``) that many buckets' grads are added.
-    Its host bytes (offloaded state and 2 pinned slots) must fit ``host_budget``, by default
+    Its host bytes (offloaded state with the host copy of the weights, ``Placement.host_nbytes``,
+    and 2 pinned slots) must fit ``host_budget``, by default
     the host's MemAvailable.
 
     Returns:
@@ -86,7 +87,7 @@ def choose(
     for k in range(101):
         fraction = k / 100
         placements = place_at(fraction, infos)
-        host_state = sum(pl.state_nbytes for pl in placements if pl.offloaded)
+        host_state = sum(pl.host_nbytes for pl in placements if pl.offloaded)
         device_state = sum(pl.state_nbytes for pl in placements
                            if not pl.offloaded and pl.reason != "frozen")  # fmt: skip
         landing = sum(i.numel * i.dtype.itemsize for i, pl in zip(infos, placements, strict=True)

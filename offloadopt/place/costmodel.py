@@ -61,6 +61,9 @@ class Measurements:
     weight_bytes: int = 2  # per param on the GPU (bf16)
     grad_bytes: int = 2
     state_bytes: int = 12  # fp32 master + exp_avg + exp_avg_sq
+    # per offloaded param, the host copy of the weights where no fp32 master is in state_bytes
+    # (fp32 params, master_weights=False, "bf16-sr"): host bytes only
+    host_copy_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("params", "bucket_nbytes", "d2h_gbps", "h2d_gbps"):
@@ -69,7 +72,7 @@ class Measurements:
                 raise ValueError(f"Invalid {name}: {value!r} (expected a finite number > 0)")
         for name in ("fwd_bwd_ms", "device_ns_per_param", "cpu_ns_per_param",
                      "bucket_overhead_ms", "activation_bytes", "weight_bytes", "grad_bytes",
-                     "state_bytes"):  # fmt: skip
+                     "state_bytes", "host_copy_bytes"):  # fmt: skip
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"Invalid {name}: {value!r} (expected a finite number >= 0)")
@@ -120,7 +123,7 @@ def predict(m: Measurements, fraction: float, mode: str = "step") -> Prediction:
     gpu += m.activation_bytes + 4 * first  # staging: slots as large as the largest bucket
     if mode == "delayed":
         gpu += offloaded * m.weight_bytes  # the landing buffers of the next weights
-    host = offloaded * m.state_bytes + 2 * first
+    host = offloaded * (m.state_bytes + m.host_copy_bytes) + 2 * first
     return Prediction(fraction, mode, step, cpu_ms, int(gpu), int(host))
 
 

@@ -55,6 +55,16 @@ class Placement:
     state_nbytes: int  # bytes of exp_avg + exp_avg_sq (+ fp32 master), wherever they live
     reason: str  # why it is there: "fraction", "forced", "frozen", "small", ...
     shard_of: tuple[int, ...] | None = None  # an FSDP2 param: the global shape of its shard
+    # Offloaded, the host also keeps a copy of the weights in the update dtype (the arena's
+    # master: the CPU update's input and the H2D's source). With an fp32 master of a bf16 param
+    # that copy is the master, already in state_nbytes; without one (fp32 params,
+    # master_weights=False, "bf16-sr") it is these bytes more on the host, none on the device.
+    weight_copy_nbytes: int = 0
+
+    @property
+    def host_nbytes(self) -> int:
+        """Host bytes this param's state takes once offloaded (its state and the copy)."""
+        return self.state_nbytes + self.weight_copy_nbytes
 
     @property
     def offloaded(self) -> bool:
@@ -154,9 +164,20 @@ def place(
                 break
             where[k] = "host"
             taken += nbytes[k]
+    copies = [i.numel * i.dtype.itemsize if update_dtype(i.dtype, master_weights) == i.dtype
+              else 0 for i in infos]  # fmt: skip
     return [
         Placement(
-            i.index, i.name, i.group, i.shape, i.dtype, where[k], nbytes[k], reason[k], i.shard_of
+            i.index,
+            i.name,
+            i.group,
+            i.shape,
+            i.dtype,
+            where[k],
+            nbytes[k],
+            reason[k],
+            i.shard_of,
+            copies[k],
         )
         for k, i in enumerate(infos)
     ]

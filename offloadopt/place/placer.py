@@ -354,8 +354,12 @@ class Placer:
             sharded = [p for gi in group_indices for p in self.param_groups[gi]["params"]
                        if is_dtensor(p)]  # fmt: skip
             if sharded:
+                given = (
+                    [f"state_dtype={self.rule.moments!r}"] if self.rule.moments != "fp32" else []
+                )
+                given += ["master_weights='bf16-sr'"] if self.rule.master_sr else []
                 raise NotImplementedError(
-                    "compressed optimizer state (state_dtype=, master_weights='bf16-sr') with "
+                    f"compressed optimizer state ({', '.join(given)}) with "
                     f"FSDP2 (DTensor) params is not supported yet ({len(sharded)} here): its "
                     "per-block scales are not laid out like the params' shards; use "
                     "state_dtype='fp32' and master_weights=True with FSDP2"

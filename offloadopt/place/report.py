@@ -73,7 +73,9 @@ def bytes_per_param(
     param_groups: list[dict[str, Any]], rule: Rule, master_weights: bool
 ) -> dict[str, int]:
     """The cost model's bytes per trainable param: its weight (and grad) in the dtype of most
-    of the elements, and the state (the rule's, and an fp32 master when kept)."""
+    of the elements, the state (the rule's, and an fp32 master when kept), and the host copy of
+    the weights an offloaded param keeps where no fp32 master is counted (its update dtype's
+    bytes: fp32 params, master_weights=False, "bf16-sr")."""
     by_dtype: dict[torch.dtype, int] = {}
     for g in param_groups:
         for p in g["params"]:
@@ -82,11 +84,13 @@ def bytes_per_param(
     dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.float32
     udt = update_dtype(dtype, master_weights)
     master = udt.itemsize if udt != dtype else 0
+    copy = 0 if master else udt.itemsize
     if rule.compressed:  # the representation's bytes (bf16 or int8 moments, a bf16 master)
-        return {"weight_bytes": dtype.itemsize,
+        return {"weight_bytes": dtype.itemsize, "host_copy_bytes": copy,
                 "state_bytes": rule.elem_bytes(param_groups[0], udt) + master}  # fmt: skip
     n_states = len(rule.state_keys_for(param_groups[0]))
-    return {"weight_bytes": dtype.itemsize, "state_bytes": 4 * n_states + master}
+    return {"weight_bytes": dtype.itemsize, "state_bytes": 4 * n_states + master,
+            "host_copy_bytes": copy}  # fmt: skip
 
 
 def numel_by_side(records: dict[torch.Tensor, Any]) -> dict[bool, int]:

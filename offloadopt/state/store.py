@@ -8,7 +8,9 @@ through views), so ``state_dict()`` would report stale values and the copy would
 memory. Here an assignment of a tensor to a key that holds one waits for work in flight and
 copies the value into the existing buffer, which stays where it lives (host state on the host,
 pinned where it was); a whole-entry assignment does that key by key; deleting an entry resets
-that param's state (made again at its next grad, as torch does); ``opt.state = mapping`` empties
+that param's state (made again at its next grad, as torch does); under ``state_dtype="int8"``
+an assignment to torch's ``exp_avg`` / ``exp_avg_sq`` encodes the value into the entry's codes
+and block scales (it would otherwise sit beside them, unread); ``opt.state = mapping`` empties
 the same object and refills it (:meth:`OptimizerState.reset`). Reads through ``opt.state``
 (``opt.state[p]``, ``get``, ``values``, ``items``) first wait for an update in flight
 (``wait="module"`` and ``overlap="delayed"`` return from ``step()`` before it is done), so a
@@ -32,6 +34,12 @@ from offloadopt.shards import is_dtensor, local
 
 __all__ = ["OptimizerState", "StateEntry"]
 
+# torch's moment key -> the int8 representation's codes, block scales and encoder (formats.py)
+_CODES = {
+    "exp_avg": ("exp_avg_q", "exp_avg_scale", "encode_m"),
+    "exp_avg_sq": ("exp_avg_sq_q", "exp_avg_sq_scale", "encode_v"),
+}
+
 
 class StateEntry(dict):
     """One param's state (``opt.state[p]``); see the module docstring."""
@@ -41,6 +49,9 @@ class StateEntry(dict):
         self._owner = weakref.ref(owner)
 
     def __setitem__(self, key: str, value: Any) -> None:
+        if key in _CODES and key not in self and _CODES[key][0] in self:
+            self._encode_into(key, value)  # int8 state: torch's key goes into the codes
+            return
         old = self.get(key)
         if isinstance(old, torch.Tensor) and is_dtensor(value):
             value = local(value)  # an FSDP2 param's state: this rank's shard is copied in
@@ -67,6 +78,34 @@ class StateEntry(dict):
                 old.copy_(value.reshape(old.shape))  # the buffer keeps its device, dtype, pinning
             return
         super().__setitem__(key, value)
+
+    def _encode_into(self, key: str, value: Any) -> None:
+        """``opt.state[p]["exp_avg"] = tensor`` under ``state_dtype="int8"``: the entry holds
+        codes and block scales, not torch's key; the value is encoded into them (as a
+        checkpoint's fp32 moments are on load), so the next step and ``state_dict()`` use it.
+        Raises TypeError (not a tensor) or ValueError (another numel) before writing."""
+        from offloadopt.kernels import formats
+
+        codes_key, scale_key, encode = _CODES[key]
+        codes, scales = self[codes_key], self[scale_key]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"opt.state[...][{key!r}] = {value!r}: this optimizer keeps {key} as int8 codes "
+                f"({codes_key!r}, {scale_key!r}); assign a tensor of {codes.numel()} elements"
+            )
+        if value.numel() != codes.numel():
+            raise ValueError(
+                f"opt.state[...][{key!r}] = a tensor of shape {tuple(value.shape)}: the "
+                f"optimizer's {codes_key!r} has shape {tuple(codes.shape)}"
+            )
+        owner = self._owner()
+        if owner is not None:
+            owner.synchronize()  # no update in flight reads or writes these buffers
+        with torch.no_grad():
+            fp32 = local(value).detach().reshape(-1).to(codes.device, torch.float32)
+            c, sc = getattr(formats, encode)(fp32)
+            codes.copy_(c.reshape(codes.shape))
+            scales.copy_(sc)
 
     def __delitem__(self, key: str) -> None:
         owner = self._owner()
