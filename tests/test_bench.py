@@ -42,6 +42,23 @@ def test_run_bench_writes_json_and_every_hybrid_fraction_matches_the_baseline(tm
     assert "hybrid:0.5" in capsys.readouterr().out
 
 
+def test_with_compressed_state_the_kernel_row_times_offloadopts_kernel_too(tmp_path):
+    """The configurations' CPU update is offloadopt's kernel under state_dtype= / bf16-sr: the
+    kernel row times it beside torch's fp32 one, and the report says which is which."""
+    from offloadopt.harness.report import kernel_note, markdown
+
+    results = run_bench(tiny(tmp_path, fractions=[1.0], dtype="bf16", state_dtype="int8",
+                             master_weights="bf16-sr"))  # fmt: skip
+    kernel = results[0]
+    assert kernel["name"] == "fused-kernel-alone" and kernel["kernel_ms"] > 0
+    assert kernel["compressed_kernel"] == "bf16-sr masters, int8 moments"
+    assert kernel["compressed_kernel_ms"] > 0 and kernel["compressed_kernel_ns_per_param"] > 0
+    line = kernel_note(results)[0]
+    assert "its kernel alone (bf16-sr masters, int8 moments)" in line and "torch's fp32 one" in line
+    text = markdown(json.loads((tmp_path / "bench.json").read_text()))
+    assert "offloadopt's kernel alone (bf16-sr masters, int8 moments" in text
+
+
 @pytest.mark.slow
 def test_a_drifting_configuration_is_flagged_not_hidden(tmp_path):
     bench = Bench(tiny(tmp_path))

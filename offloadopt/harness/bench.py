@@ -39,7 +39,7 @@ from offloadopt.harness.options import (
     BenchConfig,
     resolve_device,
 )
-from offloadopt.harness.probes import time_kernel, time_link
+from offloadopt.harness.probes import time_compressed_kernel, time_kernel, time_link
 from offloadopt.harness.report import format_table, plot, sweep_summary
 from offloadopt.harness.train import host_rss_nbytes
 
@@ -364,6 +364,10 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     if cfg.kernel:
         shapes = [p.shape for p in bench.model.parameters()]
         results.append({"name": "fused-kernel-alone", "kind": "kernel", **time_kernel(shapes)})
+        if cfg.state_dtype != "fp32" or cfg.master_weights == "bf16-sr":
+            # the configurations' CPU update is offloadopt's kernel, not torch's: time it too
+            bf16_master = cfg.master_weights == "bf16-sr" and cfg.dtype == "bf16"
+            results[-1].update(time_compressed_kernel(shapes, cfg.state_dtype, bf16_master))
         if device.type == "cuda":
             results[-1].update(time_link(device))
             _empty_caches(device)

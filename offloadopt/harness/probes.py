@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -49,6 +50,49 @@ def time_kernel(shapes: list[torch.Size], reps: int = 5) -> dict[str, float]:
     return {"kernel_ms": kernel_ms, "kernel_ns_per_param": kernel_ms * 1e6 / n,
             "kernel_max_ms": max(kernel), "reps": reps,
             "cpu_casts_ms": casts_ms, "cpu_casts_ns_per_param": casts_ms * 1e6 / n, "params": n}  # fmt: skip
+
+
+def time_compressed_kernel(
+    shapes: list[torch.Size], state_dtype: str, bf16_master: bool, reps: int = 5
+) -> dict[str, Any]:
+    """offloadopt's own kernel (the compressed representations' CPU update,
+    docs/compressed-state.md) alone over host tensors shaped like the model's params, in the
+    representation a run with these options updates offloaded params in: fp32 masters and
+    grads, or (``bf16_master``: ``master_weights="bf16-sr"`` on a bf16 model) bf16 weights and
+    grads; moments per ``state_dtype``. Median ms per call (one optimizer step) and ns per
+    param, as :func:`time_kernel` reports torch's. Raises KernelBuildError without a compiler."""
+    from offloadopt import kernels
+    from offloadopt.kernels.adam import MOMENT_CODES
+
+    mod = kernels.load()
+    n = sum(math.prod(s) for s in shapes)
+    reps = max(reps, 25) if n < 2**24 else reps
+    moments = MOMENT_CODES[state_dtype]
+    wdt = torch.bfloat16 if bf16_master else torch.float32
+    sizes = [math.prod(s) for s in shapes]
+    masters = [torch.randn(k).to(wdt) for k in sizes]
+    grads = [torch.randn(k).to(wdt) * 1e-2 for k in sizes]
+    sdt = {0: torch.float32, 1: torch.bfloat16, 2: torch.uint8}[moments]
+    m = [torch.zeros(k, dtype=sdt) for k in sizes]
+    v = [torch.zeros(k, dtype=sdt) for k in sizes]
+    scales = [[torch.zeros(kernels.nblocks(k)) for k in sizes] if moments == 2 else []
+              for _ in range(2)]  # fmt: skip
+    times = []
+    for i in range(reps + 1):
+        t = time.perf_counter()
+        mod.adam_step(masters=masters, grads=grads, exp_avgs=m, exp_avg_sqs=v,
+                      exp_avg_scales=scales[0], exp_avg_sq_scales=scales[1], weights_out=[],
+                      steps=[float(i + 1)] * len(sizes), salts=list(range(len(sizes))),
+                      offsets=[0] * len(sizes), lr=1e-4, beta1=0.9, beta2=0.95,
+                      weight_decay=0.1, eps=1e-8, maximize=False, decoupled=True,
+                      grad_scale=None, moments=moments, master_sr=bf16_master,
+                      vec_size=kernels.torch_vec_size(), flush_denormal=True)  # fmt: skip
+        if i:
+            times.append((time.perf_counter() - t) * 1e3)
+    ms = statistics.median(times)
+    what = f"{'bf16-sr' if bf16_master else 'fp32'} masters, {state_dtype} moments"
+    return {"compressed_kernel_ms": ms, "compressed_kernel_ns_per_param": ms * 1e6 / n,
+            "compressed_kernel": what}  # fmt: skip
 
 
 def time_link(device: torch.device, nbytes: int = 2**30, reps: int = 5) -> dict[str, float]:
