@@ -150,6 +150,20 @@ def test_quality_reports_a_failed_run_in_its_row_and_exits_1(tmp_path, monkeypat
     assert json.loads((out / "quality.json").read_text())["runs"][3]["exit_code"] == 3
 
 
+def _run(setting: str, seed: int, loss: float) -> dict:
+    """A done run's row of quality.json."""
+    return {"setting": setting, "seed": seed, "exit_code": 0,
+            "summary": {"final_heldout_loss": loss, "median_step_ms": 1.0, "peak_gpu_gb": 0}}  # fmt: skip
+
+
+def _results(runs: list[dict]) -> dict:
+    """A quality.json of these runs (bf16 GPU settings), for quality.table."""
+    return {"args": {"preset": "tiny", "dtype": "bf16", "device": "cuda", "steps": 1,
+                     "batch_size": 1, "seq_len": 1, "lr": None, "grad_clip": 1.0,
+                     "offload_fraction": 1.0, "eval_batches": 1, "parallel": 1},
+            "corpus": {"nbytes": 1, "sha256": "0" * 64}, "torch": "x", "runs": runs}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "torch_losses, mean, verdict",
     [
@@ -168,16 +182,8 @@ def test_quality_reports_a_failed_run_in_its_row_and_exits_1(tmp_path, monkeypat
     ],
 )
 def test_quality_verdict_is_within_max_of_two_std_and_the_range(torch_losses, mean, verdict):
-    def run(setting, seed, loss):
-        return {"setting": setting, "seed": seed, "exit_code": 0,
-                "summary": {"final_heldout_loss": loss, "median_step_ms": 1.0, "peak_gpu_gb": 0}}  # fmt: skip
-
-    results = {"args": {"preset": "tiny", "dtype": "bf16", "device": "cuda", "steps": 1,
-                        "batch_size": 1, "seq_len": 1, "lr": None, "grad_clip": 1.0,
-                        "offload_fraction": 1.0, "eval_batches": 1, "parallel": 1},
-               "corpus": {"nbytes": 1, "sha256": "0" * 64}, "torch": "x",
-               "runs": [*(run("torch-adamw", k, x) for k, x in enumerate(torch_losses)),
-                        run("int8-moments", 0, mean)]}  # fmt: skip
+    results = _results([*(_run("torch-adamw", k, x) for k, x in enumerate(torch_losses)),
+                        _run("int8-moments", 0, mean)])  # fmt: skip
     text = quality.table(results)
     assert _row(text, "int8-moments")[6] == verdict
     # bf16 params: torch's AdamW keeps bf16 moments and no master, and the footer says so
@@ -190,17 +196,9 @@ def test_quality_judges_each_setting_against_fp32_too():
     """torch-adamw on bf16 params keeps no fp32 master; the last two columns judge a setting
     against HybridAdamW's fp32 default with the same rule."""
 
-    def run(setting, seed, loss):
-        return {"setting": setting, "seed": seed, "exit_code": 0,
-                "summary": {"final_heldout_loss": loss, "median_step_ms": 1.0, "peak_gpu_gb": 0}}  # fmt: skip
-
-    results = {"args": {"preset": "tiny", "dtype": "bf16", "device": "cuda", "steps": 1,
-                        "batch_size": 1, "seq_len": 1, "lr": None, "grad_clip": 1.0,
-                        "offload_fraction": 1.0, "eval_batches": 1, "parallel": 1},
-               "corpus": {"nbytes": 1, "sha256": "0" * 64}, "torch": "x",
-               "runs": [run("torch-adamw", 0, 2.0), run("torch-adamw", 1, 2.5),
-                        run("fp32", 0, 1.0), run("fp32", 1, 1.5), run("int8-moments", 0, 1.375),
-                        run("bf16-sr", 0, 2.25)]}  # fmt: skip
+    results = _results([_run("torch-adamw", 0, 2.0), _run("torch-adamw", 1, 2.5),
+                        _run("fp32", 0, 1.0), _run("fp32", 1, 1.5), _run("int8-moments", 0, 1.375),
+                        _run("bf16-sr", 0, 2.25)])  # fmt: skip
     text = quality.table(results)
     assert _row(text, "int8-moments")[5:7] == ["-0.8750", "outside"]  # bound 0.707
     assert _row(text, "int8-moments")[9:] == ["+0.1250", "within fp32's seed spread"]
