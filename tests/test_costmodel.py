@@ -70,6 +70,12 @@ def test_bytes_per_param_counts_the_host_copy_where_no_master_is_counted():
 
     assert sizes(torch.bfloat16) == {"weight_bytes": 2, "state_bytes": 12, "host_copy_bytes": 0}
     assert sizes(torch.float32) == {"weight_bytes": 4, "state_bytes": 8, "host_copy_bytes": 4}
+    # bf16 params without masters: bf16 moments (torch's AdamW on them keeps bf16 state)
+    assert sizes(torch.bfloat16, False) == {
+        "weight_bytes": 2,
+        "state_bytes": 4,
+        "host_copy_bytes": 2,
+    }
     bf16_sr = sizes(torch.bfloat16, False, moments="int8", master_sr=True)
     assert bf16_sr["host_copy_bytes"] == 2 and bf16_sr["state_bytes"] == pytest.approx(2 + 8 / 256)
     int8 = sizes(torch.bfloat16, True, moments="int8")

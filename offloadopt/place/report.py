@@ -89,7 +89,7 @@ def bytes_per_param(
         return {"weight_bytes": dtype.itemsize, "host_copy_bytes": copy,
                 "state_bytes": rule.elem_bytes(param_groups[0], udt) + master}  # fmt: skip
     n_states = len(rule.state_keys_for(param_groups[0]))
-    return {"weight_bytes": dtype.itemsize, "state_bytes": 4 * n_states + master,
+    return {"weight_bytes": dtype.itemsize, "state_bytes": udt.itemsize * n_states + master,
             "host_copy_bytes": copy}  # fmt: skip
 
 
