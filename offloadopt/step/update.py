@@ -218,7 +218,11 @@ class Updater:
                 state["master"] = master
         else:
             udt = update_dtype(p.dtype, self.master_weights)
-            if step:
+            # torch's fused kernels read the step on the param's device; the compressed
+            # device path (kernels.adam.adam_update) computes its per-tensor scalars on the
+            # host from the step's value, so there it stays on the CPU: read from the device
+            # it would cost a host sync every step on the training thread
+            if step and not self.rule.compressed:
                 step["step"] = step["step"].to(p.device)
             state = {**step, **{k: self.new_state_tensor(p, rec, k) for k in keys}}
             if udt != p.dtype:

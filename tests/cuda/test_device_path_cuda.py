@@ -104,3 +104,29 @@ def test_the_compiled_pass_makes_no_host_sync_and_a_new_lr_does_not_recompile():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_the_optimizers_device_path_makes_no_host_sync():
+    """Device-resident params under compressed state keep their step on the CPU (the flat pass
+    computes its scalars on the host): the update reads it without waiting for the GPU, where a
+    step on the device cost a host sync every step (`.tolist()` in adam_update)."""
+    from offloadopt import HybridAdamW
+
+    params = [torch.nn.Parameter(torch.randn(300, 7, device="cuda").bfloat16()) for _ in range(3)]
+    opt = HybridAdamW(params, lr=1e-3, offload_fraction=0.0, state_dtype="int8",
+                      master_weights="bf16-sr")  # fmt: skip
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # makes the state, compiles the pass
+    assert all(opt.state[p]["step"].device.type == "cpu" for p in params)
+    keys = ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale")
+    states = [[opt.state[p][k] for p in params] for k in keys]
+    steps = [opt.state[p]["step"] for p in params]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        adam.adam_update(opt.rule, opt.param_groups[0], [p.data for p in params],
+                         [p.grad for p in params], states, steps, host=False, amp=None,
+                         where=[(i, 0) for i in range(3)])  # fmt: skip
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
