@@ -68,9 +68,15 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
 def sr_bits(key: int, counter: torch.Tensor) -> torch.Tensor:
     """32 random bits (int64 in [0, 2^32)) per int64 counter under a 64-bit key:
     ``fmix32(fmix32(lo32(c) ^ lo32(key)) ^ hi32(key) ^ hi32(c)*0x9E3779B9)``."""
-    x = _fmix32((counter & M32) ^ (key & M32))
+    return _sr_bits_halves(key & M32, key >> 32, counter)
+
+
+def _sr_bits_halves(key_lo, key_hi, counter: torch.Tensor) -> torch.Tensor:
+    """:func:`sr_bits` with the key given as its 32-bit halves: ints, or int64 tensors that
+    broadcast against ``counter`` (the flat pass: one key per block, ``(nblocks, 1)``)."""
+    x = _fmix32((counter & M32) ^ key_lo)
     hi = _mul32(counter >> 32, 0x9E3779B9)
-    return _fmix32(x ^ (key >> 32) ^ hi)
+    return _fmix32(x ^ key_hi ^ hi)
 
 
 def round_bf16_sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -122,13 +128,9 @@ def adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_
               decoupled, grad_scale, moments, master_sr, vec_size=None, flush_denormal=False):  # fmt: skip
     """The fused step in torch ops; updates the tensors in place like the kernel. Raises
     ValueError for mismatched lists or modes (the per-tensor checks are the kernel's)."""
-    n_t = len(masters)
-    for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-                      ("steps", steps), ("salts", salts), ("offsets", offsets)):  # fmt: skip
-        if len(lst) != n_t:
-            raise ValueError(f"adam_step: {name} has {len(lst)} entries; masters has {n_t}")
-    if moments not in (0, 1, 2):
-        raise ValueError(f"adam_step: moments={moments}; expected 0, 1 or 2")
+    n_t = _check_lists("adam_step", masters, grads=grads, exp_avgs=exp_avgs,
+                       exp_avg_sqs=exp_avg_sqs, steps=steps, salts=salts, offsets=offsets,
+                       moments=moments)  # fmt: skip
     for i in range(n_t):
         p_in = masters[i]
         bf16_master = p_in.dtype == torch.bfloat16
@@ -184,15 +186,23 @@ def adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_
             exp_avg_sq_scales[i].copy_(sv)
 
 
+def _check_lists(fn: str, masters: list, *, moments: int, **lists: list) -> int:
+    """Every list as long as ``masters`` and ``moments`` one of 0, 1, 2; returns the length.
+    Raises ValueError naming ``fn`` and the list."""
+    n_t = len(masters)
+    for name, lst in lists.items():
+        if len(lst) != n_t:
+            raise ValueError(f"{fn}: {name} has {len(lst)} entries; masters has {n_t}")
+    if moments not in (0, 1, 2):
+        raise ValueError(f"{fn}: moments={moments}; expected 0, 1 or 2")
+    return n_t
+
+
 def _check_flat_args(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
                      weights_out, steps, salts, offsets, moments, master_sr) -> None:  # fmt: skip
-    n_t = len(masters)
-    for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-                      ("steps", steps), ("salts", salts), ("offsets", offsets)):  # fmt: skip
-        if len(lst) != n_t:
-            raise ValueError(f"adam_step_flat: {name} has {len(lst)} entries; masters has {n_t}")
-    if moments not in (0, 1, 2):
-        raise ValueError(f"adam_step_flat: moments={moments}; expected 0, 1 or 2")
+    n_t = _check_lists("adam_step_flat", masters, grads=grads, exp_avgs=exp_avgs,
+                       exp_avg_sqs=exp_avg_sqs, steps=steps, salts=salts, offsets=offsets,
+                       moments=moments)  # fmt: skip
     if moments == 2 and (len(exp_avg_scales) != n_t or len(exp_avg_sq_scales) != n_t):
         raise ValueError(
             f"adam_step_flat: exp_avg_scales / exp_avg_sq_scales have {len(exp_avg_scales)} / "
@@ -251,16 +261,6 @@ def _scatter(dst: list[torch.Tensor], flat: torch.Tensor, lengths: list[int]) ->
     """The inverse of _gather: the first numel of each padded range copied into dst."""
     parts = torch.split(flat.reshape(-1), lengths)
     torch._foreach_copy_(dst, [s[: d.numel()] for d, s in zip(dst, parts, strict=True)])
-
-
-def _sr_bits_blocks(
-    key_lo: torch.Tensor, key_hi: torch.Tensor, counter: torch.Tensor
-) -> torch.Tensor:
-    """sr_bits with per-block keys: key_lo / key_hi int64 (nblocks, 1), the key's 32-bit
-    halves; counter int64 (nblocks, BLOCK)."""
-    x = _fmix32((counter & M32) ^ key_lo)
-    hi = _mul32(counter >> 32, 0x9E3779B9)
-    return _fmix32(x ^ key_hi ^ hi)
 
 
 def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
@@ -405,7 +405,7 @@ def _flat_core(p_in, g_in, m_in, m_sc, v_in, v_sc, fl_b, it_b, first_b, *, wd_fa
             it_b[:, 1 + 2 * stream : 2 + 2 * stream],
             it_b[:, 2 + 2 * stream : 3 + 2 * stream],
         )
-        return round_bf16_sr(x, _sr_bits_blocks(key_lo, key_hi, counter))
+        return round_bf16_sr(x, _sr_bits_halves(key_lo, key_hi, counter))
 
     w_out = sm = sv = None
     if bf16_master:
