@@ -29,6 +29,7 @@ __all__ = [
     "merge_group",
     "export_moments",
     "stored_entry",
+    "encoded",
 ]
 
 
@@ -97,6 +98,16 @@ def export_moments(sd: dict[str, Any], rule: Rule) -> dict[str, Any]:
     return sd
 
 
+def encoded(key: str, value: torch.Tensor, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Moment ``key`` (``"exp_avg"`` or ``"exp_avg_sq"``) as int8 codes shaped like ``value``
+    and fp32 block scales, on ``device`` (:mod:`offloadopt.kernels.formats`)."""
+    from offloadopt.kernels import formats
+
+    x = value.detach().to(device, torch.float32).reshape(-1)
+    codes, scales = (formats.encode_m if key == "exp_avg" else formats.encode_v)(x)
+    return codes.view(value.shape), scales
+
+
 def _decoded(entry: dict[str, Any]) -> dict[str, torch.Tensor]:
     """An entry's int8 codes and scales decoded: torch's keys -> fp32 moments shaped like the
     codes, where the codes live."""
@@ -122,13 +133,8 @@ def stored_entry(entry: dict[str, Any], rule: Rule, keys: tuple[str, ...]) -> di
     if want_codes and has_codes:
         out.update({k: entry[k] for k in INT8_KEYS})
     elif want_codes and has_moments:
-        from offloadopt.kernels import formats
-
         for key in MOMENT_KEYS:
-            x = entry[key].detach().to("cpu", torch.float32).reshape(-1)
-            encode = formats.encode_m if key == "exp_avg" else formats.encode_v
-            codes, out[f"{key}_scale"] = encode(x)
-            out[f"{key}_q"] = codes.view(entry[key].shape)
+            out[f"{key}_q"], out[f"{key}_scale"] = encoded(key, entry[key], "cpu")
     elif has_moments or not has_codes:
         out.update({k: entry[k] for k in MOMENT_KEYS if k in entry})
     else:  # codes only, into fp32 or bf16 moments

@@ -29,16 +29,10 @@ from typing import Any
 import torch
 
 from offloadopt.interrupts import signals_deferred
-from offloadopt.rules import BLOCK
+from offloadopt.rules import BLOCK, MOMENT_KEYS
 from offloadopt.shards import is_dtensor, local
 
 __all__ = ["OptimizerState", "StateEntry"]
-
-# torch's moment key -> the int8 representation's codes, block scales and encoder (formats.py)
-_CODES = {
-    "exp_avg": ("exp_avg_q", "exp_avg_scale", "encode_m"),
-    "exp_avg_sq": ("exp_avg_sq_q", "exp_avg_sq_scale", "encode_v"),
-}
 
 
 class StateEntry(dict):
@@ -49,7 +43,7 @@ class StateEntry(dict):
         self._owner = weakref.ref(owner)
 
     def __setitem__(self, key: str, value: Any) -> None:
-        if key in _CODES and key not in self and _CODES[key][0] in self:
+        if key in MOMENT_KEYS and key not in self and f"{key}_q" in self:
             self._encode_into(key, value)  # int8 state: torch's key goes into the codes
             return
         old = self.get(key)
@@ -84,9 +78,9 @@ class StateEntry(dict):
         codes and block scales, not torch's key; the value is encoded into them (as a
         checkpoint's fp32 moments are on load), so the next step and ``state_dict()`` use it.
         Raises TypeError (not a tensor) or ValueError (another numel) before writing."""
-        from offloadopt.kernels import formats
+        from offloadopt.state.checkpoint import encoded
 
-        codes_key, scale_key, encode = _CODES[key]
+        codes_key, scale_key = f"{key}_q", f"{key}_scale"
         codes, scales = self[codes_key], self[scale_key]
         if not isinstance(value, torch.Tensor):
             raise TypeError(
@@ -102,9 +96,8 @@ class StateEntry(dict):
         if owner is not None:
             owner.synchronize()  # no update in flight reads or writes these buffers
         with torch.no_grad():
-            fp32 = local(value).detach().reshape(-1).to(codes.device, torch.float32)
-            c, sc = getattr(formats, encode)(fp32)
-            codes.copy_(c.reshape(codes.shape))
+            c, sc = encoded(key, local(value).reshape(codes.shape), codes.device)
+            codes.copy_(c)
             scales.copy_(sc)
 
     def __delitem__(self, key: str) -> None:
