@@ -119,6 +119,7 @@ def adam_update(
     amp: dict[str, torch.Tensor] | None,
     where: list[tuple[int, int]] | None,
     use_kernel: bool | None = None,
+    weights_out: list[torch.Tensor] | None = None,
 ) -> None:
     """One update over same-device lists (contiguous tensors, pairwise the same numel).
 
@@ -140,6 +141,10 @@ def adam_update(
         use_kernel: None: CPU tensors to the C++ kernel, others to :func:`device_step`
             (``reference.adam_step_flat`` in passes); False: :func:`device_step` on any device
             (the tests compare the two on the CPU); True on CUDA tensors raises ValueError.
+        weights_out: None, or per tensor a bf16 tensor of its numel (it may be the grad's own
+            memory: each element's grad is read before its weight is written) that receives
+            the new weights rounded to nearest even; fp32 masters only. On a skipped step it
+            receives the unchanged masters, rounded the same way.
     """
     if not weights:
         return
@@ -147,7 +152,10 @@ def adam_update(
     if amp is not None:
         found_inf = amp.get("found_inf")
         if found_inf is not None and bool(found_inf.item()):
-            return  # an inf/NaN step is skipped, as torch's fused kernels skip it
+            # an inf/NaN step is skipped, as torch's fused kernels skip it
+            if weights_out:
+                torch._foreach_copy_(_flat(weights_out), _flat(weights))
+            return
         scale = amp.get("grad_scale")
         grad_scale = None if scale is None else float(scale.item())
     lr = hyper.lr_host if host else hyper["lr"]
@@ -175,7 +183,7 @@ def adam_update(
             exp_avg_sqs=_flat(pick(v)),
             exp_avg_scales=pick(m_scale),
             exp_avg_sq_scales=pick(v_scale),
-            weights_out=[],
+            weights_out=_flat(pick(weights_out or [])),
             steps=[float(step_values[i]) for i in idx],
             salts=[int(where[i][0]) for i in idx],
             offsets=[int(where[i][1]) for i in idx],

@@ -41,6 +41,9 @@ class Arena:
     group_label: int  # the group's position when the arena was built (labels only)
     device: torch.device
     dtype: torch.dtype  # update dtype: fp32, or the param dtype without masters
+    # The dtype grads and new weights cross the link in: the update dtype, or the params' own
+    # (bf16) where the update reads bf16 grads and writes bf16 weights itself (see placer.py)
+    link_dtype: torch.dtype | None = None
     params: list[torch.Tensor] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     order: list[int] = field(default_factory=list)  # each param's position in backward order
@@ -68,6 +71,10 @@ class Arena:
         start = -(-self.numel // self.block) * self.block  # params start at a block boundary
         self.offsets.append(start)
         self.numel = start + local(param).numel()  # an FSDP2 param: this rank's shard
+
+    def __post_init__(self) -> None:
+        if self.link_dtype is None:
+            self.link_dtype = self.dtype
 
     def view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
         """Param ``k``'s range of ``flat``, shaped like the param (a blockwise buffer's: its
@@ -168,12 +175,21 @@ class Bucket:
             self._views[key] = views
         return views
 
-    def slot_views(self, slot: torch.Tensor) -> list[torch.Tensor]:
-        """Each segment's flat range of a staging slot (flat uint8, never rebound), cached."""
-        key = (slot.data_ptr(), slot.device.index if slot.is_cuda else -2)
+    def link_nbytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the bucket's grads (or weights) in ``dtype``: what one copy moves."""
+        return self.numel * dtype.itemsize
+
+    def slot_views(
+        self, slot: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> list[torch.Tensor]:
+        """Each segment's flat range of a staging slot (flat uint8, never rebound) read as
+        ``dtype`` (default the update dtype; the segments lie back to back from the slot's
+        start), cached."""
+        dtype = self.arena.dtype if dtype is None else dtype
+        key = (slot.data_ptr(), slot.device.index if slot.is_cuda else -2, dtype)
         views = self._views.get(key)
         if views is None:
-            flat = slot[: self.nbytes].view(self.arena.dtype)
+            flat = slot[: self.numel * dtype.itemsize].view(dtype)
             views = self._views[key] = [
                 flat[s.offset : s.offset + s.hi - s.lo] for s in self.segments
             ]
@@ -181,7 +197,7 @@ class Bucket:
 
     def forget_slot_views(self) -> None:
         """Drop cached staging views (the staging they point into was replaced)."""
-        self._views = {k: v for k, v in self._views.items() if k[1] == -1}
+        self._views = {k: v for k, v in self._views.items() if len(k) == 2}
 
     def param_views(self) -> list[torch.Tensor]:
         """Each segment's flat range of its (contiguous) param."""
@@ -194,15 +210,16 @@ class Bucket:
 
 
 def build_arenas(
-    items: list[tuple[torch.Tensor, str, int, torch.dtype]],
+    items: list[tuple],
     bucket_nbytes: int,
     align: int = CUT_ALIGN,
 ) -> tuple[list[Arena], list[Bucket]]:
     """Lay params out in arenas and cut the arenas into buckets of at most ``bucket_nbytes``.
 
     Args:
-        items: ``(param, name, group label, update_dtype)`` in backward order (last-registered
-            first); params of one group label share an arena per (device, dtype).
+        items: ``(param, name, group label, update_dtype)`` or ``(param, name, group label,
+            update_dtype, link_dtype)`` in backward order (last-registered first); params of
+            one group label share an arena per (device, update dtype, link dtype).
         bucket_nbytes: most bytes (of update dtype) per bucket.
         align: a multiple of :data:`CUT_ALIGN`: params start at, and are cut at, multiples of
             it (a blockwise state representation's block, so a segment holds whole blocks).
@@ -212,10 +229,12 @@ def build_arenas(
         backward-order position they hold, so the grads that appear first move first.
     """
     arenas: dict[tuple, Arena] = {}
-    for order, (param, name, group, dtype) in enumerate(items):
-        key = (group, param.device, dtype)
+    for order, (param, name, group, dtype, *link) in enumerate(items):
+        link_dtype = link[0] if link else dtype
+        key = (group, param.device, dtype, link_dtype)
         if key not in arenas:
             arenas[key] = Arena(group_label=group, device=param.device, dtype=dtype,
+                                 link_dtype=link_dtype,
                                  block=align if align > CUT_ALIGN else 1)  # fmt: skip
         arenas[key].add(param, name, order)
     buckets = []

@@ -68,7 +68,10 @@ class BucketWork:
     the worker drops ``grads`` once the D2H has landed (overlap="delayed" took them from their
     params: their device memory goes back at once; otherwise it goes when the caller drops
     ``p.grad``, not when this step ends, which with ``wait="module"`` is the next forward);
-    ``amp``: the step's GradScaler inputs (offloadopt/step/amp.py ``AmpInputs``), or None.
+    ``amp``: the step's GradScaler inputs (offloadopt/step/amp.py ``AmpInputs``), or None;
+    ``out``: set by the pipeline before the update where the grads crossed in the arena's
+    ``link_dtype`` (bf16): per segment of ``idx``, the host staging view (the grads' own)
+    where the update writes the new weights in that dtype, which cross H2D from there.
     """
 
     bucket: Bucket
@@ -80,6 +83,7 @@ class BucketWork:
     payload: Any = None
     targets: list[torch.Tensor] | None = None
     amp: Any = None
+    out: list[torch.Tensor] | None = None
 
 
 class StepRun:
@@ -242,7 +246,15 @@ class StepRun:
                 if not pending:
                     return  # closed and drained
                 work, tr, slot, d2h_done = pending.popleft()
-                p._update(work, tr, slot, d2h_done, self._update_fn, stats)
+                # a slot holding the new weights (the link dtype) stays taken until its H2D is
+                # queued: that copy reads it (I5)
+                keeps = slot.link is not None and slot.link != work.bucket.arena.dtype
+                try:
+                    p._update(work, tr, slot, d2h_done, self._update_fn, stats)
+                except BaseException:
+                    if keeps:
+                        tr.ring.release(slot)
+                    raise
                 # Landed (waited for in _update). The worker never touches p.grad: setting it
                 # here while the training thread reads it crashed torch's tensor wrapper; the
                 # thread that owns the grads drops them (take_landed).
@@ -250,10 +262,14 @@ class StepRun:
                 with self._cond:
                     self._landed.append(work)
                 t = time.perf_counter()
-                with _traced("offloadopt.launch_h2d"):
-                    tr.start_h2d(work.bucket, work.idx, slot, work.ready, work.targets)
+                try:
+                    with _traced("offloadopt.launch_h2d"):
+                        tr.start_h2d(work.bucket, work.idx, slot, work.ready, work.targets)
+                finally:
+                    if keeps:
+                        tr.ring.release(slot)
                 stats["launch_ms"] += (time.perf_counter() - t) * 1e3
-                stats["h2d_nbytes"] += work.bucket.nbytes
+                stats["h2d_nbytes"] += work.bucket.link_nbytes(slot.link or work.bucket.arena.dtype)
                 stats["buckets"] += 1
                 stats["worker_ms"] = (time.perf_counter() - started) * 1e3
                 with self._cond:
@@ -301,11 +317,13 @@ class Pipeline:
         except BaseException:
             tr.ring.release(slot)
             raise
-        stats["d2h_nbytes"] += b.nbytes
+        stats["d2h_nbytes"] += b.link_nbytes(slot.link)
         return tr, slot, d2h_done
 
     def _update(self, work: BucketWork, tr: Transfer, slot: Slot, d2h_done, update, stats) -> None:
-        """Wait for the bucket's D2H, run the update, give the slot back (also on failure).
+        """Wait for the bucket's D2H, run the update, give the slot back (also on failure),
+        unless it holds the new weights in the link dtype (the caller gives it back once their
+        H2D is queued).
 
         Raises:
             BucketError: the update failed; the message names the bucket.
@@ -318,7 +336,9 @@ class Pipeline:
             stats["d2h_wait_ms"] += (time.perf_counter() - t) * 1e3
             if self.worker_hook is not None:
                 self.worker_hook(b)
-            views = b.slot_views(slot.host)
+            views = b.slot_views(slot.host, slot.link)
+            # grads in the link dtype: the update writes the new weights over them
+            work.out = [views[i] for i in work.idx] if slot.link != b.arena.dtype else None
             t = time.perf_counter()
             with _traced("offloadopt.cpu_update"):
                 update(work, [views[i] for i in work.idx])
@@ -328,7 +348,8 @@ class Pipeline:
         except Exception as e:
             raise BucketError(f"{b.label}: {type(e).__name__}: {e}") from e
         finally:
-            tr.ring.release(slot)  # (I5) the host has read the grads (or given up on them)
+            if slot.link == b.arena.dtype:
+                tr.ring.release(slot)  # (I5) the host has read the grads (or given up on them)
 
     def publish(self, streams: dict[torch.device, Any], run: StepRun) -> None:
         """(I4) Each device's consumer stream (handed in) waits for the H2D of the run's

@@ -64,12 +64,20 @@ def wait_event(event: Any, what: str, timeout_s: float) -> None:
 
 @dataclass(eq=False)
 class Slot:
-    """One staging slot: flat uint8 buffers of the ring's ``nbytes``."""
+    """One staging slot: flat uint8 buffers of the ring's ``nbytes``.
+
+    ``link``: the dtype the grads of the bucket now in the slot crossed in (set by
+    :meth:`Transfer.start_d2h`): the update dtype, or the arena's ``link_dtype`` (bf16), in
+    which case the update writes the new bf16 weights over those grads in ``host`` and they
+    cross H2D from there (:meth:`Transfer.start_h2d`); ``host_read``: the event of that H2D,
+    which the next D2H into ``host`` waits for (I5)."""
 
     index: int
     host: torch.Tensor  # (nbytes,) uint8, host, pinned on CUDA: grads land here (D2H)
     d2h: torch.Tensor | None  # (nbytes,) uint8, device: grads upcast here before D2H
     h2d: torch.Tensor | None  # (nbytes,) uint8, device: masters land here, then downcast
+    link: torch.dtype | None = None
+    host_read: Any = None
 
 
 @dataclass(eq=False)
@@ -82,12 +90,14 @@ class _Plan:
     checked). No view of a param is kept: it would keep a rebound param's old memory alive."""
 
     master_ptr: int  # the arena master's address when the plan was made
-    d2h_views: list[torch.Tensor]  # per segment: its range of slot.d2h, in the update dtype
+    d2h_views: list[torch.Tensor]  # per segment: its range of slot.d2h, in the link dtype
     d2h_flat: torch.Tensor  # slot.d2h[:nbytes]: the D2H's source
     host_flat: torch.Tensor  # slot.host[:nbytes]: the D2H's destination (pinned)
     h2d_flat: torch.Tensor  # slot.h2d[:nbytes]: the H2D's destination
-    h2d_views: list[torch.Tensor]  # per segment: its range of slot.h2d, in the update dtype
-    master_bytes: torch.Tensor  # the bucket's range of the master, as uint8 (pinned)
+    h2d_views: list[torch.Tensor]  # per segment: its range of slot.h2d, in the link dtype
+    # the H2D's source, as uint8 (pinned): the bucket's range of the master (update dtype),
+    # or host_flat (the link dtype: the update wrote the new weights there)
+    master_bytes: torch.Tensor
     # segment -> its h2d view shaped like its param (a segment that is a whole param)
     shaped: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -217,6 +227,15 @@ class Transfer:
     contiguous and pinned on the host side. Both casts run on the device: grads are upcast to
     the update dtype into the device slot before D2H; masters land in a device slot and are
     downcast into the params (benchmarks/RESULTS.md has the figures behind this choice).
+
+    An arena whose ``link_dtype`` is not its update dtype (bf16 params under a compressed
+    representation with fp32 masters: offloadopt's kernel reads bf16 grads and writes the
+    bf16 weights itself) moves 2 bytes per element each way instead of 4: its grads cross in
+    bf16 and the update writes the new weights over them in the host slot, from where they
+    cross H2D. A bucket whose grads get clip factors (``scale``) crosses as before: the
+    factors multiply the fp32 grads on the device. Either way the bits are the same: the
+    upcast is exact, and the kernel's round to nearest even is the device's downcast
+    (tests/test_link_dtype.py).
     """
 
     def __init__(self, device: torch.device, nbytes: int, pin: bool):
@@ -290,15 +309,18 @@ class Transfer:
         order) in the update dtype when given; returns the D2H-done event to wait on (None
         without CUDA: done on return)."""
         factors = () if scale is None else scale if isinstance(scale, tuple) else (scale,)
+        slot.link = b.arena.dtype if factors else b.arena.link_dtype
         if not self.cuda:
-            views = [b.slot_views(slot.host)[i] for i in idx]
+            views = [b.slot_views(slot.host, slot.link)[i] for i in idx]
             torch._foreach_copy_(views, grads)
             for f in factors:
                 torch._foreach_mul_(views, f)
             return None
-        plan = self._plan(b, slot)
+        plan = self._plan(b, slot, slot.link)
         with _OnStream(self.d2h):
             self.d2h.wait_event(grads_ready)  # (I1) grads final: backward and edits queued before
+            if slot.host_read is not None:  # (I5) the last H2D from this host slot is done
+                self.d2h.wait_event(slot.host_read)
             start = self._timed_start(self.d2h)
             for g in grads:
                 # The grads were made on another stream: their memory is not reused (after a
@@ -307,14 +329,14 @@ class Transfer:
             views = plan.d2h_views
             if len(idx) != len(views):
                 views = [views[i] for i in idx]
-            torch._foreach_copy_(views, grads)  # upcast on the GPU
+            torch._foreach_copy_(views, grads)  # upcast on the GPU (or a same-dtype copy)
             for f in factors:  # the inverse scale, the clip coefficient: in the update dtype
                 torch._foreach_mul_(views, f)
             # non_blocking: same dtype, both contiguous, host side pinned -> a true async DMA;
             # the host reads the slot only after the event below (I2).
             plan.host_flat.copy_(plan.d2h_flat, non_blocking=True)
             done = self.d2h.record_event(torch.cuda.Event(enable_timing=True))
-        self.timing.add("d2h_ms", start, done, b.nbytes)
+        self.timing.add("d2h_ms", start, done, b.link_nbytes(slot.link))
         return done
 
     def wait_h2d_done(self, b: Bucket, timeout_s: float) -> None:
@@ -331,9 +353,15 @@ class Transfer:
     ) -> None:
         """Write bucket ``b``'s new weights (segments ``idx``) into its params, or into
         ``targets`` (one flat view per segment: overlap="delayed"'s landing buffers); on CUDA
-        the copy is queued and :attr:`h2d_done` holds its event."""
+        the copy is queued and :attr:`h2d_done` holds its event. The source is the master,
+        or where ``slot.link`` is not the update dtype the new weights that the update wrote
+        in ``slot.host``; then the slot's next D2H waits for this copy (``slot.host_read``)."""
+        link = b.arena.dtype if slot.link is None else slot.link
         if not self.cuda:  # the master itself is the source: the same pairs as on CUDA
-            masters = b.state_views(b.arena.master)
+            if link == b.arena.dtype:
+                masters = b.state_views(b.arena.master)
+            else:
+                masters = b.slot_views(slot.host, link)
             if targets is None:
                 shaped = self._host_shaped.get(b)
                 if shaped is None:
@@ -342,7 +370,7 @@ class Transfer:
             else:
                 torch._foreach_copy_([targets[i] for i in idx], [masters[i] for i in idx])
             return
-        plan = self._plan(b, slot)
+        plan = self._plan(b, slot, link)
         if targets is None:
             targets, views = self._h2d_pairs(b, plan.h2d_views, plan.shaped, idx)
         else:
@@ -357,28 +385,35 @@ class Transfer:
             # non_blocking: pinned source, same dtype, contiguous; the host does not write this
             # master again before this bucket's event has completed (I3).
             plan.h2d_flat.copy_(plan.master_bytes, non_blocking=True)
-            torch._foreach_copy_(targets, views)  # downcast
+            torch._foreach_copy_(targets, views)  # downcast (or a same-dtype copy)
             done = self.h2d.record_event(torch.cuda.Event(enable_timing=True))
         self.h2d_done[b] = done
-        self.timing.add("h2d_ms", start, done, b.nbytes)
+        if link != b.arena.dtype:
+            slot.host_read = done  # (I5) the host slot is this copy's source until it is done
+        self.timing.add("h2d_ms", start, done, b.link_nbytes(link))
 
-    def _plan(self, b: Bucket, slot: Slot) -> _Plan:
-        """Bucket ``b``'s operands in ``slot`` (CUDA), made on first use (see :class:`_Plan`)."""
+    def _plan(self, b: Bucket, slot: Slot, link: torch.dtype | None = None) -> _Plan:
+        """Bucket ``b``'s operands in ``slot`` with grads and weights in ``link`` (default the
+        update dtype) (CUDA), made on first use (see :class:`_Plan`)."""
+        link = b.arena.dtype if link is None else link
         master = b.arena.master
         plans = self._plans.get(b)
         if plans is None:
             plans = self._plans[b] = {}
-        plan = plans.get(slot.index)
+        plan = plans.get((slot.index, link))
         if plan is None or plan.master_ptr != master.data_ptr():
-            n = b.nbytes
-            plan = plans[slot.index] = _Plan(
+            n = b.link_nbytes(link)
+            host_flat = slot.host[:n]
+            plan = plans[slot.index, link] = _Plan(
                 master_ptr=master.data_ptr(),
-                d2h_views=list(b.slot_views(slot.d2h)),
+                d2h_views=list(b.slot_views(slot.d2h, link)),
                 d2h_flat=slot.d2h[:n],
-                host_flat=slot.host[:n],
+                host_flat=host_flat,
                 h2d_flat=slot.h2d[:n],
-                h2d_views=list(b.slot_views(slot.h2d)),
-                master_bytes=master[b.lo : b.hi].view(torch.uint8),
+                h2d_views=list(b.slot_views(slot.h2d, link)),
+                master_bytes=(
+                    master[b.lo : b.hi].view(torch.uint8) if link == b.arena.dtype else host_flat
+                ),
             )
         return plan
 

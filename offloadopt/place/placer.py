@@ -44,6 +44,9 @@ log = logging.getLogger("offloadopt")
 # GIL shared with the training thread's forward and backward) add to the CPU pass: GPT-2 1.5B at
 # fraction 1, backward mode, 128 MiB against 64 MiB: 553-585 against 633-765 ms in two runs;
 # delayed, 256 MiB: 1.13x -> 1.05x of the step's bound (benchmarks/RESULTS.md).
+# bf16 grads and weights over the link where the update allows it (Placer.link_dtype); the
+# tests turn it off to compare the two paths
+BF16_LINK = True
 BUCKET_NBYTES = {"step": 64 * 2**20, "backward": 128 * 2**20, "delayed": 256 * 2**20}
 
 
@@ -369,7 +372,8 @@ class Placer:
         tensors = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
         placements = place(infos, self.fraction, self.min_offload_numel,
                            self.master_weights, self.policy)  # fmt: skip
-        order = [(tensors[k], pl.name, pl.group, update_dtype(pl.dtype, self.master_weights))
+        order = [(tensors[k], pl.name, pl.group, update_dtype(pl.dtype, self.master_weights),
+                  self.link_dtype(pl.dtype))
                  for k, pl in reversed(list(enumerate(placements))) if pl.offloaded]  # fmt: skip
         align = BLOCK if self.rule.moments == "int8" else CUT_ALIGN  # whole blocks per segment
         arenas, buckets = build_arenas(order, self.bucket_nbytes, align)
@@ -476,6 +480,18 @@ class Placer:
     def device(self) -> torch.device:
         """The device of the params (one per rank: shards.check_setup)."""
         return local(self.param_groups[0]["params"][0]).device
+
+    def link_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype an offloaded param's grads and new weights cross the link in: bf16 for a
+        bf16 param whose update is offloadopt's kernel with an fp32 master (a compressed
+        representation: it reads bf16 grads and writes the bf16 weights itself, 2 bytes per
+        element each way instead of 4; bitwise the same, tests/test_link_dtype.py), else the
+        update dtype. torch's fused kernel (the fp32 default) takes grads in the master's dtype
+        only, so there they cross in fp32 and stay bitwise torch's."""
+        udt = update_dtype(param_dtype, self.master_weights)
+        if BF16_LINK and self.rule.compressed and param_dtype == torch.bfloat16 != udt:
+            return param_dtype
+        return udt
 
     def infos(self, group_indices: list[int]) -> list[ParamInfo]:
         """The placement policy's view of these groups' params."""

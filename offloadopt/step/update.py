@@ -150,25 +150,28 @@ class Updater:
             segs = [work.idx[j] for j in positions]
             columns = [[masters[i] for i in segs], [grads[j] for j in positions]]
             columns += [[s[i] for i in segs] for s in states]
-            where = None
+            where = out = None
             if self.rule.compressed:  # per segment: its param's salt, its first element
                 where = [(self.records[b.arena.params[b.segments[i].k]].salt, b.segments[i].lo)
                          for i in segs]  # fmt: skip
                 weights, gs, *ss = columns
+                if work.out is not None:  # the new weights in the link dtype (pipeline.py)
+                    out = [work.out[j] for j in positions]
             else:
                 (weights, gs, *ss), steps = _joined([b.segments[i] for i in segs], columns, steps)
             self.apply(hyper, weights, gs, ss, steps, host=True, first=first, amp=amp,
-                       where=where)  # fmt: skip
+                       where=where, out=out)  # fmt: skip
 
     def apply(self, hyper: Hyper, weights, grads, states, steps, *, host: bool, first: bool,
-              amp, where) -> None:  # fmt: skip
+              amp, where, out=None) -> None:  # fmt: skip
         """The rule over lists of same-device tensors (:meth:`offloadopt.rules.Rule.update`'s
         arguments): torch's fused kernel, or under a compressed representation offloadopt's
         own (:func:`offloadopt.kernels.adam.adam_update`; ``where``: per tensor its param's
-        rounding seed and its first element within the param)."""
+        rounding seed and its first element within the param; ``out``: None, or per tensor a
+        bf16 view where the new weights go, rounded to nearest even)."""
         if self.rule.compressed:
             adam_update(self.rule, hyper, weights, grads, states, steps, host=host, amp=amp,
-                        where=where)  # fmt: skip
+                        where=where, weights_out=out)  # fmt: skip
         else:
             self.rule.update(hyper, weights, grads, states, steps, host=host, first=first, amp=amp)
 

@@ -86,3 +86,48 @@ def test_a_checkpoint_resumes_bitwise_on_the_gpu(fraction):
     for p, q in zip(first, whole, strict=True):
         for k, v in a.state[q].items():
             torch.testing.assert_close(c.state[p][k], v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "hook",
+    [None, ("d2h",), ("h2d",), "worker"],
+    ids=["plain", "slow-d2h", "slow-h2d", "slow-worker"],
+)
+def test_bf16_over_the_link_is_the_fp32_links_bits_with_late_copies(hook, monkeypatch):
+    """int8 moments, fp32 masters, bf16 params: grads cross D2H and weights H2D in bf16, the
+    weights written over the grads in the host slot (transfer.py). Small buckets and two slots:
+    each slot's next D2H must wait for the H2D that reads it (Slot.host_read), which late
+    copies would expose. Bitwise the fp32 link's result; half its bytes."""
+    import time
+
+    from offloadopt.place import placer
+
+    def go(link):
+        monkeypatch.setattr(placer, "BF16_LINK", link)
+        params = params_on("cuda")
+        opt = HybridAdamW(params, lr=1e-2, state_dtype="int8", offload_fraction=1.0,
+                          min_offload_numel=1, bucket_nbytes=64 * 1024)  # fmt: skip
+        assert len(opt.buckets) > 4
+        for tr in opt.debug.pipeline.transfers.values():
+            if isinstance(hook, tuple):
+                tr.side_stream_hook = lambda kind: kind in hook and torch.cuda._sleep(20_000_000)
+        if hook == "worker":
+            opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.005)
+        bytes_seen = []
+        for step in range(4):
+            g = torch.Generator().manual_seed(100 + step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype).to(p.device)
+            opt.step()
+            # the next step's grads are made while the H2Ds run: a reused slot must wait
+            bytes_seen.append((opt.stats["d2h_nbytes"], opt.stats["h2d_nbytes"]))
+        torch.cuda.synchronize()
+        assert check_pinned(opt) == []
+        out = [p.detach().cpu() for p in params], bytes_seen
+        opt.close()
+        return out
+
+    (w1, n1), (w0, n0) = go(True), go(False)
+    for a, b in zip(w1, w0, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert all(d == d0 // 2 and h == h0 // 2 for (d, h), (d0, h0) in zip(n1, n0, strict=True))
