@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|kprobe|linktests|audit8|sweep8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -27,6 +27,37 @@ for part in "${@:-all}"; do
     python3 -c "import time; from offloadopt import kernels; t = time.time(); kernels.load(); print(f'kernel build {time.time() - t:.1f} s')"
     timeout 150 python3 -m pytest tests/cuda/test_compressed_cuda.py tests/cuda/test_device_path_cuda.py \
       -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest_compressed.log" | tail -6
+  fi
+  if [[ $part == linktests ]]; then
+    # the transfer path after bf16 over the link: every CUDA test of the pipeline and the scaler
+    timeout 300 python3 -m pytest tests/cuda/test_optim_cuda.py tests/cuda/test_amp_cuda.py \
+      -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest_link.log" | tail -6
+  fi
+  if [[ $part == kprobe ]]; then
+    # the CPU kernel's scaling with threads (2e8 params): compute- or bandwidth-bound per thread?
+    lscpu | grep -E "Model name|Socket|Core|Thread|NUMA node|MHz|L2|L3" | tee "$OUT/lscpu.txt"
+    for t in 1 2 4 8 16; do
+      timeout 60 python3 benchmarks/cpu_kernel.py --numel 2e8 --threads $t --repeats 3 \
+        --modes "fp32m int8 state" "bf16m int8 state" 2>&1 | tail -3 | tee -a "$OUT/kprobe.log"
+    done
+  fi
+  if [[ $part == audit8 ]]; then
+    # the audit with int8 moments (fp32 masters): link bytes per param and pageable copies
+    timeout 200 python3 -m offloadopt audit --device cuda --preset gpt2-xl --batch-size 4 --seq-len 1024 \
+      --offload-fraction 1 --mode backward --state-dtype int8 --json "$OUT/audit8.json" 2>&1 | tee "$OUT/audit8.log" | tail -12
+  fi
+  if [[ $part == sweep8 ]]; then
+    # issue 29's sweep: int8 moments against fp32 in one process, fraction 0 of each, backward
+    # mode unclipped and clipped in the optimizer
+    timeout 560 python3 benchmarks/overlap_bench.py --no-memory --no-probe --warmup 3 --steps 6 --out "$OUT/sweep8" \
+      --only f0 "f0 int8" "backward f0.2" "backward f0.3" "backward f0.2 int8" "backward f0.3 int8" \
+      "backward f0.4 int8" "backward f0.5 int8" "backward f0.2 clip int8" "backward f0.3 clip int8" \
+      "backward f0.4 clip int8" 2>&1 | tee "$OUT/sweep8.log" | tail -16
+  fi
+  if [[ $part == delayed8 ]]; then
+    # issue 29: the delayed update at batch 16 with int8 moments against torchao, one process
+    timeout 420 python3 benchmarks/overlap_bench.py --batch-size 16 --no-memory --no-probe --out "$OUT/delayed8" \
+      --only f0 "delayed f1" "delayed f1 int8" "delayed f1 sr8" torchao 2>&1 | tee "$OUT/delayed8.log" | tail -10
   fi
   if [[ $part == compressed ]]; then
     # compressed optimizer state, speed: the kernel against torch's fused fp32 AdamW over GPT-2

@@ -14,6 +14,7 @@ import gc
 import importlib
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -71,10 +72,18 @@ def derived(name: str, known: dict[str, dict]) -> dict:
     (sys.setswitchinterval of N ms), ``fifo`` (the worker takes queued buckets in the order
     they were fed, as before pipeline.StepRun took the forward's first), ``perseg`` (one
     kernel operand per segment, as before update._joined joined back-to-back ones), ``base``
-    (HybridAdamW of the baseline package ``offloadopt_base`` under ``--baseline-dir``), e.g.
-    "backward f0.2 threads8 switch1". Raises ValueError for a name that is none of these."""
+    (HybridAdamW of the baseline package ``offloadopt_base`` under ``--baseline-dir``),
+    ``int8`` / ``sr8`` (compressed state: :data:`STATES`), e.g. "backward f0.2 threads8 switch1". Raises ValueError for a name that is none of these."""
     if name in known:
         return known[name]
+    fixed = re.fullmatch(r"(backward|delayed) f(0?\.\d+|1)( clip)?", name)
+    if fixed:  # a fraction off the sweep's grid: "backward f0.4", "backward f0.45 clip"
+        mode, f, clip = fixed.groups()
+        if mode == "delayed":
+            return dict(
+                fraction=float(f), overlap="delayed", **({"max_grad_norm": 1.0} if clip else {})
+            )
+        return dict(fraction=float(f), **(CLIPPED if clip else BEST))
     base, _, last = name.rpartition(" ")
     if base and last == "fifo":  # the worker takes queued buckets in feed order (before 2026-12-01)
         return {**derived(base, known), "fifo": True}
@@ -82,6 +91,8 @@ def derived(name: str, known: dict[str, dict]) -> dict:
         return {**derived(base, known), "perseg": True}
     if base and last == "base":  # the baseline package (gpu_run.sh's "ab" says how it is made)
         return {**derived(base, known), "base": True}
+    if base and last in STATES:  # a compressed representation (docs/compressed-state.md)
+        return {**derived(base, known), **STATES[last]}
     for prefix, key, unit in (("threads", "cpu_threads", 1), ("bucket", "bucket_nbytes", 2**20),
                               ("switch", "switch_s", 1e-3)):  # fmt: skip
         if base and last.startswith(prefix) and last[len(prefix) :].replace(".", "", 1).isdigit():
@@ -91,7 +102,13 @@ def derived(name: str, known: dict[str, dict]) -> dict:
                 raise ValueError(f"--only: {name!r}: {last!r} needs a number above 0")
             return {**derived(base, known), key: value}
     raise ValueError(f"--only: {name!r} is no configuration, nor one followed by variant words "
-                     "(threadsN, bucketN, switchN, fifo, perseg, base); --help lists the names")  # fmt: skip
+                     "(threadsN, bucketN, switchN, fifo, perseg, base, int8, sr8); --help lists the names")  # fmt: skip
+
+
+# Variant words for compressed optimizer state: "int8" (int8 moments, fp32 masters) and "sr8"
+# (int8 moments, bf16 masters rounded stochastically), e.g. "backward f0.3 int8".
+STATES = {"int8": dict(state_dtype="int8"),
+          "sr8": dict(state_dtype="int8", master_weights="bf16-sr")}  # fmt: skip
 
 
 # offload_fraction="auto" needs its probe, move and verify steps before the timed ones.

@@ -32,6 +32,10 @@ def test_overlap_bench_variants_add_options_to_a_known_configuration():
         "base": True,
     }
     assert overlap_bench.derived("f0", known) is known["f0"]
+    assert overlap_bench.derived("backward f0.4 clip int8", known) == {
+        **overlap_bench.CLIPPED, "fraction": 0.4, "state_dtype": "int8"}  # fmt: skip
+    assert overlap_bench.derived("delayed f1 sr8", known) == {
+        **known["delayed f1"], "state_dtype": "int8", "master_weights": "bf16-sr"}  # fmt: skip
     with pytest.raises(ValueError, match="'backward f0.2 threads'"):
         overlap_bench.derived("backward f0.2 threads", known)  # no number: not a variant
     with pytest.raises(ValueError, match="'nonsense f9'"):
