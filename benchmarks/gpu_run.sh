@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|kprobe|linktests|audit8|sweep8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -53,6 +53,11 @@ for part in "${@:-all}"; do
       --only f0 "f0 int8" "backward f0.2" "backward f0.3" "backward f0.2 int8" "backward f0.3 int8" \
       "backward f0.4 int8" "backward f0.5 int8" "backward f0.2 clip int8" "backward f0.3 clip int8" \
       "backward f0.4 clip int8" 2>&1 | tee "$OUT/sweep8.log" | tail -16
+  fi
+  if [[ $part == ab8 ]]; then
+    # the step at fraction 1 (backward), fp32 against int8 (bf16 over the link) and bf16-sr + int8
+    timeout 240 python3 benchmarks/ab_step.py --settings fp32 int8-moments bf16-sr+int8 --overlap backward \
+      --fraction 1 --inits gpt2-init --warmup 3 --steps 6 --rounds 2 --out "$OUT/ab" 2>&1 | tee "$OUT/ab.log" | tail -8
   fi
   if [[ $part == delayed8 ]]; then
     # issue 29: the delayed update at batch 16 with int8 moments against torchao, one process
