@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated rows of MODES")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     ap.add_argument("--per-tensor", action="store_true", help="also the per-tensor reference")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each compiled row, one step under torch.profiler: top kernels")  # fmt: skip
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -112,7 +114,24 @@ def main() -> None:
         for label, fn in rows:
             ms = timed(functools.partial(fn, **args), a.repeats, a.device)
             print(f"{name + ': ' + label:44s} {ms:10.2f} ms")
+            if a.profile and label == "flat, compiled":
+                profile(functools.partial(fn, **args))
         del args
+
+
+def profile(fn) -> None:
+    """One call of ``fn`` under torch.profiler: the kernels by GPU time, and the wall time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) * 1e3
+    print(f"  profiled step: {wall:.2f} ms wall")
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 def time_fused(sizes: list[int], repeats: int, device: str) -> float:
