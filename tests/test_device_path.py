@@ -343,3 +343,34 @@ def test_the_device_step_setting_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("OFFLOADOPT_DEVICE_STEP", "fast")
     with pytest.raises(ValueError, match="OFFLOADOPT_DEVICE_STEP='fast'"):
         adam.compile_device_step(torch.device("cuda", 0))
+
+
+def test_mastered_params_update_in_one_call_with_bf16_grads_and_weights_out(monkeypatch):
+    """Device-resident bf16 params with fp32 masters under int8 state: one update call per
+    group, whatever bucket_nbytes (it chunked by it: GPT-2 1.5B's device update took about
+    115 ms more than torch's on the GPU host), with the bf16 grads as they are (no fp32 copies)
+    and the params themselves as weights_out; the same bits as the chunked fp32-grad path,
+    which a clip factor still takes."""
+    import offloadopt.step.update as update
+
+    seen = []
+    real = adam.adam_update
+
+    def spy(*args, **k):
+        grads = args[3]
+        seen.append((len(grads), {g.dtype for g in grads}, k.get("weights_out") is not None))
+        return real(*args, **k)
+
+    monkeypatch.setattr(update, "adam_update", spy)
+    one = make_params(torch.bfloat16)
+    _train(one, 0.0, state_dtype="int8", bucket_nbytes=1024)
+    groups = 3  # oracle.groups_of
+    assert len(seen) == 4 * groups  # one call per group and step
+    assert all(dtypes == {torch.bfloat16} and out for _, dtypes, out in seen)
+    # the chunked path (a clip factor of exactly 1: max_grad_norm far above the norm)
+    seen.clear()
+    chunked = make_params(torch.bfloat16)
+    _train(chunked, 0.0, state_dtype="int8", bucket_nbytes=1024, max_grad_norm=1e9)
+    assert len(seen) > 4 * groups and all(d == {torch.float32} for _, d, _ in seen)
+    for p, q in zip(one, chunked, strict=True):
+        same_bits(p.detach(), q.detach(), "one call vs chunked")
