@@ -49,10 +49,10 @@ for part in "${@:-all}"; do
   if [[ $part == sweep8 ]]; then
     # issue 29's sweep: int8 moments against fp32 in one process, fraction 0 of each, backward
     # mode unclipped and clipped in the optimizer
-    timeout 560 python3 benchmarks/overlap_bench.py --no-memory --no-probe --warmup 3 --steps 6 --out "$OUT/sweep8" \
-      --only f0 "f0 int8" "backward f0.2" "backward f0.3" "backward f0.2 int8" "backward f0.3 int8" \
-      "backward f0.4 int8" "backward f0.5 int8" "backward f0.2 clip int8" "backward f0.3 clip int8" \
-      "backward f0.4 clip int8" 2>&1 | tee "$OUT/sweep8.log" | tail -16
+    timeout 560 python3 benchmarks/overlap_bench.py --no-memory --no-probe --warmup 3 --steps 8 --out "$OUT/sweep8" \
+      --only f0 "f0 int8" "backward f0.2" "backward f0.3" "backward f0.1 int8" "backward f0.2 int8" \
+      "backward f0.3 int8" "backward f0.4 int8" "backward f0.5 int8" "backward f0.1 clip int8" \
+      "backward f0.2 clip int8" "backward f0.3 clip int8" 2>&1 | tee "$OUT/sweep8.log" | tail -16
   fi
   if [[ $part == ab8 ]]; then
     # the step at fraction 1 (backward), fp32 against int8 (bf16 over the link) and bf16-sr + int8
