@@ -32,9 +32,10 @@ MODES = {
 }
 
 
-def gpt2_124m_numels() -> list[int]:
-    """The numel of each of GPT-2 124M's 148 parameters (tied embedding counted once)."""
-    d, vocab, ctx, layers = 768, 50257, 1024, 12
+def gpt2_124m_numels(d: int = 768, layers: int = 12) -> list[int]:
+    """The numel of each of GPT-2 124M's 148 parameters (tied embedding counted once); with
+    ``d=1600, layers=48`` GPT-2 1.5B's 580."""
+    vocab, ctx = 50257, 1024
     block = [d, d, d * 3 * d, 3 * d, d * d, d, d, d, d * 4 * d, 4 * d, 4 * d * d, d]
     return [vocab * d, ctx * d] + block * layers + [d, d]
 
@@ -94,15 +95,17 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated rows of MODES")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     ap.add_argument("--per-tensor", action="store_true", help="also the per-tensor reference")
+    ap.add_argument("--xl", action="store_true", help="GPT-2 1.5B's shapes (1.56e9 elements)")
     ap.add_argument("--profile", action="store_true",
                     help="after each compiled row, one step under torch.profiler: top kernels")  # fmt: skip
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     scale = a.scale or (1 if a.device.startswith("cuda") else 20)
-    sizes = [max(1, n // scale) for n in gpt2_124m_numels()]
-    print(f"device {a.device}  {len(sizes)} tensors  {sum(sizes):,} elements (GPT-2 124M / "
-          f"{scale})  torch {torch.__version__}  threads {torch.get_num_threads()}")  # fmt: skip
+    shapes = gpt2_124m_numels(1600, 48) if a.xl else gpt2_124m_numels()
+    sizes = [max(1, n // scale) for n in shapes]
+    print(f"device {a.device}  {len(sizes)} tensors  {sum(sizes):,} elements (GPT-2 "
+          f"{'1.5B' if a.xl else '124M'} / {scale})  torch {torch.__version__}  threads {torch.get_num_threads()}")  # fmt: skip
     print(f"{'torch fused AdamW fp32':44s} {time_fused(sizes, a.repeats, a.device):10.2f} ms")
     for name in a.modes.split(","):
         args = make_args(sizes, MODES[name], a.device)
