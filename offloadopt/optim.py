@@ -653,12 +653,53 @@ class HybridOptimizer(Optimizer):
                 "this call holds weights one step older than these masters, and a resume from "
                 "the pair loses that step's update (fp32 params cannot even tell)",
             )
-        self.synchronize()
-        self._guards.check_snapshot()
-        sd = checkpoint.pack(super().state_dict(), on_device=self._snapshot_on_device)
+        sd = checkpoint.pack(self._snapshot_source(), on_device=self._snapshot_on_device)
         sd = checkpoint.export_moments(sd, self.rule)  # fp32 under torch's keys
         params = [p for g in self.param_groups for p in g["params"]]
         return checkpoint.wrap_shards(checkpoint.drop_placement(sd), params)
+
+    def _snapshot_source(self) -> dict[str, Any]:
+        """torch's ``state_dict()`` layout over the live state tensors, once every update has
+        landed (``state_dict()`` copies it; ``save_streamed`` writes it as it is)."""
+        self.synchronize()
+        self._guards.check_snapshot()
+        return super().state_dict()
+
+    def save_streamed(self, path: str, model: torch.nn.Module | None = None,
+                      extra: Any = None) -> int:  # fmt: skip
+        """Write the state to the folder ``path`` one tensor at a time, through
+        ``torch.distributed.checkpoint``, with ``model.state_dict()`` and ``extra`` (any
+        object ``torch.load(weights_only=True)`` reads) when given; returns the bytes written.
+
+        For models whose state does not fit twice in host memory: ``state_dict()`` copies
+        every state tensor to the host (and decodes int8 moments to fp32 beside their codes);
+        this writes the live tensors in the stored representation, with one tensor in flight
+        (offloadopt/state/streamed.py, docs/checkpoints.md). A temporary folder beside
+        ``path`` is renamed into place: an interrupt leaves the previous checkpoint or the new
+        one. Read it back with :meth:`load_streamed` (not with ``torch.optim.AdamW``).
+
+        Raises:
+            NotImplementedError: FSDP2 (DTensor) params. OSError: the folder could not be
+                written (a previous checkpoint at ``path`` is kept).
+        """
+        from offloadopt.state import streamed
+
+        return streamed.save(self, path, model, extra)
+
+    def load_streamed(self, path: str, model: torch.nn.Module | None = None) -> Any:
+        """Read a :meth:`save_streamed` folder into this optimizer (and ``model``'s tensors, in
+        place); returns the ``extra`` object saved with it, or None. The whole checkpoint is
+        checked against the optimizer and the model first, as ``load_state_dict`` checks a
+        dict; then it is read in chunks of at most 256 MiB of host memory.
+
+        Raises:
+            ValueError: not a streamed checkpoint, or one that does not fit (names what);
+                nothing was changed.
+            RuntimeError: as ``load_state_dict``.
+        """
+        from offloadopt.state import streamed
+
+        return streamed.load(self, path, model)
 
     @no_grad_whole  # no grad (copies record nothing); signals deferred around it
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -690,6 +731,15 @@ class HybridOptimizer(Optimizer):
             result = hook(self, sd)
             if result is not None:
                 sd = result
+        self._load_validated(sd)
+
+    def _load_validated(self, sd: Any, before: Callable[[], None] | None = None,
+                        real_entry: Callable[[int, dict], dict] | None = None) -> None:  # fmt: skip
+        """Validate ``sd`` whole, then copy it in (``load_state_dict``'s work after its
+        pre-hooks). ``before``: run once everything is validated, before the first copy (a
+        streamed load reads the model's weights there); ``real_entry(index, entry)``: the
+        entry with its tensors' values, where ``sd`` holds only their shapes (a streamed
+        load, offloadopt/state/streamed.py)."""
         groups = self.param_groups
         specs = [[(self._placer.record(p, g, gi, i).name, tuple(local(p).shape))
                   for i, p in enumerate(g["params"])] for gi, g in enumerate(groups)]  # fmt: skip
@@ -702,13 +752,15 @@ class HybridOptimizer(Optimizer):
             try:
                 self._timeline.discard(self.timeout_s)  # the bucket in hand lands first
                 self._scaling.pending_clip = None
+                if before is not None:
+                    before()
                 for g, s in zip(groups, saved_groups, strict=True):
                     g.update(checkpoint.merge_group(g, s, self.rule))
                 if (
                     self._placer.keys_changed()
                 ):  # a checkpoint of SGD with momentum into one built without
                     self._replace_for_keys()  # (a fresh user's finding: its buffers were dropped)
-                ignored_masters = self._updater.load_state(groups, saved_state)
+                ignored_masters = self._updater.load_state(groups, saved_state, real_entry)
             except BaseException:
                 self._timeline.refuse("load_state_dict() failed part-way")
                 raise

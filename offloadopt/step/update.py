@@ -304,12 +304,14 @@ class Updater:
             rec.home("master").copy_(local(p).detach())  # fp32 offloaded: the param is the truth
             rec.mark_written(p)
 
-    def load_state(self, groups: list[dict[str, Any]], saved_state: dict[int, dict]) -> bool:
+    def load_state(self, groups: list[dict[str, Any]], saved_state: dict[int, dict],
+                   real_entry: Callable[[int, dict], dict] | None = None) -> bool:  # fmt: skip
         """Copy validated saved state (:func:`offloadopt.state.checkpoint.validate`'s, by param
         position over ``groups``, the optimizer's param groups) into each param's state; a
         param with no saved entry loses its state (made again at its next grad, as in torch).
-        Returns whether the saved state carried masters that were ignored (a param that keeps
-        none here)."""
+        ``real_entry(index, entry)``: the entry with its values, where ``saved_state`` holds
+        only shapes (a streamed load). Returns whether the saved state carried masters that
+        were ignored (a param that keeps none here)."""
         ignored_masters = False
         params = [p for g in groups for p in g["params"]]
         for index, p in enumerate(params):
@@ -317,6 +319,8 @@ class Updater:
             if entry is None:
                 self.state.pop(p, None)
                 continue
+            if real_entry is not None:
+                entry = real_entry(index, entry)
             self.load_entry(p, self.records[p], entry)
             ignored_masters |= entry.get("master") is not None and "master" not in self.state[p]
         return ignored_masters
