@@ -65,6 +65,53 @@ def test_resume_continues_an_interrupted_run_bit_for_bit(tmp_path, capsys, monke
         assert resumed[key] == summary[key], key  # the full floats, exactly
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--overlap", "delayed"], ["--dtype", "bf16", "--state-dtype", "int8",
+                                     "--offload-fraction", "0.5"]],
+    ids=str,
+)  # fmt: skip
+def test_a_streamed_checkpoint_resumes_bit_for_bit(tmp_path, capsys, monkeypatch, flags):
+    """--checkpoint-format streamed: a folder written by HybridAdamW.save_streamed, replaced
+    whole at each save; --resume reads it; the losses are the uninterrupted run's."""
+    from offloadopt.state.streamed import read_extra
+
+    argv = [*ARGS, *flags]
+    status, whole, summary = _run(capsys, argv)
+    assert status == 0
+    ck = str(tmp_path / "run")
+    real_get_batch = _interrupt_at_step(monkeypatch, N + 1)
+    status, first, _ = _run(capsys, [*argv, "--save", ck, "--save-every", "1",
+                                     "--checkpoint-format", "streamed"])  # fmt: skip
+    monkeypatch.setattr(train, "get_batch", real_get_batch)
+    assert status == 130 and read_extra(ck)["step"] == N
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # replaced whole, nothing left
+    status, rest, resumed = _run(capsys, [*argv, "--resume", ck])
+    assert status == 0 and {**first, **rest} == whole
+    assert resumed["final_heldout_loss"] == summary["final_heldout_loss"]
+
+
+def test_checkpoint_format_refusals_name_the_values(tmp_path, capsys):
+    f = tmp_path / "file.pt"
+    f.write_bytes(b"x")
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    cases = [
+        ([*ARGS, "--save", str(f), "--checkpoint-format", "streamed"], "is a file"),
+        ([*ARGS, "--optimizer", "adamw", "--save", str(tmp_path / "a"), "--checkpoint-format",
+          "streamed"], "only HybridAdamW"),
+        ([*ARGS, "--resume", str(folder)], "no streamed checkpoint"),
+        ([*ARGS, "--save", str(folder)], "is a folder"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        try:
+            status = main(argv)
+        except SystemExit as e:  # argparse's check of the value
+            status = e.code
+        assert status == 2
+        assert message in capsys.readouterr().err, message
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_delayed_saving_and_evaluating_do_not_change_the_losses(tmp_path, capsys, monkeypatch,
                                                                  dtype):  # fmt: skip

@@ -230,6 +230,26 @@ def output_file(value: Any) -> str:
     return str(path)
 
 
+def checkpoint_path(value: Any) -> str:
+    """Where ``--save`` writes: a file name (:func:`output_file`), or an existing streamed
+    checkpoint folder (one with an ``index.pt``, which the next save replaces whole)."""
+    path = _path(value)
+    if path.is_dir() and (path / "index.pt").is_file():
+        _writable_folder(path.parent, repr(str(path)))
+        return str(path)
+    return output_file(value)
+
+
+def checkpoint_input(value: Any) -> str:
+    """A checkpoint to read: a file (:func:`input_file`), or a streamed checkpoint folder."""
+    path = _path(value)
+    if path.is_dir():
+        if not (path / "index.pt").is_file():
+            raise UsageError(f"{str(path)!r} is a folder but no streamed checkpoint (no index.pt)")
+        return str(path)
+    return input_file(value)
+
+
 def chrome_trace_file(value: Any) -> str:
     """An :func:`output_file` for a Chrome trace (JSON, ``export_chrome_trace``): its name ends
     in ``.json``, or ``.json.gz`` (torch compresses by the name)."""

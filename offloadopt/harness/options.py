@@ -101,6 +101,9 @@ class TrainConfig:
     max_gpu_memory: int | None = None  # HybridAdamW: a GPU budget (bytes); it picks the fraction
     save: str | None = None  # checkpoint file, written at the end and every save_every steps
     save_every: int = 0  # with save: also every this many steps (0: only at the end)
+    # "file": one torch.save file of state_dict(); "streamed": a folder written by
+    # HybridAdamW.save_streamed from the live state (no second copy in host memory)
+    checkpoint_format: str = "file"
     resume: str | None = None  # checkpoint file of an earlier run (same settings) to continue
     tensorboard: str | None = None  # folder for TensorBoard event files (needs tensorboard)
 
@@ -223,6 +226,25 @@ class TrainConfig:
                 f"--save-every {cfg.save_every}: how often to write the --save checkpoint, so it "
                 "needs --save PATH"
             )
+        if cfg.checkpoint_format == "streamed" and cfg.optimizer != "hybrid":
+            raise UsageError(
+                f"--checkpoint-format streamed with --optimizer {cfg.optimizer}: only HybridAdamW "
+                "writes streamed checkpoints; use --checkpoint-format file"
+            )
+        if cfg.save is not None and os.path.isdir(cfg.save) and cfg.checkpoint_format != "streamed":
+            raise UsageError(
+                f"--save {cfg.save} is a streamed checkpoint folder; --checkpoint-format file "
+                "writes one file (give a file name, or --checkpoint-format streamed)"
+            )
+        if (
+            cfg.save is not None
+            and os.path.isfile(cfg.save)
+            and cfg.checkpoint_format == "streamed"
+        ):
+            raise UsageError(
+                f"--save {cfg.save} is a file; --checkpoint-format streamed writes a folder and "
+                "does not replace a file (give another name)"
+            )
         for flag, value in (("--save", cfg.save), ("--resume", cfg.resume)):
             if value is not None and cfg.parallel != "none":
                 raise UsageError(
@@ -262,9 +284,9 @@ FIELD_CHECKS = {
     "eval_every": checks.positive_int,
     "eval_batches": checks.positive_int,
     "log_every": checks.positive_int,
-    "save": checks.output_file,
+    "save": checks.checkpoint_path,
     "save_every": checks.nonneg_int,
-    "resume": checks.input_file,
+    "resume": checks.checkpoint_input,
     "tensorboard": checks.out_dir,
 }
 
@@ -296,6 +318,7 @@ HELP = {
     "log_every": "one log line every N steps (default: %(default)s)",
     "save": "write a checkpoint (model, optimizer state, step, batch sampler, settings) to this file at the end, and every --save-every steps; each write is whole (a temporary file beside it, then a rename)",
     "save_every": "with --save: also write it every N steps; 0: only at the end (default: %(default)s)",
+    "checkpoint_format": "file: one torch.save file of the optimizer's state_dict(); streamed (HybridAdamW): a folder written in parts from the live state, with no second copy of it in host memory, for models near the machine's limits (default: %(default)s)",
     "resume": "continue from a --save checkpoint; the other settings must be the saved run's (log and save options aside), and the losses are then those of an uninterrupted run",
     "tensorboard": "also write the losses, learning rate and step times as TensorBoard events in this folder (needs tensorboard)",
 }  # fmt: skip
@@ -308,7 +331,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     choices = {"preset": list(PRESETS), "optimizer": list(OPTIMIZERS), "dtype": list(DTYPE_NAMES),
                "overlap": list(OVERLAPS), "state_dtype": list(STATE_DTYPES),
-               "master_weights": list(MASTERS)}  # fmt: skip
+               "master_weights": list(MASTERS), "checkpoint_format": ["file", "streamed"]}  # fmt: skip
     for name, help_text in HELP.items():
         kwargs = {"choices": choices[name]} if name in choices else {"type": FIELD_CHECKS[name]}
         metavar = {"data": "FILE", "save": "PATH", "resume": "PATH", "tensorboard": "DIR"}

@@ -321,8 +321,13 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
     start = 1
     schedule = DelayedSchedule(model, opt)  # evaluations and checkpoints keep the delayed update's
     if resume is not None:
-        model.load_state_dict(resume["model"])
-        opt.load_state_dict(resume["optimizer"])
+        t = time.perf_counter()
+        if resume.get("streamed"):
+            opt.load_streamed(cfg.resume, model=model)
+        else:
+            model.load_state_dict(resume["model"])
+            opt.load_state_dict(resume["optimizer"])
+        log.info(f"loaded: {cfg.resume} in {time.perf_counter() - t:.2f} s")
         schedule.resume(resume.get("delayed_weights", {}), cfg.resume)
         gen.set_state(resume["generator"])
         torch.set_rng_state(resume["torch_rng"])
@@ -399,8 +404,10 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
                 step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)
             ):
                 stale = schedule.newest()
-                save_checkpoint(cfg.save, cfg, step, model, opt, gen, first_loss, stale)
-                log.info(f"saved: {cfg.save} at step {step}")
+                t = time.perf_counter()
+                nbytes = save_checkpoint(cfg.save, cfg, step, model, opt, gen, first_loss, stale)
+                log.info(f"saved: {cfg.save} at step {step} ({nbytes / 1e9:.3f} GB in "
+                         f"{time.perf_counter() - t:.2f} s)")  # fmt: skip
             if step < cfg.steps:
                 schedule.keep_delay()  # after an evaluation or a checkpoint: the delay goes on
             bar.set_postfix(loss=f"{train_loss:.3f}", refresh=False)

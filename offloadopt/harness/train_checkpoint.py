@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
@@ -23,14 +24,17 @@ CHECKPOINT_VERSION = 1
 # The TrainConfig fields a resumed run may change: where and how often it logs and saves.
 # Every other field must be the saved run's (they decide the losses).
 RESUME_MAY_CHANGE = ("progress", "eval_every", "eval_batches", "log_every", "save",
-                     "save_every", "resume", "tensorboard")  # fmt: skip
+                     "save_every", "resume", "tensorboard", "checkpoint_format")  # fmt: skip
 
 
 def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: torch.Generator,
-                    first_loss: float, delayed_weights: dict | None = None) -> None:  # fmt: skip
+                    first_loss: float, delayed_weights: dict | None = None) -> int:  # fmt: skip
     """Write the run's state after ``step`` to ``path`` whole: ``torch.save`` into a temporary
     file in the same folder, flushed to disk, then ``os.replace``, so an interrupt (Ctrl-C,
     SIGTERM, a full disk) leaves either the previous checkpoint or the new one, never half a file.
+    With ``cfg.checkpoint_format == "streamed"`` a folder instead, written by
+    ``opt.save_streamed`` (the same guarantee; everything but the model and the optimizer goes
+    in its ``extra``). Returns the bytes written.
 
     Holds the model's ``state_dict``, the optimizer's (after ``synchronize()`` in delayed mode),
     ``step``, the batch sampler's generator state, torch's global RNG state, the resolved config
@@ -45,14 +49,15 @@ def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: tor
         "version": CHECKPOINT_VERSION,
         "step": step,
         "config": asdict(cfg),
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
         "generator": gen.get_state(),
         "torch_rng": torch.get_rng_state(),
         "first_train_loss": first_loss,
         "delayed_weights": dict(delayed_weights or {}),
         "torch": str(torch.__version__),
     }
+    if cfg.checkpoint_format == "streamed":
+        return opt.save_streamed(path, model=model, extra=payload)
+    payload.update(model=model.state_dict(), optimizer=opt.state_dict())
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
                        f".{os.path.basename(path)}.{os.getpid()}.tmp")  # fmt: skip
     try:
@@ -65,6 +70,7 @@ def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: tor
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return os.path.getsize(path)
 
 
 def load_checkpoint(path: str, cfg: TrainConfig) -> dict:
@@ -75,6 +81,24 @@ def load_checkpoint(path: str, cfg: TrainConfig) -> dict:
     differing ``--flag`` with both values), or one already at ``cfg.steps``.
     """
     name = f"--resume: {path!r}"
+    if os.path.isdir(path):  # a streamed checkpoint: its extra is the payload
+        from offloadopt.state.streamed import read_extra
+
+        try:
+            ck = read_extra(path)
+        except ValueError as e:
+            raise UsageError(f"{name}: {e}") from None
+        if isinstance(ck, dict):
+            ck = {**ck, "streamed": True}
+        if cfg.optimizer != "hybrid":
+            raise UsageError(f"{name} is a streamed checkpoint, which only --optimizer hybrid "
+                             "reads")  # fmt: skip
+    else:
+        ck = _load_file(path, name)
+    return _checked(ck, cfg, name)
+
+
+def _load_file(path: str, name: str) -> Any:
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
     except OSError as e:
@@ -84,6 +108,10 @@ def load_checkpoint(path: str, cfg: TrainConfig) -> dict:
             f"{name} is not a checkpoint of offloadopt train (--save writes one; "
             f"torch.load: {type(e).__name__})"
         ) from None
+    return ck
+
+
+def _checked(ck: Any, cfg: TrainConfig, name: str) -> dict:
     if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT:
         raise UsageError(f"{name} is not a checkpoint of offloadopt train (--save writes one)")
     if ck.get("version") != CHECKPOINT_VERSION:
