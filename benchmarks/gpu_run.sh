@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|streamed|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -32,6 +32,18 @@ for part in "${@:-all}"; do
     # the transfer path after bf16 over the link: every CUDA test of the pipeline and the scaler
     timeout 300 python3 -m pytest tests/cuda/test_optim_cuda.py tests/cuda/test_amp_cuda.py \
       -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest_link.log" | tail -6
+  fi
+  if [[ $part == streamed ]]; then
+    # streamed checkpoints of the main job: GPT-2 1.5B, int8 state, fraction 0.5; save at step
+    # 4 (bytes, seconds), resume in a fresh process to step 6 (seconds); host peak RSS of each
+    rm -rf /tmp/ck-xl
+    for args in "--steps 4 --save /tmp/ck-xl" "--steps 6 --resume /tmp/ck-xl"; do
+      /usr/bin/time -f "peak RSS %M KB" timeout 240 python3 -m offloadopt train --device cuda --preset gpt2-xl \
+        --dtype bf16 --state-dtype int8 --offload-fraction 0.5 --checkpoint-format streamed \
+        --batch-size 4 --seq-len 1024 --eval-every 100 --log-every 1 --no-progress $args 2>&1 \
+        | grep -E "saved|loaded|resumed|^step|peak RSS|Error|error" | tee -a "$OUT/streamed.log"
+    done
+    du -sb /tmp/ck-xl | tee -a "$OUT/streamed.log"
   fi
   if [[ $part == kprobe ]]; then
     # the CPU kernel's scaling with threads (2e8 params): compute- or bandwidth-bound per thread?

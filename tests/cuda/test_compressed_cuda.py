@@ -131,3 +131,31 @@ def test_bf16_over_the_link_is_the_fp32_links_bits_with_late_copies(hook, monkey
     for a, b in zip(w1, w0, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert all(d == d0 // 2 and h == h0 // 2 for (d, h), (d0, h0) in zip(n1, n0, strict=True))
+
+
+@pytest.mark.parametrize("kw", [{}, dict(state_dtype="int8")], ids=["fp32", "int8"])
+def test_a_streamed_checkpoint_resumes_bitwise_on_the_gpu(kw, tmp_path):
+    """save_streamed / load_streamed with device-resident and offloaded state on CUDA: the
+    device tensors copied to the host part by part, read back into the GPU state."""
+    params = params_on("cuda")
+    opt = run(params, 3, HybridAdamW(params, lr=1e-2, min_offload_numel=1000,
+                                     offload_fraction=0.5, **kw))  # fmt: skip
+    assert any(not opt.debug.records[p].offloaded for p in params)
+    assert any(opt.debug.records[p].offloaded for p in params)
+    opt.save_streamed(str(tmp_path / "ck"))
+    run(params, 3, opt)
+    torch.cuda.synchronize()
+    expected = [p.detach().cpu() for p in params]
+    fresh = params_on("cuda", seed=0)
+    # the weights at the save: three steps of the first run
+    run(fresh, 3, HybridAdamW(fresh, lr=1e-2, min_offload_numel=1000, offload_fraction=0.5, **kw))
+    other = HybridAdamW(fresh, lr=1e-2, min_offload_numel=1000, offload_fraction=0.5, **kw)
+    other.load_streamed(str(tmp_path / "ck"))
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 + step)
+        for p in fresh:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype).to(p.device)
+        other.step()
+    torch.cuda.synchronize()
+    for a, b in zip(fresh, expected, strict=True):
+        torch.testing.assert_close(a.detach().cpu(), b, rtol=0, atol=0)
