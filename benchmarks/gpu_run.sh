@@ -37,11 +37,12 @@ for part in "${@:-all}"; do
     # streamed checkpoints of the main job: GPT-2 1.5B, int8 state, fraction 0.5; save at step
     # 4 (bytes, seconds), resume in a fresh process to step 6 (seconds); host peak RSS of each
     rm -rf /tmp/ck-xl
+    T=""; [[ -x /usr/bin/time ]] && T="/usr/bin/time -f peak_RSS_%M_KB"
     for args in "--steps 4 --save /tmp/ck-xl" "--steps 6 --resume /tmp/ck-xl"; do
-      /usr/bin/time -f "peak RSS %M KB" timeout 240 python3 -m offloadopt train --device cuda --preset gpt2-xl \
+      $T timeout 240 python3 -m offloadopt train --device cuda --preset gpt2-xl \
         --dtype bf16 --state-dtype int8 --offload-fraction 0.5 --checkpoint-format streamed \
-        --batch-size 4 --seq-len 1024 --eval-every 100 --log-every 1 --no-progress $args 2>&1 \
-        | grep -E "saved|loaded|resumed|^step|peak RSS|Error|error" | tee -a "$OUT/streamed.log"
+        --batch-size 4 --seq-len 1024 --eval-every 100 --eval-batches 1 --log-every 1 --no-progress $args 2>&1 \
+        | grep -E "saved|loaded|resumed|^step|peak_RSS|Error|error" | tee -a "$OUT/streamed.log"
     done
     du -sb /tmp/ck-xl | tee -a "$OUT/streamed.log"
   fi
