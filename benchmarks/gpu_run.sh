@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|streamed|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -45,6 +45,11 @@ for part in "${@:-all}"; do
         | grep -E "saved|loaded|resumed|^step|peak_RSS|Error|error" | tee -a "$OUT/streamed.log"
     done
     du -sb /tmp/ck-xl | tee -a "$OUT/streamed.log"
+  fi
+  if [[ $part == prof8 ]]; then
+    # where fraction 0's step goes with int8 state against fp32 (the device-resident update)
+    timeout 240 python3 benchmarks/profile_modes.py --configs "step:0" "step:0:state_dtype='int8'" \
+      --warmup 3 --steps 2 --top 14 --out "$OUT/prof8" 2>&1 | tee "$OUT/prof8.log" | cut -c1-150 | tail -60
   fi
   if [[ $part == kprobe ]]; then
     # the CPU kernel's scaling with threads (2e8 params): compute- or bandwidth-bound per thread?
