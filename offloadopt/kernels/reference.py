@@ -249,18 +249,30 @@ def _gather(ts: list[torch.Tensor], pads: list[int]) -> torch.Tensor:
     """1-D tensors -> one flat tensor, tensor i followed by pads[i] zeros (torch.cat's dtype
     promotion where the dtypes differ)."""
     zeros = ts[0].new_zeros(max(pads) if pads else 0)
-    pieces = []
+    runs: dict[int, torch.Tensor] = {}  # one view per distinct pad (the device path is
+    pieces = []  # bound by its per-op overhead on the host: GPU-host profile, 2026-12-03)
     for t, pad in zip(ts, pads, strict=True):
         pieces.append(t)
         if pad:
-            pieces.append(zeros[:pad])
+            run = runs.get(pad)
+            if run is None:
+                run = runs[pad] = zeros[:pad]
+            pieces.append(run)
     return torch.cat(pieces)
 
 
 def _scatter(dst: list[torch.Tensor], flat: torch.Tensor, lengths: list[int]) -> None:
     """The inverse of _gather: the first numel of each padded range copied into dst."""
-    parts = torch.split(flat.reshape(-1), lengths)
-    torch._foreach_copy_(dst, [s[: d.numel()] for d, s in zip(dst, parts, strict=True)])
+    # one split into the data and pad ranges (a slice per padded tensor cost a dispatcher call
+    # each from Python: the device path is bound by those on the host)
+    sizes, keep = [], []
+    for d, n in zip(dst, lengths, strict=True):
+        keep.append(len(sizes))
+        sizes.append(d.numel())
+        if n > d.numel():
+            sizes.append(n - d.numel())
+    parts = torch.split(flat.reshape(-1), sizes)
+    torch._foreach_copy_(dst, [parts[k] for k in keep])
 
 
 def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
