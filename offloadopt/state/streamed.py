@@ -33,14 +33,15 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from offloadopt.state import checkpoint
 
-if TYPE_CHECKING:
-    from offloadopt.optim import HybridOptimizer
+# ``opt`` below is a HybridOptimizer (offloadopt/optim.py, which calls this module: not
+# imported here, the layers import downwards only)
+HybridOptimizer = Any
 
 __all__ = ["FORMAT", "VERSION", "PART_NBYTES", "save", "load", "read_extra"]
 
