@@ -359,3 +359,36 @@ def test_bf16_sr_without_a_bf16_param_says_it_does_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         HybridAdamW(mixed, lr=1e-2, master_weights="bf16-sr")
+
+
+def _conv_and_mixed(fraction, kind):
+    torch.manual_seed(0)
+    if kind == "channels-last-bf16":
+        m = torch.nn.Conv2d(16, 32, 3).to(torch.bfloat16).to(memory_format=torch.channels_last)
+        x = torch.randn(2, 16, 8, 8).to(torch.bfloat16).to(memory_format=torch.channels_last)
+    else:  # fp16 and bf16 params in one group, both with fp32 masters
+        m = torch.nn.Sequential(torch.nn.Linear(48, 40).half(), torch.nn.Linear(40, 8))
+        m[1].to(torch.bfloat16)
+        x = torch.randn(4, 48).half()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, state_dtype="int8", offload_fraction=fraction,
+                      min_offload_numel=1)  # fmt: skip
+    for _ in range(3):
+        out = m(x) if kind != "fp16-and-bf16" else m[1](m[0](x).to(torch.bfloat16))
+        out.float().square().mean().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a non-contiguous param stays on the device
+            opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    return [p.detach().clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["channels-last-bf16", "fp16-and-bf16"])
+def test_params_the_flat_kernels_cannot_walk_directly_still_update(kind):
+    """A fresh user's crashes under int8 state with fp32 masters: a channels_last bf16 conv
+    weight (its fp32 master kept the param's strides, which the flat kernels cannot walk) and
+    fp16 params resident on the device (their fp16 grads went to the one-call path, which
+    reads fp32 or bf16 grads only). Every fraction gives the same bits."""
+    results = [_conv_and_mixed(f, kind) for f in (0.0, 0.5, 1.0)]
+    for other in results[1:]:
+        assert_same(other, results[0], kind)

@@ -229,9 +229,10 @@ class Updater:
                 step["step"] = step["step"].to(p.device)
             state = {**step, **{k: self.new_state_tensor(p, rec, k) for k in keys}}
             if udt != p.dtype:
-                state["master"] = (
-                    local(p).detach().to(udt, memory_format=torch.preserve_format, copy=True)
-                )
+                # the compressed kernels walk flat memory: their master is contiguous (a
+                # channels_last bf16 param's crashed them); torch's keep the param's layout
+                layout = torch.contiguous_format if self.rule.compressed else torch.preserve_format
+                state["master"] = local(p).detach().to(udt, memory_format=layout, copy=True)
         self.state.install(p, state)
         rec.mark_written(p)
 
@@ -350,8 +351,9 @@ class Updater:
                 # device pass makes its own, kernels.adam.FLAT_NUMEL_DEFAULT). Chunked by
                 # bucket_nbytes with fp32 grads, GPT-2 1.5B's device update took about 115 ms
                 # more than torch's fused kernel (48 passes, each with its host-side setup).
+                # bf16 only: the kernels read fp32 or bf16 grads (fp16 ones are upcast below)
                 whole = [p for p in mastered if local(p).is_contiguous()
-                         and local(p.grad).dtype == local(p).dtype]  # fmt: skip
+                         and local(p).dtype == local(p.grad).dtype == torch.bfloat16]  # fmt: skip
                 if whole:
                     targets = [self.state[q]["master"] for q in whole]
                     grads = [local(q.grad) for q in whole]
