@@ -464,3 +464,16 @@ def test_the_benchmark_runs_at_a_tiny_size(mod, monkeypatch, capsys):
     out = capsys.readouterr().out
     for row in ["torch fused fp32", *cpu_kernel.MODES]:
         assert row in out, out
+
+
+def test_two_installs_of_one_version_build_in_their_own_folders(tmp_path, monkeypatch):
+    """The same source at another path (a checkout beside a venv install) gets another cache
+    folder: torch's build file names the source's path, so a shared folder rebuilt at every
+    switch between the two, silently."""
+    copy = tmp_path / "adam_cpu.cpp"
+    copy.write_bytes(kernels.SOURCE.read_bytes())
+    mine = kernels.cache_key()
+    monkeypatch.setattr(kernels, "SOURCE", copy)
+    assert kernels.cache_key() != mine
+    monkeypatch.setattr(kernels, "SOURCE", copy)
+    assert kernels.cache_key() == kernels.cache_key()  # stable for one path

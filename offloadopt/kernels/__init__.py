@@ -113,10 +113,13 @@ def _cpu_tag() -> str:
 
 
 def cache_key() -> str:
-    """A hash of the source, torch's version, the flags and the CPU (16 hex digits)."""
+    """A hash of the source and its path, torch's version, the flags and the CPU (16 hex
+    digits). The path: torch's build file names the source by it, so two installs of one
+    version (a checkout and a venv) sharing a folder rebuilt at every switch, silently (about
+    30 s each; a fresh user's finding)."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode(),
-                 _cpu_tag().encode()):  # fmt: skip
+    for part in (SOURCE.read_bytes(), str(SOURCE.resolve()).encode(), torch.__version__.encode(),
+                 " ".join(CFLAGS).encode(), _cpu_tag().encode()):  # fmt: skip
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
@@ -161,7 +164,13 @@ def _build(directory: Path) -> ModuleType:
                 verbose=False,
             )
     except Exception as e:  # noqa: BLE001 - any build failure becomes one clear line
-        raise KernelBuildError(f"{HINT}; the build said: {_last_line(e)}") from e
+        # g++ and ninja were found: say that the build failed first, then what it needs (the
+        # bare hint read as "not installed" when the build failed for another reason)
+        raise KernelBuildError(
+            f"offloadopt: the CPU kernel of compressed optimizer state did not build in "
+            f"{directory}; the build said: {_last_line(e)} (it needs a working C++ compiler "
+            "and ninja: install g++ (apt install g++) and ninja (pip install ninja))"
+        ) from e
 
 
 @contextlib.contextmanager
