@@ -769,8 +769,8 @@ class HybridOptimizer(Optimizer):
         if ignored_masters:
             warnings.warn(
                 "the state dict carries fp32 masters for params that keep none here (fp32 "
-                "params, or master_weights=False): they were ignored, and the state takes the "
-                "params' dtype",
+                "params, master_weights=False, or master_weights='bf16-sr', whose bf16 weight "
+                "is the master): they were ignored, and the state takes the params' dtype",
                 stacklevel=2,
             )
         self._placer.check_pinned()
