@@ -141,11 +141,12 @@ for part in "${@:-all}"; do
       "backward f0.5 moved to f0.15" 2>&1 | tee "$OUT/auto.log" | tail -16
   fi
   if [[ $part == largest ]]; then
-    # issue 14: the largest GPT with the automatic fraction (a budget) on one H200, 20 steps
+    # issue 14: the largest GPT with the automatic fraction (a budget) on one H200, 20 steps;
+    # issue 30: LARGEST_PRESET=gpt-25b LARGEST_EXTRA="--state-dtype int8 --checkpoint-format streamed --save /tmp/ck"
     grep -E "MemTotal|MemAvailable" /proc/meminfo
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 560 python3 -m offloadopt train \
       --device cuda --preset "${LARGEST_PRESET:-gpt-17.5b}" --checkpointing --overlap backward \
-      --release-grads --grad-clip 0 --offload-fraction auto --max-gpu-memory "${LARGEST_BUDGET:-140GB}" \
+      --release-grads --grad-clip 0 --offload-fraction auto --max-gpu-memory "${LARGEST_BUDGET:-140GB}" ${LARGEST_EXTRA:-} \
       --steps 20 --warmup-steps 10 --eval-every 10 --eval-batches 2 --log-every 1 --no-progress \
       2>&1 | tee "$OUT/largest.log" | grep -v '^{' | tail -26
   fi
