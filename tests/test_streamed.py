@@ -248,3 +248,51 @@ def test_saving_does_not_copy_the_state_in_host_memory(tmp_path):
     assert snapshot_growth > state
     assert streamed_growth < 0.25 * state, (streamed_growth, state)
     opt.close()
+
+
+def test_a_fresh_users_findings_on_streamed_checkpoints(tmp_path):
+    """Meta-device params: the load places the groups first (the loaded state drove nothing
+    after the first step's placement). An extra that torch.load(weights_only=True) cannot
+    read is refused before the previous checkpoint is replaced. A missing part, or a part
+    whose tensor disagrees with the index, is a ValueError before anything changes."""
+    import argparse
+
+    m = model()
+    opt = build(m, state_dtype="int8")
+    train(m, opt, 0, 2)
+    path = str(tmp_path / "ck")
+    opt.save_streamed(path, model=m, extra={"step": 2})
+    with pytest.raises(ValueError, match="weights_only"):
+        opt.save_streamed(path, extra=argparse.Namespace(a=1))
+    assert streamed.read_extra(path) == {"step": 2}
+    train(m, opt, 2, 4)
+    expected = snapshot(m, opt)
+
+    with torch.device("meta"):
+        late = model()
+    lo = build(late, state_dtype="int8")
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        late.to_empty(device="cpu")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    lo.load_streamed(path, model=late)
+    train(late, lo, 2, 4)
+    assert_same(snapshot(late, lo), expected)
+
+    index = torch.load(os.path.join(path, "index.pt"), weights_only=True)
+    part = os.path.join(path, "part-00000.pt")
+    saved = torch.load(part, weights_only=True)
+    name = next(iter(saved))
+    torch.save({**saved, name: saved[name].reshape(-1)[:1].clone()}, part)
+    before = snapshot(m, opt)
+    with pytest.raises(ValueError, match="damaged or mixed-up"):
+        opt.load_streamed(path, model=m)
+    os.remove(part)
+    with pytest.raises(ValueError, match="lacks part files"):
+        opt.load_streamed(path, model=m)
+    assert_same(snapshot(m, opt), before)
+    assert index["items"]
+    for o in (opt, lo):
+        o.close()

@@ -30,6 +30,7 @@ renames it into place: an interrupt leaves the previous checkpoint or the new on
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 from collections.abc import Callable
@@ -97,6 +98,18 @@ def save(
             "save_streamed: FSDP2 (DTensor) params are sharded across ranks; use "
             "torch.distributed.checkpoint with opt.state_dict() there"
         )
+    if extra is not None:  # a checkpoint whose extra cannot be read back must not replace one
+        buf = io.BytesIO()
+        torch.save(extra, buf)
+        buf.seek(0)
+        try:
+            torch.load(buf, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch's unpickler names what it refused
+            raise ValueError(
+                f"save_streamed: extra cannot be read back with torch.load(weights_only=True) "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); give "
+                "numbers, strings, tensors, lists and dicts of them"
+            ) from None
     target = os.path.abspath(path)
     if os.path.exists(target) and not os.path.isfile(os.path.join(target, _INDEX)):
         raise FileExistsError(
@@ -193,16 +206,30 @@ def read_extra(path: str) -> Any:
 class _Parts:
     """The part files of one checkpoint, read one at a time (the last one kept)."""
 
-    def __init__(self, path: str):
-        self.path, self.number, self.tensors = path, -1, {}
+    def __init__(self, path: str, items: dict):
+        self.path, self.items, self.number, self.tensors = path, items, -1, {}
 
     def get(self, number: int, name: str) -> torch.Tensor:
+        """Item ``name`` of part ``number``, checked against the index.
+
+        Raises:
+            ValueError: the part is unreadable, or holds another shape or dtype than the index
+                says (a damaged or mixed-up file)."""
+        file = os.path.join(self.path, f"part-{number:05d}.pt")
         if number != self.number:
             self.tensors = {}  # drop the last part before reading the next
-            file = os.path.join(self.path, f"part-{number:05d}.pt")
-            self.tensors = torch.load(file, map_location="cpu", weights_only=True)
+            try:
+                self.tensors = torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - a truncated zip, a missing file
+                raise ValueError(f"load_streamed: {file!r} could not be read "
+                                 f"({type(e).__name__})") from None  # fmt: skip
             self.number = number
-        return self.tensors[name]
+        t = self.tensors.get(name) if isinstance(self.tensors, dict) else None
+        _, shape, dtype = self.items[name]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise ValueError(f"load_streamed: {file!r} holds no {dtype} {tuple(shape)} tensor "
+                             f"{name!r}, which the index names (a damaged or mixed-up file)")  # fmt: skip
+        return t
 
 
 def load(opt: HybridOptimizer, path: str, model: torch.nn.Module | None = None) -> Any:
@@ -218,6 +245,15 @@ def load(opt: HybridOptimizer, path: str, model: torch.nn.Module | None = None) 
         RuntimeError: as ``load_state_dict``; a read failing part-way leaves the optimizer
             refusing ``step()`` until a load succeeds.
     """
+    # what load_state_dict does before its checks: place the groups (meta-device params
+    # materialized since), refuse a load mid-step, let the updates in flight land
+    opt.ensure_placed()
+    opt._publish.refuse_other_thread()
+    opt._guards.check_load()
+    try:
+        opt.synchronize()
+    except Exception:  # noqa: BLE001 - a failed step is what a load repairs
+        pass
     index = _index(path)
     if index.get("rule") != opt.rule.name:
         raise ValueError(f"load_streamed: {path!r} holds the state of Hybrid{index.get('rule')}, "
@@ -245,7 +281,13 @@ def load(opt: HybridOptimizer, path: str, model: torch.nn.Module | None = None) 
                                  f"{tuple(t.shape)} here, {dtype} {tuple(shape)} in the "
                                  "checkpoint")  # fmt: skip
             targets[_MODEL + name] = t
-    parts = _Parts(path)
+    numbers = {number for number, _, _ in items.values()}
+    missing = [n for n in sorted(numbers)
+               if not os.path.isfile(os.path.join(path, f"part-{n:05d}.pt"))]  # fmt: skip
+    if missing:
+        raise ValueError(f"load_streamed: {path!r} lacks part files {missing[:5]} that its index "
+                         "names: an incomplete copy")  # fmt: skip
+    parts = _Parts(path, items)
 
     def read_model() -> None:
         with torch.no_grad():
