@@ -667,13 +667,13 @@ class HybridOptimizer(Optimizer):
 
     def save_streamed(self, path: str, model: torch.nn.Module | None = None,
                       extra: Any = None) -> int:  # fmt: skip
-        """Write the state to the folder ``path`` one tensor at a time, through
-        ``torch.distributed.checkpoint``, with ``model.state_dict()`` and ``extra`` (any
-        object ``torch.load(weights_only=True)`` reads) when given; returns the bytes written.
+        """Write the state to the folder ``path`` in ``torch.save`` parts of at most 256 MiB,
+        with ``model.state_dict()`` and ``extra`` (any object ``torch.load(weights_only=True)``
+        reads; another is a ValueError) when given; returns the bytes written.
 
         For models whose state does not fit twice in host memory: ``state_dict()`` copies
         every state tensor to the host (and decodes int8 moments to fp32 beside their codes);
-        this writes the live tensors in the stored representation, with one tensor in flight
+        this writes the live tensors in the stored representation, with one part in flight
         (offloadopt/state/streamed.py, docs/checkpoints.md). A temporary folder beside
         ``path`` is renamed into place: an interrupt leaves the previous checkpoint or the new
         one. Read it back with :meth:`load_streamed` (not with ``torch.optim.AdamW``).
