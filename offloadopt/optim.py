@@ -719,6 +719,18 @@ class HybridOptimizer(Optimizer):
             RuntimeError: between backward and ``step()`` once this step's updates began
                 (declared backward mode); nothing was changed.
         """
+        self._prepare_load()
+        sd = dict(state_dict) if isinstance(state_dict, dict) else state_dict
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
+        self._load_validated(sd)
+
+    def _prepare_load(self) -> None:
+        """What every load does before its checks (``load_state_dict``, ``load_streamed``):
+        place the groups (meta-device params materialized since), refuse a load mid-step, let
+        the updates in flight land (a failed one is what a load repairs)."""
         self.ensure_placed()
         self._publish.refuse_other_thread()  # not swallowed below: it is no failed step
         self._guards.check_load()  # a step in progress since backward: refused, unchanged
@@ -726,12 +738,6 @@ class HybridOptimizer(Optimizer):
             self.synchronize()
         except Exception:  # noqa: BLE001 - a failed step is what a load repairs
             pass
-        sd = dict(state_dict) if isinstance(state_dict, dict) else state_dict
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, sd)
-            if result is not None:
-                sd = result
-        self._load_validated(sd)
 
     def _load_validated(self, sd: Any, before: Callable[[], None] | None = None,
                         real_entry: Callable[[int, dict], dict] | None = None) -> None:  # fmt: skip

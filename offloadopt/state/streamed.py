@@ -33,7 +33,6 @@ from __future__ import annotations
 import io
 import os
 import shutil
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -245,15 +244,7 @@ def load(opt: HybridOptimizer, path: str, model: torch.nn.Module | None = None) 
         RuntimeError: as ``load_state_dict``; a read failing part-way leaves the optimizer
             refusing ``step()`` until a load succeeds.
     """
-    # what load_state_dict does before its checks: place the groups (meta-device params
-    # materialized since), refuse a load mid-step, let the updates in flight land
-    opt.ensure_placed()
-    opt._publish.refuse_other_thread()
-    opt._guards.check_load()
-    try:
-        opt.synchronize()
-    except Exception:  # noqa: BLE001 - a failed step is what a load repairs
-        pass
+    opt._prepare_load()  # as load_state_dict: placed, not mid-step, nothing in flight
     index = _index(path)
     if index.get("rule") != opt.rule.name:
         raise ValueError(f"load_streamed: {path!r} holds the state of Hybrid{index.get('rule')}, "
@@ -304,6 +295,3 @@ def load(opt: HybridOptimizer, path: str, model: torch.nn.Module | None = None) 
 
     opt._load_validated(sd, before=read_model, real_entry=real_entry)
     return index["extra"]
-
-
-RealEntry = Callable[[int, dict], dict]
