@@ -248,7 +248,7 @@ class StepRun:
                 work, tr, slot, d2h_done = pending.popleft()
                 # a slot holding the new weights (the link dtype) stays taken until its H2D is
                 # queued: that copy reads it (I5)
-                keeps = slot.link is not None and slot.link != work.bucket.arena.dtype
+                keeps = slot.holds_weights(work.bucket)
                 try:
                     p._update(work, tr, slot, d2h_done, self._update_fn, stats)
                 except BaseException:
@@ -338,7 +338,7 @@ class Pipeline:
                 self.worker_hook(b)
             views = b.slot_views(slot.host, slot.link)
             # grads in the link dtype: the update writes the new weights over them
-            work.out = [views[i] for i in work.idx] if slot.link != b.arena.dtype else None
+            work.out = [views[i] for i in work.idx] if slot.holds_weights(b) else None
             t = time.perf_counter()
             with _traced("offloadopt.cpu_update"):
                 update(work, [views[i] for i in work.idx])
@@ -348,7 +348,7 @@ class Pipeline:
         except Exception as e:
             raise BucketError(f"{b.label}: {type(e).__name__}: {e}") from e
         finally:
-            if slot.link == b.arena.dtype:
+            if not slot.holds_weights(b):
                 tr.ring.release(slot)  # (I5) the host has read the grads (or given up on them)
 
     def publish(self, streams: dict[torch.device, Any], run: StepRun) -> None:

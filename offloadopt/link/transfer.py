@@ -79,6 +79,11 @@ class Slot:
     link: torch.dtype | None = None
     host_read: Any = None
 
+    def holds_weights(self, b: Bucket) -> bool:
+        """Whether bucket ``b``'s grads crossed in its narrower link dtype, so that the update
+        writes the new weights into ``host`` and they cross H2D from there."""
+        return self.link is not None and self.link != b.arena.dtype
+
 
 @dataclass(eq=False)
 class _Plan:
@@ -356,7 +361,7 @@ class Transfer:
         the copy is queued and :attr:`h2d_done` holds its event. The source is the master,
         or where ``slot.link`` is not the update dtype the new weights that the update wrote
         in ``slot.host``; then the slot's next D2H waits for this copy (``slot.host_read``)."""
-        link = b.arena.dtype if slot.link is None else slot.link
+        link = slot.link if slot.holds_weights(b) else b.arena.dtype
         if not self.cuda:  # the master itself is the source: the same pairs as on CUDA
             if link == b.arena.dtype:
                 masters = b.state_views(b.arena.master)
