@@ -34,17 +34,18 @@ for part in "${@:-all}"; do
       -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest_link.log" | tail -6
   fi
   if [[ $part == streamed ]]; then
-    # streamed checkpoints of the main job: GPT-2 1.5B, int8 state, fraction 0.5; save at step
-    # 4 (bytes, seconds), resume in a fresh process to step 6 (seconds); host peak RSS of each
-    rm -rf /tmp/ck-xl
+    # streamed checkpoints of the main job: save at step 4 (bytes, seconds), resume in a fresh
+    # process to step 6 (seconds); host peak RSS of each. Default GPT-2 1.5B, int8 state,
+    # fraction 0.5; STREAMED_ARGS replaces the model and state arguments (the disk is 64 GiB).
+    ck=${STREAMED_DIR:-/tmp/ck-xl}; rm -rf "$ck"; df -h "$(dirname "$ck")" | tail -1
     T=""; [[ -x /usr/bin/time ]] && T="/usr/bin/time -f peak_RSS_%M_KB"
-    for args in "--steps 4 --save /tmp/ck-xl" "--steps 6 --resume /tmp/ck-xl"; do
-      $T timeout 240 python3 -m offloadopt train --device cuda --preset gpt2-xl \
-        --dtype bf16 --state-dtype int8 --offload-fraction 0.5 --checkpoint-format streamed \
-        --batch-size 4 --seq-len 1024 --eval-every 100 --eval-batches 1 --log-every 1 --no-progress $args 2>&1 \
-        | grep -E "saved|loaded|resumed|^step|peak_RSS|Error|error" | tee -a "$OUT/streamed.log"
+    margs=${STREAMED_ARGS:---preset gpt2-xl --state-dtype int8 --offload-fraction 0.5 --batch-size 4 --seq-len 1024}
+    for args in "--steps 4 --save $ck" "--steps 6 --resume $ck"; do
+      $T timeout 280 python3 -m offloadopt train --device cuda --dtype bf16 $margs --checkpoint-format streamed \
+        --eval-every 100 --eval-batches 1 --log-every 1 --no-progress $args 2>&1 \
+        | grep -E "saved|loaded|resumed|step +[0-9]+/|peak|Error|error" | tee -a "$OUT/streamed.log"
     done
-    du -sb /tmp/ck-xl | tee -a "$OUT/streamed.log"
+    du -sb "$ck" | tee -a "$OUT/streamed.log"; ls "$ck" | wc -l
   fi
   if [[ $part == prof8 ]]; then
     # where fraction 0's step goes with int8 state against fp32 (the device-resident update)
