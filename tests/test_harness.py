@@ -263,6 +263,17 @@ def test_the_width_4096_presets_count_their_params(name):
     assert PRESETS[name].n_embd == 4096 and PRESETS[name].vocab_size == 256  # byte text
 
 
+def test_every_preset_has_a_batch_size_and_learning_rate():
+    # gpt-25b, gpt-30b and gpt-32b were in PRESETS but not RUN_DEFAULTS: `train --preset gpt-25b`
+    # failed with KeyError before building anything
+    from offloadopt.harness.options import RUN_DEFAULTS, TrainConfig
+
+    assert set(RUN_DEFAULTS) == set(PRESETS)
+    for name in PRESETS:
+        cfg = TrainConfig(preset=name).resolved()
+        assert cfg.batch_size >= 1 and 0 < cfg.lr <= 3e-3
+
+
 def test_the_largest_preset_is_over_17_5e9_params():
     assert PRESETS["gpt-17.5b"].num_params() >= 17.5e9
     assert PRESETS["gpt-18b"].num_params() == pytest.approx(17.93e9, rel=1e-3)

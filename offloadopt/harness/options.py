@@ -58,6 +58,9 @@ RUN_DEFAULTS: dict[str, tuple[int, float]] = {
     "gpt-13b": (1, 2e-6),
     "gpt-17.5b": (1, 2e-6),
     "gpt-18b": (1, 2e-6),
+    "gpt-25b": (1, 2e-6),
+    "gpt-30b": (1, 2e-6),
+    "gpt-32b": (1, 2e-6),
 }
 
 
