@@ -34,18 +34,27 @@ for part in "${@:-all}"; do
       -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest_link.log" | tail -6
   fi
   if [[ $part == streamed ]]; then
-    # streamed checkpoints of the main job: save at step 4 (bytes, seconds), resume in a fresh
-    # process to step 6 (seconds); host peak RSS of each. Default GPT-2 1.5B, int8 state,
-    # fraction 0.5; STREAMED_ARGS replaces the model and state arguments (the disk is 64 GiB).
+    # streamed checkpoints of the main job: a 6-step run saves at step 3 (bytes, seconds) and is
+    # interrupted (SIGINT) once that save is in place; a fresh process resumes it from the disk
+    # (page cache dropped where allowed) and runs steps 4-6. Host peak RSS of each process.
+    # Default GPT-2 1.5B, int8 state, fraction 0.5; STREAMED_ARGS replaces the model and state
+    # arguments (the disk is 64 GiB, and a save beside an older checkpoint needs both).
     ck=${STREAMED_DIR:-/tmp/ck-xl}; rm -rf "$ck"; df -h "$(dirname "$ck")" | tail -1
     T=""; [[ -x /usr/bin/time ]] && T="/usr/bin/time -f peak_RSS_%M_KB"
     margs=${STREAMED_ARGS:---preset gpt2-xl --state-dtype int8 --offload-fraction 0.5 --batch-size 4 --seq-len 1024}
-    for args in "--steps 4 --save $ck" "--steps 6 --resume $ck"; do
-      $T timeout 280 python3 -m offloadopt train --device cuda --dtype bf16 $margs --checkpoint-format streamed \
-        --eval-every 100 --eval-batches 1 --log-every 1 --no-progress $args 2>&1 \
-        | grep -E "saved|loaded|resumed|step +[0-9]+/|peak|Error|error" | tee -a "$OUT/streamed.log"
+    common="--device ${STREAMED_DEVICE:-cuda} --dtype bf16 $margs --checkpoint-format streamed --steps 6 --eval-every 100 --eval-batches 1 --log-every 1 --no-progress"
+    $T timeout 280 python3 -m offloadopt train $common --save-every 3 --save "$ck" > "$OUT/streamed_save.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 560); do
+      grep -q "^saved:\|saved: " "$OUT/streamed_save.log" && { pkill -INT -f "offloadopt train" || true; break; }
+      sleep 0.5
     done
-    du -sb "$ck" | tee -a "$OUT/streamed.log"; ls "$ck" | wc -l
+    wait $pid; echo "save run exit $?" >> "$OUT/streamed_save.log"
+    sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null && echo "page cache dropped" >> "$OUT/streamed_save.log"
+    $T timeout 280 python3 -m offloadopt train $common --resume "$ck" > "$OUT/streamed_resume.log" 2>&1
+    echo "resume run exit $?" >> "$OUT/streamed_resume.log"
+    du -sb "$ck" >> "$OUT/streamed_resume.log"; echo "files: $(ls "$ck" | wc -l)" >> "$OUT/streamed_resume.log"
+    cat "$OUT/streamed_save.log" "$OUT/streamed_resume.log" | grep -E "saved|loaded|resumed|step +[0-9]+/|RSS|exit|cache|/tmp|files|rror" | cut -c1-200
   fi
   if [[ $part == prof8 ]]; then
     # where fraction 0's step goes with int8 state against fp32 (the device-resident update)
