@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|spec|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -55,6 +55,19 @@ for part in "${@:-all}"; do
     echo "resume run exit $?" >> "$OUT/streamed_resume.log"
     du -sb "$ck" >> "$OUT/streamed_resume.log"; echo "files: $(ls "$ck" | wc -l)" >> "$OUT/streamed_resume.log"
     cat "$OUT/streamed_save.log" "$OUT/streamed_resume.log" | grep -E "saved|loaded|resumed|step +[0-9]+/|RSS|exit|cache|/tmp|files|rror" | cut -c1-200
+  fi
+  if [[ $part == spec ]]; then
+    # issue 31: speculative updates. CUDA tests (bitwise against the run without speculation),
+    # then one sweep: unclipped, clipped (1.0), clipped + speculative at fractions 0.1-0.3 with a
+    # max_grad_norm of 100 (above the norm: nothing clips, the speculation stands) and 1.0, and
+    # one of 0.001 (every step clips: the redo's cost); each row prints the last norm
+    timeout 150 python3 -m pytest tests/cuda/test_speculate_cuda.py \
+      -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest_spec.log" | grep -E "passed|failed|Error|scaler" | tail -8
+    timeout 330 python3 benchmarks/overlap_bench.py --no-memory --no-probe --warmup 3 --steps 6 --out "$OUT/spec" \
+      --only f0 "backward f0.1" "backward f0.2" "backward f0.3" "backward f0.2 clip" \
+      "backward f0.1 clip spec maxnorm100" "backward f0.2 clip spec maxnorm100" \
+      "backward f0.3 clip spec maxnorm100" "backward f0.2 clip spec" \
+      "backward f0.2 clip spec maxnorm0.001" 2>&1 | tee "$OUT/spec.log" | tail -14
   fi
   if [[ $part == prof8 ]]; then
     # where fraction 0's step goes with int8 state against fp32 (the device-resident update)

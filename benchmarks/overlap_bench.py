@@ -73,7 +73,8 @@ def derived(name: str, known: dict[str, dict]) -> dict:
     they were fed, as before pipeline.StepRun took the forward's first), ``perseg`` (one
     kernel operand per segment, as before update._joined joined back-to-back ones), ``base``
     (HybridAdamW of the baseline package ``offloadopt_base`` under ``--baseline-dir``),
-    ``int8`` / ``sr8`` (compressed state: :data:`STATES`), e.g. "backward f0.2 threads8 switch1". Raises ValueError for a name that is none of these."""
+    ``int8`` / ``sr8`` (compressed state: :data:`STATES`), ``spec`` (``speculate=True``),
+    ``maxnormN`` (``max_grad_norm=N``), e.g. "backward f0.2 threads8 switch1". Raises ValueError for a name that is none of these."""
     if name in known:
         return known[name]
     fixed = re.fullmatch(r"(backward|delayed) f(0?\.\d+|1)( clip)?", name)
@@ -93,16 +94,18 @@ def derived(name: str, known: dict[str, dict]) -> dict:
         return {**derived(base, known), "base": True}
     if base and last in STATES:  # a compressed representation (docs/compressed-state.md)
         return {**derived(base, known), **STATES[last]}
+    if base and last == "spec":  # speculative updates (offloadopt/step/speculate.py)
+        return {**derived(base, known), "speculate": True}
     for prefix, key, unit in (("threads", "cpu_threads", 1), ("bucket", "bucket_nbytes", 2**20),
-                              ("switch", "switch_s", 1e-3)):  # fmt: skip
+                              ("switch", "switch_s", 1e-3), ("maxnorm", "max_grad_norm", 1.0)):  # fmt: skip
         if base and last.startswith(prefix) and last[len(prefix) :].replace(".", "", 1).isdigit():
             value = float(last[len(prefix) :]) * unit
-            value = value if key == "switch_s" else int(value)
+            value = value if key in ("switch_s", "max_grad_norm") else int(value)
             if value <= 0:  # a thread count, a size, an interval: each above 0
                 raise ValueError(f"--only: {name!r}: {last!r} needs a number above 0")
             return {**derived(base, known), key: value}
     raise ValueError(f"--only: {name!r} is no configuration, nor one followed by variant words "
-                     "(threadsN, bucketN, switchN, fifo, perseg, base, int8, sr8); --help lists the names")  # fmt: skip
+                     "(threadsN, bucketN, switchN, maxnormN, fifo, perseg, base, int8, sr8, spec); --help lists the names")  # fmt: skip
 
 
 # Variant words for compressed optimizer state: "int8" (int8 moments, fp32 masters) and "sr8"
@@ -220,6 +223,8 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
         "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
         "build_s": build_s,
         "loss": float(loss.detach()), "stats": dict(getattr(opt, "stats", {})),
+        "speculation": getattr(opt, "speculation", None),
+        "grad_norm": float(opt.last_grad_norm) if getattr(opt, "last_grad_norm", None) is not None else None,
     }  # fmt: skip
     if hasattr(opt, "close"):
         opt.close()
@@ -337,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         print(f"{name:28} " + (f"step {r['step_ms']:7.1f} ms (min {r['step_ms_min']:.1f})  to end "
               f"of backward {r['to_backward_end_ms']:6.1f}  peak {r['peak_gpu_gb']:6.2f} GB"
+              + (f"  norm {r['grad_norm']:.3g}" if r.get("grad_norm") is not None else "")
+              + (f"  redone {r['speculation']['redone_clip'] + r['speculation']['redone_inf']}"
+                 f"/{r['speculation']['steps']}" if r.get("speculation") else "")
               if "error" not in r else r["error"]), flush=True)  # fmt: skip
         write()
     # The CPU pass as the offloaded step sees it: a quarter of the params, scaled up.

@@ -30,7 +30,7 @@ class HybridAdam(HybridOptimizer):
         **options: the offloading options of :class:`~offloadopt.HybridAdamW`
             (``offload_fraction``, ``min_offload_numel``, ``master_weights``, ``pin_memory``,
             ``bucket_nbytes``, ``flush_denormal``, ``cpu_threads``, ``timeout_s``, ``overlap``,
-            ``wait``, ``max_grad_norm``, ``grads_final``, ``release_grads``, ``grad_scaler``,
+            ``wait``, ``max_grad_norm``, ``grads_final``, ``speculate``, ``release_grads``, ``grad_scaler``,
             ``delay_after``).
 
     Raises:

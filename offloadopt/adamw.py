@@ -130,6 +130,13 @@ class HybridAdamW(HybridOptimizer):
         grads_final: declare that nothing edits grads between backward and ``step()`` (no
             torch clipping, no GradScaler unscale, no hand edit): with ``overlap="backward"``
             a bucket's update starts as soon as its grads are complete.
+        speculate: with ``overlap="backward"`` and ``max_grad_norm`` or ``grad_scaler``: start
+            each offloaded bucket's update during backward as if the clip coefficient were 1.0
+            and no grad inf or NaN, keeping its pre-step host state; at the end of backward,
+            if either check fails, restore that state and update again with the true values
+            (bitwise the run without it; offloadopt/step/speculate.py's note, docs/modes.md).
+            ``ValueError`` in other modes, without a clip or scaler, with ``release_grads``
+            or ``ddp=``. ``opt.speculation`` counts the steps redone.
         release_grads: free the device grads of offloaded params as soon as their copy has
             landed on the host (``p.grad`` is then None after ``step()``); needs
             ``overlap="backward"`` with ``grads_final``, ``max_grad_norm`` or ``grad_scaler``.

@@ -32,6 +32,7 @@ from offloadopt.step.feed import Feeder
 from offloadopt.step.guards import Guards
 from offloadopt.step.publish import publisher_for
 from offloadopt.step.scaling import Scaling
+from offloadopt.step.speculate import Speculation
 from offloadopt.step.start import start_policy
 from offloadopt.step.step import Phase, Step, Timeline, begin_step, steps_taken, stop_run
 from offloadopt.step.update import Updater
@@ -149,6 +150,8 @@ class HybridOptimizer(Optimizer):
             o, timeline=self._timeline, placer=self._placer, feeder=self._feeder,
             scaling=scaling, begin=lambda: me()._begin(), grads_final=o.grads_final,
             release_grads=o.release_grads, ddp=o.ddp is not None, timeout_s=self.timeout_s,
+            speculation=Speculation(scaling, lambda: me()._placer.transfers(), self.timeout_s)
+            if o.speculate else None,
         )  # fmt: skip
         for g in self.param_groups:
             self._placer.check_auto_group(g)
@@ -485,6 +488,8 @@ class HybridOptimizer(Optimizer):
         link), ``step_ms`` (host wall time of ``step()``), ``worker_ms`` (the worker's wall time from
         the first bucket's arrival to the last H2D queued, its D2H waits included),
         ``buckets`` (offloaded buckets updated; 0, and ``worker_ms`` 0, when none was),
+        ``redone_buckets`` (``speculate=True``, a step whose speculative updates were undone
+        and made again: how many buckets; the link bytes and worker times include both),
         ``cpu_threads`` (the worker's),
         ``local_ranks`` (processes of the job on this host, sharing its cores).
 
@@ -494,6 +499,19 @@ class HybridOptimizer(Optimizer):
             for key, ms in self._placer.pipeline.collect_timing().items():
                 self._feeder.stats[key] = self._feeder.stats.get(key, 0.0) + ms
         return dict(self._feeder.stats)
+
+    @property
+    def speculation(self) -> dict[str, int] | None:
+        """``speculate=True``'s counts since construction (offloadopt/step/speculate.py's
+        note): ``steps`` (steps that speculated), ``buckets`` (bucket updates made
+        speculatively), ``redone_clip`` / ``redone_inf`` (steps undone and made again because
+        the clip coefficient was below 1.0 / found_inf was set), ``redone_buckets``, and
+        ``backup_nbytes`` (pageable host bytes of the pre-step copies, kept between steps).
+        None without ``speculate``."""
+        spec = getattr(self._start, "speculation", None)
+        if spec is None:
+            return None
+        return {**spec.counts, "backup_nbytes": spec.backup_nbytes}
 
     # ------------------------------------------------------------------ opt.state
     @property

@@ -35,6 +35,7 @@ class Options:
     wait: str = "step"  # when new weights are waited for: "step" or "module" (per module)
     max_grad_norm: float | None = None  # clip the global grad norm inside the update
     grads_final: bool = False  # nothing edits grads between backward and step()
+    speculate: bool = False  # backward mode: start clipped/scaled updates in backward, validate
     release_grads: bool = False  # free offloaded params' device grads once copied out
     ddp: Any = None  # the DistributedDataParallel model whose reduced buckets announce grads
     grad_scaler: Any = None  # the torch.amp.GradScaler attached (backward mode's found_inf)
@@ -77,6 +78,7 @@ class OffloadOptions(TypedDict, total=False):
     wait: str
     max_grad_norm: float | None
     grads_final: bool
+    speculate: bool
     release_grads: bool
     ddp: Any
     grad_scaler: Any

@@ -112,6 +112,7 @@ def validate_options(
         ("flush_denormal", o.flush_denormal),
         ("grads_final", o.grads_final),
         ("release_grads", o.release_grads),
+        ("speculate", o.speculate),
     ]:
         _check(isinstance(value, bool), f"Invalid {flag}: {value!r} (expected a bool)", TypeError)
     if o.grad_scaler is not None:
@@ -121,6 +122,21 @@ def validate_options(
             TypeError,
         )
     through = o.grads_final or o.max_grad_norm is not None or o.grad_scaler is not None
+    if o.speculate is True:
+        _check(
+            o.overlap == "backward" and (o.max_grad_norm is not None or o.grad_scaler is not None),
+            "speculate=True starts backward mode's clipped or scaled updates during backward: "
+            "it needs overlap='backward' and max_grad_norm= or grad_scaler= (got "
+            f"overlap={o.overlap!r}, max_grad_norm={o.max_grad_norm!r}, grad_scaler="
+            f"{'attached' if o.grad_scaler is not None else None})",
+        )
+        _check(
+            not o.release_grads,
+            "speculate=True with release_grads=True: a speculative update that the clip or "
+            "the GradScaler's check undoes is made again from the device grads, so they must "
+            "stay until step(); leave release_grads out",
+        )
+        _check(o.ddp is None, "speculate=True with ddp= is not supported yet; leave one out")
     _check(
         not o.release_grads or (o.overlap == "backward" and through),
         "release_grads=True frees grads once their copy lands during backward: it needs "

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["adam_update", "device_step", "MOMENT_CODES"]
+__all__ = ["adam_update", "device_step", "device_work_nbytes", "MOMENT_CODES"]
 
 MOMENT_CODES = {"fp32": 0, "bf16": 1, "int8": 2}  # the kernel's ``moments`` argument
 # Elements per flat pass of the device path (reference.adam_step_flat): its temporaries are
@@ -26,6 +26,23 @@ MOMENT_CODES = {"fp32": 0, "bf16": 1, "int8": 2}  # the kernel's ``moments`` arg
 # a big one (fresh big temporaries cost page faults and memory bandwidth).
 FLAT_NUMEL = {"cpu": 2**16}
 FLAT_NUMEL_DEFAULT = 2**27
+# Device bytes per element of one CUDA pass's temporaries, at most FLAT_NUMEL_DEFAULT elements
+# at once: the largest-model runs peaked 1.6 GB (int8, fp32 masters) and 2.1 GB (bf16-sr
+# masters) above a budget that left them out (benchmarks/results/2026-12-03-largest-compressed-h200),
+# 12 and 16 bytes per element of a 2**27-element pass.
+PASS_WORK_BYTES = 16
+
+
+def device_work_nbytes(numel: int, device_type: str) -> int:
+    """Peak bytes of :func:`device_step`'s temporaries over ``numel`` device-resident
+    elements on a ``device_type`` device: one pass's worth (``PASS_WORK_BYTES`` per element,
+    at most ``FLAT_NUMEL`` elements); 0 for no elements. Used by the ``max_gpu_memory`` budget
+    (``offloadopt.place.budget.choose``)."""
+    if numel <= 0:
+        return 0
+    return PASS_WORK_BYTES * min(numel, FLAT_NUMEL.get(device_type, FLAT_NUMEL_DEFAULT))
+
+
 # The device path on CUDA runs the flat pass's elementwise part under torch.compile
 # (reference.adam_step_flat(compiled=True)): the eager pass took about 60 ms of H200 time per
 # step for GPT-2 124M's int8 state, memory-bound on int64 temporaries

@@ -72,6 +72,8 @@ class BucketWork:
     ``out``: set by the pipeline before the update where the grads crossed in the arena's
     ``link_dtype`` (bf16): per segment of ``idx``, the host staging view (the grads' own)
     where the update writes the new weights in that dtype, which cross H2D from there.
+    ``before``: called with this work on the worker just before its update (speculative
+    updates keep the pre-step state there: offloadopt/step/speculate.py), or None.
     """
 
     bucket: Bucket
@@ -84,6 +86,7 @@ class BucketWork:
     targets: list[torch.Tensor] | None = None
     amp: Any = None
     out: list[torch.Tensor] | None = None
+    before: Callable[[BucketWork], None] | None = None
 
 
 class StepRun:
@@ -341,6 +344,8 @@ class Pipeline:
             work.out = [views[i] for i in work.idx] if slot.holds_weights(b) else None
             t = time.perf_counter()
             with _traced("offloadopt.cpu_update"):
+                if work.before is not None:
+                    work.before(work)
                 update(work, [views[i] for i in work.idx])
             stats["cpu_update_ms"] += (time.perf_counter() - t) * 1e3
         except WaitTimeout:

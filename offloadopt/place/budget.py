@@ -59,6 +59,7 @@ def choose(
     place_at: Callable[[float, list[ParamInfo]], list[Placement]],
     release_grads: bool = False,
     grads_in_flight: bool = False,
+    work: Callable[[int], int] | None = None,
 ) -> dict[str, Any]:
     """The smallest fraction (0.01 steps) whose device bytes fit ``budget``: ``measured``
     (what the device holds without optimizer state, described by ``how``), plus the state that
@@ -71,6 +72,8 @@ def choose(
     ``grads_in_flight`` (``wait="module"``: ``step()`` returns while copies still read the
     offloaded grads, and ``zero_grad`` frees them to blocks the allocator reuses only once
     those copies are done, ``record_stream``) that many buckets' grads are added.
+    ``work(numel)``: the device bytes of the update's temporaries over the device-resident
+    params of a compressed representation (``ParamInfo.elem_bytes``), ``numel`` elements.
     Its host bytes (offloaded state with the host copy of the weights, ``Placement.host_nbytes``,
     and 2 pinned slots) must fit ``host_budget``, by default
     the host's MemAvailable.
@@ -107,10 +110,14 @@ def choose(
                 released = max(0, sum(grads) - max(grads) - buckets)
             if grads_in_flight:
                 pending = min(buckets, sum(grads))
-        need = measured - released + pending + device_state + staging + landing
+        compressed = sum(i.numel for i, pl in zip(infos, placements, strict=True)
+                         if not pl.offloaded and pl.reason != "frozen" and i.elem_bytes is not None)  # fmt: skip
+        workspace = work(compressed) if work is not None and compressed else 0
+        need = measured - released + pending + device_state + staging + landing + workspace
         if least is None or need < least[1]:
             least = (fraction, need, dict(staging=staging, device_state=device_state,
-                                          landing=landing, released=released, pending=pending))  # fmt: skip
+                                          landing=landing, released=released, pending=pending,
+                                          workspace=workspace))  # fmt: skip
         if need <= budget:
             chosen = (fraction, need, host_state + 2 * slot, released)
             break
@@ -118,7 +125,8 @@ def choose(
         fraction, need, parts = least
         named = {"staging": "staging", "device_state": "state left on the device",
                  "landing": "+ delayed landing buffers", "pending": "+ grads the copies still read",
-                 "released": "- grads freed in backward"}  # fmt: skip
+                 "released": "- grads freed in backward",
+                 "workspace": "+ the device update's temporaries"}  # fmt: skip
         shown = "; ".join(f"{named[k]} {format_bytes(v)}" for k, v in parts.items()
                           if v or k in ("staging", "device_state"))  # fmt: skip
         raise ValueError(

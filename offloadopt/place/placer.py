@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from offloadopt.kernels.adam import device_work_nbytes
 from offloadopt.link.layout import CUT_ALIGN, Arena, Bucket, build_arenas
 from offloadopt.link.pipeline import Pipeline
 from offloadopt.link.transfer import Transfer
@@ -246,6 +247,7 @@ class Placer:
                                    self.policy),
             release_grads=self.releases_early,
             grads_in_flight=self.wait == "module" and self.overlap != "delayed",
+            work=(lambda n: device_work_nbytes(n, "cuda")) if cuda else None,
         )  # fmt: skip
         self.fraction = self.choice["fraction"]
 

@@ -128,9 +128,11 @@ class Feeder:
                 items.append((b, idx))
         return items
 
-    def feed(self, st: Step, items: list[tuple[Bucket, list[int]]], scale, early=False) -> None:
+    def feed(self, st: Step, items: list[tuple[Bucket, list[int]]], scale, early=False,
+             before=None) -> None:  # fmt: skip
         """Prepare the params of these buckets and queue each on the step's run, with its
-        grads captured now and an event on this thread's stream (I1)."""
+        grads captured now and an event on this thread's stream (I1); ``before``: the
+        BucketWork's (speculative updates)."""
         if not items:
             return
         params = list(
@@ -146,7 +148,7 @@ class Feeder:
         # test_an_interrupt_in_a_grad_hook_...).
         with signals_deferred():
             try:
-                self._feed_checked(st, items, scale, early, params)
+                self._feed_checked(st, items, scale, early, params, before)
             except BaseException:
                 if st.run is not None:
                     st.run.abort()
@@ -154,7 +156,7 @@ class Feeder:
                     self.timeline.refuse("queuing this step's offloaded updates failed part-way")
                 raise
 
-    def _feed_checked(self, st: Step, items, scale, early: bool, params: list) -> None:
+    def _feed_checked(self, st: Step, items, scale, early: bool, params: list, before) -> None:
         self.updater.prepare(st, params)
         if st.run is None:
             st.run = self.placer.pipeline.begin(self.updater.update_bucket, st.stats)
@@ -200,7 +202,7 @@ class Feeder:
             tr = self.placer.pipeline.transfers[b.arena.device]
             ready = tr.mark(torch.cuda.current_stream(b.arena.device) if tr.cuda else None)
             work = BucketWork(b, idx, grads, ready, scale, release, list(calls.values()),
-                              targets, amp=st.amp)  # fmt: skip
+                              targets, amp=st.amp, before=before)  # fmt: skip
             st.fed[b] = work
             st.run.feed(work)
             if delayed:

@@ -57,6 +57,7 @@ from offloadopt.step.amp import found_inf
 from offloadopt.step.feed import Feeder
 from offloadopt.step.hooks import DDPGrads, GradHooks
 from offloadopt.step.scaling import Scaling
+from offloadopt.step.speculate import Speculation
 from offloadopt.step.step import Phase, Step, Timeline
 
 _PENDING = -2  # Step.task_id of a step begun by DDP's comm hook, before any grad hook
@@ -118,6 +119,9 @@ class FromBackward(AtStep):
         grads_final, release_grads: the options of those names.
         ddp: whether DDP's comm hook announces grads (``ddp=``).
         timeout_s: the longest wait for the worker, in seconds.
+        speculation: ``speculate=True``'s :class:`~offloadopt.step.speculate.Speculation`
+            (updates start during backward under a clip or a GradScaler, validated at its
+            end), or None.
     """
 
     hooks = True
@@ -134,8 +138,10 @@ class FromBackward(AtStep):
         release_grads: bool,
         ddp: bool,
         timeout_s: float,
+        speculation: Speculation | None = None,
     ):
         super().__init__()
+        self.speculation = speculation
         self.timeline, self.placer, self.feeder, self.scaling = timeline, placer, feeder, scaling
         self.begin = begin
         self.grads_final, self.release_grads = grads_final, release_grads
@@ -188,11 +194,19 @@ class FromBackward(AtStep):
             if p not in st.group_of:
                 return  # no longer in any group
             st.announced.add(p)
-            if self.grads_final and not self.scaling.starts_at_end():
+            at_end = self.scaling.starts_at_end()
+            if (self.grads_final or self.speculation is not None) and (
+                not at_end or self.speculation is not None
+            ):
                 rec = self.placer.records[p]
                 done = [b for b in rec.buckets if b not in st.fed
                         and all(q in st.announced for q in b.params)]  # fmt: skip
-                self.feeder.feed(st, [(b, _announced_idx(st, b)) for b in done], None, early=True)
+                items = [(b, _announced_idx(st, b)) for b in done]
+                if at_end:  # speculative: the factors of a check that passes (speculate.py)
+                    scale, _ = self.speculation.factors(st)
+                    self.feeder.feed(st, items, scale, early=True, before=self.speculation.save)
+                else:
+                    self.feeder.feed(st, items, None, early=True)
         if self.release_grads and st.run is not None:
             st.run.wait_launched(SLOTS, self.timeout_s)  # backpressure: grads do not pile up
             self.feeder.release(st)
@@ -258,7 +272,10 @@ class FromBackward(AtStep):
                 if scale is not None:  # the scaler's check, made here (offloadopt/step/amp.py)
                     inf = found_inf([local(p.grad) for p in params], scale.device)
                 self.scaling.decide(st, params, scale, inf)
-            elif not self.grads_final:
+                if self.speculation is not None and st.run is not None:
+                    # the speculative updates stand, or are undone to be fed again below
+                    self.speculation.validate(st)
+            elif not self.grads_final and self.speculation is None:
                 return
             items = [(b, _announced_idx(st, b)) for b in self.placer.forward_order()
                      if b not in st.fed]  # fmt: skip
@@ -292,7 +309,8 @@ def start_policy(o: Options, **owners) -> AtStep:
     when grads are declared final, clipped in the optimizer or scaled by an attached
     GradScaler (``ddp=`` needs one of them); :class:`AtStep` otherwise.
     ``owners``: :class:`FromBackward`'s arguments."""
-    declared = o.grads_final or o.max_grad_norm is not None or o.grad_scaler is not None
+    declared = (o.grads_final or o.speculate or o.max_grad_norm is not None
+                or o.grad_scaler is not None)  # fmt: skip
     if o.overlap == "backward" and declared:  # ddp= requires both (validation.py)
         return FromBackward(**owners)
     return AtStep()

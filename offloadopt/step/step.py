@@ -66,6 +66,8 @@ class Step:
     norm: torch.Tensor | None = None
     scale: torch.Tensor | tuple[torch.Tensor, ...] | None = None  # clip factors (BucketWork)
     amp: AmpInputs | None = None  # a GradScaler's scale and found_inf (offloadopt/step/amp.py)
+    # speculate=True: (clip factors, GradScaler inputs) of this step's speculative feeds
+    speculative: tuple | None = None
     waited: set[Bucket] = field(default_factory=set)  # wait="module": buckets waited for
     first: set[torch.Tensor] = field(default_factory=set)  # lazy-state params' first update
     thread: int = 0  # the thread that called step() (overlap="delayed" publishes there only)

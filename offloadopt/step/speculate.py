@@ -1,0 +1,170 @@
+"""Speculative updates (``speculate=True``): backward mode's offloaded updates start during
+backward although a clip (``max_grad_norm=``) or an attached GradScaler would make them wait
+for its end, and are validated there.
+
+[Note: speculative updates]
+- Without speculation a clip coefficient or a GradScaler's found_inf needs every grad, so
+  every offloaded update waits for the end of backward (start.py's note). In stable training
+  the coefficient is exactly 1.0 (torch clamps it there) and found_inf is 0, so the update
+  made from the grads as they stand is the one the check would have allowed. Pipeline-parallel
+  training's "optimizer post validation" (Qi et al., zero-bubble pipeline parallelism, ICLR
+  2024) steps eagerly on that assumption and rolls back on a trigger; DeepSpeed's Reflow
+  commits the fp32 state only after the checks.
+- Here a bucket complete during backward is fed at once with the factors a passing check
+  gives: no clip factor; the GradScaler's inverse scale (with ``max_grad_norm``) or its scale
+  for the kernel (without), and a found_inf of 0. On the worker, just before its update,
+  the bucket's pre-step host state (the master, or the host copy of the weights, and every
+  state key: the segments updated) is copied into a backup kept for that bucket
+  (:meth:`Speculation.save`; pageable host memory, allocated at the bucket's first
+  speculation and reused). ``step`` is advanced on the training thread before any update
+  and is the same for the speculative and the final update.
+- At the end of backward the optimizer decides the clip and found_inf as before, then reads
+  both on the host (one device sync). A coefficient of exactly 1.0 and no inf: the
+  speculative results stand, bitwise the results of the non-speculative path (the same grads
+  reach the same kernel: ``g * 1.0`` is ``g``, a bf16 grad upcasts exactly). Otherwise the
+  speculative run is drained, each speculated bucket waits for its H2D to finish reading the
+  host master (I3), its backup is copied back, and every bucket is fed again with the true
+  factors: the non-speculative path's arithmetic from the same pre-step state (for an inf
+  step the kernel skips and the H2D writes the old weights back).
+- The next forward reads the params only after ``step()``, which comes after the end of
+  backward: the compute stream waits for the redo's H2D, queued on the same side stream after
+  the speculative one. A checkpoint cannot hold unvalidated state: ``state_dict()`` refuses a
+  step whose updates started and did not end.
+- The device grads must outlive validation (a redo copies them again): ``release_grads`` is
+  refused with ``speculate``, and so is ``ddp=`` (not built yet).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from offloadopt.link.layout import Bucket
+from offloadopt.link.pipeline import BucketWork
+from offloadopt.step.amp import AmpInputs, inverse
+from offloadopt.step.scaling import Scaling
+from offloadopt.step.step import Step
+
+__all__ = ["Speculation"]
+
+
+class Speculation:
+    """The backups and the validation of speculative updates (the note above).
+
+    Args:
+        scaling: the optimizer's :class:`~offloadopt.step.scaling.Scaling` (the clip and the
+            attached GradScaler).
+        transfers: ``transfers()`` gives the pipeline's Transfer per device (I3's waits).
+        timeout_s: the longest wait for the worker, in seconds.
+
+    Attributes:
+        counts: since construction: ``steps`` (steps with a speculative update),
+            ``buckets`` (bucket updates made speculatively), ``redone_clip`` and
+            ``redone_inf`` (steps redone because the clip coefficient was below 1.0, or
+            found_inf was set), ``redone_buckets``.
+    """
+
+    def __init__(self, scaling: Scaling, transfers, timeout_s: float):
+        self.scaling, self.transfers, self.timeout_s = scaling, transfers, timeout_s
+        self.backups: dict[Bucket, list[torch.Tensor]] = {}  # per bucket: its views' copies
+        self.saved: dict[Bucket, list[int]] = {}  # this step's: the segments backed up
+        self.counts = dict(steps=0, buckets=0, redone_clip=0, redone_inf=0, redone_buckets=0)
+
+    @property
+    def backup_nbytes(self) -> int:
+        """Host bytes held by the backups (pageable)."""
+        return sum(t.numel() * t.element_size() for ts in self.backups.values() for t in ts)
+
+    def factors(self, st: Step) -> tuple[Any, AmpInputs | None]:
+        """The clip factors and GradScaler inputs of ``st``'s speculative feeds: what a check
+        that passes gives (the note). Sets ``st.amp`` (replaced by the real one at the end of
+        backward); the same for every speculative feed of ``st``."""
+        if st.speculative is not None:
+            return st.speculative
+        grad_scale = self.scaling.attached_scale()
+        scale = amp = None
+        if grad_scale is not None:
+            zero = torch.zeros((), dtype=torch.float32, device=grad_scale.device)
+            if self.scaling.max_grad_norm is not None:
+                scale = inverse(grad_scale)  # unscaled on the device, as the clip path does
+                amp = AmpInputs(None, zero)
+            else:
+                amp = AmpInputs(grad_scale, zero)  # the kernel unscales
+        st.amp = amp
+        st.speculative = (scale, amp)
+        self.counts["steps"] += 1
+        return scale, amp
+
+    def save(self, work: BucketWork) -> None:
+        """On the worker, before ``work``'s update: copy its segments' pre-step host state
+        into the bucket's backup."""
+        b = work.bucket
+        views = self._views(b)
+        backup = self.backups.get(b)
+        if backup is None:
+            backup = self.backups[b] = [v.clone() for v in views]  # the first: allocated
+        pairs = [(backup[k], views[k]) for k in self._positions(b, work.idx)]
+        if pairs:
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        self.saved[b] = list(work.idx)
+
+    def restore(self, b: Bucket) -> None:
+        """Copy bucket ``b``'s backup back over its host state (the segments saved)."""
+        views, backup = self._views(b), self.backups[b]
+        pairs = [(views[k], backup[k]) for k in self._positions(b, self.saved.pop(b))]
+        if pairs:
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+    def validate(self, st: Step) -> str | None:
+        """At the end of backward, after ``Scaling.decide``: None when the speculative
+        updates of ``st`` stand; otherwise they are undone (the run drained, each speculated
+        bucket's host state restored, ``st``'s feed forgotten, so that every bucket is fed
+        again) and the reason is returned: ``"inf"`` or ``"clip"``. Reads the found_inf and
+        the clip coefficient on the host (a device sync).
+
+        Raises:
+            TimeoutError, WorkerError: waiting for the speculative updates.
+        """
+        works = [w for w in st.fed.values() if w.before is not None]
+        if not works:
+            return None
+        self.counts["buckets"] += len(works)
+        reason = None
+        if st.amp is not None and st.amp.found_inf is not None and float(st.amp.found_inf) != 0:
+            reason = "inf"
+        elif self.scaling.max_grad_norm is not None:
+            coef = st.scale[-1] if isinstance(st.scale, tuple) else st.scale
+            if coef is not None and not float(coef) == 1.0:  # NaN too
+                reason = "clip"
+        if reason is None:
+            for w in works:
+                self.saved.pop(w.bucket, None)
+            return None
+        run = st.run
+        run.close()
+        run.wait(self.timeout_s)  # every speculative update done, its H2D queued
+        transfers = self.transfers()
+        for w in works:
+            transfers[w.bucket.arena.device].wait_h2d_done(w.bucket, self.timeout_s)  # (I3)
+            self.restore(w.bucket)
+        st.fed.clear()
+        st.landing.clear()
+        st.run = None
+        self.counts[f"redone_{reason}"] += 1
+        self.counts["redone_buckets"] += len(works)
+        st.stats["redone_buckets"] = len(works)
+        return reason
+
+    def _views(self, b: Bucket) -> list[torch.Tensor]:
+        """Per segment of ``b``: its master view, then each state key's (arena order)."""
+        out = list(b.state_views(b.arena.master))
+        for flat in b.arena.states.values():
+            out += b.state_views(flat)
+        return out
+
+    def _positions(self, b: Bucket, idx: list[int]) -> list[int]:
+        """The positions in :meth:`_views` of segments ``idx``."""
+        n = len(b.segments)
+        keys = 1 + len(b.arena.states)
+        return [k * n + i for k in range(keys) for i in idx]

@@ -1,0 +1,191 @@
+"""speculate=True (offloadopt/step/speculate.py's note): backward mode's clipped or scaled
+offloaded updates start during backward and are validated at its end. Every run here is
+compared bitwise with the same run without speculation, which is itself torch's
+(tests/test_amp.py, tests/test_overlap.py): steps that clip, steps that do not, inf and NaN
+steps under a GradScaler, and a mix in one run."""
+
+import pytest
+import torch
+from oracle import assert_bitwise
+
+from offloadopt import HybridAdamW
+
+INIT_SCALE = 2.0**12
+
+
+def mlp(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(48, 48), torch.nn.Tanh(), torch.nn.Linear(48, 48), torch.nn.Linear(48, 48)
+    ).to(dtype)
+
+
+def batch(step, dtype=torch.float32):
+    return torch.randn(8, 48, generator=torch.Generator().manual_seed(step)).to(dtype)
+
+
+# per step, the loss's factor: the unscaled grad norm is about 0.05-0.1 at factor 1, so with
+# max_grad_norm=1.0 factor 1 never clips and factor 100 always does
+MIX = [1, 100, 1, 1, 100, 100, 1, 1]
+
+
+def run(spec, steps=8, clip=1.0, factors=MIX, scaler=False, bad=None, dtype=torch.float32,
+        accumulate=1, **kw):  # fmt: skip
+    """Train ``steps`` steps; ``bad``: step -> "inf"/"nan" put into a grad during backward.
+    Returns the params, the state dicts' tensors, the scales and the speculation's counts."""
+    model = mlp(dtype=dtype)
+    s = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=2) if scaler else None
+    opt = HybridAdamW(model.parameters(), lr=1e-2, overlap="backward", max_grad_norm=clip,
+                      grad_scaler=s, speculate=spec, min_offload_numel=1, bucket_nbytes=4000,
+                      **kw)  # fmt: skip
+    if kw.get("wait") == "module":
+        opt.watch(model)  # each module's forward waits for its own params' new weights
+    params, scales = list(model.parameters()), []
+    for step in range(steps):
+        for micro in range(accumulate):
+            handle = None
+            if bad and step in bad and micro == accumulate - 1:
+                value = float(bad[step])
+                handle = params[0].register_hook(lambda g, v=value: g.index_fill(0, torch.tensor([1]), v))  # fmt: skip
+            loss = (
+                model(batch(step * 10 + micro, dtype)).float().pow(2).mean()
+                * factors[step % len(factors)]
+            )
+            if micro < accumulate - 1:
+                with opt.accumulating():
+                    (s.scale(loss) if s else loss).backward()
+            else:
+                (s.scale(loss) if s else loss).backward()
+            if handle is not None:
+                handle.remove()
+        if s is not None:
+            s.step(opt)
+            s.update()
+            scales.append(s.get_scale())
+        else:
+            opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    tensors = [sd["state"][i][k] for i in sorted(sd["state"]) for k in sorted(sd["state"][i])
+               if isinstance(sd["state"][i][k], torch.Tensor)]  # fmt: skip
+    counts = dict(opt.speculation) if spec else None
+    opt.close()
+    return [p.detach().clone() for p in params], tensors, scales, counts
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_clipped_steps_mixed_with_unclipped_ones_are_bitwise_the_non_speculative_run(fraction):
+    want = run(False, offload_fraction=fraction)
+    got = run(True, offload_fraction=fraction)
+    assert_bitwise(got[0], want[0], "params")
+    assert_bitwise(got[1], want[1], "state")
+    counts = got[3]
+    assert counts["steps"] == len(MIX) and counts["buckets"] > 0
+    assert counts["redone_clip"] == MIX.count(100), counts  # every step that clipped, only those
+    assert counts["redone_inf"] == 0
+
+
+def test_a_run_that_never_clips_is_never_redone():
+    want = run(False, factors=[1])
+    got = run(True, factors=[1])
+    assert_bitwise(got[0], want[0], "params")
+    assert_bitwise(got[1], want[1], "state")
+    assert got[3]["redone_clip"] == got[3]["redone_buckets"] == 0 and got[3]["buckets"] > 0
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_inf_and_nan_steps_under_a_grad_scaler_are_skipped_as_without_speculation(clip):
+    bad = {2: "inf", 5: "nan"}
+    want = run(False, scaler=True, bad=bad, clip=clip)
+    got = run(True, scaler=True, bad=bad, clip=clip)
+    assert_bitwise(got[0], want[0], "params")
+    assert_bitwise(got[1], want[1], "state")
+    assert got[2] == want[2], "the scaler backs off and grows as without speculation"
+    assert got[3]["redone_inf"] == 2, got[3]
+    if clip is not None:  # a clip in a finite step is redone too
+        assert got[3]["redone_clip"] == sum(
+            1 for k, f in enumerate(MIX) if f == 100 and k not in bad
+        )
+
+
+def test_bf16_params_with_int8_state_and_the_bf16_link():
+    bad = {3: "inf"}
+    kw = dict(dtype=torch.bfloat16, state_dtype="int8", scaler=True, bad=bad)
+    want = run(False, **kw)
+    got = run(True, **kw)
+    assert_bitwise(got[0], want[0], "params")
+    assert_bitwise(got[1], want[1], "state")
+    assert got[3]["redone_inf"] == 1 and got[3]["redone_clip"] >= 1
+
+
+def test_gradient_accumulation_speculates_only_at_the_last_micro_step():
+    want = run(False, accumulate=3, steps=4)
+    got = run(True, accumulate=3, steps=4)
+    assert_bitwise(got[0], want[0], "params")
+    assert_bitwise(got[1], want[1], "state")
+    assert got[3]["steps"] == 4
+
+
+def test_wait_module_reads_the_validated_weights():
+    want = run(False, wait="module")
+    got = run(True, wait="module")
+    assert_bitwise(got[0], want[0], "params")
+
+
+def test_updates_start_during_backward_and_are_undone_before_step():
+    """The first layer's grad comes last in backward: by then the other layers' buckets were
+    fed (without speculate, none is before the end of backward). A step that clips restores
+    the pre-step state and feeds every bucket again at the end of backward."""
+    for spec in (False, True):
+        model = mlp()
+        opt = HybridAdamW(model.parameters(), lr=1e-2, overlap="backward", max_grad_norm=1.0,
+                          speculate=spec, min_offload_numel=1, bucket_nbytes=4000)  # fmt: skip
+        seen = []
+        model[0].weight.register_hook(lambda g, s=seen, o=opt: s.append(len(o.debug.step.fed)))
+        (model(batch(0)).pow(2).mean() * 100).backward()
+        assert (seen[0] > 0) == spec, seen
+        if spec:
+            assert opt.debug.step.stats["redone_buckets"] == len(opt.buckets) > seen[0]
+            assert opt.speculation["backup_nbytes"] > 0
+        opt.step()
+        opt.close()
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(overlap="step", max_grad_norm=1.0), "needs overlap='backward'"),
+        (dict(overlap="backward"), "max_grad_norm= or grad_scaler="),
+        (dict(overlap="backward", max_grad_norm=1.0, release_grads=True), "release_grads"),
+        (dict(overlap="delayed", max_grad_norm=1.0), "needs overlap='backward'"),
+    ],
+)
+def test_speculate_where_it_means_nothing_is_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        HybridAdamW(mlp().parameters(), speculate=True, **kw)
+    with pytest.raises(TypeError, match="speculate"):
+        HybridAdamW(mlp().parameters(), speculate=1, overlap="backward", max_grad_norm=1.0)
+
+
+def test_a_checkpoint_never_holds_unvalidated_state():
+    """state_dict() inside backward (speculative updates in flight) and between backward and
+    step() is refused, as for any step whose updates started; after step() it is the
+    non-speculative run's."""
+    model = mlp()
+    opt = HybridAdamW(model.parameters(), lr=1e-2, overlap="backward", max_grad_norm=1.0,
+                      speculate=True, min_offload_numel=1, bucket_nbytes=4000)  # fmt: skip
+    said = []
+
+    def hook(g):
+        with pytest.raises(RuntimeError, match="backward that has not finished"):
+            opt.state_dict()
+        said.append(len(opt.debug.step.fed))
+
+    model[0].weight.register_hook(hook)
+    (model(batch(0)).pow(2).mean() * 100).backward()
+    assert said and said[0] > 0, "buckets were in flight"
+    with pytest.raises(RuntimeError, match="between backward and step"):
+        opt.state_dict()
+    opt.step()
+    assert len(opt.state_dict()["state"]) == len(list(model.parameters()))
+    opt.close()
