@@ -69,6 +69,12 @@ for part in "${@:-all}"; do
       "backward f0.3 clip spec maxnorm100" "backward f0.2 clip spec" \
       "backward f0.2 clip spec maxnorm0.001" 2>&1 | tee "$OUT/spec.log" | tail -14
   fi
+  if [[ $part == spec2 ]]; then
+    # issue 31, after the backup became one copy per arena buffer: fraction 0.2 only
+    timeout 60 python3 -m pytest tests/cuda/test_speculate_cuda.py -q -p no:cacheprovider 2>&1 | tail -2
+    timeout 120 python3 benchmarks/overlap_bench.py --no-memory --no-probe --warmup 3 --steps 6 --out "$OUT/spec2" \
+      --only "backward f0.2" "backward f0.2 clip" "backward f0.2 clip spec maxnorm100" 2>&1 | tee "$OUT/spec2.log" | tail -5
+  fi
   if [[ $part == prof8 ]]; then
     # where fraction 0's step goes with int8 state against fp32 (the device-resident update)
     timeout 240 python3 benchmarks/profile_modes.py --configs "step:0" "step:0:state_dtype='int8'" \

@@ -68,7 +68,7 @@ class Speculation:
     def __init__(self, scaling: Scaling, transfers, timeout_s: float):
         self.scaling, self.transfers, self.timeout_s = scaling, transfers, timeout_s
         self.backups: dict[Bucket, list[torch.Tensor]] = {}  # per bucket: its views' copies
-        self.saved: dict[Bucket, list[int]] = {}  # this step's: the segments backed up
+        self.saved: dict[Bucket, bool] = {}  # this step's buckets backed up
         self.counts = dict(steps=0, buckets=0, redone_clip=0, redone_inf=0, redone_buckets=0)
 
     @property
@@ -97,24 +97,24 @@ class Speculation:
         return scale, amp
 
     def save(self, work: BucketWork) -> None:
-        """On the worker, before ``work``'s update: copy its segments' pre-step host state
-        into the bucket's backup."""
+        """On the worker, before ``work``'s update: copy the bucket's pre-step host state
+        (its whole range of each arena buffer: one large copy each, which torch spreads over
+        the worker's threads) into the bucket's backup."""
         b = work.bucket
-        views = self._views(b)
+        ranges = self._ranges(b)
         backup = self.backups.get(b)
         if backup is None:
-            backup = self.backups[b] = [v.clone() for v in views]  # the first: allocated
-        pairs = [(backup[k], views[k]) for k in self._positions(b, work.idx)]
-        if pairs:
-            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
-        self.saved[b] = list(work.idx)
+            self.backups[b] = [r.clone() for r in ranges]  # the first: allocated
+        else:
+            for dst, src in zip(backup, ranges, strict=True):
+                dst.copy_(src)
+        self.saved[b] = True
 
     def restore(self, b: Bucket) -> None:
-        """Copy bucket ``b``'s backup back over its host state (the segments saved)."""
-        views, backup = self._views(b), self.backups[b]
-        pairs = [(views[k], backup[k]) for k in self._positions(b, self.saved.pop(b))]
-        if pairs:
-            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        """Copy bucket ``b``'s backup back over its host state."""
+        del self.saved[b]
+        for dst, src in zip(self._ranges(b), self.backups[b], strict=True):
+            dst.copy_(src)
 
     def validate(self, st: Step) -> str | None:
         """At the end of backward, after ``Scaling.decide``: None when the speculative
@@ -156,15 +156,16 @@ class Speculation:
         st.stats["redone_buckets"] = len(works)
         return reason
 
-    def _views(self, b: Bucket) -> list[torch.Tensor]:
-        """Per segment of ``b``: its master view, then each state key's (arena order)."""
-        out = list(b.state_views(b.arena.master))
+    @staticmethod
+    def _ranges(b: Bucket) -> list[torch.Tensor]:
+        """``b``'s range ``[lo, hi)`` of the arena's master, then of each state buffer (arena
+        order; a blockwise buffer's blocks covering it: segments start at block
+        boundaries, layout.build_arenas)."""
+        out = [b.arena.master[b.lo : b.hi]]
         for flat in b.arena.states.values():
-            out += b.state_views(flat)
+            if flat.numel() != b.arena.numel:
+                k = b.arena.block
+                out.append(flat[b.lo // k : -(-b.hi // k)])
+            else:
+                out.append(flat[b.lo : b.hi])
         return out
-
-    def _positions(self, b: Bucket, idx: list[int]) -> list[int]:
-        """The positions in :meth:`_views` of segments ``idx``."""
-        n = len(b.segments)
-        keys = 1 + len(b.arena.states)
-        return [k * n + i for k in range(keys) for i in idx]

@@ -63,9 +63,13 @@ def run(spec, dtype, scaler, state_dtype, steps=8):
     return losses + [p.detach().clone() for p in params], counts
 
 
-@pytest.mark.parametrize("dtype, state_dtype", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"),
-                                                (torch.bfloat16, "int8")])  # fmt: skip
-@pytest.mark.parametrize("scaler", [False, True])
+# torch's GradScaler refuses bf16 grads ("not implemented for 'BFloat16'"): bf16 runs clip only
+CASES = [(torch.float32, "fp32", False), (torch.float32, "fp32", True),
+         (torch.float32, "int8", True), (torch.bfloat16, "fp32", False),
+         (torch.bfloat16, "int8", False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, state_dtype, scaler", CASES)
 def test_speculative_runs_are_bitwise_the_non_speculative_ones_on_the_gpu(
     dtype, state_dtype, scaler
 ):
