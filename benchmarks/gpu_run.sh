@@ -42,8 +42,8 @@ for part in "${@:-all}"; do
     ck=${STREAMED_DIR:-/tmp/ck-xl}; rm -rf "$ck"; df -h "$(dirname "$ck")" | tail -1
     T=""; [[ -x /usr/bin/time ]] && T="/usr/bin/time -f peak_RSS_%M_KB"
     margs=${STREAMED_ARGS:---preset gpt2-xl --state-dtype int8 --offload-fraction 0.5 --batch-size 4 --seq-len 1024}
-    common="--device ${STREAMED_DEVICE:-cuda} --dtype bf16 $margs --checkpoint-format streamed --steps 6 --eval-every 100 --eval-batches 1 --log-every 1 --no-progress"
-    $T timeout 280 python3 -m offloadopt train $common --save-every 3 --save "$ck" > "$OUT/streamed_save.log" 2>&1 &
+    common="--device ${STREAMED_DEVICE:-cuda} --dtype bf16 $margs --steps 6 --eval-every 100 --eval-batches 1 --log-every 1 --no-progress"
+    $T timeout 280 python3 -m offloadopt train $common --checkpoint-format streamed --save-every 3 --save "$ck" > "$OUT/streamed_save.log" 2>&1 &
     pid=$!
     for _ in $(seq 560); do
       grep -q "^saved:\|saved: " "$OUT/streamed_save.log" && { pkill -INT -f "offloadopt train" || true; break; }

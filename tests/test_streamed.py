@@ -296,3 +296,36 @@ def test_a_fresh_users_findings_on_streamed_checkpoints(tmp_path):
     assert index["items"]
     for o in (opt, lo):
         o.close()
+
+
+def test_save_paths_a_symlink_an_empty_folder_and_a_killed_saves_leftovers(tmp_path):
+    """A fresh user's findings: a symlinked path was replaced by a folder; an existing empty
+    folder was refused; the temporary folders' names were fixed per process, so a leftover of
+    an interrupted save made every later save of that process fail, and a save killed between
+    its two renames left the previous checkpoint under a hidden name, never cleaned up."""
+    m = model()
+    opt = build(m, state_dtype="int8")
+    train(m, opt, 0, 1)
+    real = tmp_path / "real"
+    real.mkdir()  # empty: taken
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    opt.save_streamed(str(link), extra="one")
+    assert link.is_symlink() and streamed.read_extra(str(real)) == "one"
+    opt.save_streamed(str(link), extra="two")
+    assert link.is_symlink() and streamed.read_extra(str(link)) == "two"
+    # a leftover of this process's interrupted save: later saves still work
+    os.makedirs(tmp_path / f".real.{os.getpid()}.zz.old")
+    opt.save_streamed(str(real), extra="three")
+    assert streamed.read_extra(str(real)) == "three"
+    # a save killed between its renames: the checkpoint is the .old of a dead process
+    dead = 2**22 + 12345  # above the default pid_max: no such process
+    os.replace(real, tmp_path / f".real.{dead}.ab.old")
+    os.makedirs(tmp_path / f".real.{dead}.cd.tmp")
+    with pytest.raises(ValueError, match="interrupted: the checkpoint before it is"):
+        opt.load_streamed(str(real))
+    opt.save_streamed(str(real), extra="four")  # moves it back, then replaces it
+    assert streamed.read_extra(str(real)) == "four"
+    left = sorted(e for e in os.listdir(tmp_path) if str(dead) in e)
+    assert left == [], left
+    opt.close()

@@ -102,6 +102,8 @@ def test_checkpoint_format_refusals_name_the_values(tmp_path, capsys):
           "streamed"], "only HybridAdamW"),
         ([*ARGS, "--resume", str(folder)], "no streamed checkpoint"),
         ([*ARGS, "--save", str(folder)], "is a folder"),
+        # accepted silently before: the format of nothing
+        ([*ARGS, "--checkpoint-format", "streamed"], "needs --save PATH"),
     ]  # fmt: skip
     for argv, message in cases:
         try:

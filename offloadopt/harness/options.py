@@ -229,6 +229,11 @@ class TrainConfig:
                 f"--save-every {cfg.save_every}: how often to write the --save checkpoint, so it "
                 "needs --save PATH"
             )
+        if cfg.checkpoint_format == "streamed" and cfg.save is None:
+            raise UsageError(
+                "--checkpoint-format streamed: the format --save writes, so it needs --save "
+                "PATH (--resume reads either format)"
+            )
         if cfg.checkpoint_format == "streamed" and cfg.optimizer != "hybrid":
             raise UsageError(
                 f"--checkpoint-format streamed with --optimizer {cfg.optimizer}: only HybridAdamW "

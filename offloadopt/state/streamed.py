@@ -33,6 +33,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import tempfile
 from typing import Any
 
 import torch
@@ -109,8 +110,13 @@ def save(
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); give "
                 "numbers, strings, tensors, lists and dicts of them"
             ) from None
-    target = os.path.abspath(path)
-    if os.path.exists(target) and not os.path.isfile(os.path.join(target, _INDEX)):
+    target = os.path.realpath(path)  # a symlink's checkpoint goes where it points
+    _recover(target)
+    if (
+        os.path.exists(target)
+        and not os.path.isfile(os.path.join(target, _INDEX))
+        and not (os.path.isdir(target) and not os.listdir(target))  # an empty folder: taken
+    ):
         raise FileExistsError(
             f"save_streamed: {path!r} exists and is not a streamed checkpoint; not replaced"
         )
@@ -127,11 +133,11 @@ def save(
                 named.append((f"{_STATE}{index}/{key}", value))
     groups = checkpoint.drop_placement({"state": {}, "param_groups": base["param_groups"]})
     parent = os.path.dirname(target)
-    tmp = os.path.join(parent, f".{os.path.basename(target)}.{os.getpid()}.tmp")
-    old = os.path.join(parent, f".{os.path.basename(target)}.{os.getpid()}.old")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # unique per save (the process id first: _recover tells a killed save's leftovers by it)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(target)}.{os.getpid()}.",
+                           suffix=".tmp")  # fmt: skip
+    old = tmp[: -len(".tmp")] + ".old"
     try:
-        os.makedirs(tmp)
         items: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
         part: dict[str, torch.Tensor] = {}
         nbytes, parts = 0, 0
@@ -169,6 +175,51 @@ def save(
     return written
 
 
+def _leftovers(target: str) -> list[tuple[str, int, str]]:
+    """``(path, pid, kind)`` of the temporary folders of earlier saves to ``target``
+    (``.NAME.PID.XXXX.tmp`` / ``.old`` beside it)."""
+    parent, name = os.path.split(target)
+    out = []
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return out
+    for entry in entries:
+        prefix = f".{name}."
+        if not entry.startswith(prefix) or not entry.endswith((".tmp", ".old")):
+            continue
+        pid = entry[len(prefix) :].split(".", 1)[0]
+        if pid.isdigit():
+            out.append((os.path.join(parent, entry), int(pid), entry[-3:]))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def _recover(target: str) -> None:
+    """Leftovers of saves to ``target`` killed part-way (their process is gone): a ``.tmp``
+    folder is removed; an ``.old`` one (killed between moving the previous checkpoint aside
+    and moving the new one in) is moved back to ``target`` if ``target`` is missing, else
+    removed."""
+    for path, pid, kind in _leftovers(target):
+        if _alive(pid):
+            continue
+        if kind == "old" and not os.path.exists(target):
+            os.replace(path, target)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _index(path: str) -> dict[str, Any]:
     """The checkpoint's index.
 
@@ -176,6 +227,13 @@ def _index(path: str) -> dict[str, Any]:
         ValueError: ``path`` is no streamed checkpoint of offloadopt (names it).
     """
     if not os.path.isdir(path):
+        kept = [p for p, _, kind in _leftovers(os.path.realpath(path)) if kind == "old"]
+        if kept:
+            raise ValueError(
+                f"load_streamed: {path!r} is missing, and a save to it was interrupted: the "
+                f"checkpoint before it is {kept[0]!r} (the next save_streamed to {path!r} "
+                "moves it back, or rename it yourself)"
+            )
         raise ValueError(f"load_streamed: {path!r} is not a folder (save_streamed writes one)")
     file = os.path.join(path, _INDEX)
     if not os.path.isfile(file):
