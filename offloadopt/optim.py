@@ -150,8 +150,8 @@ class HybridOptimizer(Optimizer):
             o, timeline=self._timeline, placer=self._placer, feeder=self._feeder,
             scaling=scaling, begin=lambda: me()._begin(), grads_final=o.grads_final,
             release_grads=o.release_grads, ddp=o.ddp is not None, timeout_s=self.timeout_s,
-            speculation=Speculation(scaling, lambda: me()._placer.transfers(), self.timeout_s)
-            if o.speculate else None,
+            speculation=Speculation(scaling, lambda: me()._placer.transfers(), self.timeout_s,
+                                    lambda: me()._placer.buckets) if o.speculate else None,
         )  # fmt: skip
         for g in self.param_groups:
             self._placer.check_auto_group(g)
@@ -304,9 +304,16 @@ class HybridOptimizer(Optimizer):
 
         Nothing is rolled back and the grads stay as they are: call ``zero_grad()`` before the
         next ``step()``, or the params already updated get the same grads applied again (a
-        fresh user's finding; the README says so)."""
+        fresh user's finding; the README says so). With ``speculate=True``, the speculative
+        updates of the failed step, not yet validated, are rolled back (their pre-step state
+        and weights restored, offloadopt/step/speculate.py), as the run without it would
+        have started none."""
         with self._timeline.lock:
+            st = self._timeline.current
             self._timeline.discard(self.timeout_s)
+            spec = getattr(self._start, "speculation", None)
+            if spec is not None and st is not None:
+                spec.roll_back(st, self.state, self._records)
 
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         """Mark the backward passes inside as non-final micro-steps of gradient accumulation:

@@ -189,3 +189,63 @@ def test_a_checkpoint_never_holds_unvalidated_state():
     opt.step()
     assert len(opt.state_dict()["state"]) == len(list(model.parameters()))
     opt.close()
+
+
+@pytest.mark.parametrize("scaler", [False, True])
+def test_a_failed_backward_then_discard_rolls_the_speculative_updates_back(scaler):
+    """A fresh user's finding: a backward that raised after some buckets were speculated, then
+    opt.discard_failed_step(), kept those unvalidated updates (made here from inf grads: NaN
+    weights). Without speculate nothing had started; now nothing is left changed either: the
+    params, the state and its steps are the run's without speculate, and training goes on
+    bitwise alike."""
+    got = []
+    for spec in (False, True):
+        model = mlp()
+        s = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE) if scaler else None
+        opt = HybridAdamW(model.parameters(), lr=1e-2, overlap="backward", max_grad_norm=1.0,
+                          grad_scaler=s, speculate=spec, min_offload_numel=1,
+                          bucket_nbytes=4000)  # fmt: skip
+        for step in range(3):
+            if step == 1:
+                inf = model[3].weight.register_hook(lambda g: g.fill_(float("inf")))
+                boom = model[0].weight.register_hook(lambda g: 1 / 0)
+                with pytest.raises(ZeroDivisionError):
+                    loss = model(batch(step)).pow(2).mean()
+                    (s.scale(loss) if s else loss).backward()
+                inf.remove()
+                boom.remove()
+                opt.discard_failed_step()
+                opt.zero_grad()
+                continue
+            loss = model(batch(step)).pow(2).mean()
+            (s.scale(loss) if s else loss).backward()
+            if s:
+                s.step(opt)
+                s.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+        sd = opt.state_dict()
+        got.append(([p.detach().clone() for p in model.parameters()],
+                    [sd["state"][i][k] for i in sorted(sd["state"]) for k in sorted(sd["state"][i])]))  # fmt: skip
+        if spec:
+            assert opt.speculation["buckets"] > 0
+        opt.close()
+    assert_bitwise(got[1][0], got[0][0], "params")
+    assert_bitwise(got[1][1], got[0][1], "state")
+
+
+def test_backups_of_buckets_a_new_placement_dropped_are_freed():
+    """A fresh user's finding: set_offload_fraction() between steps left the backups of the
+    old buckets behind, so backup_nbytes grew with every move."""
+    model = mlp()
+    opt = HybridAdamW(model.parameters(), overlap="backward", max_grad_norm=1e9, speculate=True,
+                      min_offload_numel=1, bucket_nbytes=4000)  # fmt: skip
+    n = sum(p.numel() for p in model.parameters())
+    for step in range(6):
+        model(batch(step)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert opt.speculation["backup_nbytes"] <= 12 * n + 64 * 12, (step, opt.speculation)
+        opt.set_offload_fraction([0.5, 1.0][step % 2])
+    opt.close()

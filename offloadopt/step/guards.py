@@ -131,7 +131,8 @@ class Guards:
                 hint = ("with grad_scaler= attached, leave out scaler.unscale_(opt) and "
                         "clip with max_grad_norm=" if self.grad_scaler() is not None else
                         "clip or scale through the optimizer: max_grad_norm=, grad_scaler=, "
-                        "or leave grads_final=False")  # fmt: skip
+                        "or leave grads_final and speculate False; a grad hook that edits the "
+                        "grad must be registered before the optimizer is built")  # fmt: skip
                 raise RuntimeError(
                     f"the grad of {records[p].name} changed after its bucket's update "
                     f"started during backward ({hint}; mark non-final micro-steps with "

@@ -65,8 +65,9 @@ class Speculation:
             found_inf was set), ``redone_buckets``.
     """
 
-    def __init__(self, scaling: Scaling, transfers, timeout_s: float):
+    def __init__(self, scaling: Scaling, transfers, timeout_s: float, buckets=None):
         self.scaling, self.transfers, self.timeout_s = scaling, transfers, timeout_s
+        self.buckets = buckets  # () -> the current buckets (a new placement drops backups)
         self.backups: dict[Bucket, list[torch.Tensor]] = {}  # per bucket: its views' copies
         self.saved: dict[Bucket, bool] = {}  # this step's buckets backed up
         self.counts = dict(steps=0, buckets=0, redone_clip=0, redone_inf=0, redone_buckets=0)
@@ -82,6 +83,9 @@ class Speculation:
         backward); the same for every speculative feed of ``st``."""
         if st.speculative is not None:
             return st.speculative
+        if self.buckets is not None:  # set_offload_fraction made new buckets: drop the old's
+            current = set(self.buckets())
+            self.backups = {b: v for b, v in self.backups.items() if b in current}
         grad_scale = self.scaling.attached_scale()
         scale = amp = None
         if grad_scale is not None:
@@ -155,6 +159,42 @@ class Speculation:
         self.counts["redone_buckets"] += len(works)
         st.stats["redone_buckets"] = len(works)
         return reason
+
+    def roll_back(self, st: Step, state, records) -> int:
+        """A step abandoned after speculative updates began (a backward that raised, then
+        ``discard_failed_step()``): its run has stopped; every bucket whose update began gets
+        its pre-step host state back and its params the weights of that state (the master
+        cast to the param's dtype: the weights before the step, which ``prepare`` checked
+        against it); the offloaded params' ``step`` goes back, and state this step made is
+        dropped. What the run without ``speculate`` leaves: nothing changed. Returns the
+        buckets restored.
+
+        Raises:
+            TimeoutError: an H2D of the step did not finish in ``timeout_s``."""
+        from offloadopt.shards import local
+
+        if st.speculative is None:
+            return 0
+        transfers = self.transfers()
+        done = [b for b in st.fed if b in self.saved]
+        for b in done:
+            transfers[b.arena.device].wait_h2d_done(b, self.timeout_s)  # (I3)
+            self.restore(b)
+            master = b.arena.master[b.lo : b.hi]
+            for s in b.segments:
+                p = b.arena.params[s.k]
+                local(p).detach().view(-1)[s.lo : s.hi].copy_(
+                    master[s.offset : s.offset + s.hi - s.lo]
+                )
+        for p in st.prepared:
+            if p in st.created:
+                state.pop(p, None)
+            elif records[p].offloaded and "step" in state.get(p, {}):
+                state[p]["step"] -= 1
+            if records[p].offloaded:
+                records[p].mark_written(p)
+        self.saved.clear()
+        return len(done)
 
     @staticmethod
     def _ranges(b: Bucket) -> list[torch.Tensor]:

@@ -68,6 +68,7 @@ class Step:
     amp: AmpInputs | None = None  # a GradScaler's scale and found_inf (offloadopt/step/amp.py)
     # speculate=True: (clip factors, GradScaler inputs) of this step's speculative feeds
     speculative: tuple | None = None
+    created: set[torch.Tensor] = field(default_factory=set)  # state made by this step
     waited: set[Bucket] = field(default_factory=set)  # wait="module": buckets waited for
     first: set[torch.Tensor] = field(default_factory=set)  # lazy-state params' first update
     thread: int = 0  # the thread that called step() (overlap="delayed" publishes there only)

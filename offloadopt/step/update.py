@@ -186,6 +186,7 @@ class Updater:
             rec = self.records[p]
             if not self.state.get(p):  # none yet (an empty entry: a defaultdict lookup)
                 self.init_state(p, rec)
+                st.created.add(p)
             elif rec.is_stale(p):
                 self.refresh_if_stale(p, rec)
             state = self.state[p]
