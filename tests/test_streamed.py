@@ -329,3 +329,41 @@ def test_save_paths_a_symlink_an_empty_folder_and_a_killed_saves_leftovers(tmp_p
     left = sorted(e for e in os.listdir(tmp_path) if str(dead) in e)
     assert left == [], left
     opt.close()
+
+
+def test_a_truncated_part_is_refused_before_anything_changes(tmp_path, monkeypatch):
+    """A part file cut short (a copy that stopped) was found only when its turn came, after
+    earlier parts had been loaded: the optimizer was left half loaded. The index records each
+    part's bytes, checked first. Ctrl-C inside torch.save (torch's zip writer reports it as a
+    RuntimeError) is the KeyboardInterrupt again."""
+    m = model()
+    opt = build(m, state_dtype="int8")
+    train(m, opt, 0, 2)
+    monkeypatch.setattr(streamed, "PART_NBYTES", 4096)  # many parts
+    path = str(tmp_path / "ck")
+    opt.save_streamed(path, model=m)
+    parts = sorted(f for f in os.listdir(path) if f.startswith("part-"))
+    last = os.path.join(path, parts[-1])
+    with open(last, "r+b") as f:
+        f.truncate(os.path.getsize(last) - 100)
+    m2 = model(seed=1)
+    o2 = build(m2, state_dtype="int8")
+    train(m2, o2, 0, 1)
+    before = snapshot(m2, o2)
+    with pytest.raises(ValueError, match=f"{parts[-1]} of .* truncated"):
+        o2.load_streamed(path, model=m2)
+    assert_same(snapshot(m2, o2), before)
+    o2.close()
+
+    def interrupted(obj, f):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("PytorchStreamWriter failed writing file data") from None
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        opt.save_streamed(path)
+    monkeypatch.undo()
+    assert streamed.read_extra(path) is None and len(os.listdir(tmp_path)) == 1
+    opt.close()

@@ -89,6 +89,12 @@ def test_a_streamed_checkpoint_resumes_bit_for_bit(tmp_path, capsys, monkeypatch
     status, rest, resumed = _run(capsys, [*argv, "--resume", ck])
     assert status == 0 and {**first, **rest} == whole
     assert resumed["final_heldout_loss"] == summary["final_heldout_loss"]
+    # a damaged copy: refused before anything changed, as a bad --resume (status 2, not 1)
+    part = tmp_path / "run" / "part-00000.pt"
+    with open(part, "r+b") as f:
+        f.truncate(part.stat().st_size - 10)
+    assert main([*argv, "--resume", ck]) == 2
+    assert "--resume: load_streamed:" in capsys.readouterr().err
 
 
 def test_checkpoint_format_refusals_name_the_values(tmp_path, capsys):

@@ -322,11 +322,14 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
     schedule = DelayedSchedule(model, opt)  # evaluations and checkpoints keep the delayed update's
     if resume is not None:
         t = time.perf_counter()
-        if resume.get("streamed"):
-            opt.load_streamed(cfg.resume, model=model)
-        else:
-            model.load_state_dict(resume["model"])
-            opt.load_state_dict(resume["optimizer"])
+        try:  # a checkpoint that does not fit is refused before anything is changed
+            if resume.get("streamed"):
+                opt.load_streamed(cfg.resume, model=model)
+            else:
+                model.load_state_dict(resume["model"])
+                opt.load_state_dict(resume["optimizer"])
+        except ValueError as e:  # a bad --resume: a usage error (status 2), as the others
+            raise checks.UsageError(f"--resume: {e}") from None
         log.info(f"loaded: {cfg.resume} in {time.perf_counter() - t:.2f} s")
         schedule.resume(resume.get("delayed_weights", {}), cfg.resume)
         gen.set_state(resume["generator"])

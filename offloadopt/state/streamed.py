@@ -72,11 +72,22 @@ def _own_bytes(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
 
 
-def _fsync_write(obj: Any, path: str) -> None:
+def _fsync_write(obj: Any, path: str) -> int:
+    """``torch.save(obj)`` to ``path``, flushed to the disk; returns the file's bytes.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C during the write (torch's zip writer reports one that
+            lands while it writes as a RuntimeError; the interrupt is what the caller sees)."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        try:
+            torch.save(obj, f)
+        except RuntimeError as e:
+            if isinstance(e.__context__, KeyboardInterrupt):
+                raise e.__context__ from None
+            raise
         f.flush()
         os.fsync(f.fileno())
+        return f.tell()
 
 
 def save(
@@ -141,11 +152,12 @@ def save(
         items: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
         part: dict[str, torch.Tensor] = {}
         nbytes, parts = 0, 0
+        sizes: list[int] = []  # each part file's bytes: a load checks them first
 
         def flush() -> None:
             nonlocal part, nbytes, parts
             if part:
-                _fsync_write(part, os.path.join(tmp, f"part-{parts:05d}.pt"))
+                sizes.append(_fsync_write(part, os.path.join(tmp, f"part-{parts:05d}.pt")))
                 parts += 1
             part, nbytes = {}, 0
 
@@ -160,7 +172,7 @@ def save(
         index = {"format": FORMAT, "version": VERSION, "rule": opt.rule.name,
                  "moments": opt.rule.moments, "master_sr": opt.rule.master_sr,
                  "torch": str(torch.__version__), "param_groups": groups["param_groups"],
-                 "steps": steps, "items": items, "extra": extra}  # fmt: skip
+                 "steps": steps, "items": items, "part_nbytes": sizes, "extra": extra}  # fmt: skip
         _fsync_write(index, os.path.join(tmp, _INDEX))
         written = sum(e.stat().st_size for e in os.scandir(tmp))
         if os.path.exists(target):
@@ -336,6 +348,16 @@ def load(opt: HybridOptimizer, path: str, model: torch.nn.Module | None = None) 
     if missing:
         raise ValueError(f"load_streamed: {path!r} lacks part files {missing[:5]} that its index "
                          "names: an incomplete copy")  # fmt: skip
+    sizes = index.get("part_nbytes")  # absent in checkpoints saved before it was recorded
+    if sizes is not None:
+        wrong = [(n, os.path.getsize(os.path.join(path, f"part-{n:05d}.pt")), sizes[n])
+                 for n in sorted(numbers) if n < len(sizes)
+                 and os.path.getsize(os.path.join(path, f"part-{n:05d}.pt")) != sizes[n]]  # fmt: skip
+        if wrong:
+            n, have, want = wrong[0]
+            raise ValueError(f"load_streamed: part-{n:05d}.pt of {path!r} has {have} bytes, "
+                             f"{want} when saved: a truncated or damaged copy"
+                             + (f" ({len(wrong)} parts differ)" if len(wrong) > 1 else ""))  # fmt: skip
     parts = _Parts(path, items)
 
     def read_model() -> None:
