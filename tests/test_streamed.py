@@ -287,7 +287,7 @@ def test_a_fresh_users_findings_on_streamed_checkpoints(tmp_path):
     name = next(iter(saved))
     torch.save({**saved, name: saved[name].reshape(-1)[:1].clone()}, part)
     before = snapshot(m, opt)
-    with pytest.raises(ValueError, match="damaged or mixed-up"):
+    with pytest.raises(ValueError, match="damaged"):
         opt.load_streamed(path, model=m)
     os.remove(part)
     with pytest.raises(ValueError, match="lacks part files"):
