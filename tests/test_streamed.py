@@ -288,7 +288,12 @@ def test_a_fresh_users_findings_on_streamed_checkpoints(tmp_path):
     torch.save({**saved, name: saved[name].reshape(-1)[:1].clone()}, part)
     before = snapshot(m, opt)
     with pytest.raises(ValueError, match="damaged"):
-        opt.load_streamed(path, model=m)
+        opt.load_streamed(path, model=m)  # its size differs from the index's
+    torch.save(
+        {k: v for k, v in index.items() if k != "part_nbytes"}, os.path.join(path, "index.pt")
+    )
+    with pytest.raises(ValueError, match="damaged or mixed-up"):
+        opt.load_streamed(path, model=m)  # an index without sizes: found at its turn
     os.remove(part)
     with pytest.raises(ValueError, match="lacks part files"):
         opt.load_streamed(path, model=m)
