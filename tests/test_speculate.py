@@ -249,3 +249,31 @@ def test_backups_of_buckets_a_new_placement_dropped_are_freed():
         assert opt.speculation["backup_nbytes"] <= 12 * n + 64 * 12, (step, opt.speculation)
         opt.set_offload_fraction([0.5, 1.0][step % 2])
     opt.close()
+
+
+def test_after_a_failed_backward_the_messages_say_what_happened_and_what_goes_on():
+    """A fresh user's findings: with nothing started, step() said "some params were updated
+    and others not"; with speculative updates begun, zero_grad() advised step(), which is
+    refused there."""
+    for spec in (False, True):
+        model = mlp()
+        opt = HybridAdamW(model.parameters(), overlap="backward", max_grad_norm=1.0,
+                          speculate=spec, min_offload_numel=1, bucket_nbytes=4000)  # fmt: skip
+        boom = model[0].weight.register_hook(lambda g: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            model(batch(0)).pow(2).mean().backward()
+        boom.remove()
+        if spec:
+            with pytest.raises(RuntimeError, match="did not finish.*discard_failed_step"):
+                opt.zero_grad()
+            with pytest.raises(RuntimeError, match="some params were updated"):
+                opt.step()
+        else:
+            opt.zero_grad()
+            with pytest.raises(RuntimeError, match="before any update.*nothing was changed"):
+                opt.step()
+        opt.discard_failed_step()
+        opt.zero_grad()
+        model(batch(1)).pow(2).mean().backward()
+        opt.step()
+        opt.close()

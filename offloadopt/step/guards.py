@@ -257,6 +257,13 @@ class Guards:
         """
         if self.timeline.updates_started():
             started = len(self.timeline.current.fed)
+            if not self.timeline.current.backward_done:  # step() refuses it: say what does
+                raise RuntimeError(
+                    f"zero_grad(): this step's updates began ({started} buckets) during a "
+                    "backward that did not finish; nothing was changed. Call "
+                    "opt.discard_failed_step() first (with speculate=True it rolls those "
+                    "updates back), or opt.load_state_dict(...) to restore a checkpoint"
+                )
             raise RuntimeError(
                 f"zero_grad() between backward and step(): this step's updates already began "
                 f"({started} buckets, at the end of backward or during it with "

@@ -68,8 +68,7 @@ class Speculation:
     def __init__(self, scaling: Scaling, transfers, timeout_s: float, buckets=None):
         self.scaling, self.transfers, self.timeout_s = scaling, transfers, timeout_s
         self.buckets = buckets  # () -> the current buckets (a new placement drops backups)
-        self.backups: dict[Bucket, list[torch.Tensor]] = {}  # per bucket: its views' copies
-        self.saved: dict[Bucket, bool] = {}  # this step's buckets backed up
+        self.backups: dict[Bucket, list[torch.Tensor]] = {}  # per bucket: its ranges' copies
         self.counts = dict(steps=0, buckets=0, redone_clip=0, redone_inf=0, redone_buckets=0)
 
     @property
@@ -100,6 +99,17 @@ class Speculation:
         self.counts["steps"] += 1
         return scale, amp
 
+    def saver(self, st: Step):
+        """The ``BucketWork.before`` of ``st``'s speculative feeds: :meth:`save`, noting the
+        bucket in ``st.backed_up`` (per step: a bucket of an earlier step that the worker
+        reached after that step's validation must not count for a later one)."""
+
+        def before(work: BucketWork) -> None:
+            self.save(work)
+            st.backed_up.add(work.bucket)
+
+        return before
+
     def save(self, work: BucketWork) -> None:
         """On the worker, before ``work``'s update: copy the bucket's pre-step host state
         (its whole range of each arena buffer: one large copy each, which torch spreads over
@@ -112,11 +122,9 @@ class Speculation:
         else:
             for dst, src in zip(backup, ranges, strict=True):
                 dst.copy_(src)
-        self.saved[b] = True
 
     def restore(self, b: Bucket) -> None:
         """Copy bucket ``b``'s backup back over its host state."""
-        del self.saved[b]
         for dst, src in zip(self._ranges(b), self.backups[b], strict=True):
             dst.copy_(src)
 
@@ -142,8 +150,6 @@ class Speculation:
             if coef is not None and not float(coef) == 1.0:  # NaN too
                 reason = "clip"
         if reason is None:
-            for w in works:
-                self.saved.pop(w.bucket, None)
             return None
         run = st.run
         run.close()
@@ -151,7 +157,8 @@ class Speculation:
         transfers = self.transfers()
         for w in works:
             transfers[w.bucket.arena.device].wait_h2d_done(w.bucket, self.timeout_s)  # (I3)
-            self.restore(w.bucket)
+            if w.bucket in st.backed_up:  # every one, once the run is done
+                self.restore(w.bucket)
         st.fed.clear()
         st.landing.clear()
         st.run = None
@@ -176,7 +183,7 @@ class Speculation:
         if st.speculative is None:
             return 0
         transfers = self.transfers()
-        done = [b for b in st.fed if b in self.saved]
+        done = [b for b in st.fed if b in st.backed_up]
         for b in done:
             transfers[b.arena.device].wait_h2d_done(b, self.timeout_s)  # (I3)
             self.restore(b)
@@ -193,7 +200,7 @@ class Speculation:
                 state[p]["step"] -= 1
             if records[p].offloaded:
                 records[p].mark_written(p)
-        self.saved.clear()
+        st.backed_up.clear()
         return len(done)
 
     @staticmethod

@@ -204,7 +204,8 @@ class FromBackward(AtStep):
                 items = [(b, _announced_idx(st, b)) for b in done]
                 if at_end:  # speculative: the factors of a check that passes (speculate.py)
                     scale, _ = self.speculation.factors(st)
-                    self.feeder.feed(st, items, scale, early=True, before=self.speculation.save)
+                    self.feeder.feed(st, items, scale, early=True,
+                                     before=self.speculation.saver(st))  # fmt: skip
                 else:
                     self.feeder.feed(st, items, None, early=True)
         if self.release_grads and st.run is not None:

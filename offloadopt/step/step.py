@@ -69,6 +69,7 @@ class Step:
     # speculate=True: (clip factors, GradScaler inputs) of this step's speculative feeds
     speculative: tuple | None = None
     created: set[torch.Tensor] = field(default_factory=set)  # state made by this step
+    backed_up: set = field(default_factory=set)  # speculate: buckets whose update began
     waited: set[Bucket] = field(default_factory=set)  # wait="module": buckets waited for
     first: set[torch.Tensor] = field(default_factory=set)  # lazy-state params' first update
     thread: int = 0  # the thread that called step() (overlap="delayed" publishes there only)
@@ -96,15 +97,23 @@ class Timeline:
         self.inflight: Step | None = None  # step() returned, copies back not all waited for
         self.inflight_streams: dict = {}  # the streams that read the in-flight step's weights
         self.broken: str | None = None  # why the optimizer refuses to step
+        self.partial = True  # with broken: some params may hold the failed step's update
 
-    def refuse(self, why: str) -> None:
-        """From now on ``step()`` and ``state_dict()`` are refused, naming ``why``."""
+    def refuse(self, why: str, partial: bool = True) -> None:
+        """From now on ``step()`` and ``state_dict()`` are refused, naming ``why``;
+        ``partial``: some params may hold the step's update (False: none was started)."""
         self.broken = why
+        self.partial = partial
 
     def raise_if_broken(self) -> None:
         """Raises:
         RuntimeError: the optimizer refuses to step (a failed step), naming why."""
         if self.broken is not None:
+            if not self.partial:
+                raise RuntimeError(
+                    f"{self.name}: {self.broken}, before any update of its step had started "
+                    "(nothing was changed); call opt.discard_failed_step() to go on from here"
+                )
             raise RuntimeError(
                 f"{self.name} is inconsistent: {self.broken}, so some params were "
                 "updated and others not; call opt.load_state_dict(...) to restore a checkpoint, "
@@ -120,7 +129,7 @@ class Timeline:
         """
         if st.run is not None:
             st.run.abort()
-        self.refuse(why)
+        self.refuse(why, partial=bool(st.fed))
         self.raise_if_broken()
 
     def discard(self, timeout_s: float) -> None:
