@@ -135,8 +135,8 @@ class HybridAdamW(HybridOptimizer):
             and no grad inf or NaN, keeping its pre-step host state; at the end of backward,
             if either check fails, restore that state and update again with the true values
             (bitwise the run without it; offloadopt/step/speculate.py's note, docs/modes.md).
-            ``ValueError`` in other modes, without a clip or scaler, with ``release_grads``
-            or ``ddp=``. ``opt.speculation`` counts the steps redone.
+            ``ValueError`` in other modes, without a clip or scaler, or with
+            ``release_grads``. ``opt.speculation`` counts the steps redone.
         release_grads: free the device grads of offloaded params as soon as their copy has
             landed on the host (``p.grad`` is then None after ``step()``); needs
             ``overlap="backward"`` with ``grads_final``, ``max_grad_norm`` or ``grad_scaler``.

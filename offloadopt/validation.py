@@ -136,7 +136,6 @@ def validate_options(
             "the GradScaler's check undoes is made again from the device grads, so they must "
             "stay until step(); leave release_grads out",
         )
-        _check(o.ddp is None, "speculate=True with ddp= is not supported yet; leave one out")
     _check(
         not o.release_grads or (o.overlap == "backward" and through),
         "release_grads=True frees grads once their copy lands during backward: it needs "

@@ -137,6 +137,11 @@ def run_fsdp(rank: int, world: int, arg: str) -> dict:
                                             grads_final=True, release_grads=True), None, {}),
         "f1_bwd_torchclip": (lambda p: hybrid(p, offload_fraction=1.0, overlap="backward"),
                              0.05, {}),  # torch's clip: the updates wait for step()
+        # speculate=True: every step clips (redone), or none does (the speculation stands)
+        "f1_bwd_clip_spec": (lambda p: hybrid(p, offload_fraction=1.0, overlap="backward",
+                                              max_grad_norm=0.05, speculate=True), None, {}),
+        "f0.5_bwd_noclip_spec": (lambda p: hybrid(p, offload_fraction=0.5, overlap="backward",
+                                                  max_grad_norm=1e9, speculate=True), None, {}),
         # wait="module" with opt.watch(model): each FSDP2 module waits before its all-gather
         "f1_module": (lambda p: hybrid(p, offload_fraction=1.0, wait="module"), None, {}),
         "f0.5_bwd_module": (lambda p: hybrid(p, offload_fraction=0.5, overlap="backward",
@@ -160,6 +165,8 @@ def run_fsdp(rank: int, world: int, arg: str) -> dict:
         out[name] = whole(model)
         if "_bwd_" in name:
             out[f"{name}.fed"] = (opt.fed_in_backward, len(opt.buckets))
+        if name.endswith("_spec"):
+            out[f"{name}.spec"] = opt.speculation
         if name == "f0.5":
             out["table"] = opt.placement_table()
             sd = opt.state_dict()
@@ -215,6 +222,16 @@ def run_ddp(rank: int, world: int, arg: str) -> dict:
         "bwd_final": (backward(offload_fraction=0.5, grads_final=True), None, 1),
         "torch_clip": (lambda m: torch_adamw(m.parameters()), 0.05, 1),
         "bwd_clip": (backward(offload_fraction=1.0, max_grad_norm=0.05), None, 1),
+        "bwd_clip_spec": (
+            backward(offload_fraction=1.0, max_grad_norm=0.05, speculate=True),
+            None,
+            1,
+        ),
+        "bwd_noclip_spec": (
+            backward(offload_fraction=0.5, max_grad_norm=1e9, speculate=True),
+            None,
+            1,
+        ),
         "torch_accum": (lambda m: torch_adamw(m.parameters()), None, 2),
         "bwd_accum": (backward(offload_fraction=1.0, grads_final=True), None, 2),
     }
@@ -225,6 +242,8 @@ def run_ddp(rank: int, world: int, arg: str) -> dict:
         out[name] = whole(model)
         if name.startswith("bwd"):
             out[f"{name}.fed"] = (opt.fed_in_backward, len(opt.buckets))
+            if name.endswith("_spec"):
+                out[f"{name}.spec"] = opt.speculation
             opt.close()
     # find_unused_parameters=True: a layer unused in one step keeps grad None (fresh-user bug:
     # it was announced, and its None grad was read).

@@ -31,7 +31,9 @@ for its end, and are validated there.
   the speculative one. A checkpoint cannot hold unvalidated state: ``state_dict()`` refuses a
   step whose updates started and did not end.
 - The device grads must outlive validation (a redo copies them again): ``release_grads`` is
-  refused with ``speculate``, and so is ``ddp=`` (not built yet).
+  refused with ``speculate``. Under DDP (``ddp=``: buckets speculate once their all-reduce is
+  done) and FSDP2 (after each reduce-scatter) the norm and found_inf are global, so every rank
+  makes the same decision at the end of backward.
 """
 
 from __future__ import annotations

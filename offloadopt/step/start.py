@@ -232,11 +232,20 @@ class FromBackward(AtStep):
             # find_unused_parameters=True) keeps grad None: it is not announced, as in torch.
             params = [p for p in params if p in st.group_of and p.grad is not None]
             st.announced.update(params)
-            if self.grads_final and not self.scaling.starts_at_end():
+            at_end = self.scaling.starts_at_end()
+            if (self.grads_final or self.speculation is not None) and (
+                not at_end or self.speculation is not None
+            ):
                 mine = {b for p in params for b in self.placer.records[p].buckets}
                 done = [b for b in self.placer.buckets if b in mine and b not in st.fed
                         and all(q in st.announced for q in b.params)]  # fmt: skip
-                self.feeder.feed(st, [(b, _announced_idx(st, b)) for b in done], None, early=True)
+                items = [(b, _announced_idx(st, b)) for b in done]
+                if at_end:  # speculative (speculate.py): every rank decides alike at the end
+                    scale, _ = self.speculation.factors(st)
+                    self.feeder.feed(st, items, scale, early=True,
+                                     before=self.speculation.saver(st))  # fmt: skip
+                else:
+                    self.feeder.feed(st, items, None, early=True)
 
     def on_backward_end(self) -> None:
         """Autograd's final callback (the thread that called backward): complete the buckets
