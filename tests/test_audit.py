@@ -467,3 +467,18 @@ def test_an_audit_prints_nothing_of_the_profilers(capfd):
         line for line in (captured.out + captured.err).splitlines() if PROFILER_NOISE.search(line)
     ]
     assert noise == []
+
+
+def test_the_audit_counts_speculative_and_redone_updates(capsys):
+    """--mode backward-speculate (speculate=True, max_grad_norm=1.0): the audited iterations'
+    speculative and redone bucket updates, beside the copies (a redone bucket's cross twice)."""
+    from offloadopt.cli import main
+
+    assert main(["audit", "--device", "cpu", "--preset", "tiny", "--mode", "backward-speculate",
+                 "--offload-fraction", "1", "--steps", "2", "--warmup", "1"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
+    spec = summary["speculation"]
+    assert spec["steps"] == 2 and spec["buckets"] >= 2, spec  # the audited ones, not warm-up's
+    assert spec["redone_clip"] + spec["redone_inf"] <= 2 and spec["backup_nbytes"] > 0
+    assert "speculative updates:" in out

@@ -131,15 +131,25 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.warmup):
         iteration()
     sync()
+    counted = dict(getattr(opt, "speculation", None) or {})
     with audit(trace_path=args.trace) as a:
         for _ in range(args.steps):
             iteration()
         sync()
     report = a.report
+    spec = getattr(opt, "speculation", None)  # speculate=True: the audited iterations' counts
+    if spec is not None:
+        spec = {k: v - counted.get(k, 0) if k != "backup_nbytes" else v for k, v in spec.items()}
     mode = f", {args.mode} mode" if args.optimizer == "hybrid" else ""
     print(f"memcpy audit: {args.optimizer} (fraction {args.offload_fraction}{mode}), preset "
           f"{args.preset}, {args.steps} iteration(s) after {args.warmup} warm-up, {device}")  # fmt: skip
     print(report.table())
+    if spec is not None:
+        print(f"speculative updates: {spec['buckets']} bucket updates in {spec['steps']} "
+              f"iteration(s); redone: {spec['redone_buckets']} bucket updates, in "
+              f"{spec['redone_clip']} iteration(s) for the clip and {spec['redone_inf']} for an "
+              f"inf (their copies are in the table: a redone bucket crosses the link twice); "
+              f"backup {spec['backup_nbytes'] / 1e9:.3f} GB of host memory")  # fmt: skip
     per = max(args.steps, 1)
     link = [r for r in report.rows if r.direction in ("HtoD", "DtoH")]
     pageable_h2d = [r for r in report.pageable_rows if r.direction == "HtoD"]
@@ -151,6 +161,7 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
         "pageable_h2d_avg_us": (sum(r.time_us for r in pageable_h2d) / max(1, sum(r.count for r in pageable_h2d))),
         "link_nbytes_per_iteration": sum(r.nbytes for r in link) / per,
         "mode": args.mode if args.optimizer == "hybrid" else None,
+        "speculation": spec,
         # the share of the link's copy time (D2H, H2D) with a backward kernel running beside it
         **{f"{d.lower()}_beside_backward_pct": (
             100.0 * sum(r.overlap_backward_us for r in link if r.direction == d)

@@ -84,6 +84,9 @@ MODES: dict[str, tuple[dict[str, Any], str]] = {
     "backward": (dict(overlap="backward", grads_final=True, wait="module"), "same"),
     "backward-clip": (dict(overlap="backward", max_grad_norm=1.0, wait="module"),
                       "clipped in the optimizer (max_grad_norm=1.0)"),
+    # the same, its updates started during backward and validated at its end (speculate.py)
+    "backward-speculate": (dict(overlap="backward", max_grad_norm=1.0, wait="module",
+                                speculate=True), "clipped in the optimizer (max_grad_norm=1.0)"),
     # torch's clip_grad_norm_(params, 1.0) after backward: nothing declared, so the updates
     # wait for step() (README, "Overlap modes")
     "backward-torch-clip": (dict(overlap="backward", wait="module"),
