@@ -372,3 +372,9 @@ def test_a_truncated_part_is_refused_before_anything_changes(tmp_path, monkeypat
     monkeypatch.undo()
     assert streamed.read_extra(path) is None and len(os.listdir(tmp_path)) == 1
     opt.close()
+
+
+def test_read_extra_names_itself(tmp_path):
+    """A fresh user's finding: read_extra's errors said "load_streamed:"."""
+    with pytest.raises(ValueError, match="^read_extra: .* is not a folder"):
+        streamed.read_extra(str(tmp_path / "none"))

@@ -99,7 +99,8 @@ def save(
     Raises:
         NotImplementedError: FSDP2 (DTensor) params (their state is sharded across ranks).
         FileExistsError: ``path`` exists and is not a streamed checkpoint (left as it is).
-        RuntimeError: the optimizer is closed, or a step is in progress (as ``state_dict()``).
+        RuntimeError: a step is in progress (as ``state_dict()``; a closed optimizer's state
+            saves as it stands).
         OSError: the folder could not be written; an existing checkpoint at ``path`` is kept.
     """
     from offloadopt.shards import is_dtensor
@@ -269,7 +270,10 @@ def read_extra(path: str) -> Any:
 
     Raises:
         ValueError: ``path`` is no streamed checkpoint of offloadopt."""
-    return _index(path)["extra"]
+    try:
+        return _index(path)["extra"]
+    except ValueError as e:
+        raise ValueError(str(e).replace("load_streamed:", "read_extra:", 1)) from None
 
 
 class _Parts:

@@ -212,6 +212,12 @@ class Guards:
             # Some offloaded params hold this step's update, the others not yet: no
             # checkpoint of that resumes as any run would.
             if not self.timeline.current.backward_done:  # interrupted: step() will refuse it too
+                if torch._C._current_graph_task_id() != -1:  # a hook of that backward
+                    raise RuntimeError(
+                        f"{self.timeline.name}.state_dict() during backward (from one of its "
+                        "hooks): this step's updates have started, so some params hold their "
+                        "new values and others not; call state_dict() after step()"
+                    )
                 raise RuntimeError(
                     f"{self.timeline.name}.state_dict(): this step's updates started during a "
                     "backward that has not finished (interrupted, or still running in another "
