@@ -71,7 +71,7 @@ for part in "${@:-all}"; do
   fi
   if [[ $part == spec2 ]]; then
     # issue 31, after the backup became one copy per arena buffer: fraction 0.2 only
-    timeout 60 python3 -m pytest tests/cuda/test_speculate_cuda.py -q -p no:cacheprovider 2>&1 | tail -2
+    timeout 240 python3 -m pytest tests/cuda/test_speculate_cuda.py -q -rs -p no:cacheprovider 2>&1 | tail -3
     timeout 120 python3 benchmarks/overlap_bench.py --no-memory --no-probe --warmup 3 --steps 6 --out "$OUT/spec2" \
       --only "backward f0.2" "backward f0.2 clip" "backward f0.2 clip spec maxnorm100" 2>&1 | tee "$OUT/spec2.log" | tail -5
   fi
