@@ -146,12 +146,15 @@ class HybridOptimizer(Optimizer):
             self.state, self.rule, release_grads=o.release_grads,
             module_order=o.wait == "module", timeout_s=self.timeout_s,
         )  # fmt: skip
+        self._speculation = Speculation(  # speculate=True: backups, validation, rollback
+            scaling, lambda: me()._placer.transfers(), lambda: me()._placer.buckets,
+            self.timeout_s,
+        ) if o.speculate else None  # fmt: skip
         self._start = start_policy(  # WHEN an update may start
             o, timeline=self._timeline, placer=self._placer, feeder=self._feeder,
             scaling=scaling, begin=lambda: me()._begin(), grads_final=o.grads_final,
             release_grads=o.release_grads, ddp=o.ddp is not None, timeout_s=self.timeout_s,
-            speculation=Speculation(scaling, lambda: me()._placer.transfers(), self.timeout_s,
-                                    lambda: me()._placer.buckets) if o.speculate else None,
+            speculation=self._speculation,
         )  # fmt: skip
         for g in self.param_groups:
             self._placer.check_auto_group(g)
@@ -311,9 +314,8 @@ class HybridOptimizer(Optimizer):
         with self._timeline.lock:
             st = self._timeline.current
             self._timeline.discard(self.timeout_s)
-            spec = getattr(self._start, "speculation", None)
-            if spec is not None and st is not None:
-                spec.roll_back(st, self.state, self._records)
+            if self._speculation is not None and st is not None:
+                self._speculation.roll_back(st, self.state, self._records)
 
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         """Mark the backward passes inside as non-final micro-steps of gradient accumulation:
@@ -515,7 +517,7 @@ class HybridOptimizer(Optimizer):
         the clip coefficient was below 1.0 / found_inf was set), ``redone_buckets``, and
         ``backup_nbytes`` (pageable host bytes of the pre-step copies, kept between steps).
         None without ``speculate``."""
-        spec = getattr(self._start, "speculation", None)
+        spec = self._speculation
         if spec is None:
             return None
         return {**spec.counts, "backup_nbytes": spec.backup_nbytes}

@@ -233,8 +233,8 @@ def _recover(target: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _index(path: str) -> dict[str, Any]:
-    """The checkpoint's index.
+def _index(path: str, who: str = "load_streamed") -> dict[str, Any]:
+    """The checkpoint's index; ``who`` names the caller in the messages.
 
     Raises:
         ValueError: ``path`` is no streamed checkpoint of offloadopt (names it).
@@ -243,24 +243,22 @@ def _index(path: str) -> dict[str, Any]:
         kept = [p for p, _, kind in _leftovers(os.path.realpath(path)) if kind == "old"]
         if kept:
             raise ValueError(
-                f"load_streamed: {path!r} is missing, and a save to it was interrupted: the "
+                f"{who}: {path!r} is missing, and a save to it was interrupted: the "
                 f"checkpoint before it is {kept[0]!r} (the next save_streamed to {path!r} "
                 "moves it back, or rename it yourself)"
             )
-        raise ValueError(f"load_streamed: {path!r} is not a folder (save_streamed writes one)")
+        raise ValueError(f"{who}: {path!r} is not a folder (save_streamed writes one)")
     file = os.path.join(path, _INDEX)
     if not os.path.isfile(file):
-        raise ValueError(f"load_streamed: {path!r} has no {_INDEX}: not a streamed checkpoint")
+        raise ValueError(f"{who}: {path!r} has no {_INDEX}: not a streamed checkpoint")
     try:
         index = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever torch.load makes of a damaged file
-        raise ValueError(
-            f"load_streamed: {file!r} could not be read ({type(e).__name__}: {e})"
-        ) from None
+        raise ValueError(f"{who}: {file!r} could not be read ({type(e).__name__}: {e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise ValueError(f"load_streamed: {path!r} is not a streamed checkpoint of offloadopt")
+        raise ValueError(f"{who}: {path!r} is not a streamed checkpoint of offloadopt")
     if index.get("version") != VERSION:
-        raise ValueError(f"load_streamed: {path!r} has version {index.get('version')!r}; this "
+        raise ValueError(f"{who}: {path!r} has version {index.get('version')!r}; this "
                          f"offloadopt reads {VERSION}")  # fmt: skip
     return index
 
@@ -270,10 +268,7 @@ def read_extra(path: str) -> Any:
 
     Raises:
         ValueError: ``path`` is no streamed checkpoint of offloadopt."""
-    try:
-        return _index(path)["extra"]
-    except ValueError as e:
-        raise ValueError(str(e).replace("load_streamed:", "read_extra:", 1)) from None
+    return _index(path, "read_extra")["extra"]
 
 
 class _Parts:
@@ -346,17 +341,18 @@ def load(opt: HybridOptimizer, path: str, model: torch.nn.Module | None = None) 
                                  f"{tuple(t.shape)} here, {dtype} {tuple(shape)} in the "
                                  "checkpoint")  # fmt: skip
             targets[_MODEL + name] = t
-    numbers = {number for number, _, _ in items.values()}
-    missing = [n for n in sorted(numbers)
-               if not os.path.isfile(os.path.join(path, f"part-{n:05d}.pt"))]  # fmt: skip
+    have = {}  # part number -> its file's bytes, None when missing
+    for n in sorted({number for number, _, _ in items.values()}):
+        file = os.path.join(path, f"part-{n:05d}.pt")
+        have[n] = os.path.getsize(file) if os.path.isfile(file) else None
+    missing = [n for n, size in have.items() if size is None]
     if missing:
         raise ValueError(f"load_streamed: {path!r} lacks part files {missing[:5]} that its index "
                          "names: an incomplete copy")  # fmt: skip
     sizes = index.get("part_nbytes")  # absent in checkpoints saved before it was recorded
     if sizes is not None:
-        wrong = [(n, os.path.getsize(os.path.join(path, f"part-{n:05d}.pt")), sizes[n])
-                 for n in sorted(numbers) if n < len(sizes)
-                 and os.path.getsize(os.path.join(path, f"part-{n:05d}.pt")) != sizes[n]]  # fmt: skip
+        wrong = [(n, size, sizes[n]) for n, size in have.items()
+                 if n < len(sizes) and size != sizes[n]]  # fmt: skip
         if wrong:
             n, have, want = wrong[0]
             raise ValueError(f"load_streamed: part-{n:05d}.pt of {path!r} has {have} bytes, "

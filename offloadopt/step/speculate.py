@@ -13,8 +13,8 @@ for its end, and are validated there.
 - Here a bucket complete during backward is fed at once with the factors a passing check
   gives: no clip factor; the GradScaler's inverse scale (with ``max_grad_norm``) or its scale
   for the kernel (without), and a found_inf of 0. On the worker, just before its update,
-  the bucket's pre-step host state (the master, or the host copy of the weights, and every
-  state key: the segments updated) is copied into a backup kept for that bucket
+  the bucket's pre-step host state (its range of the master, or of the host copy of the
+  weights, and of every state key) is copied into a backup kept for that bucket
   (:meth:`Speculation.save`; pageable host memory, allocated at the bucket's first
   speculation and reused). ``step`` is advanced on the training thread before any update
   and is the same for the speculative and the final update.
@@ -58,6 +58,8 @@ class Speculation:
         scaling: the optimizer's :class:`~offloadopt.step.scaling.Scaling` (the clip and the
             attached GradScaler).
         transfers: ``transfers()`` gives the pipeline's Transfer per device (I3's waits).
+        buckets: ``buckets()`` gives the current buckets (a new placement's drop the old
+            ones' backups).
         timeout_s: the longest wait for the worker, in seconds.
 
     Attributes:
@@ -67,26 +69,28 @@ class Speculation:
             found_inf was set), ``redone_buckets``.
     """
 
-    def __init__(self, scaling: Scaling, transfers, timeout_s: float, buckets=None):
+    def __init__(self, scaling: Scaling, transfers, buckets, timeout_s: float):
         self.scaling, self.transfers, self.timeout_s = scaling, transfers, timeout_s
-        self.buckets = buckets  # () -> the current buckets (a new placement drops backups)
+        self.buckets = buckets
         self.backups: dict[Bucket, list[torch.Tensor]] = {}  # per bucket: its ranges' copies
         self.counts = dict(steps=0, buckets=0, redone_clip=0, redone_inf=0, redone_buckets=0)
 
     @property
     def backup_nbytes(self) -> int:
         """Host bytes held by the backups (pageable)."""
-        return sum(t.numel() * t.element_size() for ts in self.backups.values() for t in ts)
+        return sum(t.numel() * t.element_size() for ts in list(self.backups.values()) for t in ts)
 
-    def factors(self, st: Step) -> tuple[Any, AmpInputs | None]:
-        """The clip factors and GradScaler inputs of ``st``'s speculative feeds: what a check
-        that passes gives (the note). Sets ``st.amp`` (replaced by the real one at the end of
-        backward); the same for every speculative feed of ``st``."""
+    def factors(self, st: Step) -> Any:
+        """The clip factors of ``st``'s speculative feeds (``BucketWork.scale``), and its
+        GradScaler inputs set as ``st.amp`` (replaced by the real ones at the end of
+        backward): what a check that passes gives (the note); the same for every speculative
+        feed of ``st``."""
         if st.speculative is not None:
-            return st.speculative
-        if self.buckets is not None:  # set_offload_fraction made new buckets: drop the old's
-            current = set(self.buckets())
-            self.backups = {b: v for b, v in self.backups.items() if b in current}
+            return st.speculative[0]
+        # set_offload_fraction made new buckets: drop the old ones' backups. list(): with
+        # wait="module" the worker may still be adding the last step's (one atomic copy)
+        current = set(self.buckets())
+        self.backups = {b: v for b, v in list(self.backups.items()) if b in current}
         grad_scale = self.scaling.attached_scale()
         scale = amp = None
         if grad_scale is not None:
@@ -99,7 +103,7 @@ class Speculation:
         st.amp = amp
         st.speculative = (scale, amp)
         self.counts["steps"] += 1
-        return scale, amp
+        return scale
 
     def saver(self, st: Step):
         """The ``BucketWork.before`` of ``st``'s speculative feeds: :meth:`save`, noting the

@@ -194,20 +194,7 @@ class FromBackward(AtStep):
             if p not in st.group_of:
                 return  # no longer in any group
             st.announced.add(p)
-            at_end = self.scaling.starts_at_end()
-            if (self.grads_final or self.speculation is not None) and (
-                not at_end or self.speculation is not None
-            ):
-                rec = self.placer.records[p]
-                done = [b for b in rec.buckets if b not in st.fed
-                        and all(q in st.announced for q in b.params)]  # fmt: skip
-                items = [(b, _announced_idx(st, b)) for b in done]
-                if at_end:  # speculative: the factors of a check that passes (speculate.py)
-                    scale, _ = self.speculation.factors(st)
-                    self.feeder.feed(st, items, scale, early=True,
-                                     before=self.speculation.saver(st))  # fmt: skip
-                else:
-                    self.feeder.feed(st, items, None, early=True)
+            self.start_complete(st, self.placer.records[p].buckets)
         if self.release_grads and st.run is not None:
             st.run.wait_launched(SLOTS, self.timeout_s)  # backpressure: grads do not pile up
             self.feeder.release(st)
@@ -232,20 +219,25 @@ class FromBackward(AtStep):
             # find_unused_parameters=True) keeps grad None: it is not announced, as in torch.
             params = [p for p in params if p in st.group_of and p.grad is not None]
             st.announced.update(params)
-            at_end = self.scaling.starts_at_end()
-            if (self.grads_final or self.speculation is not None) and (
-                not at_end or self.speculation is not None
-            ):
-                mine = {b for p in params for b in self.placer.records[p].buckets}
-                done = [b for b in self.placer.buckets if b in mine and b not in st.fed
-                        and all(q in st.announced for q in b.params)]  # fmt: skip
-                items = [(b, _announced_idx(st, b)) for b in done]
-                if at_end:  # speculative (speculate.py): every rank decides alike at the end
-                    scale, _ = self.speculation.factors(st)
-                    self.feeder.feed(st, items, scale, early=True,
-                                     before=self.speculation.saver(st))  # fmt: skip
-                else:
-                    self.feeder.feed(st, items, None, early=True)
+            mine = {b for p in params for b in self.placer.records[p].buckets}
+            self.start_complete(st, [b for b in self.placer.buckets if b in mine])
+
+    def start_complete(self, st: Step, buckets: list[Bucket]) -> None:
+        """Feed those of ``buckets`` whose every param is announced and that are not fed yet,
+        when an update may start before the end of backward (under the timeline's lock): with
+        ``grads_final`` and nothing that waits for the end (a clip, an attached GradScaler),
+        or speculatively (``speculate=True``, the factors of a check that passes; every rank
+        decides alike at the end: speculate.py)."""
+        at_end = self.scaling.starts_at_end()
+        if self.speculation is None and (at_end or not self.grads_final):
+            return
+        items = [(b, _announced_idx(st, b)) for b in buckets
+                 if b not in st.fed and all(q in st.announced for q in b.params)]  # fmt: skip
+        if at_end:
+            self.feeder.feed(st, items, self.speculation.factors(st), early=True,
+                             before=self.speculation.saver(st))  # fmt: skip
+        else:
+            self.feeder.feed(st, items, None, early=True)
 
     def on_backward_end(self) -> None:
         """Autograd's final callback (the thread that called backward): complete the buckets
