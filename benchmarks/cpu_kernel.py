@@ -9,6 +9,11 @@ one call, a median over --repeats calls after one warm-up call. Rows:
   fp32m int8 state      fp32 master, bf16 grad, int8 moments, bf16 weights out
   bf16m bf16 state      bf16 master (stochastic rounding), bf16 grad, bf16 moments
   bf16m int8 state      bf16 master (stochastic rounding), bf16 grad, int8 moments
+With --backup, the speculative update's pre-step backup (offloadopt/step/speculate.py) too:
+  torch fp32 + copy     a copy of master, exp_avg, exp_avg_sq to a backup, then torch's kernel
+  ours fp32 + backup    the kernel copying each cache-sized run out before updating it
+                        (streaming stores): 40 B/param
+  ours fp32 + backup, plain stores   the same with ordinary stores
 Bytes per param count each operand read once and each written once (int8 scales included).
 Only one mode's tensors are alive at a time. ``--numel 2e7`` runs in seconds.
 """
@@ -85,7 +90,24 @@ def run_torch(sizes: list[int], repeats: int) -> float:
     )
 
 
-def run_ours(mod, sizes: list[int], mode: tuple, repeats: int) -> float:
+def run_torch_copy(sizes: list[int], repeats: int) -> float:
+    """The backup as a copy of each operand, then torch's kernel (speculation before the
+    kernel's backups)."""
+    ps = [filled(n, F32, -1, 1) for n in sizes]
+    gs = [filled(n, F32, -1e-2, 1e-2) for n in sizes]
+    ms = [filled(n, F32, -1e-3, 1e-3) for n in sizes]
+    vs = [filled(n, F32, 1e-8, 1e-6) for n in sizes]
+    bk = [torch.empty_like(t) for t in ps + ms + vs]
+    step = [torch.tensor(10.0) for _ in sizes]
+
+    def call() -> None:
+        torch._foreach_copy_(bk, ps + ms + vs)
+        torch._fused_adamw_(ps, gs, ms, vs, [], step, amsgrad=False, maximize=False, **HP)
+
+    return timed(call, repeats)
+
+
+def run_ours(mod, sizes: list[int], mode: tuple, repeats: int, backup: bool = False) -> float:
     master, grad, moments, wout = mode
     sdt = STATE[moments][0]
     ps = [filled(n, master, -1, 1) for n in sizes]
@@ -101,12 +123,17 @@ def run_ours(mod, sizes: list[int], mode: tuple, repeats: int) -> float:
         sm, sv = [], []
     wo = [torch.empty(n, dtype=B16) for n in sizes] if wout else []
     t = len(sizes)
+    bk = []
+    if backup:
+        for i in range(t):
+            bk += [torch.empty_like(x) for x in (ps[i], ms[i], vs[i])]
+            bk += [torch.empty_like(sm[i]), torch.empty_like(sv[i])] if moments == 2 else []
     vec = kernels.torch_vec_size()
 
     def call() -> None:
         mod.adam_step(ps, gs, ms, vs, sm, sv, wo, [10.0] * t, list(range(t)), [0] * t,
                       HP["lr"], HP["beta1"], HP["beta2"], HP["weight_decay"], HP["eps"], False,
-                      True, None, moments, master == B16, vec, False)  # fmt: skip
+                      True, None, moments, master == B16, vec, False, backups=bk)  # fmt: skip
 
     return timed(call, repeats)
 
@@ -120,6 +147,7 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--modes", nargs="*", default=None, help=f"subset of {list(MODES)}")
+    ap.add_argument("--backup", action="store_true", help="add the backup rows (see above)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -132,11 +160,11 @@ def main() -> None:
     print(f"params {n:,} in {k} tensors, threads {torch.get_num_threads()}, "
           f"capability {torch.backends.cpu.get_cpu_capability()}, "
           f"kernel threads {mod.num_threads_used()}, load {built:.1f} s, repeats {args.repeats}")  # fmt: skip
-    print(f"{'mode':<20} {'B/param':>8} {'ms':>9} {'ns/param':>9} {'GB/s':>7} {'vs torch':>8}")
+    print(f"{'mode':<34} {'B/param':>8} {'ms':>9} {'ns/param':>9} {'GB/s':>7} {'vs torch':>8}")
     base = run_torch(sizes, args.repeats)
 
     def row(name: str, b: float, sec: float) -> None:  # printed as measured: a timeout keeps them
-        print(f"{name:<20} {b:>8.2f} {sec * 1e3:>9.2f} {sec / n * 1e9:>9.3f} "
+        print(f"{name:<34} {b:>8.2f} {sec * 1e3:>9.2f} {sec / n * 1e9:>9.3f} "
               f"{b * n / sec / 1e9:>7.1f} {base / sec:>7.2f}x", flush=True)  # fmt: skip
 
     row("torch fused fp32", 28.0, base)
@@ -144,6 +172,16 @@ def main() -> None:
         if args.modes and name not in args.modes:
             continue
         row(name, bytes_per_param(*mode), run_ours(mod, sizes, mode, args.repeats))
+    if args.backup:
+        fp32 = MODES["ours fp32"]
+        row("torch fp32 + copy", 64.0, run_torch_copy(sizes, args.repeats))
+        row("ours fp32 + backup", 40.0, run_ours(mod, sizes, fp32, args.repeats, backup=True))
+        mod.set_backup_stream(False)
+        try:
+            row("ours fp32 + backup, plain stores", 52.0,
+                run_ours(mod, sizes, fp32, args.repeats, backup=True))
+        finally:
+            mod.set_backup_stream(True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|spec|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|spec|spec3|spec4|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -74,6 +74,22 @@ for part in "${@:-all}"; do
     timeout 240 python3 -m pytest tests/cuda/test_speculate_cuda.py -q -rs -p no:cacheprovider 2>&1 | tail -3
     timeout 120 python3 benchmarks/overlap_bench.py --no-memory --no-probe --warmup 3 --steps 6 --out "$OUT/spec2" \
       --only "backward f0.2" "backward f0.2 clip" "backward f0.2 clip spec maxnorm100" 2>&1 | tee "$OUT/spec2.log" | tail -5
+  fi
+  if [[ $part == spec3 ]]; then
+    # issue 31, the backup written by the CPU kernel as it updates (2026-12-04): the kernel's
+    # parity with torch's fused AdamW on this torch, the backup's cost in the kernel at
+    # fraction 0.2's size (0.2 x 1.558e9 params), the CUDA tests of speculation
+    timeout 150 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider -k "fp32_mode or backups" 2>&1 | tail -2 | tee "$OUT/pytest_kernels.log"
+    timeout 100 python3 benchmarks/cpu_kernel.py --numel 3.1e8 --repeats 5 --backup --modes "ours fp32" 2>&1 | tee "$OUT/cpu_kernel.log"
+    timeout 240 python3 -m pytest tests/cuda/test_speculate_cuda.py -q -rs -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/pytest_spec.log"
+  fi
+  if [[ $part == spec4 ]]; then
+    # issue 31's sweep with the kernel's backup; "copybk" is the copy before the update (before)
+    timeout 560 python3 benchmarks/overlap_bench.py --no-memory --no-probe --warmup 3 --steps 6 --out "$OUT/spec4" \
+      --only f0 "backward f0.1" "backward f0.2" "backward f0.1 clip" "backward f0.2 clip" \
+      "backward f0.1 clip spec maxnorm100" "backward f0.2 clip spec maxnorm100" \
+      "backward f0.3 clip spec maxnorm100" "backward f0.2 clip spec maxnorm100 copybk" \
+      "backward f0.2 clip spec" 2>&1 | tee "$OUT/spec4.log" | tail -14
   fi
   if [[ $part == prof8 ]]; then
     # where fraction 0's step goes with int8 state against fp32 (the device-resident update)

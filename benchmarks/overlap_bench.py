@@ -74,7 +74,8 @@ def derived(name: str, known: dict[str, dict]) -> dict:
     kernel operand per segment, as before update._joined joined back-to-back ones), ``base``
     (HybridAdamW of the baseline package ``offloadopt_base`` under ``--baseline-dir``),
     ``int8`` / ``sr8`` (compressed state: :data:`STATES`), ``spec`` (``speculate=True``),
-    ``maxnormN`` (``max_grad_norm=N``), e.g. "backward f0.2 threads8 switch1". Raises ValueError for a name that is none of these."""
+    ``maxnormN`` (``max_grad_norm=N``), ``copybk`` (with ``spec``: the backup as a copy before
+    the update, not the CPU kernel's, as before 2026-12-04), e.g. "backward f0.2 threads8 switch1". Raises ValueError for a name that is none of these."""
     if name in known:
         return known[name]
     fixed = re.fullmatch(r"(backward|delayed) f(0?\.\d+|1)( clip)?", name)
@@ -96,6 +97,8 @@ def derived(name: str, known: dict[str, dict]) -> dict:
         return {**derived(base, known), **STATES[last]}
     if base and last == "spec":  # speculative updates (offloadopt/step/speculate.py)
         return {**derived(base, known), "speculate": True}
+    if base and last == "copybk":  # speculation's backup copied before the update
+        return {**derived(base, known), "copy_backup": True}
     for prefix, key, unit in (("threads", "cpu_threads", 1), ("bucket", "bucket_nbytes", 2**20),
                               ("switch", "switch_s", 1e-3), ("maxnorm", "max_grad_norm", 1.0)):  # fmt: skip
         if base and last.startswith(prefix) and last[len(prefix) :].replace(".", "", 1).isdigit():
@@ -105,7 +108,7 @@ def derived(name: str, known: dict[str, dict]) -> dict:
                 raise ValueError(f"--only: {name!r}: {last!r} needs a number above 0")
             return {**derived(base, known), key: value}
     raise ValueError(f"--only: {name!r} is no configuration, nor one followed by variant words "
-                     "(threadsN, bucketN, switchN, maxnormN, fifo, perseg, base, int8, sr8, spec); --help lists the names")  # fmt: skip
+                     "(threadsN, bucketN, switchN, maxnormN, fifo, perseg, base, int8, sr8, spec, copybk); --help lists the names")  # fmt: skip
 
 
 # Variant words for compressed optimizer state: "int8" (int8 moments, fp32 masters) and "sr8"
@@ -174,6 +177,7 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
     if cfg.pop("base", False):
         hybrid = importlib.import_module("offloadopt_base").HybridAdamW
     move_at, move_to = cfg.pop("move_at", None), cfg.pop("move_to", None)
+    copy_backup = cfg.pop("copy_backup", False)
     if fraction == "auto" or move_at is not None:
         warmup = max(warmup, AUTO_WARMUP)
     t = time.perf_counter()
@@ -181,6 +185,8 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
         opt = anchors.torchao_offload(model, lr)["opt"]
     else:
         opt = hybrid(model.parameters(), lr=lr, weight_decay=0.1, offload_fraction=fraction, **cfg)  # fmt: skip
+        if copy_backup:
+            opt._speculation.kernel_backup = False
         if cfg.get("wait") == "module":
             opt.watch(model)
     build_s = time.perf_counter() - t

@@ -148,7 +148,7 @@ class HybridOptimizer(Optimizer):
         )  # fmt: skip
         self._speculation = Speculation(  # speculate=True: backups, validation, rollback
             scaling, lambda: me()._placer.transfers(), lambda: me()._placer.buckets,
-            self.timeout_s,
+            self.timeout_s, in_kernel=self._updater.backs_up_in_kernel,
         ) if o.speculate else None  # fmt: skip
         self._start = start_policy(  # WHEN an update may start
             o, timeline=self._timeline, placer=self._placer, feeder=self._feeder,

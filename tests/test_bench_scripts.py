@@ -36,6 +36,9 @@ def test_overlap_bench_variants_add_options_to_a_known_configuration():
         **overlap_bench.CLIPPED, "fraction": 0.4, "state_dtype": "int8"}  # fmt: skip
     assert overlap_bench.derived("delayed f1 sr8", known) == {
         **known["delayed f1"], "state_dtype": "int8", "master_weights": "bf16-sr"}  # fmt: skip
+    assert overlap_bench.derived("backward f0.1 clip spec maxnorm100 copybk", known) == {
+        **overlap_bench.CLIPPED, "fraction": 0.1, "speculate": True, "max_grad_norm": 100.0,
+        "copy_backup": True}  # fmt: skip
     with pytest.raises(ValueError, match="'backward f0.2 threads'"):
         overlap_bench.derived("backward f0.2 threads", known)  # no number: not a variant
     with pytest.raises(ValueError, match="'nonsense f9'"):

@@ -40,14 +40,15 @@ HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, maximize=
 
 
 def kcall(fn, masters, grads, ms, vs, *, sms=(), svs=(), wout=(), steps=None, salts=None,
-          offsets=None, moments=0, master_sr=False, flush_denormal=False, **hp):  # fmt: skip
+          offsets=None, moments=0, master_sr=False, flush_denormal=False, backups=(), **hp):  # fmt: skip
     t = len(masters)
     h = dict(HP, **hp)
     fn(list(masters), list(grads), list(ms), list(vs), list(sms), list(svs), list(wout),
        steps if steps is not None else [1.0] * t, salts if salts is not None else [7] * t,
        offsets if offsets is not None else [0] * t, h["lr"], h["beta1"], h["beta2"],
        h["weight_decay"], h["eps"], h["maximize"], h["decoupled"], h["grad_scale"], moments,
-       master_sr, kernels.torch_vec_size(), flush_denormal)  # fmt: skip
+       master_sr, kernels.torch_vec_size(), flush_denormal,
+       **({"backups": list(backups)} if backups else {}))  # fmt: skip
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -342,6 +343,10 @@ def bad_calls():
     yield "scale length", dict(q, sms=[torch.zeros(1)], svs=[torch.zeros(2)]), "exp_avg_scales[0]"
     yield "scales count", dict(q, sms=[], svs=[torch.zeros(2)]), "exp_avg_scales"
     yield "2-D", dict(base(), masters=[torch.ones(2, 4)]), "1-D"
+    yield "backups count", dict(base(), backups=[torch.zeros(8)] * 2), "backups has 2 entries"
+    yield "backup dtype", dict(base(), backups=[torch.zeros(8, dtype=bf), torch.zeros(8),
+                                                torch.zeros(8)]), "backups[0]"  # fmt: skip
+    yield "backup numel", dict(base(), backups=[torch.zeros(8), torch.zeros(7), torch.zeros(8)]), "backups[1]"  # fmt: skip
     assert f32  # both dtypes used above
 
 
@@ -354,6 +359,61 @@ def test_bad_input_is_refused_before_writing(mod, case):
         kcall(mod.adam_step, masters, kw.pop("grads"), kw.pop("ms"), kw.pop("vs"), **kw)
     for a, b in zip(masters, before, strict=True):
         assert torch.equal(a, b)
+
+
+SPECS = {0: (torch.float32, None), 1: (torch.bfloat16, None), 2: (torch.uint8, 1)}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming-stores", "plain-stores"])
+@pytest.mark.parametrize("moments,master_bf16", [(0, False), (1, False), (2, False), (2, True)])
+def test_backups_receive_the_pre_step_values_and_change_no_result(mod, moments, master_bf16, stream):
+    """The kernel's ``backups`` (speculative updates): each receives the values its tensor held
+    before the call, byte for byte, and the update is bitwise the one without backups; sizes
+    across a run of 16 blocks, a block and a vector."""
+    sizes = [1, 7, 17, 255, 256, 1000, 4096, 4097, 70_001]
+    mdt = torch.bfloat16 if master_bf16 else torch.float32
+
+    def fresh():
+        gen = torch.Generator().manual_seed(5)
+        out = []
+        for n in sizes:
+            p = torch.randn(n, generator=gen).to(mdt)
+            g = torch.randn(n, generator=gen) * 0.1
+            if moments == 2:
+                m = torch.randint(0, 255, (n,), generator=gen, dtype=torch.uint8)
+                v = torch.randint(0, 255, (n,), generator=gen, dtype=torch.uint8)
+                sm, sv = torch.rand(kernels.nblocks(n), generator=gen), torch.rand(kernels.nblocks(n), generator=gen)  # fmt: skip
+            else:
+                dt = SPECS[moments][0]
+                m = (torch.randn(n, generator=gen) * 0.01).to(dt)
+                v = (torch.rand(n, generator=gen) * 1e-3).to(dt)
+                sm = sv = None
+            out.append((p, g, m, v, sm, sv))
+        return out
+
+    def call(state, backups=()):
+        cols = list(zip(*state, strict=True))
+        sms, svs = (cols[4], cols[5]) if moments == 2 else ((), ())
+        kcall(mod.adam_step, cols[0], cols[1], cols[2], cols[3], sms=sms, svs=svs, steps=[3.0] * len(sizes),
+              moments=moments, master_sr=master_bf16, backups=backups)  # fmt: skip
+
+    want, got = fresh(), fresh()
+    before = [[t.clone() for t in row if t is not None] for row in got]
+    backups = [torch.full_like(t, 3) for row in before for t in ([*row[:1], *row[2:]])]
+    call(want)
+    mod.set_backup_stream(stream)
+    try:
+        call(got, backups)
+    finally:
+        mod.set_backup_stream(True)
+    per = 5 if moments == 2 else 3
+    for i, n in enumerate(sizes):
+        for a, b in zip(got[i], want[i], strict=True):
+            if a is not None:
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"n={n} changed"
+        pre = [before[i][0], *before[i][2:]]  # master, m, v (, scales), the grad left out
+        for k in range(per):
+            assert torch.equal(backups[per * i + k].view(torch.uint8), pre[k].view(torch.uint8)), (n, k)
 
 
 def test_kernel_uses_every_thread(mod):

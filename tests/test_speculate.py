@@ -8,15 +8,17 @@ import pytest
 import torch
 from oracle import assert_bitwise
 
-from offloadopt import HybridAdamW
+from offloadopt import HybridAdam, HybridAdamW, HybridSGD
+from offloadopt import kernels
 
 INIT_SCALE = 2.0**12
 
 
-def mlp(seed=0, dtype=torch.float32):
+def mlp(seed=0, dtype=torch.float32, width=48):
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(48, 48), torch.nn.Tanh(), torch.nn.Linear(48, 48), torch.nn.Linear(48, 48)
+        torch.nn.Linear(48, width), torch.nn.Tanh(), torch.nn.Linear(width, 48),
+        torch.nn.Linear(48, 48),
     ).to(dtype)
 
 
@@ -30,14 +32,21 @@ MIX = [1, 100, 1, 1, 100, 100, 1, 1]
 
 
 def run(spec, steps=8, clip=1.0, factors=MIX, scaler=False, bad=None, dtype=torch.float32,
-        accumulate=1, **kw):  # fmt: skip
+        accumulate=1, opt_cls=HybridAdamW, width=48, copy_backup=False, in_kernel=None, **kw):  # fmt: skip
     """Train ``steps`` steps; ``bad``: step -> "inf"/"nan" put into a grad during backward.
+    ``copy_backup``: the backup as a copy before the update, not the kernel's; ``in_kernel``:
+    whether the kernel must (True) or must not (False) keep the backups (checked).
     Returns the params, the state dicts' tensors, the scales and the speculation's counts."""
-    model = mlp(dtype=dtype)
+    model = mlp(dtype=dtype, width=width)
     s = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=2) if scaler else None
-    opt = HybridAdamW(model.parameters(), lr=1e-2, overlap="backward", max_grad_norm=clip,
-                      grad_scaler=s, speculate=spec, min_offload_numel=1, bucket_nbytes=4000,
-                      **kw)  # fmt: skip
+    kw.setdefault("bucket_nbytes", 4000)
+    opt = opt_cls(model.parameters(), lr=1e-2, overlap="backward", max_grad_norm=clip,
+                  grad_scaler=s, speculate=spec, min_offload_numel=1, **kw)  # fmt: skip
+    if spec:
+        opt._speculation.kernel_backup = not copy_backup
+        if in_kernel is not None:
+            buckets = opt._placer.buckets
+            assert buckets and all(opt._updater.backs_up_in_kernel(b) == in_kernel for b in buckets)
     if kw.get("wait") == "module":
         opt.watch(model)  # each module's forward waits for its own params' new weights
     params, scales = list(model.parameters()), []
@@ -83,6 +92,36 @@ def test_clipped_steps_mixed_with_unclipped_ones_are_bitwise_the_non_speculative
     assert counts["steps"] == len(MIX) and counts["buckets"] > 0
     assert counts["redone_clip"] == MIX.count(100), counts  # every step that clipped, only those
     assert counts["redone_inf"] == 0
+
+
+KERNEL = kernels.torch_vec_size() >= 8 and kernels.available()
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["kernel-backup", "copy-backup"])
+@pytest.mark.parametrize(
+    "opt_cls,kw",
+    [
+        (HybridAdamW, {}),
+        (HybridAdamW, dict(width=300, bucket_nbytes=200_000)),  # runs of 16 blocks, streamed
+        (HybridAdamW, dict(flush_denormal=False, scaler=True, bad={4: "inf"})),
+        (HybridAdam, dict(weight_decay=0.1, maximize=True)),
+        (HybridAdamW, dict(dtype=torch.bfloat16, state_dtype="bf16", master_weights="bf16-sr")),
+        (HybridSGD, dict(momentum=0.9)),
+    ],
+    ids=["adamw", "adamw-wide", "adamw-no-ftz-scaler", "adam-l2-maximize", "bf16-sr", "sgd"],
+)
+def test_the_kernels_backup_and_the_copy_both_give_the_non_speculative_run(opt_cls, kw, copy):
+    """Adam/AdamW's backups are written by the CPU kernel as it updates (its all-fp32 mode,
+    bitwise torch's fused kernel that the non-speculative run uses); SGD, and the benchmark's
+    "copybk", copy before the update. Both are bitwise the run without speculation."""
+    if kw.get("state_dtype") and not kernels.available():
+        pytest.skip("compressed state needs the CPU kernel")
+    in_kernel = None if copy else (opt_cls is not HybridSGD and KERNEL)
+    want = run(False, opt_cls=opt_cls, **kw)
+    got = run(True, opt_cls=opt_cls, copy_backup=copy, in_kernel=in_kernel, **kw)
+    assert_bitwise(got[0], want[0], "params")
+    assert_bitwise(got[1], want[1], "state")
+    assert got[3]["redone_clip"] >= 1 and got[3]["buckets"] > 0, got[3]
 
 
 def test_a_run_that_never_clips_is_never_redone():

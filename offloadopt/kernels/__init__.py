@@ -6,7 +6,8 @@ its one entry point is::
 
     adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
               weights_out, steps, salts, offsets, lr, beta1, beta2, weight_decay, eps,
-              maximize, decoupled, grad_scale, moments, master_sr, vec_size, flush_denormal)
+              maximize, decoupled, grad_scale, moments, master_sr, vec_size, flush_denormal,
+              backups=[])
 
 Every list holds one entry per tensor (or is empty where noted); every tensor is 1-D,
 contiguous, on the CPU; tensor i of each list has the same numel ``n_i``.
@@ -28,6 +29,11 @@ contiguous, on the CPU; tensor i of each list has the same numel ``n_i``.
   AdamW (``p *= 1 - lr*wd``), False for Adam (``g += wd*p``); ``grad_scale``: float or None
   (the grads are divided by it); ``vec_size``: ``torch_vec_size()``; ``flush_denormal``: set
   FTZ/DAZ in the kernel's threads for the call.
+- ``backups``: empty, or per tensor (in tensor order) a destination for its pre-step master,
+  exp_avg and exp_avg_sq, and with ``moments=2`` its exp_avg_scale and exp_avg_sq_scale (3 or 5
+  entries per tensor), each of the dtype and numel of what it backs up: the kernel copies the
+  values there just before it overwrites them (in cache-sized runs, with streaming stores where
+  the CPU has them; ``set_backup_stream(False)`` makes them plain copies).
 
 With fp32 masters and fp32 moments the result is bitwise equal to ``torch._fused_adamw_`` /
 ``torch._fused_adam_`` (on AVX512 and, by inference, AVX2 hosts). Bad input raises ValueError

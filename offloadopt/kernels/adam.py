@@ -144,6 +144,7 @@ def adam_update(
     where: list[tuple[int, int]] | None,
     use_kernel: bool | None = None,
     weights_out: list[torch.Tensor] | None = None,
+    backups: list[list[torch.Tensor]] | None = None,
 ) -> None:
     """One update over same-device lists (contiguous tensors, pairwise the same numel).
 
@@ -169,6 +170,13 @@ def adam_update(
             memory: each element's grad is read before its weight is written) that receives
             the new weights rounded to nearest even; fp32 masters only. On a skipped step it
             receives the unchanged masters, rounded the same way.
+        backups: None, or ``[per weight, *per state list]`` (the shape of ``[weights,
+            *states]``): tensors of the same dtype and numel that receive the pre-step values
+            (the CPU kernel's ``backups``: it copies them out as it reads them). CPU only.
+
+    A non-compressed rule (fp32 masters and moments) runs the kernel's all-fp32 mode, bitwise
+    ``torch._fused_adamw_`` / ``torch._fused_adam_`` (tests/test_kernels.py); flush-to-zero
+    follows ``rule.flush_denormal``, as the worker's threads run torch's kernel.
     """
     if not weights:
         return
@@ -177,6 +185,10 @@ def adam_update(
         found_inf = amp.get("found_inf")
         if found_inf is not None and bool(found_inf.item()):
             # an inf/NaN step is skipped, as torch's fused kernels skip it
+            if backups:  # nothing changes: the backup is the state as it stands
+                srcs = [weights, *states]
+                torch._foreach_copy_(_flat([t for c in backups for t in c]),
+                                     _flat([t for c in srcs for t in c]))  # fmt: skip
             if weights_out:
                 torch._foreach_copy_(_flat(weights_out), _flat(weights))
             return
@@ -189,6 +201,14 @@ def adam_update(
         m, m_scale, v, v_scale = states
     else:
         (m, v), m_scale, v_scale = states, [], []
+    bk: list[list[torch.Tensor]] = []  # the kernel's order: master, m, v (, m_scale, v_scale)
+    if backups:
+        bw, *bs = backups
+        if rule.moments == "int8":
+            bm, bms, bv, bvs = bs
+            bk = [bw, bm, bv, bms, bvs]
+        else:
+            bk = [bw, *bs]
     step_values = torch.stack([s.detach().reshape(()) for s in steps]).tolist()
     where = where or [(0, 0)] * len(weights)
     # One call per master dtype (a device group may mix fp32 and bf16 params).
@@ -222,6 +242,9 @@ def adam_update(
             moments=MOMENT_CODES[rule.moments],
             master_sr=rule.master_sr and dtype == torch.bfloat16,
         )
+        if bk:
+            cols = [_flat(pick(c)) for c in bk]
+            args["backups"] = [c[j] for j in range(len(idx)) for c in cols]  # per tensor
         on_cpu = weights[idx[0]].device.type == "cpu"
         if use_kernel and not on_cpu:
             raise ValueError(
@@ -233,4 +256,6 @@ def adam_update(
 
             load().adam_step(**args, vec_size=torch_vec_size(), flush_denormal=rule.flush_denormal)
         else:
+            if args.pop("backups", None):
+                raise ValueError("adam_update: backups= needs the CPU kernel (CPU tensors)")
             device_step(**args)

@@ -65,11 +65,60 @@
 #include <xmmintrin.h>
 #define OFFLOADOPT_HAVE_MXCSR 1
 #endif
+#if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 constexpr int64_t BLOCK = 256;
 constexpr int64_t RUN = 4096;  // blocks in one loop at most (1 Mi elements: int indices)
+// With backups, blocks in one loop at most: the run's operands (copied out first, then
+// updated) stay in the core's L2 between the two (16 blocks: 4096 elements, <= 48 KiB of
+// master and moments).
+constexpr int64_t BACKUP_RUN = 16;
+
+// Whether backups are written with non-temporal (streaming) stores (set_backup_stream).
+std::atomic<bool> g_backup_stream{true};
+
+// Copy n bytes; with streaming stores (where the CPU has them) the destination's lines are
+// neither read first nor kept in cache: the copy moves n bytes in and n out, not 3n.
+inline void backup_copy(void* dst, const void* src, size_t n) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+#if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE2__)
+#if defined(__AVX512F__)
+  constexpr size_t W = 64;
+#elif defined(__AVX__)
+  constexpr size_t W = 32;
+#else
+  constexpr size_t W = 16;
+#endif
+  if (g_backup_stream.load(std::memory_order_relaxed) && n >= 2 * W) {
+    const size_t head = (W - (reinterpret_cast<uintptr_t>(d) & (W - 1))) & (W - 1);
+    std::memcpy(d, s, head);
+    d += head;
+    s += head;
+    n -= head;
+    for (; n >= W; n -= W, d += W, s += W) {
+#if defined(__AVX512F__)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d), _mm512_loadu_si512(s));
+#elif defined(__AVX__)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+#else
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+#endif
+    }
+  }
+#endif
+  std::memcpy(d, s, n);
+}
+
+inline void backup_fence() {
+#if defined(__SSE2__) || defined(__AVX__) || defined(__AVX512F__)
+  _mm_sfence();  // streaming stores are weakly ordered: visible before the region ends
+#endif
+}
 
 inline uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
@@ -179,6 +228,11 @@ struct Job {
   bool has_gs, maximize, adamw, has_wd, wout;
   std::vector<void*> master, grad, m, v, wo;
   std::vector<float*> ms, vs;
+  // backups: per tensor, where the pre-step master, exp_avg, exp_avg_sq (and with int8 moments
+  // their scales) are copied before the update overwrites them; empty: none
+  std::vector<void*> bmaster, bm, bv;
+  std::vector<float*> bms, bvs;
+  size_t master_es = 4, state_es = 4;
   std::vector<int64_t> numel, tail_start, offsets, first_block;
   std::vector<Coefs> coefs;
 };
@@ -350,7 +404,7 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
                std::vector<double> steps, std::vector<int64_t> salts, std::vector<int64_t> offsets, double lr,
                double beta1, double beta2, double weight_decay, double eps, bool maximize, bool decoupled,
                std::optional<double> grad_scale, int64_t moments, bool master_sr, int64_t vec_size,
-               bool flush_denormal) {
+               bool flush_denormal, std::vector<at::Tensor> backups) {
   const size_t T = masters.size();
   auto same_len = [&](size_t k, const char* name) {
     TORCH_CHECK_VALUE(k == T, "adam_step: ", name, " has ", k, " entries; masters has ", T);
@@ -372,6 +426,10 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
   }
   TORCH_CHECK_VALUE(weights_out.empty() || weights_out.size() == T, "adam_step: weights_out has ",
                     weights_out.size(), " entries; expected 0 or ", T);
+  const size_t per = moments == 2 ? 5 : 3;  // backups per tensor
+  TORCH_CHECK_VALUE(backups.empty() || backups.size() == per * T, "adam_step: backups has ", backups.size(),
+                    " entries; expected 0 or ", per * T, " (", per, " per tensor: master, exp_avg, exp_avg_sq",
+                    moments == 2 ? ", exp_avg_scale, exp_avg_sq_scale)" : ")");
   TORCH_CHECK_VALUE(vec_size == 4 || vec_size == 8 || vec_size == 16, "adam_step: vec_size=", vec_size,
                     "; expected 4, 8 or 16 (torch_vec_size())");
   if (T == 0) return;
@@ -398,6 +456,20 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
       check_1d(exp_avg_sq_scales[i], "exp_avg_sq_scales", i, nb, {at::kFloat}, "float32");
     }
     if (!weights_out.empty()) check_1d(weights_out[i], "weights_out", i, n, {at::kBFloat16}, "bfloat16");
+    if (!backups.empty()) {
+      const at::Tensor* src[5] = {&masters[i], &exp_avgs[i], &exp_avg_sqs[i], nullptr, nullptr};
+      if (moments == 2) {
+        src[3] = &exp_avg_scales[i];
+        src[4] = &exp_avg_sq_scales[i];
+      }
+      for (size_t k = 0; k < per; ++k) {
+        const at::Tensor& b = backups[per * i + k];
+        check_1d(b, "backups", per * i + k, src[k]->numel(), {src[k]->scalar_type()},
+                 "the dtype of the tensor it backs up");
+        TORCH_CHECK_VALUE(b.data_ptr() != src[k]->data_ptr(), "adam_step: backups[", per * i + k,
+                          "] is the tensor it backs up");
+      }
+    }
     TORCH_CHECK_VALUE(steps[i] >= 1, "adam_step: steps[", i, "]=", steps[i], "; expected >= 1 (already advanced)");
     TORCH_CHECK_VALUE(offsets[i] >= 0, "adam_step: offsets[", i, "]=", offsets[i], "; expected >= 0");
   }
@@ -410,6 +482,16 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
   J.adamw = decoupled;
   J.has_wd = weight_decay != 0.0;
   J.wout = !weights_out.empty();
+  const bool bk = !backups.empty();
+  J.master_es = mbf16 ? 2 : 4;
+  J.state_es = moments == 0 ? 4 : moments == 1 ? 2 : 1;
+  if (bk) {
+    J.bmaster.resize(T);
+    J.bm.resize(T);
+    J.bv.resize(T);
+    J.bms.resize(T, nullptr);
+    J.bvs.resize(T, nullptr);
+  }
   J.master.resize(T);
   J.grad.resize(T);
   J.m.resize(T);
@@ -431,6 +513,15 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
     J.m[i] = exp_avgs[i].data_ptr();
     J.v[i] = exp_avg_sqs[i].data_ptr();
     if (J.wout) J.wo[i] = weights_out[i].data_ptr();
+    if (bk) {
+      J.bmaster[i] = backups[per * i].data_ptr();
+      J.bm[i] = backups[per * i + 1].data_ptr();
+      J.bv[i] = backups[per * i + 2].data_ptr();
+      if (moments == 2) {
+        J.bms[i] = backups[per * i + 3].data_ptr<float>();
+        J.bvs[i] = backups[per * i + 4].data_ptr<float>();
+      }
+    }
     if (moments == 2) {
       J.ms[i] = exp_avg_scales[i].data_ptr<float>();
       J.vs[i] = exp_avg_sq_scales[i].data_ptr<float>();
@@ -477,11 +568,25 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
       while (b >= J.first_block[i + 1]) ++i;
       // one block, or (fp32/bf16 moments, no grad_scale: nothing kept per block) a run of
       // blocks of this tensor in one loop
-      const int64_t run = runs ? std::min({end, J.first_block[i + 1], b + RUN}) - b : 1;
+      const int64_t run = runs ? std::min({end, J.first_block[i + 1], b + (bk ? BACKUP_RUN : RUN)}) - b : 1;
       const int64_t j0 = (b - J.first_block[i]) * BLOCK;
+      if (bk) {  // the run's pre-step values, copied out just before the update reads them
+        const int64_t len = std::min(j0 + run * BLOCK, J.numel[i]) - j0;
+        backup_copy(static_cast<char*>(J.bmaster[i]) + j0 * J.master_es,
+                    static_cast<const char*>(J.master[i]) + j0 * J.master_es, len * J.master_es);
+        backup_copy(static_cast<char*>(J.bm[i]) + j0 * J.state_es,
+                    static_cast<const char*>(J.m[i]) + j0 * J.state_es, len * J.state_es);
+        backup_copy(static_cast<char*>(J.bv[i]) + j0 * J.state_es,
+                    static_cast<const char*>(J.v[i]) + j0 * J.state_es, len * J.state_es);
+        if (J.moments == 2) {  // int8: one block a call, one scale each
+          J.bms[i][j0 / BLOCK] = J.ms[i][j0 / BLOCK];
+          J.bvs[i][j0 / BLOCK] = J.vs[i][j0 / BLOCK];
+        }
+      }
       fn(J, i, j0, j0 + run * BLOCK);
       b += run;
     }
+    if (bk) backup_fence();
 #ifdef OFFLOADOPT_HAVE_MXCSR
     _mm_setcsr(csr);
 #endif
@@ -503,7 +608,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::arg("salts"), py::arg("offsets"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
           py::arg("weight_decay"), py::arg("eps"), py::arg("maximize"), py::arg("decoupled"),
           py::arg("grad_scale"), py::arg("moments"), py::arg("master_sr"), py::arg("vec_size"),
-          py::arg("flush_denormal"),
+          py::arg("flush_denormal"), py::arg("backups") = std::vector<at::Tensor>(),
           // The GIL is released for the update: the worker thread runs it while the training
           // thread launches backward (held, it serialized the two: a step at fraction 1 took
           // fwd+bwd + the update on the GPU host, 2.09x torch's kernel path).
@@ -511,4 +616,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("num_threads_used", &num_threads_used,
           "number of threads a parallel region of the extension runs on");
   mod.def("block", []() { return BLOCK; });
+  mod.def("set_backup_stream", [](bool on) { g_backup_stream.store(on); },
+          "write backups with streaming (non-temporal) stores (default True; False: plain copies)");
 }

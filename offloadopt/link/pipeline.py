@@ -73,7 +73,10 @@ class BucketWork:
     ``link_dtype`` (bf16): per segment of ``idx``, the host staging view (the grads' own)
     where the update writes the new weights in that dtype, which cross H2D from there.
     ``before``: called with this work on the worker just before its update (speculative
-    updates keep the pre-step state there: offloadopt/step/speculate.py), or None.
+    updates keep the pre-step state there: offloadopt/step/speculate.py), or None;
+    ``backup``: set by ``before`` where the update itself copies the pre-step state out (the
+    CPU kernel's backups): per arena buffer (the master, then each state key in arena order)
+    the bucket's range of it, where the update writes the values it overwrites; or None.
     """
 
     bucket: Bucket
@@ -87,6 +90,7 @@ class BucketWork:
     amp: Any = None
     out: list[torch.Tensor] | None = None
     before: Callable[[BucketWork], None] | None = None
+    backup: list[torch.Tensor] | None = None
 
 
 class StepRun:

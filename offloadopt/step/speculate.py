@@ -14,9 +14,16 @@ for its end, and are validated there.
   gives: no clip factor; the GradScaler's inverse scale (with ``max_grad_norm``) or its scale
   for the kernel (without), and a found_inf of 0. On the worker, just before its update,
   the bucket's pre-step host state (its range of the master, or of the host copy of the
-  weights, and of every state key) is copied into a backup kept for that bucket
+  weights, and of every state key) is kept in a backup for that bucket
   (:meth:`Speculation.save`; pageable host memory, allocated at the bucket's first
-  speculation and reused). ``step`` is advanced on the training thread before any update
+  speculation and reused). Adam/AdamW's update copies it out itself: the CPU kernel
+  (offloadopt/kernels/adam_cpu.cpp) copies each cache-sized run of the state to the backup,
+  with streaming stores, just before it updates that run, so the backup adds 12 bytes
+  written per fp32 param to the update's 28 moved (a copy before the update added 36, and
+  made the update 2.5x slower on the GPU host: benchmarks/results/2026-12-03-speculate-h200).
+  The kernel's all-fp32 mode is bitwise torch's fused kernel (tests/test_kernels.py), which
+  the non-speculative path runs. Other rules (SGD), and hosts where the kernel does not
+  build or is not bitwise torch's (no AVX2), copy before the update. ``step`` is advanced on the training thread before any update
   and is the same for the speculative and the final update.
 - At the end of backward the optimizer decides the clip and found_inf as before, then reads
   both on the host (one device sync). A coefficient of exactly 1.0 and no inf: the
@@ -61,6 +68,8 @@ class Speculation:
         buckets: ``buckets()`` gives the current buckets (a new placement's drop the old
             ones' backups).
         timeout_s: the longest wait for the worker, in seconds.
+        in_kernel: ``in_kernel(bucket)``: whether the bucket's update copies its pre-step state
+            out itself (``Updater.backs_up_in_kernel``); None: never.
 
     Attributes:
         counts: since construction: ``steps`` (steps with a speculative update),
@@ -69,8 +78,11 @@ class Speculation:
             found_inf was set), ``redone_buckets``.
     """
 
-    def __init__(self, scaling: Scaling, transfers, buckets, timeout_s: float):
+    def __init__(self, scaling: Scaling, transfers, buckets, timeout_s: float, in_kernel=None):
         self.scaling, self.transfers, self.timeout_s = scaling, transfers, timeout_s
+        self.in_kernel = in_kernel or (lambda b: False)
+        # False: always the copy before the update (benchmarks/overlap_bench.py's "copybk")
+        self.kernel_backup = True
         self.buckets = buckets
         self.backups: dict[Bucket, list[torch.Tensor]] = {}  # per bucket: its ranges' copies
         self.counts = dict(steps=0, buckets=0, redone_clip=0, redone_inf=0, redone_buckets=0)
@@ -117,13 +129,20 @@ class Speculation:
         return before
 
     def save(self, work: BucketWork) -> None:
-        """On the worker, before ``work``'s update: copy the bucket's pre-step host state
-        (its whole range of each arena buffer: one large copy each, which torch spreads over
-        the worker's threads) into the bucket's backup."""
+        """On the worker, before ``work``'s update: keep the bucket's pre-step host state in
+        its backup. Where the update can do it (``in_kernel``): the backup is handed to the
+        update (``work.backup``), whose kernel copies each cache-sized run out just before it
+        overwrites it (no second pass over the state). Otherwise: a copy of the bucket's whole
+        range of each arena buffer now (one large copy each, spread over the worker's
+        threads)."""
         b = work.bucket
         ranges = self._ranges(b)
         backup = self.backups.get(b)
-        if backup is None:
+        if self.kernel_backup and self.in_kernel(b):
+            if backup is None:
+                backup = self.backups[b] = [torch.empty_like(r) for r in ranges]
+            work.backup = backup
+        elif backup is None:
             self.backups[b] = [r.clone() for r in ranges]  # the first: allocated
         else:
             for dst, src in zip(backup, ranges, strict=True):

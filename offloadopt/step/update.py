@@ -93,6 +93,19 @@ def _joined(segs: list, columns: list[list[torch.Tensor]], steps: list[torch.Ten
     return out, [steps[lo] for lo, _ in bounds] if steps else steps
 
 
+def _backup_views(b, backup: list[torch.Tensor], columns: list[list[torch.Tensor]]):
+    """Per kernel operand (``columns``: the master views, then each state's, in arena order;
+    views of bucket ``b``'s arena buffers), the view of ``backup`` (per arena buffer, the
+    bucket's range of it) at the same place."""
+    arena = b.arena
+    bases = [arena.master, *arena.states.values()]
+    out = []
+    for base, bk, views in zip(bases, backup, columns, strict=True):
+        start = base.storage_offset() + (b.lo if base.numel() == arena.numel else b.lo // arena.block)
+        out.append([bk[v.storage_offset() - start :][: v.numel()] for v in views])
+    return out
+
+
 class Updater:
     """Applies the update rule and makes the state it reads.
 
@@ -159,8 +172,31 @@ class Updater:
                     out = [work.out[j] for j in positions]
             else:
                 (weights, gs, *ss), steps = _joined([b.segments[i] for i in segs], columns, steps)
+            if work.backup is not None:
+                backups = _backup_views(b, work.backup, [weights, *ss])
+                adam_update(self.rule, hyper, weights, gs, ss, steps, host=True, amp=amp,
+                            where=where, weights_out=out, backups=backups)  # fmt: skip
+                continue
             self.apply(hyper, weights, gs, ss, steps, host=True, first=first, amp=amp,
                        where=where, out=out)  # fmt: skip
+
+    def backs_up_in_kernel(self, b) -> bool:
+        """Whether bucket ``b``'s update can copy its pre-step state out itself (the CPU
+        kernel's ``backups``, offloadopt/kernels/__init__.py; speculative updates,
+        offloadopt/step/speculate.py): Adam/AdamW whose update runs the kernel (a compressed
+        representation), or with fp32 masters and moments on a host where the kernel's
+        all-fp32 mode is bitwise torch's (AVX2/AVX512: ``torch_vec_size() >= 8``) and the
+        kernel builds. Otherwise the backup is a copy before the update."""
+        from offloadopt import kernels
+        from offloadopt.rules import AdamWRule
+
+        if not isinstance(self.rule, AdamWRule):
+            return False
+        if not self.rule.compressed:
+            fp32 = [b.arena.master, *b.arena.states.values()]
+            if any(t.dtype != torch.float32 for t in fp32) or kernels.torch_vec_size() < 8:
+                return False
+        return kernels.available()
 
     def apply(self, hyper: Hyper, weights, grads, states, steps, *, host: bool, first: bool,
               amp, where, out=None) -> None:  # fmt: skip
