@@ -178,8 +178,11 @@ def main() -> None:
         row("ours fp32 + backup", 40.0, run_ours(mod, sizes, fp32, args.repeats, backup=True))
         mod.set_backup_stream(False)
         try:
-            row("ours fp32 + backup, plain stores", 52.0,
-                run_ours(mod, sizes, fp32, args.repeats, backup=True))
+            row(
+                "ours fp32 + backup, plain stores",
+                52.0,
+                run_ours(mod, sizes, fp32, args.repeats, backup=True),
+            )
         finally:
             mod.set_backup_stream(True)
 

@@ -366,7 +366,9 @@ SPECS = {0: (torch.float32, None), 1: (torch.bfloat16, None), 2: (torch.uint8, 1
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming-stores", "plain-stores"])
 @pytest.mark.parametrize("moments,master_bf16", [(0, False), (1, False), (2, False), (2, True)])
-def test_backups_receive_the_pre_step_values_and_change_no_result(mod, moments, master_bf16, stream):
+def test_backups_receive_the_pre_step_values_and_change_no_result(
+    mod, moments, master_bf16, stream
+):
     """The kernel's ``backups`` (speculative updates): each receives the values its tensor held
     before the call, byte for byte, and the update is bitwise the one without backups; sizes
     across a run of 16 blocks, a block and a vector."""
@@ -413,7 +415,10 @@ def test_backups_receive_the_pre_step_values_and_change_no_result(mod, moments, 
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"n={n} changed"
         pre = [before[i][0], *before[i][2:]]  # master, m, v (, scales), the grad left out
         for k in range(per):
-            assert torch.equal(backups[per * i + k].view(torch.uint8), pre[k].view(torch.uint8)), (n, k)
+            assert torch.equal(backups[per * i + k].view(torch.uint8), pre[k].view(torch.uint8)), (
+                n,
+                k,
+            )
 
 
 def test_kernel_uses_every_thread(mod):

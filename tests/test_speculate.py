@@ -8,8 +8,7 @@ import pytest
 import torch
 from oracle import assert_bitwise
 
-from offloadopt import HybridAdam, HybridAdamW, HybridSGD
-from offloadopt import kernels
+from offloadopt import HybridAdam, HybridAdamW, HybridSGD, kernels
 
 INIT_SCALE = 2.0**12
 
@@ -17,7 +16,9 @@ INIT_SCALE = 2.0**12
 def mlp(seed=0, dtype=torch.float32, width=48):
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(48, width), torch.nn.Tanh(), torch.nn.Linear(width, 48),
+        torch.nn.Linear(48, width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(width, 48),
         torch.nn.Linear(48, 48),
     ).to(dtype)
 

@@ -101,7 +101,9 @@ def _backup_views(b, backup: list[torch.Tensor], columns: list[list[torch.Tensor
     bases = [arena.master, *arena.states.values()]
     out = []
     for base, bk, views in zip(bases, backup, columns, strict=True):
-        start = base.storage_offset() + (b.lo if base.numel() == arena.numel else b.lo // arena.block)
+        start = base.storage_offset() + (
+            b.lo if base.numel() == arena.numel else b.lo // arena.block
+        )
         out.append([bk[v.storage_offset() - start :][: v.numel()] for v in views])
     return out
 
