@@ -380,20 +380,37 @@ BlockFn pick(bool mbf16, bool gbf16, int moments, bool wout) {
   return gbf16 ? pick_mom<false, true>(moments, wout) : pick_mom<false, false>(moments, wout);
 }
 
+// Numbers in error messages are made strings here (std::to_string, snprintf), never streamed: on
+// the GPU host (torch 2.11.0+cu130, the system g++) a message that streamed an integer into
+// c10::str's ostream crashed the process (SIGSEGV) where it should have raised ValueError
+// (tests/test_kernels.py::test_bad_input_is_refused_before_writing; strings and dtypes streamed fine).
+std::string N(int64_t x) { return std::to_string(x); }
+std::string N(size_t x) { return std::to_string(x); }
+std::string D(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  return buf;
+}
+std::string dims(at::IntArrayRef a) {
+  std::string s = "[";
+  for (size_t k = 0; k < a.size(); ++k) s += (k ? ", " : "") + std::to_string(a[k]);
+  return s + "]";
+}
+
 std::string where(const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; }
 
 void check_1d(const at::Tensor& t, const char* list, size_t i, int64_t n, std::vector<at::ScalarType> ok,
               const char* dtypes) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "adam_step: ", where(list, i), " is on ", t.device(),
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "adam_step: ", where(list, i), " is on ", t.device().str(),
                     "; every tensor must be a CPU tensor");
-  TORCH_CHECK_VALUE(t.dim() == 1, "adam_step: ", where(list, i), " has shape ", t.sizes(),
+  TORCH_CHECK_VALUE(t.dim() == 1, "adam_step: ", where(list, i), " has shape ", dims(t.sizes()),
                     "; every tensor must be 1-D");
   TORCH_CHECK_VALUE(t.is_contiguous(), "adam_step: ", where(list, i), " is not contiguous (stride ",
-                    t.strides(), ")");
+                    dims(t.strides()), ")");
   TORCH_CHECK_VALUE(std::find(ok.begin(), ok.end(), t.scalar_type()) != ok.end(), "adam_step: ",
                     where(list, i), " has dtype ", t.scalar_type(), "; expected ", dtypes);
-  TORCH_CHECK_VALUE(t.numel() == n, "adam_step: ", where(list, i), " has ", t.numel(),
-                    " elements; expected ", n);
+  TORCH_CHECK_VALUE(t.numel() == n, "adam_step: ", where(list, i), " has ", N(t.numel()),
+                    " elements; expected ", N(n));
 }
 
 }  // namespace
@@ -407,7 +424,7 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
                bool flush_denormal, std::vector<at::Tensor> backups) {
   const size_t T = masters.size();
   auto same_len = [&](size_t k, const char* name) {
-    TORCH_CHECK_VALUE(k == T, "adam_step: ", name, " has ", k, " entries; masters has ", T);
+    TORCH_CHECK_VALUE(k == T, "adam_step: ", name, " has ", N(k), " entries; masters has ", N(T));
   };
   same_len(grads.size(), "grads");
   same_len(exp_avgs.size(), "exp_avgs");
@@ -415,7 +432,7 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
   same_len(steps.size(), "steps");
   same_len(salts.size(), "salts");
   same_len(offsets.size(), "offsets");
-  TORCH_CHECK_VALUE(moments >= 0 && moments <= 2, "adam_step: moments=", moments,
+  TORCH_CHECK_VALUE(moments >= 0 && moments <= 2, "adam_step: moments=", N(moments),
                     "; expected 0 (fp32), 1 (bf16) or 2 (int8 codes)");
   if (moments == 2) {
     same_len(exp_avg_scales.size(), "exp_avg_scales");
@@ -425,12 +442,12 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
                       "exp_avg_sq_scales must be empty lists unless moments=2 (int8)");
   }
   TORCH_CHECK_VALUE(weights_out.empty() || weights_out.size() == T, "adam_step: weights_out has ",
-                    weights_out.size(), " entries; expected 0 or ", T);
+                    N(weights_out.size()), " entries; expected 0 or ", N(T));
   const size_t per = moments == 2 ? 5 : 3;  // backups per tensor
-  TORCH_CHECK_VALUE(backups.empty() || backups.size() == per * T, "adam_step: backups has ", backups.size(),
-                    " entries; expected 0 or ", per * T, " (", per, " per tensor: master, exp_avg, exp_avg_sq",
+  TORCH_CHECK_VALUE(backups.empty() || backups.size() == per * T, "adam_step: backups has ", N(backups.size()),
+                    " entries; expected 0 or ", N(per * T), " (", N(per), " per tensor: master, exp_avg, exp_avg_sq",
                     moments == 2 ? ", exp_avg_scale, exp_avg_sq_scale)" : ")");
-  TORCH_CHECK_VALUE(vec_size == 4 || vec_size == 8 || vec_size == 16, "adam_step: vec_size=", vec_size,
+  TORCH_CHECK_VALUE(vec_size == 4 || vec_size == 8 || vec_size == 16, "adam_step: vec_size=", N(vec_size),
                     "; expected 4, 8 or 16 (torch_vec_size())");
   if (T == 0) return;
   const bool mbf16 = masters[0].scalar_type() == at::kBFloat16;
@@ -466,12 +483,12 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
         const at::Tensor& b = backups[per * i + k];
         check_1d(b, "backups", per * i + k, src[k]->numel(), {src[k]->scalar_type()},
                  "the dtype of the tensor it backs up");
-        TORCH_CHECK_VALUE(b.data_ptr() != src[k]->data_ptr(), "adam_step: backups[", per * i + k,
+        TORCH_CHECK_VALUE(b.data_ptr() != src[k]->data_ptr(), "adam_step: backups[", N(per * i + k),
                           "] is the tensor it backs up");
       }
     }
-    TORCH_CHECK_VALUE(steps[i] >= 1, "adam_step: steps[", i, "]=", steps[i], "; expected >= 1 (already advanced)");
-    TORCH_CHECK_VALUE(offsets[i] >= 0, "adam_step: offsets[", i, "]=", offsets[i], "; expected >= 0");
+    TORCH_CHECK_VALUE(steps[i] >= 1, "adam_step: steps[", N(i), "]=", D(steps[i]), "; expected >= 1 (already advanced)");
+    TORCH_CHECK_VALUE(offsets[i] >= 0, "adam_step: offsets[", N(i), "]=", N(offsets[i]), "; expected >= 0");
   }
   TORCH_CHECK_VALUE(!grad_scale.has_value() || *grad_scale != 0.0, "adam_step: grad_scale=0");
 

@@ -29,8 +29,9 @@ for its end, and are validated there.
   both on the host (one device sync). A coefficient of exactly 1.0 and no inf: the
   speculative results stand, bitwise the results of the non-speculative path (the same grads
   reach the same kernel: ``g * 1.0`` is ``g``, a bf16 grad upcasts exactly). Otherwise the
-  speculative run is drained, each speculated bucket waits for its H2D to finish reading the
-  host master (I3), its backup is copied back, and every bucket is fed again with the true
+  speculative run stops: the buckets the worker has not started are dropped, each one whose
+  update ran waits for its H2D to finish reading the host master (I3) and gets its backup
+  copied back, and every bucket is fed again with the true
   factors: the non-speculative path's arithmetic from the same pre-step state (for an inf
   step the kernel skips and the H2D writes the old weights back).
 - The next forward reads the params only after ``step()``, which comes after the end of
@@ -75,7 +76,8 @@ class Speculation:
         counts: since construction: ``steps`` (steps with a speculative update),
             ``buckets`` (bucket updates made speculatively), ``redone_clip`` and
             ``redone_inf`` (steps redone because the clip coefficient was below 1.0, or
-            found_inf was set), ``redone_buckets``.
+            found_inf was set), ``redone_buckets`` (bucket updates undone by those steps; a
+            bucket fed speculatively that the worker had not started is dropped instead).
     """
 
     def __init__(self, scaling: Scaling, transfers, buckets, timeout_s: float, in_kernel=None):
@@ -155,8 +157,8 @@ class Speculation:
 
     def validate(self, st: Step) -> str | None:
         """At the end of backward, after ``Scaling.decide``: None when the speculative
-        updates of ``st`` stand; otherwise they are undone (the run drained, each speculated
-        bucket's host state restored, ``st``'s feed forgotten, so that every bucket is fed
+        updates of ``st`` stand; otherwise they are undone (the run stopped, the buckets not
+        started dropped, each updated bucket's host state restored, ``st``'s feed forgotten, so that every bucket is fed
         again) and the reason is returned: ``"inf"`` or ``"clip"``. Reads the found_inf and
         the clip coefficient on the host (a device sync).
 
@@ -177,19 +179,23 @@ class Speculation:
         if reason is None:
             return None
         run = st.run
-        run.close()
-        run.wait(self.timeout_s)  # every speculative update done, its H2D queued
+        # the buckets the worker has not taken yet are dropped: never updated, nothing to undo
+        # (at fraction 0.2 on the GPU host the worker trails backward by a third of its work)
+        run.abort()
+        run.wait(self.timeout_s)  # every speculative update taken is done, its H2D queued
         transfers = self.transfers()
+        undone = 0
         for w in works:
-            transfers[w.bucket.arena.device].wait_h2d_done(w.bucket, self.timeout_s)  # (I3)
-            if w.bucket in st.backed_up:  # every one, once the run is done
+            if w.bucket in st.backed_up:  # its update ran (the run is done)
+                transfers[w.bucket.arena.device].wait_h2d_done(w.bucket, self.timeout_s)  # (I3)
                 self.restore(w.bucket)
+                undone += 1
         st.fed.clear()
         st.landing.clear()
         st.run = None
         self.counts[f"redone_{reason}"] += 1
-        self.counts["redone_buckets"] += len(works)
-        st.stats["redone_buckets"] = len(works)
+        self.counts["redone_buckets"] += undone
+        st.stats["redone_buckets"] = undone
         return reason
 
     def roll_back(self, st: Step, state, records) -> int:
