@@ -23,7 +23,7 @@ from offloadopt.options import Options
 from offloadopt.place import budget, report
 from offloadopt.place.placer import Placer
 from offloadopt.place.records import ParamRecord
-from offloadopt.rules import ADAMW, Rule
+from offloadopt.rules import ADAMW, AdamWRule, Rule
 from offloadopt.shards import local, local_state, world_size
 from offloadopt.state import checkpoint
 from offloadopt.state.store import OptimizerState
@@ -97,6 +97,14 @@ class HybridOptimizer(Optimizer):
         if rule.compressed:  # offloadopt's own kernel (offloadopt/kernels/), built now so that
             self.rule = rule  # a missing compiler fails here; else the class's rule, as before
             kernels.load()
+        elif o.speculate and isinstance(self.rule, AdamWRule):  # Adam/AdamW: the kernel writes
+            try:  # the speculative backups (offloadopt/step/speculate.py); built now, not on
+                kernels.load()  # the worker in the middle of a step (about 40 s, once)
+            except kernels.KernelBuildError as e:
+                from offloadopt.warn import warn
+
+                warn(f"offloadopt: speculate=True: {e}; the speculative backups are copies "
+                     "made before each update instead (slower: docs/modes.md)")  # fmt: skip
         params = validate_params_arg(params)
         sizes = budget.sizes(max_gpu_memory=o.max_gpu_memory, max_host_memory=o.max_host_memory,
                              activation_bytes=o.activation_bytes)  # fmt: skip

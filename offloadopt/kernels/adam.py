@@ -175,8 +175,10 @@ def adam_update(
             (the CPU kernel's ``backups``: it copies them out as it reads them). CPU only.
 
     A non-compressed rule (fp32 masters and moments) runs the kernel's all-fp32 mode, bitwise
-    ``torch._fused_adamw_`` / ``torch._fused_adam_`` (tests/test_kernels.py); flush-to-zero
-    follows ``rule.flush_denormal``, as the worker's threads run torch's kernel.
+    ``torch._fused_adamw_`` / ``torch._fused_adam_`` (tests/test_kernels.py) and, as torch's
+    kernel, runs in the calling threads' floating-point mode (the worker's, which sets
+    flush-to-zero per the optimizer's ``flush_denormal``); a compressed rule sets
+    flush-to-zero for the call when ``rule.flush_denormal``.
     """
     if not weights:
         return
@@ -254,7 +256,10 @@ def adam_update(
         if on_cpu and use_kernel is not False:
             from offloadopt.kernels import load, torch_vec_size
 
-            load().adam_step(**args, vec_size=torch_vec_size(), flush_denormal=rule.flush_denormal)
+            # torch's kernel runs in the calling threads' floating-point mode (the worker sets
+            # flush-to-zero per the optimizer's option): the all-fp32 mode leaves it as it is
+            flush = rule.flush_denormal and rule.compressed
+            load().adam_step(**args, vec_size=torch_vec_size(), flush_denormal=flush)
         else:
             if args.pop("backups", None):
                 raise ValueError("adam_update: backups= needs the CPU kernel (CPU tensors)")
