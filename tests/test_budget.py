@@ -438,3 +438,28 @@ def test_the_budget_counts_the_compressed_device_updates_temporaries():
     tight = plain["predicted_gpu_bytes"] + 2**20
     assert budget.choose(infos(2.03125), **{**args, "budget": tight})["fraction"] == 0
     assert budget.choose(infos(2.03125), **{**args, "budget": tight}, work=work)["fraction"] > 0
+
+
+def test_the_host_side_counts_speculations_backups():
+    """speculate=True keeps a pageable copy of the offloaded host state (its pre-step
+    backups): the budget's host check counts it, so a run that would exhaust the host's memory
+    at the first step is refused when the fraction is chosen, with the figures."""
+    from offloadopt.place import budget
+    from offloadopt.place.placement import ParamInfo, place
+
+    infos = [ParamInfo(index=k, name=f"p{k}", group=0, shape=(2**20,), dtype=torch.bfloat16,
+                       requires_grad=True, group_offload=None) for k in range(10)]  # fmt: skip
+    args = dict(measured=10 * 2**21, how="given", budget=10 * 2**21 + 4 * 2**20,
+                bucket_nbytes=2**20, delayed=False,
+                place_at=lambda f, i: place(i, f, 1, True, None))  # fmt: skip
+    plain = budget.choose(infos, **args, host_budget=2**40)
+    spec = budget.choose(infos, **args, host_budget=2**40, backups=True)
+    assert plain["fraction"] == spec["fraction"] > 0
+    slots = 2 * 2**20
+    assert spec["host_bytes"] - slots == 2 * (plain["host_bytes"] - slots)
+    with pytest.raises(
+        ValueError,
+        match=r"host state is .* \(with speculate=True.s pre-step backups, a second copy of the state\); the host has .*max_host_memory",
+    ):
+        budget.choose(infos, **args, host_budget=plain["host_bytes"], backups=True)
+    assert budget.choose(infos, **args, host_budget=plain["host_bytes"])["fraction"] > 0

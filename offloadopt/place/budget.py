@@ -60,6 +60,7 @@ def choose(
     release_grads: bool = False,
     grads_in_flight: bool = False,
     work: Callable[[int], int] | None = None,
+    backups: bool = False,
 ) -> dict[str, Any]:
     """The smallest fraction (0.01 steps) whose device bytes fit ``budget``: ``measured``
     (what the device holds without optimizer state, described by ``how``), plus the state that
@@ -75,7 +76,8 @@ def choose(
     ``work(numel)``: the device bytes of the update's temporaries over the device-resident
     params of a compressed representation (``ParamInfo.elem_bytes``), ``numel`` elements.
     Its host bytes (offloaded state with the host copy of the weights, ``Placement.host_nbytes``,
-    and 2 pinned slots) must fit ``host_budget``, by default
+    twice with ``backups`` (``speculate=True`` keeps a pageable pre-step copy of them:
+    offloadopt/step/speculate.py), and 2 pinned slots) must fit ``host_budget``, by default
     the host's MemAvailable.
 
     Returns:
@@ -119,7 +121,7 @@ def choose(
                                           landing=landing, released=released, pending=pending,
                                           workspace=workspace))  # fmt: skip
         if need <= budget:
-            chosen = (fraction, need, host_state + 2 * slot, released)
+            chosen = (fraction, need, host_state * (2 if backups else 1) + 2 * slot, released)
             break
     if chosen is None:
         fraction, need, parts = least
@@ -138,9 +140,15 @@ def choose(
     available = host_budget or mem_available()
     if available is not None and host > available:
         where = "(max_host_memory)" if host_budget else "available (MemAvailable)"
+        spec = (
+            " (with speculate=True's pre-step backups, a second copy of the state)"
+            if backups
+            else ""
+        )
         raise ValueError(
             f"max_gpu_memory={format_bytes(budget)} needs offload fraction {fraction:g}, whose "
-            f"host state is {format_bytes(host)}; the host has {format_bytes(available)} {where}"
+            f"host state is {format_bytes(host)}{spec}; the host has {format_bytes(available)} "
+            f"{where}"
         )
     logging.getLogger("offloadopt").info(
         "offloadopt: max_gpu_memory %s: offload fraction %g, the smallest that fits (%s on the "

@@ -105,6 +105,7 @@ class Placer:
             o.bucket_nbytes if o.bucket_nbytes is not None else BUCKET_NBYTES[o.overlap]
         )
         self.overlap, self.wait = o.overlap, o.wait
+        self.speculate = o.speculate  # the budget counts the pre-step backups on the host
         self.flush_denormal = o.flush_denormal
         self.timeout_s = float(o.timeout_s)
         # Step mode: the training thread waits in step() while the worker runs; when updates
@@ -248,6 +249,7 @@ class Placer:
             release_grads=self.releases_early,
             grads_in_flight=self.wait == "module" and self.overlap != "delayed",
             work=(lambda n: device_work_nbytes(n, "cuda")) if cuda else None,
+            backups=self.speculate,
         )  # fmt: skip
         self.fraction = self.choice["fraction"]
 
