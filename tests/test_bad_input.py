@@ -92,6 +92,8 @@ CASES = [
     (["train", "--master-weights", "bf16-sr", "--dtype", "fp32"], "--master-weights bf16-sr with --dtype fp32: bf16-sr makes the bf16 weights their own masters; give --dtype bf16 (fp32 params would keep fp32 updates, fp16 params are refused)"),
     (["train", "--delay-after", "3"], "--delay-after: the synchronous steps before the delayed update, so it needs --overlap delayed (not 'step')"),
     (["train", "--delay-after", "-1"], "--delay-after: -1 is not an integer >= 0"),
+    (["train", "--speculate"], "--speculate: starts clipped updates during backward, so it needs --optimizer hybrid, --overlap backward and a --grad-clip above 0, without --release-grads (got --optimizer hybrid, --overlap step, --grad-clip 1)"),
+    (["train", "--speculate", "--overlap", "backward", "--grad-clip", "0"], "--speculate: starts clipped updates during backward, so it needs --optimizer hybrid, --overlap backward and a --grad-clip above 0, without --release-grads (got --optimizer hybrid, --overlap backward, --grad-clip 0)"),
     (["audit", "--mode", "backward", "--optimizer", "adamw"], "--mode backward: HybridAdamW's overlap modes need --optimizer hybrid"),
     (["audit", "--steps", "-1"], "--steps: -1 is not an integer >= 1"),
     (["train", "--grad-clip", "-1"], "--grad-clip: -1.0 is not a finite number >= 0"),

@@ -173,6 +173,19 @@ def test_hybrid_trains_bitwise_like_fused_adamw():
         assert hyb[key] == ref[key], key
 
 
+def test_train_speculate_is_bitwise_the_clipped_backward_run():
+    """``offloadopt train --overlap backward --speculate``: the same losses as without it, and
+    the summary says how often the clip undid the speculative updates."""
+    kw = dict(SHORT, steps=4, eval_every=4, optimizer="hybrid", min_offload_numel=1,
+              overlap="backward", grad_clip=1.0)  # fmt: skip
+    ref = train(TrainConfig(**kw))
+    spec = train(TrainConfig(speculate=True, **kw))
+    for key in ("first_train_loss", "final_train_loss", "final_heldout_loss"):
+        assert spec[key] == ref[key], key
+    assert ref["speculation"] is None
+    assert spec["speculation"]["steps"] == 4 and spec["speculation"]["redone_clip"] >= 1
+
+
 def test_invalid_config_raises():
     with pytest.raises(ValueError, match="preset"):
         TrainConfig(preset="gpt5").resolved()

@@ -79,6 +79,9 @@ class TrainConfig:
     release_grads: bool = (
         False  # HybridAdamW, overlap "backward": free offloaded grads as they land
     )
+    # HybridAdamW, overlap "backward" with clipping: clipped updates start during backward,
+    # validated at its end (speculate=True, docs/modes.md)
+    speculate: bool = False
     delay_after: int = 0  # HybridAdamW, overlap "delayed": synchronous steps before the delay
     state_dtype: str = "fp32"  # HybridAdamW: exp_avg and exp_avg_sq in fp32, bf16 or int8
     master_weights: str = "fp32"  # HybridAdamW: fp32 masters, or "bf16-sr" (none; bf16 params)
@@ -154,6 +157,14 @@ class TrainConfig:
             raise UsageError(
                 f"--delay-after: the synchronous steps before the delayed update, so it needs "
                 f"--overlap delayed (not {cfg.overlap!r})"
+            )
+        if cfg.speculate and (cfg.optimizer != "hybrid" or cfg.overlap != "backward"
+                              or cfg.grad_clip == 0 or cfg.release_grads):  # fmt: skip
+            raise UsageError(
+                "--speculate: starts clipped updates during backward, so it needs --optimizer "
+                "hybrid, --overlap backward and a --grad-clip above 0, without --release-grads "
+                f"(got --optimizer {cfg.optimizer}, --overlap {cfg.overlap}, --grad-clip "
+                f"{cfg.grad_clip:g}{', --release-grads' if cfg.release_grads else ''})"
             )
         if cfg.release_grads and cfg.overlap != "backward":
             raise UsageError(
@@ -357,6 +368,12 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
         "--release-grads",
         action="store_true",
         help="HybridAdamW, --overlap backward: free each offloaded grad once its copy lands on the host",
+    )
+    a(
+        "--speculate",
+        action="store_true",
+        help="HybridAdamW, --overlap backward with --grad-clip: start the clipped updates during "
+        "backward as if nothing clips, redo them at its end if the clip bites (docs/modes.md)",
     )
     a("--no-progress", action="store_true", help="no tqdm progress bar on stderr")
     par = parser.add_mutually_exclusive_group()

@@ -109,6 +109,8 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
                 dict(max_grad_norm=cfg.grad_clip) if cfg.grad_clip > 0 else dict(grads_final=True)
             )
             clip["release_grads"] = cfg.release_grads
+            if cfg.speculate:
+                clip["speculate"] = True
         else:
             clip = {}  # torch's clip_grad_norm_ in train_step
         if cfg.overlap == "delayed":
@@ -419,6 +421,11 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
         if board is not None:
             board.close()
 
+    spec = getattr(opt, "speculation", None)  # --speculate: how often the clip undid them
+    if spec is not None:
+        log.info(f"speculation: {spec['steps']} steps began their updates in backward; "
+                 f"{spec['redone_clip']} redone for the clip, {spec['redone_inf']} for an inf "
+                 f"or NaN; backup {spec['backup_nbytes'] / 1e9:.3f} GB of host memory")  # fmt: skip
     timed = step_ms[1:] or step_ms  # the first step pays for lazy state and kernel warm-up
     median_ms = statistics.median(timed)
     summary = {
@@ -435,6 +442,7 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
         "state_dtype": cfg.state_dtype if cfg.optimizer == "hybrid" else None,
         "master_weights": cfg.master_weights if cfg.optimizer == "hybrid" else None,
         "delay_after": cfg.delay_after,
+        "speculation": spec,
         "steps": cfg.steps,
         "batch_size": cfg.batch_size,
         "seq_len": cfg.seq_len,
