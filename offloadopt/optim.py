@@ -713,13 +713,32 @@ class HybridOptimizer(Optimizer):
         ``path`` is renamed into place: an interrupt leaves the previous checkpoint or the new
         one. Read it back with :meth:`load_streamed` (not with ``torch.optim.AdamW``).
 
+        ``state_dict`` hooks (``register_state_dict_pre_hook`` / ``_post_hook``) edit a whole
+        dict, which a streamed save never builds: with one registered it is refused.
+
         Raises:
             NotImplementedError: FSDP2 (DTensor) params. OSError: the folder could not be
-                written (a previous checkpoint at ``path`` is kept).
+                written (a previous checkpoint at ``path`` is kept). ValueError: a
+                ``state_dict`` hook is registered (nothing was written).
         """
         from offloadopt.state import streamed
 
+        self._refuse_dict_hooks("save_streamed", "state_dict hook(s)", "state_dict()",
+                                self._optimizer_state_dict_pre_hooks,
+                                self._optimizer_state_dict_post_hooks)  # fmt: skip
         return streamed.save(self, path, model, extra)
+
+    def _refuse_dict_hooks(self, verb: str, what: str, instead: str, *registries) -> None:
+        """ValueError when any of ``registries`` (torch's hook dicts) holds a hook: a streamed
+        checkpoint never holds the whole dict such a hook edits, and skipping it silently
+        would save or load something else than the hook's owner expects."""
+        n = sum(len(r) for r in registries)
+        if n:
+            raise ValueError(
+                f"{verb}: {n} {what} registered on this optimizer; a streamed "
+                f"checkpoint never holds the whole dict they edit, so they cannot run: use "
+                f"{instead} with torch.save/torch.load, or remove the hooks"
+            )
 
     def load_streamed(self, path: str, model: torch.nn.Module | None = None) -> Any:
         """Read a :meth:`save_streamed` folder into this optimizer (and ``model``'s tensors, in
@@ -727,13 +746,18 @@ class HybridOptimizer(Optimizer):
         checked against the optimizer and the model first, as ``load_state_dict`` checks a
         dict; then it is read in chunks of at most 256 MiB of host memory.
 
+        ``load_state_dict`` post-hooks run after it, as after ``load_state_dict``; a pre-hook
+        (which edits the whole dict, never held here) makes it refuse.
+
         Raises:
-            ValueError: not a streamed checkpoint, or one that does not fit (names what);
-                nothing was changed.
+            ValueError: not a streamed checkpoint, or one that does not fit (names what), or
+                a ``load_state_dict`` pre-hook is registered; nothing was changed.
             RuntimeError: as ``load_state_dict``.
         """
         from offloadopt.state import streamed
 
+        self._refuse_dict_hooks("load_streamed", "load_state_dict pre-hook(s)", "load_state_dict()",
+                                self._optimizer_load_state_dict_pre_hooks)  # fmt: skip
         return streamed.load(self, path, model)
 
     @no_grad_whole  # no grad (copies record nothing); signals deferred around it

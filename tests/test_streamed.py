@@ -378,3 +378,33 @@ def test_read_extra_names_itself(tmp_path):
     """A fresh user's finding: read_extra's errors said "load_streamed:"."""
     with pytest.raises(ValueError, match="^read_extra: .* is not a folder"):
         streamed.read_extra(str(tmp_path / "none"))
+
+
+def test_dict_hooks_a_streamed_checkpoint_cannot_run_are_refused(tmp_path):
+    """state_dict pre/post hooks and load_state_dict pre-hooks edit a whole dict, which a
+    streamed checkpoint never holds: save_streamed / load_streamed refuse, naming them,
+    before anything is written or changed; load_state_dict post-hooks run after a load."""
+    m = model()
+    opt = build(m)
+    train(m, opt, 0, 2)
+    opt.save_streamed(str(tmp_path / "ck"), m)
+    before = snapshot(m, opt)
+    for register in (opt.register_state_dict_pre_hook, opt.register_state_dict_post_hook):
+        handle = register(lambda *a: None)
+        with pytest.raises(ValueError, match="save_streamed: 1 state_dict hook"):
+            opt.save_streamed(str(tmp_path / "other"))
+        assert not (tmp_path / "other").exists()
+        handle.remove()
+    handle = opt.register_load_state_dict_pre_hook(lambda o, sd: sd)
+    train(m, opt, 2, 3)
+    moved = snapshot(m, opt)
+    with pytest.raises(ValueError, match="load_streamed: 1 load_state_dict pre-hook"):
+        opt.load_streamed(str(tmp_path / "ck"), m)
+    assert_same(snapshot(m, opt), moved)  # nothing changed
+    handle.remove()
+    ran = []
+    opt.register_load_state_dict_post_hook(lambda o: ran.append(o))
+    opt.load_streamed(str(tmp_path / "ck"), m)
+    assert ran == [opt]
+    assert_same(snapshot(m, opt), before)
+    opt.close()
