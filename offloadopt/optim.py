@@ -522,7 +522,8 @@ class HybridOptimizer(Optimizer):
         """``speculate=True``'s counts since construction (offloadopt/step/speculate.py's
         note): ``steps`` (steps that speculated), ``buckets`` (bucket updates made
         speculatively), ``redone_clip`` / ``redone_inf`` (steps undone and made again because
-        the clip coefficient was below 1.0 / found_inf was set), ``redone_buckets``, and
+        the clip coefficient was below 1.0 / found_inf was set), ``redone_buckets``,
+        ``discarded`` (steps rolled back by :meth:`discard_failed_step`), and
         ``backup_nbytes`` (pageable host bytes of the pre-step copies, kept between steps).
         None without ``speculate``."""
         spec = self._speculation

@@ -123,12 +123,15 @@ def validate_options(
         )
     through = o.grads_final or o.max_grad_norm is not None or o.grad_scaler is not None
     if o.speculate is True:
+        final = ""
+        if o.grads_final and o.max_grad_norm is None and o.grad_scaler is None:
+            final = "; grads_final=True starts updates with nothing to check: none to speculate on"
         _check(
             o.overlap == "backward" and (o.max_grad_norm is not None or o.grad_scaler is not None),
             "speculate=True starts backward mode's clipped or scaled updates during backward: "
             "it needs overlap='backward' and max_grad_norm= or grad_scaler= (got "
             f"overlap={o.overlap!r}, max_grad_norm={o.max_grad_norm!r}, grad_scaler="
-            f"{'attached' if o.grad_scaler is not None else None})",
+            f"{'attached' if o.grad_scaler is not None else None}{final})",
         )
         _check(
             not o.release_grads,

@@ -243,7 +243,10 @@ def test_a_redo_drops_the_buckets_the_worker_had_not_started():
         got[spec] = [p.detach().clone() for p in model.parameters()]
         if spec:
             assert 0 < redone < len(opt.buckets), (redone, len(opt.buckets))
-            assert opt.speculation["redone_clip"] == 1
+            counts = opt.speculation
+            assert counts["redone_clip"] == 1 and counts["redone_buckets"] == redone
+            # steps 0 and 2 stand (every bucket made); step 1's dropped buckets count nowhere
+            assert counts["buckets"] == 2 * len(opt.buckets) + redone
         opt.close()
     assert_bitwise(got[True], got[False], "params")
 
@@ -253,6 +256,10 @@ def test_a_redo_drops_the_buckets_the_worker_had_not_started():
     [
         (dict(overlap="step", max_grad_norm=1.0), "needs overlap='backward'"),
         (dict(overlap="backward"), "max_grad_norm= or grad_scaler="),
+        (
+            dict(overlap="backward", grads_final=True),
+            "grads_final=True starts updates with nothing",
+        ),
         (dict(overlap="backward", max_grad_norm=1.0, release_grads=True), "release_grads"),
         (dict(overlap="delayed", max_grad_norm=1.0), "needs overlap='backward'"),
     ],
@@ -326,7 +333,8 @@ def test_a_failed_backward_then_discard_rolls_the_speculative_updates_back(scale
         got.append(([p.detach().clone() for p in model.parameters()],
                     [sd["state"][i][k] for i in sorted(sd["state"]) for k in sorted(sd["state"][i])]))  # fmt: skip
         if spec:
-            assert opt.speculation["buckets"] > 0
+            counts = opt.speculation
+            assert counts["buckets"] > 0 and counts["discarded"] == 1 and counts["steps"] == 3
         opt.close()
     assert_bitwise(got[1][0], got[0][0], "params")
     assert_bitwise(got[1][1], got[0][1], "state")
@@ -363,8 +371,18 @@ def test_after_a_failed_backward_the_messages_say_what_happened_and_what_goes_on
         if spec:
             with pytest.raises(RuntimeError, match="did not finish.*discard_failed_step"):
                 opt.zero_grad()
-            with pytest.raises(RuntimeError, match="some params were updated"):
+            with pytest.raises(RuntimeError, match="some params were updated.*rolls this step"):
                 opt.step()
+            with pytest.raises(RuntimeError, match="rolls this step's updates back"):
+                opt.state_dict()
+            try:  # a second backward before the discard (a fresh user's finding: the message
+                model(batch(1)).pow(2).mean().backward()  # led with gradient accumulation)
+            except RuntimeError as e:
+                message = str(e)
+            else:
+                message = ""
+            assert "did not finish (it raised, or was interrupted)" in message, message
+            assert "accumulation" not in message, message
         else:
             opt.zero_grad()
             with pytest.raises(RuntimeError, match="before any update.*nothing was changed"):

@@ -180,7 +180,7 @@ def test_an_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch
     opt.save_streamed(path, extra="first")
     train(m, opt, 2, 3)
     monkeypatch.setattr(streamed, "PART_NBYTES", 4096)  # many parts
-    real, calls = streamed._fsync_write, []
+    real, calls = streamed.fsync_save, []
 
     def fails(obj, file):
         calls.append(file)
@@ -188,12 +188,12 @@ def test_an_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch
             raise KeyboardInterrupt  # after two parts were written
         real(obj, file)
 
-    monkeypatch.setattr(streamed, "_fsync_write", fails)
+    monkeypatch.setattr(streamed, "fsync_save", fails)
     with pytest.raises(KeyboardInterrupt):
         opt.save_streamed(path, extra="second")
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no temporary folder left
     assert streamed.read_extra(path) == "first"
-    monkeypatch.setattr(streamed, "_fsync_write", real)
+    monkeypatch.setattr(streamed, "fsync_save", real)
     opt.save_streamed(path, model=m, extra="third")  # many parts: it reads back whole
     assert len([f for f in os.listdir(path) if f.startswith("part-")]) > 10
     m2 = model(seed=1)

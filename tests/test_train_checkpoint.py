@@ -152,6 +152,21 @@ def test_delayed_saving_and_evaluating_do_not_change_the_losses(tmp_path, capsys
     assert resumed["final_train_loss"] == summary["final_train_loss"]
 
 
+def test_a_run_saved_with_speculate_resumes_without_it_bit_for_bit(tmp_path, capsys, monkeypatch):
+    """--speculate changes no loss, so a resume may turn it off (or on): a fresh user could
+    not drop it from a run whose steps clipped often."""
+    argv = [*ARGS, "--overlap", "backward", "--min-offload-numel", "1"]
+    status, whole, _ = _run(capsys, argv)
+    assert status == 0
+    ck = str(tmp_path / "run.pt")
+    real_get_batch = _interrupt_at_step(monkeypatch, N + 1)
+    status, first, _ = _run(capsys, [*argv, "--speculate", "--save", ck, "--save-every", str(N)])
+    monkeypatch.setattr(train, "get_batch", real_get_batch)
+    assert status == 130 and first == {k: whole[k] for k in first}
+    status, rest, resumed = _run(capsys, [*argv, "--resume", ck])
+    assert status == 0 and {**first, **rest} == whole and resumed["speculation"] is None
+
+
 def test_a_checkpoint_is_written_whole(tmp_path, monkeypatch):
     cfg = options.TrainConfig(steps=2, batch_size=2, seq_len=16).resolved()
     model, opt = train.make_model_and_optimizer(cfg)
@@ -165,11 +180,21 @@ def test_a_checkpoint_is_written_whole(tmp_path, monkeypatch):
         f.write(b"\x80half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(torch, "save", cut_short)
-    with pytest.raises(KeyboardInterrupt):
-        train.save_checkpoint(path, cfg, 2, model, opt, gen, 5.0)
-    monkeypatch.setattr(torch, "save", real_save)
-    assert open(path, "rb").read() == before and os.listdir(tmp_path) == ["ck.pt"]
+    def zip_writer_masks_it(obj, f, *args, **kwargs):  # a fresh user's finding: Ctrl-C inside
+        f.write(b"\x80half")  # torch's zip writer came out as its RuntimeError, exit 1
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:672] . unexpected pos"
+            ) from None
+
+    for interrupted in (cut_short, zip_writer_masks_it):
+        monkeypatch.setattr(torch, "save", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            train.save_checkpoint(path, cfg, 2, model, opt, gen, 5.0)
+        monkeypatch.setattr(torch, "save", real_save)
+        assert open(path, "rb").read() == before and os.listdir(tmp_path) == ["ck.pt"]
     opt.close()
 
 

@@ -15,16 +15,18 @@ import torch
 
 from offloadopt.harness.checks import UsageError
 from offloadopt.harness.options import TrainConfig
+from offloadopt.state.streamed import fsync_save
 
 __all__ = ["CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "RESUME_MAY_CHANGE", "save_checkpoint"]
 __all__ += ["load_checkpoint"]
 
 CHECKPOINT_FORMAT = "offloadopt-train-checkpoint"
 CHECKPOINT_VERSION = 1
-# The TrainConfig fields a resumed run may change: where and how often it logs and saves.
-# Every other field must be the saved run's (they decide the losses).
+# The TrainConfig fields a resumed run may change: where and how often it logs and saves, and
+# --speculate (its runs are bitwise the runs without it: docs/modes.md). Every other field
+# must be the saved run's (they decide the losses).
 RESUME_MAY_CHANGE = ("progress", "eval_every", "eval_batches", "log_every", "save",
-                     "save_every", "resume", "tensorboard", "checkpoint_format")  # fmt: skip
+                     "save_every", "resume", "tensorboard", "checkpoint_format", "speculate")  # fmt: skip
 
 
 def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: torch.Generator,
@@ -61,10 +63,7 @@ def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: tor
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
                        f".{os.path.basename(path)}.{os.getpid()}.tmp")  # fmt: skip
     try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
+        fsync_save(payload, tmp)  # Ctrl-C while torch writes: a KeyboardInterrupt, exit 130
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -72,7 +72,7 @@ def _own_bytes(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
 
 
-def _fsync_write(obj: Any, path: str) -> int:
+def fsync_save(obj: Any, path: str) -> int:
     """``torch.save(obj)`` to ``path``, flushed to the disk; returns the file's bytes.
 
     Raises:
@@ -158,7 +158,7 @@ def save(
         def flush() -> None:
             nonlocal part, nbytes, parts
             if part:
-                sizes.append(_fsync_write(part, os.path.join(tmp, f"part-{parts:05d}.pt")))
+                sizes.append(fsync_save(part, os.path.join(tmp, f"part-{parts:05d}.pt")))
                 parts += 1
             part, nbytes = {}, 0
 
@@ -174,7 +174,7 @@ def save(
                  "moments": opt.rule.moments, "master_sr": opt.rule.master_sr,
                  "torch": str(torch.__version__), "param_groups": groups["param_groups"],
                  "steps": steps, "items": items, "part_nbytes": sizes, "extra": extra}  # fmt: skip
-        _fsync_write(index, os.path.join(tmp, _INDEX))
+        fsync_save(index, os.path.join(tmp, _INDEX))
         written = sum(e.stat().st_size for e in os.scandir(tmp))
         if os.path.exists(target):
             os.replace(target, old)

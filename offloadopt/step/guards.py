@@ -218,12 +218,15 @@ class Guards:
                         "hooks): this step's updates have started, so some params hold their "
                         "new values and others not; call state_dict() after step()"
                     )
+                undo = ""
+                if self.timeline.current.speculative is not None:
+                    undo = " (speculate=True: it rolls this step's updates back)"
                 raise RuntimeError(
                     f"{self.timeline.name}.state_dict(): this step's updates started during a "
                     "backward that has not finished (interrupted, or still running in another "
                     "thread), so some params were updated and others not; after an interrupt "
                     "call opt.load_state_dict(...) to restore a checkpoint, or "
-                    "opt.discard_failed_step() to go on from here"
+                    f"opt.discard_failed_step() to go on from here{undo}"
                 )
             raise RuntimeError(
                 f"{self.timeline.name}.state_dict() between backward and step(): this step's "

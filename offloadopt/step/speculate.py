@@ -77,7 +77,10 @@ class Speculation:
             ``buckets`` (bucket updates made speculatively), ``redone_clip`` and
             ``redone_inf`` (steps redone because the clip coefficient was below 1.0, or
             found_inf was set), ``redone_buckets`` (bucket updates undone by those steps; a
-            bucket fed speculatively that the worker had not started is dropped instead).
+            bucket fed speculatively that the worker had not started is dropped instead, and
+            counts nowhere), ``discarded`` (steps rolled back by ``discard_failed_step()``,
+            their bucket updates counted in ``buckets``). A step whose clip coefficient is
+            not finite or 0 (an inf or NaN grad without a GradScaler) counts as a clip.
     """
 
     def __init__(self, scaling: Scaling, transfers, buckets, timeout_s: float, in_kernel=None):
@@ -87,7 +90,9 @@ class Speculation:
         self.kernel_backup = True
         self.buckets = buckets
         self.backups: dict[Bucket, list[torch.Tensor]] = {}  # per bucket: its ranges' copies
-        self.counts = dict(steps=0, buckets=0, redone_clip=0, redone_inf=0, redone_buckets=0)
+        self.counts = dict(
+            steps=0, buckets=0, redone_clip=0, redone_inf=0, redone_buckets=0, discarded=0
+        )
 
     @property
     def backup_nbytes(self) -> int:
@@ -168,7 +173,6 @@ class Speculation:
         works = [w for w in st.fed.values() if w.before is not None]
         if not works:
             return None
-        self.counts["buckets"] += len(works)
         reason = None
         if st.amp is not None and st.amp.found_inf is not None and float(st.amp.found_inf) != 0:
             reason = "inf"
@@ -177,6 +181,7 @@ class Speculation:
             if coef is not None and not float(coef) == 1.0:  # NaN too
                 reason = "clip"
         if reason is None:
+            self.counts["buckets"] += len(works)  # every one runs (or has run)
             return None
         run = st.run
         # the buckets the worker has not taken yet are dropped: never updated, nothing to undo
@@ -194,6 +199,7 @@ class Speculation:
         st.landing.clear()
         st.run = None
         self.counts[f"redone_{reason}"] += 1
+        self.counts["buckets"] += undone  # those dropped were never made
         self.counts["redone_buckets"] += undone
         st.stats["redone_buckets"] = undone
         return reason
@@ -232,6 +238,8 @@ class Speculation:
             if records[p].offloaded:
                 records[p].mark_written(p)
         st.backed_up.clear()
+        self.counts["buckets"] += len(done)
+        self.counts["discarded"] += 1
         return len(done)
 
     @staticmethod

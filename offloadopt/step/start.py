@@ -172,11 +172,17 @@ class FromBackward(AtStep):
             if st is not None and st.task_id == _PENDING:
                 st.task_id = task  # begun by a bucket reduced before this backward's first hook
             if st is not None and st.task_id != task:
-                if st.fed:  # its updates used grads that this backward now adds to
-                    what = "did not finish" if not st.backward_done else "came before step()"
+                if st.fed and not st.backward_done:  # it raised or was interrupted
                     self.timeline.abandon(
                         st,
-                        f"a backward {what}, and another one started (for gradient "
+                        "a backward did not finish (it raised, or was interrupted) after its "
+                        "updates started, and another one started; after a failed backward "
+                        "call opt.discard_failed_step() and opt.zero_grad() before the next",
+                    )
+                elif st.fed:  # its updates used grads that this backward now adds to
+                    self.timeline.abandon(
+                        st,
+                        "a backward came before step(), and another one started (for gradient "
                         "accumulation, run the non-final micro-steps' backward inside "
                         "opt.accumulating(); a framework that accumulates on its own, such as "
                         "transformers' Trainer or Lightning, needs overlap='step', or "

@@ -114,10 +114,15 @@ class Timeline:
                     f"{self.name}: {self.broken}, before any update of its step had started "
                     "(nothing was changed); call opt.discard_failed_step() to go on from here"
                 )
+            undo = ""
+            if self.current is not None and self.current.speculative is not None:
+                undo = (
+                    " (speculate=True: it rolls this step's updates back, nothing is left changed)"
+                )
             raise RuntimeError(
                 f"{self.name} is inconsistent: {self.broken}, so some params were "
                 "updated and others not; call opt.load_state_dict(...) to restore a checkpoint, "
-                "or opt.discard_failed_step() to go on from here"
+                f"or opt.discard_failed_step() to go on from here{undo}"
             )
 
     def abandon(self, st: Step, why: str) -> None:
