@@ -160,9 +160,13 @@ def test_a_run_saved_with_speculate_resumes_without_it_bit_for_bit(tmp_path, cap
     assert status == 0
     ck = str(tmp_path / "run.pt")
     real_get_batch = _interrupt_at_step(monkeypatch, N + 1)
-    status, first, _ = _run(capsys, [*argv, "--speculate", "--save", ck, "--save-every", str(N)])
+    status = main([*argv, "--speculate", "--save", ck, "--save-every", str(N)])
+    out, err = capsys.readouterr()
+    first = {int(m[1]): (m[2], m[3]) for line in out.splitlines() if (m := STEP.match(line))}
     monkeypatch.setattr(train, "get_batch", real_get_batch)
-    assert status == 130 and first == {k: whole[k] for k in first}
+    assert status == 130 and first == {k: whole[k] for k in first} and len(first) == N
+    # where the interrupted run can go on from (a fresh user's wish)
+    assert f"the last checkpoint, {ck}, holds step {N} of {2 * N}: --resume {ck}" in err, err
     status, rest, resumed = _run(capsys, [*argv, "--resume", ck])
     assert status == 0 and {**first, **rest} == whole and resumed["speculation"] is None
 

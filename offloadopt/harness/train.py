@@ -363,6 +363,8 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
     gb = 1e9
     t_start = time.perf_counter()
     said_choice = None  # the optimizer's placement choice last printed
+    # the step of the last checkpoint at --save: this run's, or the one it resumed from there
+    saved_at = start - 1 if cfg.resume is not None and cfg.save == cfg.resume else None
     bar = tqdm(range(start, cfg.steps + 1), desc="train", file=sys.stderr, initial=start - 1,
                total=cfg.steps, disable=not (cfg.progress and ranks.main))  # fmt: skip
     try:
@@ -411,11 +413,17 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
                 stale = schedule.newest()
                 t = time.perf_counter()
                 nbytes = save_checkpoint(cfg.save, cfg, step, model, opt, gen, first_loss, stale)
+                saved_at = step
                 log.info(f"saved: {cfg.save} at step {step} ({nbytes / 1e9:.3f} GB in "
                          f"{time.perf_counter() - t:.2f} s)")  # fmt: skip
             if step < cfg.steps:
                 schedule.keep_delay()  # after an evaluation or a checkpoint: the delay goes on
             bar.set_postfix(loss=f"{train_loss:.3f}", refresh=False)
+    except BaseException:  # Ctrl-C, SIGTERM, an error: where the run can go on from
+        if saved_at is not None and ranks.main:
+            print(f"offloadopt: the last checkpoint, {cfg.save}, holds step {saved_at} of "
+                  f"{cfg.steps}: --resume {cfg.save} goes on from there", file=sys.stderr)  # fmt: skip
+        raise
     finally:
         bar.close()
         if board is not None:
