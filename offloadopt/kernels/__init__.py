@@ -1,4 +1,5 @@
-"""A fused CPU Adam/AdamW step for compressed optimizer state, built on first use.
+"""A fused CPU Adam/AdamW step for compressed optimizer state (and the speculative updates'
+pre-step backups, offloadopt/step/speculate.py), built on first use.
 
 ``load()`` compiles ``adam_cpu.cpp`` (shipped in this package) with
 ``torch.utils.cpp_extension.load`` the first time a process asks for it and returns the module;
@@ -81,8 +82,8 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-er
 LDFLAGS = ["-fopenmp"]
 HINT = (
     "offloadopt: compressed optimizer state (state_dtype='int8'/'bf16', master_weights='bf16-sr') "
-    "needs a C++ compiler "
-    "and ninja to build its CPU kernel: install g++ (apt install g++) and ninja (pip install ninja)"
+    "and speculate=True's fast backups need a C++ compiler and ninja to build offloadopt's CPU "
+    "kernel: install g++ (apt install g++) and ninja (pip install ninja)"
 )
 
 _lock = threading.Lock()
@@ -159,7 +160,7 @@ def _build(directory: Path) -> ModuleType:
         directory.mkdir(parents=True, exist_ok=True)
         with _exclusive(directory):
             if not any(directory.glob("offloadopt_adam_cpu_*.so")):  # a build, not an import
-                print(f"offloadopt: building the CPU kernel of compressed optimizer state (once, "
+                print(f"offloadopt: building offloadopt's CPU kernel (once, "
                       f"about 40 s; cached in {directory})", file=sys.stderr, flush=True)  # fmt: skip
             return cpp_extension.load(
                 name=f"offloadopt_adam_cpu_{cache_key()}",
@@ -173,7 +174,7 @@ def _build(directory: Path) -> ModuleType:
         # g++ and ninja were found: say that the build failed first, then what it needs (the
         # bare hint read as "not installed" when the build failed for another reason)
         raise KernelBuildError(
-            f"offloadopt: the CPU kernel of compressed optimizer state did not build in "
+            f"offloadopt: offloadopt's CPU kernel did not build in "
             f"{directory}; the build said: {_last_line(e)} (it needs a working C++ compiler "
             "and ninja: install g++ (apt install g++) and ninja (pip install ninja))"
         ) from e
