@@ -23,17 +23,18 @@ for its end, and are validated there.
   made the update 2.5x slower on the GPU host: benchmarks/results/2026-12-03-speculate-h200).
   The kernel's all-fp32 mode is bitwise torch's fused kernel (tests/test_kernels.py), which
   the non-speculative path runs. Other rules (SGD), and hosts where the kernel does not
-  build or is not bitwise torch's (no AVX2), copy before the update. ``step`` is advanced on the training thread before any update
-  and is the same for the speculative and the final update.
+  build or is not bitwise torch's (no AVX2), copy before the update. ``step`` is advanced
+  on the training thread before any update and is the same for the speculative and the
+  final update.
 - At the end of backward the optimizer decides the clip and found_inf as before, then reads
   both on the host (one device sync). A coefficient of exactly 1.0 and no inf: the
   speculative results stand, bitwise the results of the non-speculative path (the same grads
   reach the same kernel: ``g * 1.0`` is ``g``, a bf16 grad upcasts exactly). Otherwise the
   speculative run stops: the buckets the worker has not started are dropped, each one whose
   update ran waits for its H2D to finish reading the host master (I3) and gets its backup
-  copied back, and every bucket is fed again with the true
-  factors: the non-speculative path's arithmetic from the same pre-step state (for an inf
-  step the kernel skips and the H2D writes the old weights back).
+  copied back, and every bucket is fed again with the true factors: the non-speculative
+  path's arithmetic from the same pre-step state (for an inf step the kernel skips and the
+  H2D writes the old weights back).
 - The next forward reads the params only after ``step()``, which comes after the end of
   backward: the compute stream waits for the redo's H2D, queued on the same side stream after
   the speculative one. A checkpoint cannot hold unvalidated state: ``state_dict()`` refuses a
@@ -163,9 +164,10 @@ class Speculation:
     def validate(self, st: Step) -> str | None:
         """At the end of backward, after ``Scaling.decide``: None when the speculative
         updates of ``st`` stand; otherwise they are undone (the run stopped, the buckets not
-        started dropped, each updated bucket's host state restored, ``st``'s feed forgotten, so that every bucket is fed
-        again) and the reason is returned: ``"inf"`` or ``"clip"``. Reads the found_inf and
-        the clip coefficient on the host (a device sync).
+        started dropped, each updated bucket's host state restored, ``st``'s feed forgotten,
+        so that every bucket is fed again) and the reason is returned: ``"inf"`` or
+        ``"clip"``. Reads the found_inf and the clip coefficient on the host (a device
+        sync).
 
         Raises:
             TimeoutError, WorkerError: waiting for the speculative updates.
