@@ -254,3 +254,12 @@ def test_an_optimizer_dropped_without_close_leaves_no_hook_on_the_model(mode):
         opt.synchronize()
         del opt  # no close(): dropped
     assert counts() == before
+
+
+def test_a_signal_in_backward_with_speculative_updates_is_refused_or_taken_whole(faults):
+    """speculate=True (a max_grad_norm the norm never reaches, so the reference's unclipped
+    AdamW is the run's): a SIGALRM anywhere in backward is refused or taken whole, and a
+    discard after it rolls the speculative updates back (the reference takes that state)."""
+    for seed, fraction in [(1, 1.0), (2, 0.5), (3, 1.0)]:  # here: discard, load and stepped
+        assert faults.signal_backward(seed, fraction, iters=5, grads_final=False,
+                                      max_grad_norm=1e9, speculate=True)  # fmt: skip
