@@ -78,30 +78,19 @@ def filled(n: int, dtype: torch.dtype, lo: float, hi: float) -> torch.Tensor:
     return out
 
 
-def run_torch(sizes: list[int], repeats: int) -> float:
+def run_torch(sizes: list[int], repeats: int, copy_backup: bool = False) -> float:
+    """torch's kernel; ``copy_backup``: after a copy of master, exp_avg and exp_avg_sq to a
+    backup (speculation before the kernel's backups)."""
     ps = [filled(n, F32, -1, 1) for n in sizes]
     gs = [filled(n, F32, -1e-2, 1e-2) for n in sizes]
     ms = [filled(n, F32, -1e-3, 1e-3) for n in sizes]
     vs = [filled(n, F32, 1e-8, 1e-6) for n in sizes]
-    step = [torch.tensor(10.0) for _ in sizes]
-    return timed(
-        lambda: torch._fused_adamw_(ps, gs, ms, vs, [], step, amsgrad=False, maximize=False, **HP),
-        repeats,
-    )
-
-
-def run_torch_copy(sizes: list[int], repeats: int) -> float:
-    """The backup as a copy of each operand, then torch's kernel (speculation before the
-    kernel's backups)."""
-    ps = [filled(n, F32, -1, 1) for n in sizes]
-    gs = [filled(n, F32, -1e-2, 1e-2) for n in sizes]
-    ms = [filled(n, F32, -1e-3, 1e-3) for n in sizes]
-    vs = [filled(n, F32, 1e-8, 1e-6) for n in sizes]
-    bk = [torch.empty_like(t) for t in ps + ms + vs]
+    bk = [torch.empty_like(t) for t in ps + ms + vs] if copy_backup else []
     step = [torch.tensor(10.0) for _ in sizes]
 
     def call() -> None:
-        torch._foreach_copy_(bk, ps + ms + vs)
+        if bk:
+            torch._foreach_copy_(bk, ps + ms + vs)
         torch._fused_adamw_(ps, gs, ms, vs, [], step, amsgrad=False, maximize=False, **HP)
 
     return timed(call, repeats)
@@ -174,7 +163,7 @@ def main() -> None:
         row(name, bytes_per_param(*mode), run_ours(mod, sizes, mode, args.repeats))
     if args.backup:
         fp32 = MODES["ours fp32"]
-        row("torch fp32 + copy", 64.0, run_torch_copy(sizes, args.repeats))
+        row("torch fp32 + copy", 64.0, run_torch(sizes, args.repeats, copy_backup=True))
         row("ours fp32 + backup", 40.0, run_ours(mod, sizes, fp32, args.repeats, backup=True))
         mod.set_backup_stream(False)
         try:

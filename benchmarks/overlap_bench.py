@@ -186,7 +186,7 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
     else:
         opt = hybrid(model.parameters(), lr=lr, weight_decay=0.1, offload_fraction=fraction, **cfg)  # fmt: skip
         if copy_backup:
-            opt._speculation.kernel_backup = False
+            opt.debug.speculation.kernel_backup = False
         if cfg.get("wait") == "module":
             opt.watch(model)
     build_s = time.perf_counter() - t

@@ -44,10 +44,10 @@ def run(spec, steps=8, clip=1.0, factors=MIX, scaler=False, bad=None, dtype=torc
     opt = opt_cls(model.parameters(), lr=1e-2, overlap="backward", max_grad_norm=clip,
                   grad_scaler=s, speculate=spec, min_offload_numel=1, **kw)  # fmt: skip
     if spec:
-        opt._speculation.kernel_backup = not copy_backup
+        opt.debug.speculation.kernel_backup = not copy_backup
         if in_kernel is not None:
-            buckets = opt._placer.buckets
-            assert buckets and all(opt._updater.backs_up_in_kernel(b) == in_kernel for b in buckets)
+            buckets, updater = opt.buckets, opt.debug.updater
+            assert buckets and all(updater.backs_up_in_kernel(b) == in_kernel for b in buckets)
     if kw.get("wait") == "module":
         opt.watch(model)  # each module's forward waits for its own params' new weights
     params, scales = list(model.parameters()), []

@@ -155,6 +155,15 @@ class Bucket:
         first = self.arena.names[self.segments[0].k]
         return f"bucket {self.index} ({len(names)} params from {first}, {self.nbytes} bytes)"
 
+    def range_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """The bucket's range ``[lo, hi)`` of an arena buffer (``master``, a state key); of a
+        blockwise buffer, the blocks covering it (segments start at block boundaries,
+        build_arenas)."""
+        if flat.numel() != self.arena.numel:
+            k = self.arena.block
+            return flat[self.lo // k : -(-self.hi // k)]
+        return flat[self.lo : self.hi]
+
     def state_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each segment's flat range of an arena buffer (``master``, a state key), cached
         (arena buffers are never rebound)."""

@@ -144,16 +144,15 @@ class Speculation:
         range of each arena buffer now (one large copy each, spread over the worker's
         threads)."""
         b = work.bucket
-        ranges = self._ranges(b)
         backup = self.backups.get(b)
         if self.kernel_backup and self.in_kernel(b):
             if backup is None:
-                backup = self.backups[b] = [torch.empty_like(r) for r in ranges]
+                backup = self.backups[b] = [torch.empty_like(r) for r in self._ranges(b)]
             work.backup = backup
         elif backup is None:
-            self.backups[b] = [r.clone() for r in ranges]  # the first: allocated
+            self.backups[b] = [r.clone() for r in self._ranges(b)]  # the first: allocated
         else:
-            for dst, src in zip(backup, ranges, strict=True):
+            for dst, src in zip(backup, self._ranges(b), strict=True):
                 dst.copy_(src)
 
     def restore(self, b: Bucket) -> None:
@@ -246,14 +245,5 @@ class Speculation:
 
     @staticmethod
     def _ranges(b: Bucket) -> list[torch.Tensor]:
-        """``b``'s range ``[lo, hi)`` of the arena's master, then of each state buffer (arena
-        order; a blockwise buffer's blocks covering it: segments start at block
-        boundaries, layout.build_arenas)."""
-        out = [b.arena.master[b.lo : b.hi]]
-        for flat in b.arena.states.values():
-            if flat.numel() != b.arena.numel:
-                k = b.arena.block
-                out.append(flat[b.lo // k : -(-b.hi // k)])
-            else:
-                out.append(flat[b.lo : b.hi])
-        return out
+        """``b``'s range of the arena's master, then of each state buffer (arena order)."""
+        return [b.range_of(flat) for flat in (b.arena.master, *b.arena.states.values())]

@@ -97,13 +97,10 @@ def _backup_views(b, backup: list[torch.Tensor], columns: list[list[torch.Tensor
     """Per kernel operand (``columns``: the master views, then each state's, in arena order;
     views of bucket ``b``'s arena buffers), the view of ``backup`` (per arena buffer, the
     bucket's range of it) at the same place."""
-    arena = b.arena
-    bases = [arena.master, *arena.states.values()]
     out = []
-    for base, bk, views in zip(bases, backup, columns, strict=True):
-        start = base.storage_offset() + (
-            b.lo if base.numel() == arena.numel else b.lo // arena.block
-        )
+    for base, bk, views in zip([b.arena.master, *b.arena.states.values()], backup, columns,
+                               strict=True):  # fmt: skip
+        start = b.range_of(base).storage_offset()
         out.append([bk[v.storage_offset() - start :][: v.numel()] for v in views])
     return out
 
