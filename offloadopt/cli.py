@@ -6,6 +6,11 @@ returns the exit status. The parsers come from ``offloadopt.harness.options``, w
 import torch; a command's module (and torch) is imported only when the command runs, so
 ``--help`` answers at once. Adding a command is one entry.
 
+``offloadopt --version`` prints the version. Every command takes ``--log-level`` (the level of
+the ``offloadopt`` loggers: ``train``'s step lines are INFO) and ``--quiet`` (warnings and errors
+only, and no progress bar); a command's result (``train``'s last JSON line, ``bench``'s table,
+``audit``'s report) is printed either way.
+
 Exit status: 0 done; 2 bad input (one ``offloadopt: error: ...`` line, printed before anything
 is built or written); 1 a failure while running (one line; ``OFFLOADOPT_TRACEBACK=1`` re-raises
 it, for the traceback); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM: a scheduler's,
@@ -16,14 +21,17 @@ log is flushed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
 import os
 import re
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
+from offloadopt import __version__
 from offloadopt.harness import options
 from offloadopt.harness.checks import UsageError
 
@@ -106,12 +114,45 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    """``--log-level`` and ``--quiet``, which every command takes."""
+    g = p.add_argument_group("output")
+    g.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="the level of the offloadopt loggers (train's step lines are info)",
+    )
+    g.add_argument("--quiet", "-q", action="store_true",
+                   help="warnings and errors only, and no progress bar (the result is printed)")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _output_level(args: argparse.Namespace) -> Iterator[None]:
+    """The ``offloadopt`` loggers at ``--log-level`` (``--quiet``: warning, and no progress bar)
+    for the command; the level it had is back afterwards (``main`` may run in-process)."""
+    logger = logging.getLogger("offloadopt")
+    previous = logger.level
+    level = "warning" if args.quiet and args.log_level in ("debug", "info") else args.log_level
+    logger.setLevel(getattr(logging, level.upper()))
+    if args.quiet and hasattr(args, "no_progress"):
+        args.no_progress = True
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="offloadopt",
         description="HybridAdamW: a CPU/GPU hybrid AdamW for PyTorch",
         epilog=EPILOG,
     )
+    parser.add_argument("--version", action="version", version=f"offloadopt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_arguments, module) in COMMANDS.items():
         p = sub.add_parser(
@@ -119,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=_Help,
         )  # fmt: skip
         add_arguments(p)
+        add_output_args(p)
         p.set_defaults(run_module=module)
     return parser
 
@@ -169,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         run = importlib.import_module(args.run_module).run  # torch is imported here
-        return run(args)
+        with _output_level(args):
+            return run(args)
     except (UsageError, _unavailable()) as e:
         print(f"offloadopt: error: {_one_line(e)}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from offloadopt import cli
 from offloadopt.cli import main
 from offloadopt.harness import anchors, audit_job, bench, checks, models, train
 from offloadopt.harness.bench import BenchConfig
@@ -380,7 +381,10 @@ FLAGS = {
         "--no-pin-memory": st.just("1"),
     },
 }  # fmt: skip
-TAKES_NOTHING = {"--mock-data", "--no-progress", "--no-kernel", "--no-pin-memory", "--anchors"}
+for _flags in FLAGS.values():  # every command takes the output options (offloadopt/cli.py)
+    _flags.update({"--log-level": choice_outside(cli.LOG_LEVELS), "--quiet": st.just("1")})
+TAKES_NOTHING = {"--mock-data", "--no-progress", "--no-kernel", "--no-pin-memory", "--anchors",
+                 "--quiet"}  # fmt: skip
 
 
 @pytest.mark.parametrize("command", list(FLAGS))

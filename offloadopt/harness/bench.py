@@ -28,17 +28,12 @@ from typing import Any
 
 import torch
 
-from offloadopt.harness import anchors, checks, models
+from offloadopt.harness import anchors, checks, models, provenance
 from offloadopt.harness.checks import UsageError
 from offloadopt.harness.data import get_batch, mock_data
 from offloadopt.harness.distributed import Dist, init_from_env, teardown
-from offloadopt.harness.options import (  # noqa: E402, F401 - their old home is here
-    BENCH_FIELD_CHECKS as FIELD_CHECKS,
-)
-from offloadopt.harness.options import (
-    BenchConfig,
-    resolve_device,
-)
+from offloadopt.harness.options import BENCH_FIELD_CHECKS as FIELD_CHECKS  # noqa: F401 - its old home
+from offloadopt.harness.options import BenchConfig, resolve_device
 from offloadopt.harness.probes import time_compressed_kernel, time_kernel, time_link
 from offloadopt.harness.report import format_table, plot, sweep_summary
 from offloadopt.harness.train import host_rss_nbytes
@@ -320,8 +315,11 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     cfg, device, out = bench.cfg, bench.device, Path(bench.cfg.out)
     header = {"config": asdict(cfg), "torch": torch.__version__, "params": models.num_params(bench.model),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
-              "cpu_threads": torch.get_num_threads()}  # fmt: skip
-    header["world_size"] = ranks.world
+              "cpu_threads": torch.get_num_threads(), "commit": provenance.commit(),
+              "cpu": provenance.cpu_name(), "versions": provenance.versions(),
+              "world_size": ranks.world}  # fmt: skip
+    if device.type == "cpu":  # what such a run measures, in its JSON and above its table
+        header["measures"] = provenance.CPU_BENCH_NOTE
     rep = anchors.representation(cfg.state_dtype, cfg.master_weights)  # HybridAdamW state
     if cfg.fsdp and rep:
         raise UsageError("--state-dtype/--master-weights: compressed state is not supported "
@@ -372,7 +370,8 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
             results[-1].update(time_link(device))
             _empty_caches(device)
         write()
-    for name, builder, slow in tqdm(jobs, desc="configurations", disable=not cfg.progress):
+    bar = None if cfg.progress else True  # None: tqdm's own rule, a bar on a terminal only
+    for name, builder, slow in tqdm(jobs, desc="configurations", disable=bar):
         try:
             results.append(bench.run(name, builder, slow))
         except anchors.Unavailable as e:
@@ -389,6 +388,8 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
             return results
         cfg = replace(cfg, fsdp=False)
     write(done=True)
+    if "measures" in header:
+        print(f"bench {header['measures']}")
     print(format_table(results))
     for line in sweep_summary(results):
         print(line)

@@ -366,7 +366,7 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
     # the step of the last checkpoint at --save: this run's, or the one it resumed from there
     saved_at = start - 1 if cfg.resume is not None and cfg.save == cfg.resume else None
     bar = tqdm(range(start, cfg.steps + 1), desc="train", file=sys.stderr, initial=start - 1,
-               total=cfg.steps, disable=not (cfg.progress and ranks.main))  # fmt: skip
+               total=cfg.steps, disable=None if cfg.progress and ranks.main else True)  # fmt: skip
     try:
         for step in bar:
             lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps)

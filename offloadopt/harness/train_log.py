@@ -60,8 +60,9 @@ class StdoutHandler(logging.Handler):
 @contextlib.contextmanager
 def _logging_to_stdout(main: bool) -> Iterator[None]:
     """On the main rank, ``log`` to stdout for the block, unless the caller attached a handler
-    to it, at INFO unless the caller set its level; other ranks log only warnings (rank 0
-    speaks for the job)."""
+    to it, at INFO unless the caller set its level (on it, or on the ``offloadopt`` logger, as
+    the command line's ``--log-level`` does); other ranks log only warnings (rank 0 speaks for
+    the job)."""
     previous = log.level
     own = [h for h in log.handlers if not isinstance(h, logging.NullHandler)]
     handler = StdoutHandler() if main and not own else None
@@ -69,7 +70,7 @@ def _logging_to_stdout(main: bool) -> Iterator[None]:
         log.addHandler(handler)
     if not main:
         log.setLevel(logging.WARNING)
-    elif log.level == logging.NOTSET:  # a level the caller set stays
+    elif log.level == logging.NOTSET == logging.getLogger("offloadopt").level:
         log.setLevel(logging.INFO)
     try:
         yield

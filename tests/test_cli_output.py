@@ -1,0 +1,84 @@
+"""What the commands print besides their results: ``--log-level`` and ``--quiet``, the progress
+bar only on a terminal (tqdm's ``disable=None``), and what a run on the CPU alone measures
+(``bench`` and ``audit`` say it instead of figures that would read as findings)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import sys
+
+import pytest
+
+from offloadopt.cli import main
+from offloadopt.harness import provenance
+
+TRAIN = ["train", "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1",
+         "--log-every", "1", "--optimizer", "adamw"]  # fmt: skip
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("flags", [["--quiet"], ["-q"], ["--log-level", "warning"]])
+def test_quiet_and_warning_level_print_only_the_result(capsys, flags):
+    assert main([*TRAIN, *flags]) == 0
+    out, err = capsys.readouterr()
+    lines = _lines(out)
+    assert len(lines) == 1 and json.loads(lines[0])["steps"] == 3, out  # the JSON line alone
+    assert err == ""
+    assert logging.getLogger("offloadopt").level == logging.NOTSET  # as it was before main
+
+
+def test_the_default_level_logs_every_step(capsys):
+    assert main([*TRAIN, "--no-progress"]) == 0
+    lines = _lines(capsys.readouterr().out)
+    assert sum(line.startswith("step ") for line in lines) == 3, lines
+    assert json.loads(lines[-1])["steps"] == 3
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_bar_shows_on_a_terminal_only(capsys, monkeypatch):
+    assert main(TRAIN) == 0  # pytest's stderr is no terminal: no tqdm frames in a log
+    assert "train:" not in capsys.readouterr().err
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(TRAIN) == 0
+    assert "train:" in terminal.getvalue() and "3/3" in terminal.getvalue()
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main([*TRAIN, "--quiet"]) == 0  # --quiet: no bar on a terminal either
+    assert "train:" not in terminal.getvalue()
+
+
+def test_an_audit_on_the_cpu_says_what_it_measures(capsys):
+    assert main(["audit", "--device", "cpu", "--steps", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert provenance.CPU_AUDIT_NOTE in out
+    assert "0 copies" not in out and "Operation" not in out  # no empty table to misread
+    summary = json.loads(_lines(out)[-1])
+    assert summary["device"] == "cpu" and summary["measures"] == provenance.CPU_AUDIT_NOTE
+
+
+def test_a_bench_on_the_cpu_says_what_it_measures_and_where_it_ran(capsys, tmp_path):
+    argv = ["bench", "--device", "cpu", "--preset", "tiny", "--batch-size", "2", "--seq-len",
+            "16", "--warmup", "0", "--steps", "1", "--fractions", "1", "--anchors", "--no-kernel",
+            "--no-audit", "--out", str(tmp_path), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"bench {provenance.CPU_BENCH_NOTE}" in out
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["measures"] == provenance.CPU_BENCH_NOTE
+    assert saved["cpu"] == provenance.cpu_name() and "cores)" in saved["cpu"]
+    assert saved["commit"] == provenance.commit()  # this checkout's, or None outside one
+    assert saved["versions"]["torch"]
+
+
+def test_the_commit_is_none_outside_a_checkout(tmp_path):
+    assert provenance.commit(tmp_path) is None
