@@ -176,7 +176,11 @@ class HybridAdamW(HybridOptimizer):
             fraction 0's (default 0.05: 5%).
 
     Raises:
-        ValueError, TypeError: a bad argument, named in the message, before anything is built.
+        ValueError: a bad value, named in the message, before anything is built (torch's
+            messages where torch's AdamW checks the same: ``Invalid learning rate``, ``betas
+            must be either both floats or both Tensors``, a Tensor ``lr`` with ``foreach=True``).
+        TypeError: an unknown keyword, ``params`` a Tensor or a set, an object of the wrong
+            class (``grad_scaler``, ``ddp``).
         NotImplementedError: ``amsgrad``, ``capturable`` or ``differentiable`` set.
         PinnedAllocationError: pinned host memory could not be had (the bytes asked for).
 
@@ -207,4 +211,4 @@ class HybridAdamW(HybridOptimizer):
     ):
         hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, hyper, amsgrad=amsgrad, capturable=capturable,
-                         differentiable=differentiable, **options)  # fmt: skip
+                         differentiable=differentiable, foreach=foreach, **options)  # fmt: skip

@@ -24,7 +24,7 @@ from offloadopt.place import budget, report
 from offloadopt.place.placer import Placer
 from offloadopt.place.records import ParamRecord
 from offloadopt.rules import ADAMW, AdamWRule, Rule
-from offloadopt.shards import local, local_state, world_size
+from offloadopt.shards import check_ddp, check_zero, local, local_state, world_size
 from offloadopt.state import checkpoint
 from offloadopt.state.store import OptimizerState
 from offloadopt.step.amp import scaler_inputs
@@ -38,9 +38,7 @@ from offloadopt.step.step import Phase, Step, Timeline, begin_step, steps_taken,
 from offloadopt.step.update import Updater
 from offloadopt.validation import (
     check_combinations,
-    check_ddp,
     check_fraction,
-    check_zero,
     validate_group,
     validate_options,
     validate_params_arg,
@@ -85,13 +83,14 @@ class HybridOptimizer(Optimizer):
         amsgrad: bool = False,
         capturable: bool = False,
         differentiable: bool = False,
+        foreach: bool | None = None,
         **options: Any,
     ):
         # One Options from the keywords (offloadopt/options.py); an unknown one is named for
         # the class the caller built, not this base (a fresh user's nit).
         o = Options.parse(type(self).__name__, options)
         validate_options(self.rule, hyper, o, amsgrad=amsgrad, capturable=capturable,
-                         differentiable=differentiable)  # fmt: skip
+                         differentiable=differentiable, foreach=foreach)  # fmt: skip
         rule = dc_replace(self.rule, moments=o.state_dtype, master_sr=o.master_weights == "bf16-sr",
                           flush_denormal=o.flush_denormal)  # fmt: skip
         if rule.compressed:  # offloadopt's own kernel (offloadopt/kernels/), built now so that

@@ -14,11 +14,13 @@ that ``torch.distributed.checkpoint`` saves each shard and reshards on load
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
-__all__ = ["is_dtensor", "local", "wrap_like", "unwrap_like", "check_setup", "local_state"]
+__all__ = ["is_dtensor", "local", "wrap_like", "unwrap_like", "check_setup", "local_state",
+           "check_ddp", "check_zero"]  # fmt: skip
 
 try:  # torch.distributed may be built out
     from torch.distributed.tensor import DTensor
@@ -147,3 +149,83 @@ def local_state(sd: Any, param_groups: list[dict], name_of: Any) -> Any:
         name = name_of(p)
         out[index] = {k: unwrap_like(p, v, f"state {k!r} of {name}") for k, v in entry.items()}
     return {**sd, "state": out}
+
+
+# ------------------------------------------------- DDP and ZeRO: the setups refused
+
+
+def check_ddp(ddp: Any, param_groups: list[dict], name_of: Any) -> None:
+    """``ddp=``'s model must hold the optimizer's trainable params (a subset is fine), and the
+    groups must not carry the constructor's options. ``name_of(group, gi, i)`` names a param.
+
+    Raises:
+        ValueError: a param the DDP model does not hold (named); a group holding a ``ddp``
+            key (``ZeroRedundancyOptimizer`` copies the constructor's keywords into every
+            group, so each checkpoint would try to pickle the DDP model).
+    """
+    for gi, group in enumerate(param_groups):
+        if "ddp" in group:
+            raise ValueError(
+                f"param group {gi} carries the ddp= option as a key: torch's "
+                "ZeroRedundancyOptimizer copies the constructor's keywords into every group, "
+                "and its checkpoints would pickle the DDP model; under ZeRO use "
+                "overlap='step' or 'delayed' (ZeRO reads grads in step())"
+            )
+    held = {id(p) for p in ddp.parameters()}
+    for gi, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.requires_grad and id(p) not in held:
+                raise ValueError(
+                    f"ddp=: {name_of(group, gi, i)} is not a param of that DDP model, so "
+                    "its all-reduce would never announce the grad; pass the DDP model that "
+                    "holds these params (a subset of its params is fine)"
+                )
+
+
+def built_by_zero() -> bool:
+    """Whether torch's ``ZeroRedundancyOptimizer`` is building this optimizer: one of its
+    methods is on the calling thread's stack (its ``__init__``, or the DDP comm hook that
+    builds the local optimizer with ``overlap_with_ddp=True``). False when torch's module was
+    never imported."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    zero = getattr(module, "ZeroRedundancyOptimizer", None)
+    if zero is None:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), zero):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def check_zero(overlap: str, param_groups: list[dict], world: int) -> None:
+    """Refuse the delayed update under torch's ``ZeroRedundancyOptimizer`` in a job of
+    ``world`` ranks: ZeRO building it (:func:`built_by_zero`, looked at only then), or groups
+    that carry ``overlap="delayed"`` as a key (ZeRO copies the constructor's keywords into them).
+
+    ZeRO broadcasts each rank's updated shard inside its ``step()``, right after this
+    optimizer's ``step()`` returns; in delayed mode that is before the update has landed, so
+    the other ranks get each shard a step later than its owner, and a checkpoint (after
+    ``opt.synchronize()``) holds weights that differ between ranks (a fresh user's finding;
+    a second one passed the option through ``functools.partial`` and a subclass, past the
+    group key alone).
+
+    Raises:
+        ValueError: ``overlap="delayed"`` under ZeRO with more than one rank.
+    """
+    if overlap != "delayed" or world <= 1:
+        return
+    keyed = [gi for gi, group in enumerate(param_groups) if group.get("overlap") == "delayed"]
+    by_zero = built_by_zero()
+    if by_zero or keyed:
+        how = "ZeroRedundancyOptimizer is building it" if by_zero else (
+            f"param group {keyed[0]} carries overlap='delayed' as a key (built by torch's "
+            "ZeroRedundancyOptimizer?)"
+        )  # fmt: skip
+        raise ValueError(
+            f"overlap='delayed' under ZeRO ({how}): each rank updates its shard and ZeRO "
+            "broadcasts the weights inside step(), before a delayed update has landed, so "
+            f"the {world} ranks would train on different weights and checkpoint them; "
+            "use overlap='step' under ZeRO"
+        )

@@ -6,13 +6,13 @@ the value. The rule's own hyperparameters are checked by the rule (offloadopt/ru
 from __future__ import annotations
 
 import numbers
-import sys
 from typing import Any
 
 import torch
 
 from offloadopt.options import Options
 from offloadopt.rules import MOMENTS, Rule
+from offloadopt.warn import warn
 
 __all__ = ["validate_options", "check_combinations", "validate_group", "validate_params_arg"]
 
@@ -45,6 +45,36 @@ def validate_params_arg(params: Any) -> list:
     return params
 
 
+def tensor_hyper_flags(hyper: dict[str, Any], *, foreach: bool | None, capturable: bool) -> None:
+    """torch's refusal of Tensor hyperparameters with ``foreach=True`` (torch/optim/adam.py's
+    constructor, in its order and words): a Tensor ``lr`` or ``betas[i]`` with ``foreach=True``
+    and ``capturable=False``. Checked before the values, as torch does.
+
+    Raises:
+        ValueError: with torch's message.
+    """
+    if not foreach or capturable:
+        return
+    named = [("lr", hyper.get("lr"))]
+    named += [(f"betas[{i}]", b) for i, b in enumerate(hyper.get("betas") or ())]
+    for name, value in named:
+        _check(not isinstance(value, torch.Tensor),
+               f"{name} as a Tensor is not supported for capturable=False and foreach=True")  # fmt: skip
+
+
+def tensor_betas(hyper: dict[str, Any]) -> None:
+    """torch's rule for ``betas`` of Adam and AdamW, after their ranges (the rule's check, which
+    refuses a Tensor beta of more than one element): both numbers or both Tensors.
+
+    Raises:
+        ValueError: with torch/optim/adam.py's message.
+    """
+    betas = hyper.get("betas")
+    if isinstance(betas, (tuple, list)):
+        tensors = [isinstance(b, torch.Tensor) for b in betas]
+        _check(all(tensors) or not any(tensors), "betas must be either both floats or both Tensors")
+
+
 def validate_options(
     rule: Rule,
     hyper: dict[str, Any],
@@ -53,19 +83,24 @@ def validate_options(
     amsgrad: bool = False,
     capturable: bool = False,
     differentiable: bool = False,
+    foreach: bool | None = None,
 ) -> None:
     """The constructor's arguments: the rule's hyperparameters ``hyper``, the offloading
-    options ``o`` (offloadopt/options.py) and torch's flags that the hybrid optimizers refuse.
+    options ``o`` (offloadopt/options.py) and torch's flags (``foreach`` is accepted and
+    ignored, but checked as torch checks it; the others are refused).
 
     Raises:
-        ValueError, TypeError: a bad value, named in the message.
+        ValueError: a bad value, named in the message.
+        TypeError: an object of the wrong kind (``grad_scaler``, ``ddp``, ``lr``).
         NotImplementedError: ``amsgrad``, ``capturable`` or ``differentiable`` set.
     """
     if o.placement_policy not in ("state-bytes", "megatron"):
         raise ValueError(
             f"Invalid placement_policy: {o.placement_policy!r} (expected 'state-bytes' or 'megatron')"
         )
+    tensor_hyper_flags(hyper, foreach=foreach, capturable=capturable)
     rule.validate(hyper)
+    tensor_betas(hyper)
 
     def number(x) -> bool:  # numpy's scalars too (numbers.Real), not a bool or a tensor
         return isinstance(x, numbers.Real) and not isinstance(x, bool)
@@ -93,8 +128,7 @@ def validate_options(
     _check(o.max_grad_norm is None or (number(o.max_grad_norm) and 0 < o.max_grad_norm < float("inf")),
            f"Invalid max_grad_norm: {o.max_grad_norm!r} (expected None or a finite number > 0)")  # fmt: skip
     _check(isinstance(o.master_weights, bool) or o.master_weights == "bf16-sr",
-           f"Invalid master_weights: {o.master_weights!r} (expected True, False or 'bf16-sr')",
-           TypeError)  # fmt: skip
+           f"Invalid master_weights: {o.master_weights!r} (expected True, False or 'bf16-sr')")  # fmt: skip
     _check(isinstance(o.state_dtype, str) and o.state_dtype in MOMENTS,
            f"Invalid state_dtype: {o.state_dtype!r} (expected 'fp32', 'bf16' or 'int8')")  # fmt: skip
     compressed = o.state_dtype != "fp32" or o.master_weights == "bf16-sr"
@@ -114,7 +148,7 @@ def validate_options(
         ("release_grads", o.release_grads),
         ("speculate", o.speculate),
     ]:
-        _check(isinstance(value, bool), f"Invalid {flag}: {value!r} (expected a bool)", TypeError)
+        _check(isinstance(value, bool), f"Invalid {flag}: {value!r} (expected a bool)")
     if o.grad_scaler is not None:
         _check(
             isinstance(o.grad_scaler, torch.amp.GradScaler),
@@ -248,13 +282,34 @@ def check_combinations(o: Options, sizes: dict[str, int | None], world: int) -> 
         )
 
 
+def _without_repeats(items: list) -> list:
+    """A group's params (tensors or ``(name, tensor)`` pairs) with each tensor listed once.
+    A repeat is torch's ``UserWarning`` (torch/optim/optimizer.py, ``add_param_group``: "in
+    future, this will cause an error"); torch then updates the param once per listing, this
+    optimizer once."""
+    first: dict[int, str] = {}  # id of a tensor -> how its first listing is named
+    kept = []
+    for i, item in enumerate(items):
+        p = item[1] if isinstance(item, tuple) and len(item) == 2 else item
+        name = repr(item[0]) if isinstance(item, tuple) else f"param {i} of the group"
+        if isinstance(p, torch.Tensor) and id(p) in first:
+            warn("optimizer contains a parameter group with duplicate parameters; in future, "
+                 "this will cause an error; see github.com/pytorch/pytorch/issues/40967 for "
+                 f"more information (offloadopt: {name} is {first[id(p)]} listed again, shape "
+                 f"{tuple(p.shape)}; it is kept once and updated once a step)")  # fmt: skip
+            continue
+        first[id(p)] = name
+        kept.append(item)
+    return kept
+
+
 def validate_group(param_group: Any, defaults: dict[str, Any], rule: Rule) -> dict[str, Any]:
-    """A param group about to be added: its params (tensors or ``(name, tensor)`` pairs, listed
-    once) and its hyperparameters. Returns a shallow copy with ``params`` as a list.
+    """A param group about to be added: its params (tensors or ``(name, tensor)`` pairs; one
+    listed again is dropped, with torch's warning) and its hyperparameters. Returns a shallow copy with ``params`` as a list.
 
     Raises:
         TypeError: not a dict, or a param that is not a Tensor.
-        ValueError: a duplicate, complex, non-float, sparse or non-cpu/cuda param (named), a
+        ValueError: a complex, non-float, sparse or non-cpu/cuda param (named), a
             param the compressed representation cannot update (fp64; fp16 with ``"bf16-sr"``),
             or a bad hyperparameter or ``"offload"`` key.
         NotImplementedError: ``amsgrad`` set in the group.
@@ -277,8 +332,7 @@ def validate_group(param_group: Any, defaults: dict[str, Any], rule: Rule) -> di
         TypeError,
     )
     raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
-    group["params"] = raw
-    seen: set[int] = set()
+    group["params"] = raw = _without_repeats(raw)
     for i, item in enumerate(raw):
         name, p = item if isinstance(item, tuple) else (None, item)
         label = name or f"param {i} of the new group"
@@ -287,11 +341,6 @@ def validate_group(param_group: Any, defaults: dict[str, Any], rule: Rule) -> di
             f"optimizer can only optimize Tensors, but {label} is {torch.typename(p)}",
             TypeError,
         )
-        _check(
-            id(p) not in seen,
-            f"duplicate parameter in one group: {label} (shape {tuple(p.shape)}) appears twice",
-        )
-        seen.add(id(p))
         _check(not p.is_complex(), f"complex parameters are not supported: {label} is {p.dtype}")
         _check(
             p.is_floating_point(),
@@ -339,83 +388,6 @@ def validate_group(param_group: Any, defaults: dict[str, Any], rule: Rule) -> di
             NotImplementedError,
         )
     return group
-
-
-def check_ddp(ddp: Any, param_groups: list[dict], name_of: Any) -> None:
-    """``ddp=``'s model must hold the optimizer's trainable params (a subset is fine), and the
-    groups must not carry the constructor's options. ``name_of(group, gi, i)`` names a param.
-
-    Raises:
-        ValueError: a param the DDP model does not hold (named); a group holding a ``ddp``
-            key (``ZeroRedundancyOptimizer`` copies the constructor's keywords into every
-            group, so each checkpoint would try to pickle the DDP model).
-    """
-    for gi, group in enumerate(param_groups):
-        if "ddp" in group:
-            raise ValueError(
-                f"param group {gi} carries the ddp= option as a key: torch's "
-                "ZeroRedundancyOptimizer copies the constructor's keywords into every group, "
-                "and its checkpoints would pickle the DDP model; under ZeRO use "
-                "overlap='step' or 'delayed' (ZeRO reads grads in step())"
-            )
-    held = {id(p) for p in ddp.parameters()}
-    for gi, group in enumerate(param_groups):
-        for i, p in enumerate(group["params"]):
-            if p.requires_grad and id(p) not in held:
-                raise ValueError(
-                    f"ddp=: {name_of(group, gi, i)} is not a param of that DDP model, so "
-                    "its all-reduce would never announce the grad; pass the DDP model that "
-                    "holds these params (a subset of its params is fine)"
-                )
-
-
-def built_by_zero() -> bool:
-    """Whether torch's ``ZeroRedundancyOptimizer`` is building this optimizer: one of its
-    methods is on the calling thread's stack (its ``__init__``, or the DDP comm hook that
-    builds the local optimizer with ``overlap_with_ddp=True``). False when torch's module was
-    never imported."""
-    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
-    zero = getattr(module, "ZeroRedundancyOptimizer", None)
-    if zero is None:
-        return False
-    frame = sys._getframe(1)
-    while frame is not None:
-        if isinstance(frame.f_locals.get("self"), zero):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def check_zero(overlap: str, param_groups: list[dict], world: int) -> None:
-    """Refuse the delayed update under torch's ``ZeroRedundancyOptimizer`` in a job of
-    ``world`` ranks: ZeRO building it (:func:`built_by_zero`, looked at only then), or groups
-    that carry ``overlap="delayed"`` as a key (ZeRO copies the constructor's keywords into them).
-
-    ZeRO broadcasts each rank's updated shard inside its ``step()``, right after this
-    optimizer's ``step()`` returns; in delayed mode that is before the update has landed, so
-    the other ranks get each shard a step later than its owner, and a checkpoint (after
-    ``opt.synchronize()``) holds weights that differ between ranks (a fresh user's finding;
-    a second one passed the option through ``functools.partial`` and a subclass, past the
-    group key alone).
-
-    Raises:
-        ValueError: ``overlap="delayed"`` under ZeRO with more than one rank.
-    """
-    if overlap != "delayed" or world <= 1:
-        return
-    keyed = [gi for gi, group in enumerate(param_groups) if group.get("overlap") == "delayed"]
-    by_zero = built_by_zero()
-    if by_zero or keyed:
-        how = "ZeroRedundancyOptimizer is building it" if by_zero else (
-            f"param group {keyed[0]} carries overlap='delayed' as a key (built by torch's "
-            "ZeroRedundancyOptimizer?)"
-        )  # fmt: skip
-        raise ValueError(
-            f"overlap='delayed' under ZeRO ({how}): each rank updates its shard and ZeRO "
-            "broadcasts the weights inside step(), before a delayed update has landed, so "
-            f"the {world} ranks would train on different weights and checkpoint them; "
-            "use overlap='step' under ZeRO"
-        )
 
 
 # ------------------------------------------------------------------ construction

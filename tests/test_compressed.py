@@ -208,7 +208,7 @@ def test_refusals_name_the_value():
         HybridSGD(p, lr=0.1, state_dtype="bf16")
     with pytest.raises(ValueError, match="master_weights=False"):
         HybridAdamW(p, state_dtype="int8", master_weights=False)
-    with pytest.raises(TypeError, match="master_weights: 'bf16'"):
+    with pytest.raises(ValueError, match="master_weights: 'bf16'"):
         HybridAdamW(p, master_weights="bf16")
 
 

@@ -22,7 +22,6 @@ reference to compare with, and the last test shows what that costs HybridSGD's u
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import re
 from dataclasses import dataclass
@@ -30,36 +29,14 @@ from typing import Any
 
 import pytest
 import torch
+from torch_db import import_optim_db
 
 from offloadopt import HybridAdam, HybridAdamW, HybridSGD
 
 pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest")
 
 
-def _import_optim_db():
-    """torch's optim_db, with the process as it was before the import: the module it imports,
-    torch.testing._internal.common_utils, freezes torch.backends flags (assigning, say,
-    ``torch.backends.cudnn.benchmark`` raises afterwards), loads a hypothesis profile of its own
-    (derandomized, 50 examples, when ``CI`` is set) and wraps TorchScript calls, for every test
-    of the session."""
-    try:
-        import hypothesis
-    except ImportError:
-        hypothesis = None
-    saved = hypothesis.settings.default if hypothesis else None
-    calls = torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__
-    unfreeze = getattr(torch.backends, "__allow_nonbracketed_mutation", None)
-    keep_flags = unfreeze is not None and not torch.backends.flags_frozen()
-    with unfreeze() if keep_flags else contextlib.nullcontext():
-        from torch.testing._internal.common_optimizers import optim_db
-    torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__ = calls
-    if saved is not None:
-        hypothesis.settings.register_profile("offloadopt-before-torch-testing", parent=saved)
-        hypothesis.settings.load_profile("offloadopt-before-torch-testing")
-    return optim_db
-
-
-optim_db = _import_optim_db()
+optim_db = import_optim_db()
 MIRRORS = {torch.optim.AdamW: HybridAdamW, torch.optim.Adam: HybridAdam, torch.optim.SGD: HybridSGD}
 # README, "Use": "`amsgrad`, `capturable` and `differentiable` raise `NotImplementedError`".
 README_REFUSED = ("amsgrad", "capturable", "differentiable")
