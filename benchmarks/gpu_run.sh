@@ -210,7 +210,7 @@ for part in "${@:-all}"; do
     timeout 200 python3 examples/delayed_resume.py --device cuda 2>&1 | tail -1 | tee "$OUT/delayed_resume_cuda.log"
   fi
   if [[ $part == endurance || $part == all ]]; then
-    timeout 300 python3 benchmarks/endurance.py --device cuda --no-progress --out "$OUT/endurance" 2>&1 | tail -24
+    timeout 300 python3 tests/long/endurance.py --device cuda --no-progress --out "$OUT/endurance" 2>&1 | tail -24
   fi
   if [[ $part == fsdp || $part == all ]]; then
     # FSDP2 of one rank: ours beside FSDP2's CPUOffloadPolicy, the same model and batch, one run.

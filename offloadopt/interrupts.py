@@ -35,7 +35,7 @@ def signals_deferred() -> Iterator[None]:
 
     The handlers are swapped one signal at a time, so a signal may reach its own handler
     while the swap is under way: the handlers swapped so far are then put back before its
-    exception leaves (found by benchmarks/faults.py: a SIGALRM handler that raised there left
+    exception leaves (found by tests/long/faults.py: a SIGALRM handler that raised there left
     Ctrl-C recorded into a list forever), and putting them back goes on past such an
     exception."""
     if threading.current_thread() is not threading.main_thread():
@@ -84,7 +84,7 @@ def no_grad_whole(fn: Callable) -> Callable:
     whose handler raises between torch's ``no_grad`` setting grad mode off and its ``with``
     block starting (or between the block's end and grad mode coming back) left grad mode off
     for good, and the next backward failed with "does not require grad" (found by
-    benchmarks/faults.py)."""
+    tests/long/faults.py)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

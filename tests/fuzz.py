@@ -29,7 +29,7 @@ unscale_ of fp16 grads; torch 2.13's fused SGD with a param whose first grad com
 it raises TypeError; tests/test_adam_sgd.py checks HybridSGD there against torch's for-loop
 SGD). Where a GradScaler skips fused SGD's first step, the reference drops the uninitialised
 momentum buffers torch's kernel leaves, as the for-loop SGD never makes them.
-``benchmarks/fuzz.py`` is the long run; ``tests/test_fuzz.py`` the CI slice.
+``tests/long/fuzz_loop.py`` is the long run; ``tests/test_fuzz.py`` the CI slice.
 """
 
 from __future__ import annotations

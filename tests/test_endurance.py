@@ -1,4 +1,4 @@
-"""benchmarks/endurance.py on the CPU: a few steps of every phase, the JSON it writes, and the
+"""tests/long/endurance.py on the CPU: a few steps of every phase, the JSON it writes, and the
 checks failing when they should (a broken oracle kernel, memory that grows)."""
 
 import importlib.util
@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "endurance.py"
+SCRIPT = Path(__file__).resolve().parent / "long" / "endurance.py"
 SMALL = ["--device", "cpu", "--preset", "tiny", "--batch-size", "4", "--seq-len", "32"]
 SMALL += ["--sample-every", "1", "--eval-batches", "2", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
 def endurance():
-    spec = importlib.util.spec_from_file_location("endurance_bench", SCRIPT)
+    spec = importlib.util.spec_from_file_location("endurance", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

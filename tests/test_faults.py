@@ -1,4 +1,4 @@
-"""Fault suites, the fast slice (benchmarks/faults.py runs the same cases in a loop over seeds
+"""Fault suites, the fast slice (tests/long/faults.py runs the same cases in a loop over seeds
 for minutes): signals at random points of step(), backward with the optimizer's grad hooks,
 load_state_dict(), set_offload_fraction() and synchronize(); a user's grad hook that raises;
 a worker kernel failing on the Nth bucket; long runs with re-placement and checkpoint cycles
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "faults.py"
+SCRIPT = Path(__file__).resolve().parent / "long" / "faults.py"
 # The Probe's loss is sums over its params (no module forward to watch) in wait="module" cases
 pytestmark = pytest.mark.filterwarnings("ignore:wait='module' with no model given")
 MODES = ["step", "backward", "delayed"]
@@ -22,7 +22,7 @@ MODES = ["step", "backward", "delayed"]
 
 @pytest.fixture(scope="module")
 def faults():
-    spec = importlib.util.spec_from_file_location("faults_bench", SCRIPT)
+    spec = importlib.util.spec_from_file_location("faults", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

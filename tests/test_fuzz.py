@@ -1,5 +1,5 @@
 """The differential fuzz's CI slice (tests/fuzz.py has the generator and the reference;
-``python benchmarks/fuzz.py --cases 2000 --seed 0`` is the long run), the fuzz's own checks
+``python tests/long/fuzz_loop.py --cases 2000 --seed 0`` is the long run), the fuzz's own checks
 (it covers what it claims, and a wrong kernel fails it), and the reproducers of what it found.
 Known failures the library has not fixed yet are strict xfails: the mark goes with the fix."""
 
@@ -152,7 +152,7 @@ def test_nan_payloads_of_masters_are_kept_bit_for_bit(fraction):
 
 
 def test_the_known_failures_are_told_apart():
-    """benchmarks/fuzz.py counts a known failure apart from new ones, by its message."""
+    """tests/long/fuzz_loop.py counts a known failure apart from new ones, by its message."""
     for case, known in [
         (Case(seed=7, overlap="backward", scaler="attached", **EMPTY), "empty-param-attached-scaler"),
         (Case(seed=11, fraction=0.5, steps=3, reset_state=(0,)), "state-replaced"),
@@ -178,11 +178,11 @@ def test_a_refusal_at_step_counts_only_where_documented(fraction, status):
 
 
 def test_the_long_run_script_counts_and_names_reproducers(capsys):
-    """benchmarks/fuzz.py: progress, the counts, and for a failure its seed and Case."""
+    """tests/long/fuzz_loop.py: progress, the counts, and for a failure its seed and Case."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "fuzz.py"
+    path = Path(__file__).resolve().parent / "long" / "fuzz_loop.py"
     spec = importlib.util.spec_from_file_location("fuzz_long_run", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

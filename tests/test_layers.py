@@ -6,6 +6,7 @@ layer fails here too."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import offloadopt
@@ -138,3 +139,32 @@ def test_the_leaf_package_check_can_fail(tmp_path, monkeypatch):
              "rules.py": "x = 1\n"}  # fmt: skip
     assert_catches(tmp_path, monkeypatch, files, test_the_leaf_packages_import_only_themselves,
                    "kernels.a imports rules")  # fmt: skip
+
+
+# The tests of a benchmark script itself (its options and summaries) import it; nothing else
+# under tests/ does: a suite's cases live in tests/ (tests/long/ for the long-running ones).
+TESTS_OF_BENCHMARKS = {"test_bench_scripts.py": {"overlap_bench", "profile_modes", "timeline"},
+                       "test_quality.py": {"quality"}}  # fmt: skip
+LOADS = re.compile(r"spec_from_file_location|sys\.path\.insert|syspath_prepend")
+
+
+def test_no_test_imports_a_benchmark():
+    tests = Path(__file__).resolve().parent
+    benchmarks = {p.stem for p in (tests.parent / "benchmarks").glob("*.py")}
+    bad = []
+    for path in tests.rglob("*.py"):
+        text = path.read_text()
+        names = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module.split(".")[0])
+        allowed = TESTS_OF_BENCHMARKS.get(path.name, set())
+        found = sorted(names & benchmarks - allowed - {p.stem for p in tests.glob("*.py")})
+        if found:
+            bad.append(f"{path.relative_to(tests)} imports {found}")
+        elif not allowed and path != Path(__file__).resolve() and LOADS.search(text) and \
+                re.search(r"""["']benchmarks["']""", text):  # fmt: skip
+            bad.append(f"{path.relative_to(tests)} loads a file of benchmarks/")
+    assert not bad, bad

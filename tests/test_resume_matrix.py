@@ -2,7 +2,7 @@
 classes (HybridAdamW, torch.optim.AdamW(fused=True), HybridDeviceOptimizer), by torch.save
 and by torch.distributed.checkpoint (gloo, one process): one process trains and saves,
 another builds everything afresh, loads and trains on; the result equals torch's AdamW run
-without a stop, bitwise (fp32 on the CPU; benchmarks/faults.py, resume_configs, lists the
+without a stop, bitwise (fp32 on the CPU; tests/long/faults.py, resume_configs, lists the
 pairs)."""
 
 import importlib.util
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "faults.py"
+SCRIPT = ROOT / "tests" / "long" / "faults.py"
 
 
 def load_faults():
-    spec = importlib.util.spec_from_file_location("faults_bench", SCRIPT)
+    spec = importlib.util.spec_from_file_location("faults", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -148,7 +148,7 @@ class Publisher:
         # A signal whose handler raises (Ctrl-C, a watchdog's SIGALRM) reaches it once the
         # step is whole: raised from the wait below it skipped the publication, so a delayed
         # update's masters and moments moved while the weights did not, silently, and the
-        # next state_dict() paired them (found by benchmarks/faults.py).
+        # next state_dict() paired them (found by tests/long/faults.py).
         with signals_deferred():
             self._synchronize(st)
 
@@ -427,7 +427,7 @@ class NextStep(Publisher):
         their masters and moments, as in the other modes, where each bucket's H2D writes its
         params; the others keep theirs. Without it, after ``discard_failed_step()`` the
         updated params trained on from masters their weights did not show, and a checkpoint
-        paired the old fp32 weights with the new moments (found by benchmarks/faults.py)."""
+        paired the old fp32 weights with the new moments (found by tests/long/faults.py)."""
         with st.run._cond:
             completed = [st.fed[b] for b in st.run.h2d_queued if b in st.fed]
         fresh: dict = {}  # param -> whether it takes the landed weights (checked before any copy)

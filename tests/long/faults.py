@@ -39,7 +39,7 @@ Cases:
 fresh-process resumes (torch.save and torch.distributed.checkpoint, across modes, fractions
 and classes); they run there, in two processes, not in this loop.
 
-Usage: python benchmarks/faults.py --minutes 10 [--cases signal_step,worker_error]
+Usage: python tests/long/faults.py --minutes 10 [--cases signal_step,worker_error]
 Prints one line per case (``run``, ``failed``, outcomes) and the first failures; exit status
 1 if any case failed, 2 for bad arguments.
 """

@@ -25,8 +25,8 @@ offloadopt.harness.data) with HybridAdamW at offload fraction 0.5, grad clipping
    weights are their bf16 rounding), as HybridAdamW does at fraction 0; ``--ref-no-masters``
    steps the bf16 params themselves. A seed fixes the init and the batch order in every run.
 
-Usage (GPU host, repo root): python benchmarks/endurance.py --device cuda --out $OUT
-CPU smoke run: python benchmarks/endurance.py --device cpu --preset tiny --steps 5
+Usage (GPU host, repo root): python tests/long/endurance.py --device cuda --out $OUT
+CPU smoke run: python tests/long/endurance.py --device cpu --preset tiny --steps 5
     --batch-size 4 --seq-len 32 --sample-every 1 --eval-batches 2 --out /tmp/endurance
 
 Writes ``endurance.json`` in ``--out`` (units in the key names: _nbytes, _ms, _s, _nats),

@@ -3,8 +3,8 @@ AdamW/Adam/SGD on the CPU, bitwise (tests/fuzz.py has the generator, the referen
 compared). Prints progress, the counts run, refused and failed (known and new), and for each
 failure a reproducer: the case (its seed and parameters) and the call that replays it.
 
-    python benchmarks/fuzz.py --cases 2000 --seed 0
-    python benchmarks/fuzz.py --replay 1234          # one seed, with its traceback
+    python tests/long/fuzz_loop.py --cases 2000 --seed 0
+    python tests/long/fuzz_loop.py --replay 1234          # one seed, with its traceback
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: fuzz.py
 
 import torch  # noqa: E402
 from fuzz import draw, minimise, run_case  # noqa: E402
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = " --no-known" * args.no_known + " --no-refusals" * args.no_refusals
     for out in failures:
         print(f"\nseed {out.case.seed}{' (known: ' + out.known + ')' if out.known else ''}: "
-              f"{out.message[:500]}\n  reproduce: python benchmarks/fuzz.py --replay "
+              f"{out.message[:500]}\n  reproduce: python tests/long/fuzz_loop.py --replay "
               f"{out.case.seed}{flags} (--minimise for a smaller case)\n"
               f"  or, in tests/: from fuzz import *; run_case({out.case!r})")  # fmt: skip
     return 1 if counts["new"] else 0
