@@ -26,12 +26,22 @@ class HybridAdam(HybridOptimizer):
     ``"master"``) and cross-load with it both ways.
 
     Args:
-        params, lr, betas, eps, weight_decay, maximize: as ``torch.optim.Adam``.
-        **options: the offloading options of :class:`~offloadopt.HybridAdamW`
-            (``offload_fraction``, ``min_offload_numel``, ``master_weights``, ``pin_memory``,
-            ``bucket_nbytes``, ``flush_denormal``, ``cpu_threads``, ``timeout_s``, ``overlap``,
-            ``wait``, ``max_grad_norm``, ``grads_final``, ``speculate``, ``release_grads``, ``grad_scaler``,
-            ``delay_after``).
+        params: tensors, ``named_parameters()`` or param-group dicts, as
+            :class:`~offloadopt.HybridAdamW`'s.
+        lr: the learning rate, as ``torch.optim.Adam``'s (a float or a 1-element Tensor).
+        betas: the moments' coefficients (both floats or both 1-element Tensors).
+        eps: added to the denominator.
+        weight_decay: L2 weight decay, added to the grad.
+        amsgrad: not supported (``NotImplementedError`` when True).
+        foreach: accepted and ignored, checked as torch checks it.
+        maximize: maximize the objective instead of minimizing it.
+        capturable: not supported (``NotImplementedError`` when True).
+        differentiable: not supported (``NotImplementedError`` when True).
+        fused: accepted and ignored (torch's fused kernel always runs).
+        decoupled_weight_decay: True is AdamW: ``ValueError`` (use HybridAdamW).
+
+    The offloading options (``offload_fraction=``, ``overlap=``, ...) are
+    :class:`~offloadopt.HybridAdamW`'s, with the same types and defaults (the signature above).
 
     Raises:
         ValueError, TypeError: a bad argument, named; ``decoupled_weight_decay=True`` (use
@@ -45,7 +55,7 @@ class HybridAdam(HybridOptimizer):
         self,
         params,
         lr: float | torch.Tensor = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         amsgrad: bool = False,

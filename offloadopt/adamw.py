@@ -65,7 +65,16 @@ class HybridAdamW(HybridOptimizer):
         params: tensors, ``named_parameters()`` or param-group dicts (a list, not a set); a
             group may carry ``"offload": True`` (all its trainable params go to the host) or
             ``False`` (none do).
-        lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``; ``lr`` may be a Tensor.
+        lr: the learning rate, as ``torch.optim.AdamW``'s (a float or a 1-element Tensor).
+        betas: the moments' coefficients (both floats or both 1-element Tensors).
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay (AdamW's).
+        amsgrad: not supported (``NotImplementedError`` when True).
+        maximize: maximize the objective instead of minimizing it.
+        foreach: accepted and ignored (torch's fused kernel runs), checked as torch checks it.
+        capturable: not supported (``NotImplementedError`` when True).
+        differentiable: not supported (``NotImplementedError`` when True).
+        fused: accepted and ignored (torch's fused kernel always runs).
         offload_fraction: share in [0, 1] of the eligible params' optimizer-state bytes kept
             on the host (see :mod:`offloadopt.place.placement`), or ``"auto"``: the first steps run
             at 0.5 and are measured (forward+backward, both kernels, the link), the cost model
@@ -197,7 +206,7 @@ class HybridAdamW(HybridOptimizer):
         self,
         params,
         lr: float | torch.Tensor = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         amsgrad: bool = False,

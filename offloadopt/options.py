@@ -11,40 +11,83 @@ type checkers see the keywords of ``**options``.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-__all__ = ["Options", "OffloadOptions"]
+__all__ = ["Options", "OffloadOptions", "describe"]
 
 
 @dataclass(frozen=True)
 class Options:
-    """Every offloading option, with its default (see ``HybridAdamW``'s ``Args:``)."""
+    """Every offloading option, with its default; the string under each field is its one-line
+    doc (``HybridAdamW``'s ``Args:`` has the full text; :func:`describe` reads them, and
+    docs/getting-started.md's table is generated from them)."""
 
-    offload_fraction: float | str = 1.0  # share of the eligible state bytes on the host, or "auto"
-    min_offload_numel: int = 4096  # smaller params keep their state on the device
-    master_weights: bool | str = True  # fp32 masters for bf16/fp16 params; "bf16-sr": none
-    state_dtype: str = "fp32"  # the moments: "fp32" (torch's), "bf16" or "int8" (compressed)
-    pin_memory: bool = True  # pin host buffers that cross the link (False: the pageable path)
-    bucket_nbytes: int | None = None  # fp32 state bytes per bucket; None: by overlap (optim.py)
-    flush_denormal: bool = True  # the CPU update with flush-to-zero
-    cpu_threads: int | None = None  # the CPU worker's OpenMP threads; None: the usable cores
-    timeout_s: float = 600.0  # the longest wait for the worker or a copy, seconds
-    overlap: str = "step"  # when updates start: "step", "backward" or "delayed"
-    wait: str = "step"  # when new weights are waited for: "step" or "module" (per module)
-    max_grad_norm: float | None = None  # clip the global grad norm inside the update
-    grads_final: bool = False  # nothing edits grads between backward and step()
-    speculate: bool = False  # backward mode: start clipped/scaled updates in backward, validate
-    release_grads: bool = False  # free offloaded params' device grads once copied out
-    ddp: Any = None  # the DistributedDataParallel model whose reduced buckets announce grads
-    grad_scaler: Any = None  # the torch.amp.GradScaler attached (backward mode's found_inf)
-    delay_after: int = 0  # overlap="delayed": synchronous steps first
-    max_gpu_memory: int | str | None = None  # a device budget: it chooses the fraction
-    max_host_memory: int | str | None = None  # the host bytes the budget's choice may use
-    activation_bytes: int | str | None = None  # forward+backward's device bytes, if not measured
-    auto_tolerance: float = 0.05  # offload_fraction="auto": the step's allowed growth
-    placement_policy: str = "state-bytes"  # "megatron": HybridDeviceOptimizer's placement
+    offload_fraction: float | str = 1.0
+    """Share of the eligible params' optimizer-state bytes kept on the host, last-registered
+    params first; "auto" chooses it from measurements."""
+    min_offload_numel: int = 4096
+    """Params with fewer elements keep their state on the device."""
+    master_weights: bool | str = True
+    """fp32 masters for bf16/fp16 params; False: none (the update in their dtype); "bf16-sr":
+    none, the bf16 weights rounded stochastically (offloadopt's kernel)."""
+    state_dtype: str = "fp32"
+    """How exp_avg and exp_avg_sq are stored: "fp32" (torch's kernel, bitwise torch's AdamW),
+    "bf16" or "int8" (compressed, offloadopt's kernel)."""
+    pin_memory: bool = True
+    """Pin the host buffers that cross the link; False reproduces the slow pageable path and,
+    with CUDA, warns."""
+    bucket_nbytes: int | None = None
+    """fp32 state bytes per bucket, the pipelining unit; None: 64 MiB, 128 MiB with
+    overlap="backward", 256 MiB with overlap="delayed"."""
+    flush_denormal: bool = True
+    """The CPU worker runs with flush-to-zero and denormals-are-zero."""
+    cpu_threads: int | None = None
+    """The CPU worker's threads; None: the cores this process may use / local ranks, less one
+    when updates overlap the training thread's work."""
+    timeout_s: float = 600.0
+    """The longest wait for the worker or a copy, in seconds (an error names what it waited
+    for)."""
+    overlap: str = "step"
+    """When updates start: "step" (in step()), "backward" (during backward) or "delayed" (the
+    delayed parameter update)."""
+    wait: str = "step"
+    """When new weights are waited for: "step" or "module" (each module watched with
+    opt.watch(model) waits for its own)."""
+    max_grad_norm: float | None = None
+    """Clip the global grad norm inside the update (backward mode can then start updates at
+    the end of backward)."""
+    grads_final: bool = False
+    """Declares that nothing edits grads between backward and step(), so backward mode starts
+    each bucket's update as soon as its grads are complete."""
+    speculate: bool = False
+    """Backward mode with max_grad_norm or grad_scaler: start updates during backward as if
+    nothing were clipped or skipped; redo them when the check at its end says otherwise."""
+    release_grads: bool = False
+    """Free the device grads of offloaded params once their copy lands (backward mode)."""
+    ddp: Any = None
+    """The DistributedDataParallel model whose all-reduced buckets start backward mode's
+    updates."""
+    grad_scaler: Any = None
+    """The torch.amp.GradScaler scaling this model's loss, attached so that backward mode checks
+    infs and unscales in the update."""
+    delay_after: int = 0
+    """overlap="delayed": this many synchronous updates before the delay begins."""
+    max_gpu_memory: int | str | None = None
+    """A device budget ("120GB", "112GiB" or bytes): placement takes the smallest fraction that
+    fits, at the first step."""
+    max_host_memory: int | str | None = None
+    """The host bytes the budget's choice may use; None: MemAvailable."""
+    activation_bytes: int | str | None = None
+    """Forward and backward's device bytes where they cannot be measured; None: measured (on
+    CUDA)."""
+    auto_tolerance: float = 0.05
+    """offload_fraction="auto": how far above fraction 0's step the chosen fraction may go."""
+    placement_policy: str = "state-bytes"
+    """Internal: "megatron" is HybridDeviceOptimizer's placement (not an option of the others)."""
 
     @classmethod
     def parse(cls, owner: str, options: dict[str, Any]) -> Options:
@@ -87,3 +130,17 @@ class OffloadOptions(TypedDict, total=False):
     max_host_memory: int | str | None
     activation_bytes: int | str | None
     auto_tolerance: float
+
+
+def describe() -> list[tuple[str, str, str, str]]:
+    """The public options (:class:`OffloadOptions`' keys) in :class:`Options`' order, each as
+    ``(name, type, default, doc)``: the annotation and the default as written in the source,
+    and the string under the field, on one line."""
+    tree = ast.parse(inspect.getsource(Options))
+    docs, body = {}, tree.body[0].body
+    for field, after in zip(body, body[1:], strict=False):
+        if isinstance(field, ast.AnnAssign) and isinstance(after, ast.Expr):
+            docs[field.target.id] = " ".join(after.value.value.split())
+    public = OffloadOptions.__annotations__
+    return [(f.name, str(f.type), f'"{f.default}"' if isinstance(f.default, str) else repr(f.default),
+             docs[f.name]) for f in dataclasses.fields(Options) if f.name in public]  # fmt: skip

@@ -44,10 +44,21 @@ class HybridSGD(HybridOptimizer):
     ``torch.optim.SGD``'s layout (plus ``"master"``) and cross-load with it both ways.
 
     Args:
-        params, lr, momentum, dampening, weight_decay, nesterov, maximize: as
-            ``torch.optim.SGD``.
-        **options: the offloading options of :class:`~offloadopt.HybridAdamW`, but
-            ``delay_after`` > 0 (``ValueError``: SGD keeps no ``step`` to count by).
+        params: tensors, ``named_parameters()`` or param-group dicts, as
+            :class:`~offloadopt.HybridAdamW`'s.
+        lr: the learning rate, as ``torch.optim.SGD``'s (a float or a 1-element Tensor).
+        momentum: the momentum factor.
+        dampening: dampening for momentum.
+        weight_decay: L2 weight decay, added to the grad.
+        nesterov: Nesterov momentum (needs a momentum and zero dampening).
+        maximize: maximize the objective instead of minimizing it.
+        foreach: accepted and ignored.
+        differentiable: not supported (``NotImplementedError`` when True).
+        fused: accepted and ignored (torch's fused kernel always runs).
+
+    The offloading options (``offload_fraction=``, ``overlap=``, ...) are
+    :class:`~offloadopt.HybridAdamW`'s, with the same types and defaults (the signature above),
+    but ``delay_after`` > 0 (``ValueError``: SGD keeps no ``step`` to count by).
 
     Raises:
         ValueError, TypeError: a bad argument, named (Nesterov needs momentum and zero

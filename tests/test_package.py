@@ -66,12 +66,12 @@ def test_the_test_extra_holds_what_the_suite_imports_optionally():
     def names(extra: str) -> set[str]:
         out = set()
         for req in extras[extra]:
-            name = re.match(r"[A-Za-z0-9_.-]+(?:\[([^\]]+)\])?", req)
-            if req.startswith("offloadopt["):
-                for sub in name[1].split(","):
+            name = re.match(r"([A-Za-z0-9_.-]+)(?:\[([^\]]+)\])?", req)
+            if name[1] == "offloadopt":
+                for sub in name[2].split(","):
                     out |= names(sub.strip())
             else:
-                out.add(name[0].lower())
+                out.add(name[1].lower())
         return out
 
     imported = {"tensorboard": "tensorboard", "matplotlib": "matplotlib",

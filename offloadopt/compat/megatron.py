@@ -101,13 +101,15 @@ class HybridDeviceOptimizer(HybridOptimizer):
         params: tensors or param-group dicts (extra group keys such as ``wd_mult`` are kept).
         offload_fraction: share in [0, 1] of the params' numel to offload, in registration
             order (Megatron's rule; default 0.5, as Megatron's).
-        cpu_optimizer_cls, gpu_optimizer_cls: ``torch.optim.Adam`` / ``AdamW`` / ``SGD``, a
+        cpu_optimizer_cls: ``torch.optim.Adam`` / ``AdamW`` / ``SGD``, a
             ``functools.partial`` of one, or Transformer Engine's / Apex's ``FusedAdam`` /
-            ``FusedSGD``: one update rule for both (Adam and AdamW may pair when
+            ``FusedSGD``: one update rule for both classes (Adam and AdamW may pair when
             ``weight_decay`` is 0).
+        gpu_optimizer_cls: the device-side class, as ``cpu_optimizer_cls``.
         param_update_in_fp32: fp32 masters for bf16/fp16 params (Megatron's default False).
-        pin_cpu_grads, pin_cpu_params: both True pins the crossing host buffers (one False
+        pin_cpu_grads: with ``pin_cpu_params`` True, pins the crossing host buffers (one False
             reproduces the pageable path, with a warning).
+        pin_cpu_params: see ``pin_cpu_grads``.
         overlap_cpu_optimizer_d2h_h2d: accepted; the copies always overlap the CPU update and
             ``step()`` returns with the params current.
         **kwargs: the rule's hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``,
