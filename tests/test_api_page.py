@@ -91,6 +91,7 @@ def signature_defaults(obj) -> dict[str, str | None]:
     return out
 
 
+@pytest.mark.slow
 def test_each_documented_parameter_shows_its_default(site):
     tables = parameter_tables((site / "api.html").read_text())
     assert {"offloadopt.HybridAdamW", "offloadopt.HybridAdam", "offloadopt.HybridSGD",
@@ -108,6 +109,7 @@ def test_each_documented_parameter_shows_its_default(site):
     assert not bad, bad
 
 
+@pytest.mark.slow
 def test_every_option_shows_its_type_and_default(site):
     page = (site / "api.html").read_text()
     rows = {
@@ -135,6 +137,7 @@ def test_the_getting_started_table_is_generated_from_the_options():
         assert f"| `{name}` |" in text, name
 
 
+@pytest.mark.slow
 def test_no_bullet_is_swallowed_into_a_paragraph(site):
     bad = []
     for page in site.glob("*.html"):
@@ -144,6 +147,7 @@ def test_no_bullet_is_swallowed_into_a_paragraph(site):
     assert not bad, bad
 
 
+@pytest.mark.slow
 def test_the_site_links_files_so_it_works_opened_from_disk(site):
     pages = sorted(site.glob("*.html"))
     assert {"index.html", "api.html", "getting-started.html"} <= {p.name for p in pages}

@@ -110,6 +110,7 @@ class _Net(torch.nn.Module):
         return x.pow(2).mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["step", "backward"])
 def test_work_that_hides_behind_backward_is_offloaded_and_work_that_shows_is_not(mode):
     """A worker that takes 4 ms per bucket (6 buckets at fraction 1): behind an 80 ms backward
@@ -237,6 +238,7 @@ def test_with_release_grads_the_probe_does_not_hold_the_grads():
     assert fed[1] > 0, fed  # the second backward (placed since construction) fed its buckets
 
 
+@pytest.mark.slow
 def test_a_verified_step_over_the_limit_moves_the_fraction_down(monkeypatch):
     """A model that promised too much (here: told to pick fraction 1 whatever it predicts)
     is corrected by the measured period: the state moves down, bitwise as ever. (Fraction 0's
@@ -265,6 +267,7 @@ def test_a_verified_step_over_the_limit_moves_the_fraction_down(monkeypatch):
         assert torch.equal(got[k], want[k]), k
 
 
+@pytest.mark.slow
 def test_a_choice_left_above_the_limit_warns_with_what_was_kept(monkeypatch):
     """A fresh user's finding: on a noisy host auto ended at a fraction whose measured step was
     above its own limit (within_tolerance False) and said nothing. Now a warning names the

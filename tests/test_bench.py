@@ -42,6 +42,7 @@ def test_run_bench_writes_json_and_every_hybrid_fraction_matches_the_baseline(tm
     assert "hybrid:0.5" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_with_compressed_state_the_kernel_row_times_offloadopts_kernel_too(tmp_path):
     """The configurations' CPU update is offloadopt's kernel under state_dtype= / bf16-sr: the
     kernel row times it beside torch's fp32 one, and the report says which is which."""
@@ -157,6 +158,7 @@ def test_hybrid_under_fsdp2_of_one_rank_is_bitwise_the_single_process_path(tmp_p
     assert fsdp["opt_host_gb"] == plain["opt_host_gb"] > 0  # the same placement: one shard each
 
 
+@pytest.mark.slow
 def test_the_new_anchors_are_cleanly_unavailable_on_a_cpu_only_machine(tmp_path, monkeypatch):
     bench = Bench(tiny(tmp_path))
     with pytest.raises(anchors.Unavailable, match="deepspeed is not installed|CUDA device"):

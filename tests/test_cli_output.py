@@ -66,6 +66,7 @@ def test_an_audit_on_the_cpu_says_what_it_measures(capsys):
     assert summary["device"] == "cpu" and summary["measures"] == provenance.CPU_AUDIT_NOTE
 
 
+@pytest.mark.slow
 def test_a_bench_on_the_cpu_says_what_it_measures_and_where_it_ran(capsys, tmp_path):
     argv = ["bench", "--device", "cpu", "--preset", "tiny", "--batch-size", "2", "--seq-len",
             "16", "--warmup", "0", "--steps", "1", "--fractions", "1", "--anchors", "--no-kernel",

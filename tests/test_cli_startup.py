@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # every --help, in one fresh interpreter; then what it imported
@@ -38,6 +40,7 @@ def test_help_imports_no_torch():
     assert r.stdout.strip() == "none", f"--help imported {r.stdout.strip()}"
 
 
+@pytest.mark.slow
 def test_import_offloadopt_is_lazy_and_its_names_resolve():
     r = _python(
         "import sys, offloadopt\n"

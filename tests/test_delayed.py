@@ -468,6 +468,7 @@ print("same" if same else "differ")
 """
 
 
+@pytest.mark.slow
 def test_delayed_mode_under_ddp_bucket_views_copies_this_steps_grads():
     """DDP with gradient_as_bucket_view=True keeps each grad a view of its bucket: the next
     backward writes the same memory, whatever p.grad is, while the delayed update's copies of

@@ -251,6 +251,7 @@ def test_the_cpu_default_is_still_the_kernel(monkeypatch):
     assert not called and kernels.available()
 
 
+@pytest.mark.slow
 def test_the_benchmark_runs_at_a_tiny_size():
     """benchmarks/device_path.py as a user runs it (a program: no test imports a benchmark)."""
     import subprocess

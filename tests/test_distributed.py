@@ -88,6 +88,7 @@ def job():
     sys.path.remove(str(JOB.parent))
 
 
+@pytest.mark.slow
 def test_fsdp2_matches_torch_bitwise_at_every_fraction_and_mode(tmp_path, job):
     ranks = launch(tmp_path, "run_fsdp", 2)
     r = ranks[0]
@@ -165,6 +166,7 @@ def test_dcp_checkpoint_reshards_2_to_1_to_2_ranks_exactly(tmp_path):
     assert max_diff(resumed[0]["weights"], resumed[1]["weights"]) == 0.0
 
 
+@pytest.mark.slow
 def test_refused_setups_and_threads_per_rank(tmp_path):
     ranks = launch(tmp_path, "run_bad", 2, env={"OMP_NUM_THREADS": "1"})
     for r in ranks:
@@ -263,6 +265,7 @@ def test_bench_under_torchrun_fsdp_gathers_every_rank(tmp_path):
     assert half["tokens_per_s"] == pytest.approx(2 * 2 * 16 / half["step_ms"] * 1e3)
 
 
+@pytest.mark.slow
 def test_main_job_refuses_fsdp_without_torchrun():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     r = subprocess.run([sys.executable, "-m", "offloadopt", "train", "--fsdp", "--steps", "1"],

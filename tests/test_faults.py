@@ -126,6 +126,7 @@ def test_200_steps_with_replacement_and_checkpoints_keep_rss_threads_and_fds_fla
     assert faults.endurance(0, mode, steps=200, every=20) == "10samples"
 
 
+@pytest.mark.slow
 def test_200_optimizers_dropped_are_collected_and_leave_nothing_behind(faults):
     assert faults.lifetimes(0, 200).startswith("200collected")
 

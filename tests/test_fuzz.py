@@ -33,6 +33,7 @@ def explain(out) -> str:
     phases=[Phase.explicit, Phase.generate],  # a smaller seed is no simpler case
     suppress_health_check=list(HealthCheck),
 )
+@pytest.mark.slow
 @given(seed=st.integers(0, 2**31 - 1))
 def test_fuzz_slice_against_torchs_fused_optimizers(seed):
     """Random cases without the known failures' triggers: bitwise torch, or a documented
@@ -75,6 +76,7 @@ def test_the_generator_draws_every_feature_it_claims():
     )
 
 
+@pytest.mark.slow
 def test_most_cases_run_and_offload():
     outs = [run_case(draw(seed, known=False)) for seed in range(40)]
     assert sum(o.status == "passed" for o in outs) >= 25, [o.message for o in outs]
@@ -177,6 +179,7 @@ def test_a_refusal_at_step_counts_only_where_documented(fraction, status):
         assert run_case(Case(**kw)).status == "failed"
 
 
+@pytest.mark.slow
 def test_the_long_run_script_counts_and_names_reproducers(capsys):
     """tests/long/fuzz_loop.py: progress, the counts, and for a failure its seed and Case."""
     import importlib.util

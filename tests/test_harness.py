@@ -269,6 +269,7 @@ def test_main_job_says_why_a_gpu_budget_cannot_be_met():
 @pytest.mark.parametrize(
     "name", ["gpt-9b", "gpt-13b", "gpt-17.5b", "gpt-18b", "gpt-25b", "gpt-30b", "gpt-32b"]
 )
+@pytest.mark.slow
 def test_the_width_4096_presets_count_their_params(name):
     with torch.device("meta"):
         model = GPT(PRESETS[name])

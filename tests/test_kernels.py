@@ -447,6 +447,7 @@ def test_build_failure_is_one_clear_line(tmp_path, monkeypatch, cxx):
     assert os.environ["CXX"] == cxx
 
 
+@pytest.mark.slow
 def test_a_baton_left_by_a_killed_build_does_not_hang_the_next_one(mod, tmp_path):
     """A build killed part-way leaves torch's baton (``<build dir>/lock``); torch's loader waits
     for it to go, forever. A fresh process that finds one while it holds offloadopt's flock
@@ -517,6 +518,7 @@ def test_a_compiler_error_is_named_in_the_one_line(tmp_path, monkeypatch):
     assert "\n" not in msg and "bad.cpp" in msg and "error" in msg, msg
 
 
+@pytest.mark.slow
 def test_the_benchmark_runs_at_a_tiny_size(mod):
     """benchmarks/cpu_kernel.py as a user runs it (a program: no test imports a benchmark)."""
     import subprocess

@@ -16,6 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "long" / "faults.py"
+pytestmark = pytest.mark.slow  # two fresh processes over the whole matrix (about 15 s)
 
 
 def load_faults():

@@ -71,6 +71,7 @@ def test_resume_continues_an_interrupted_run_bit_for_bit(tmp_path, capsys, monke
                                      "--offload-fraction", "0.5"]],
     ids=str,
 )  # fmt: skip
+@pytest.mark.slow
 def test_a_streamed_checkpoint_resumes_bit_for_bit(tmp_path, capsys, monkeypatch, flags):
     """--checkpoint-format streamed: a folder written by HybridAdamW.save_streamed, replaced
     whole at each save; --resume reads it; the losses are the uninterrupted run's."""

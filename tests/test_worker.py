@@ -189,6 +189,7 @@ def test_an_error_queuing_a_copy_reaches_the_caller_and_the_next_step_works(dire
     opt.close()
 
 
+@pytest.mark.slow
 def test_every_wait_has_a_timeout_that_names_what_it_waited_for():
     p = torch.nn.Parameter(torch.randn(1000))
     opt = HybridAdamW([p], min_offload_numel=1, bucket_nbytes=4 * 256, timeout_s=0.2)
