@@ -317,7 +317,12 @@ def run_endurance(cfg: TrainConfig, data: TokenData, sample_every: int, progress
     mismatch_steps, first_mismatch = 0, None
     weight_checks, weight_mismatch_samples, first_weight_mismatch = 0, 0, None
     t_start = time.perf_counter()
-    bar = tqdm(range(1, cfg.steps + 1), desc="endurance", file=sys.stderr, disable=not progress)
+    bar = tqdm(
+        range(1, cfg.steps + 1),
+        desc="endurance",
+        file=sys.stderr,
+        disable=None if progress else True,
+    )
     for step in bar:
         set_lr(opt, cfg, step)
         _sync(device)
@@ -417,7 +422,10 @@ def run_reference(cfg: TrainConfig, data: TokenData, masters: bool, progress: bo
     step_ms: list[float] = []
     t_start = time.perf_counter()
     bar = tqdm(
-        range(1, cfg.steps + 1), desc=f"ref seed {cfg.seed}", file=sys.stderr, disable=not progress
+        range(1, cfg.steps + 1),
+        desc=f"ref seed {cfg.seed}",
+        file=sys.stderr,
+        disable=None if progress else True,
     )
     for step in bar:
         set_lr(opt, cfg, step)
