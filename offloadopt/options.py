@@ -29,7 +29,8 @@ class Options:
     pin_memory: bool = True  # pin host buffers that cross the link (False: the pageable path)
     bucket_nbytes: int | None = None  # fp32 state bytes per bucket; None: by overlap (optim.py)
     flush_denormal: bool = True  # the CPU update with flush-to-zero
-    cpu_threads: int | None = None  # the CPU worker's OpenMP threads; None: the usable cores
+    cpu_threads: int | None = None  # the CPU worker's OpenMP threads; None: one per worker CPU
+    worker_cpus: Any = None  # the worker's CPUs: None (chosen), "any" (unpinned), or CPU ids
     timeout_s: float = 600.0  # the longest wait for the worker or a copy, seconds
     overlap: str = "step"  # when updates start: "step", "backward" or "delayed"
     wait: str = "step"  # when new weights are waited for: "step" or "module" (per module)
@@ -73,6 +74,7 @@ class OffloadOptions(TypedDict, total=False):
     bucket_nbytes: int | None
     flush_denormal: bool
     cpu_threads: int | None
+    worker_cpus: Any
     timeout_s: float
     overlap: str
     wait: str

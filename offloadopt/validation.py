@@ -6,6 +6,7 @@ the value. The rule's own hyperparameters are checked by the rule (offloadopt/ru
 from __future__ import annotations
 
 import numbers
+import os
 import sys
 from typing import Any
 
@@ -43,6 +44,26 @@ def validate_params_arg(params: Any) -> list:
     if not params:
         raise ValueError("optimizer got an empty parameter list")
     return params
+
+
+def _check_worker_cpus(value: Any) -> None:
+    """``worker_cpus``: None, ``"any"``, or a non-empty collection of CPU ids this process may
+    run on (``os.sched_getaffinity``). Raises ValueError naming the value."""
+    if value is None or value == "any":
+        return
+    ok = (isinstance(value, (list, tuple, set, frozenset, range)) and len(value) > 0
+          and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value))  # fmt: skip
+    if not ok:
+        raise ValueError(f"Invalid worker_cpus: {value!r} (expected None, 'any', or a non-empty "
+                         "list of CPU ids)")  # fmt: skip
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return
+    outside = sorted(set(value) - allowed)
+    if outside:
+        raise ValueError(f"Invalid worker_cpus: {value!r}: CPU {outside[0]} is not one this "
+                         f"process may run on ({sorted(allowed)})")  # fmt: skip
 
 
 def validate_options(
@@ -85,6 +106,7 @@ def validate_options(
            f"Invalid bucket_nbytes: {o.bucket_nbytes!r} (expected None or an int > 0)")  # fmt: skip
     _check(o.cpu_threads is None or (count(o.cpu_threads) and o.cpu_threads > 0),
            f"Invalid cpu_threads: {o.cpu_threads!r} (expected None or an int > 0)")  # fmt: skip
+    _check_worker_cpus(o.worker_cpus)
     _check(number(o.timeout_s) and 0 < o.timeout_s < 1e7,
            f"Invalid timeout_s: {o.timeout_s!r} (expected seconds, finite and > 0)")  # fmt: skip
     _check(o.overlap in ("step", "backward", "delayed"),

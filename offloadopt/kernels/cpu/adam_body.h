@@ -93,7 +93,7 @@ struct Kern {
   // One vector of W elements at P, G, Ms, Vs (and Wo). TAIL: lanes in `tail` use torch's
   // scalar-tail form of exp_avg_sq (all-fp32 mode only; see the note in adam_cpu.cpp). int8:
   // the new m and y = sqrt(v) go to mb, yb and their magnitudes' bits into mabs, yabs; the
-  // codes are written by `block_int8` once the block's scales are known. PLAIN: the common
+  // codes are written by `encode` once the block's scales are known. PLAIN: the common
   // case, decided once per span (`plain`): no grad_scale, no maximize, no Adam-style weight
   // decay, no counter wrap; AdamW's decay is a multiplication by 1 - lr*wd (exactly 1.0
   // without weight decay: p * 1 == p), so the loop has no branch.
@@ -168,42 +168,68 @@ struct Kern {
     c.lo = V::add(c.lo, V::seti((uint32_t)W));
   }
 
-  // int8: one full block. Pass 1 updates and keeps m, y in L1; pass 2 encodes them against the
-  // block's new absmax (formats.py: round to nearest even on t's fp32 bits).
+  // int8 works a block in two passes: `update_block` updates it and keeps the fresh m and y =
+  // sqrt(v) in an L1 buffer (`Pending`), with the block's new scales; `encode` writes their
+  // codes. The span runs the encode of block b after the update of block b + 1: the encode
+  // waits for its block's absmax (a reduction and a division), and the next block's update,
+  // independent of it, fills that wait.
+  struct Pending {
+    alignas(64) float m[BLOCK];
+    alignas(64) float y[BLOCK];
+    uint8_t* Ms = nullptr;  // where the codes go (nullptr: nothing pending)
+    uint8_t* Vs = nullptr;
+    float minv = 1.f, yinv = 1.f;  // 1 / the scales (1 for a zero block)
+    bool bad = false;               // inf or NaN in the block: codes 0
+  };
+
   template <bool PLAIN>
-  static void block_int8(Ctx& c, MT* P, const GT* G, uint8_t* Ms, uint8_t* Vs, uint16_t* Wo, float* msc,
-                         float* vsc) {
-    alignas(64) float mb[BLOCK];
-    alignas(64) float yb[BLOCK];
+  static void update_block(Ctx& c, MT* P, const GT* G, uint8_t* Ms, uint8_t* Vs, uint16_t* Wo, float* msc,
+                           float* vsc, Pending& out) {
     c.m_scale = V::setf(*msc);
     c.v_scale = V::setf(*vsc);
     I mabs = V::seti(0u), yabs = V::seti(0u);
     for (int k = 0; k < BLOCK; k += W)
-      one<false, PLAIN>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, mb + k, yb + k, mabs, yabs,
+      one<false, PLAIN>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, out.m + k, out.y + k, mabs, yabs,
                         V::lanes_from(W));
     const uint32_t ma = V::hmaxu(mabs), ya = V::hmaxu(yabs);
-    if (ma >= 0x7F800000u || ya >= 0x7F800000u) {  // inf or NaN in the block: NaN scales, codes 0
+    out.Ms = Ms;
+    out.Vs = Vs;
+    out.bad = ma >= 0x7F800000u || ya >= 0x7F800000u;
+    if (out.bad) {  // NaN scales, codes 0: the problem shows instead of hiding (formats.py)
       *msc = NAN;
       *vsc = NAN;
-      std::memset(Ms, 0, BLOCK);
-      std::memset(Vs, 0, BLOCK);
       return;
     }
     const float ms = u2f(ma), ys = u2f(ya);
     *msc = ms;
     *vsc = ys;
     // t = |m| * (1/scale): one division a block (a zero block: scale 0, t = 0, codes 0)
-    const F minv = V::setf(ms == 0.f ? 1.f : 1.f / ms), yinv = V::setf(ys == 0.f ? 1.f : 1.f / ys);
+    out.minv = ms == 0.f ? 1.f : 1.f / ms;
+    out.yinv = ys == 0.f ? 1.f : 1.f / ys;
+  }
+
+  // The codes of a pending block (formats.py: round to nearest even on t's fp32 bits).
+  static void encode(Pending& b) {
+    if (!b.Ms) return;
+    uint8_t* Ms = b.Ms;
+    uint8_t* Vs = b.Vs;
+    b.Ms = b.Vs = nullptr;
+    if (b.bad) {
+      std::memset(Ms, 0, BLOCK);
+      std::memset(Vs, 0, BLOCK);
+      return;
+    }
+    const F minv = V::setf(b.minv), yinv = V::setf(b.yinv);
     const I abs_mask = V::seti(0x7FFFFFFFu), one_bit = V::seti(1u);
     for (int k = 0; k < BLOCK; k += W) {
-      const I mbits = V::bits(V::ldf(mb + k));
+      const I mbits = V::bits(V::ldf(b.m + k));
       const I tm = V::bits(V::mul(V::flt(V::band(mbits, abs_mask)), minv));
       const I rm = V::template srl<20>(V::add(V::add(tm, V::seti(0x7FFFFu)), V::band(V::template srl<20>(tm), one_bit)));
       // t >= 2^-15: max(code, the smallest) | sign; below: 0
       const I mag = V::sub(V::maxu(rm, V::seti(113u << 3)), V::seti(112u << 3));
       const I sign = V::band(V::template srl<24>(mbits), V::seti(0x80u));
       V::st_u8(Ms + k, V::keep(V::ge_u(tm, V::seti(0x38000000u)), V::bor(mag, sign)));
-      const F y = V::ldf(yb + k);
+      const F y = V::ldf(b.y + k);
       const I ty = V::bits(V::mul(y, yinv));
       const I ry = V::template srl<19>(V::add(V::add(ty, V::seti(0x3FFFFu)), V::band(V::template srl<19>(ty), one_bit)));
       // y != 0: max(code, the smallest nonzero code 0x10); y == 0: 0
@@ -219,11 +245,13 @@ struct Kern {
     alignas(64) GT g[BLOCK] = {};
     alignas(64) uint8_t m[BLOCK] = {}, v[BLOCK] = {};
     alignas(64) uint16_t w[BLOCK];
+    Pending pending;
     std::memcpy(p, P, len * sizeof(MT));
     std::memcpy(g, G, len * sizeof(GT));
     std::memcpy(m, Ms, len);
     std::memcpy(v, Vs, len);
-    block_int8<false>(c, p, g, m, v, w, msc, vsc);
+    update_block<false>(c, p, g, m, v, w, msc, vsc, pending);
+    encode(pending);
     std::memcpy(P, p, len * sizeof(MT));
     std::memcpy(Ms, m, len);
     std::memcpy(Vs, v, len);
@@ -272,13 +300,20 @@ struct Kern {
     if constexpr (SK == Moments::Int8Block) {
       float* msc = J.ms[i] + j0 / BLOCK;
       float* vsc = J.vs[i] + j0 / BLOCK;
-      for (int64_t b = 0; b < len; b += BLOCK, ++msc, ++vsc) {
+      Pending pending[2];
+      int64_t n = 0;
+      for (int64_t b = 0; b < len; b += BLOCK, ++msc, ++vsc, ++n) {
         uint16_t* wo = WOUT ? Wo + b : nullptr;
-        if (len - b >= BLOCK)
-          block_int8<PLAIN>(c, P + b, G + b, Ms + b, Vs + b, wo, msc, vsc);
-        else
+        if (len - b >= BLOCK) {
+          update_block<PLAIN>(c, P + b, G + b, Ms + b, Vs + b, wo, msc, vsc, pending[n & 1]);
+          encode(pending[(n + 1) & 1]);  // the block before
+        } else {
+          encode(pending[(n + 1) & 1]);
           short_block(c, P + b, G + b, Ms + b, Vs + b, wo, msc, vsc, (int)(len - b));
+        }
       }
+      encode(pending[(n + 1) & 1]);
+      encode(pending[n & 1]);
     } else {
       I unused = V::seti(0u);
       int64_t k = 0;
