@@ -423,7 +423,7 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
       fn(J, i, j0, len);
       b += run;
     }
-    if (bk) backup_fence();
+    backup_fence();  // the backups' and weights_out's streaming stores, visible when the region ends
 #ifdef OFFLOADOPT_X86
     _mm_setcsr(csr);
 #endif

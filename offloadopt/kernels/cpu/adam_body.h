@@ -30,6 +30,9 @@ struct Kern {
     // stochastic rounding: lo32 of each lane's counter, and the keys (sr_key in adam_cpu.cpp)
     I lo, lo_first, key[2], key_wrapped[2];
     bool wraps;  // lo32 of the counter wraps inside this span (hi32 steps up by one)
+    // weights_out (write-only) written with streaming stores when aligned for them: the lines
+    // are not read first (2 bytes an element, not 4)
+    bool wo_stream;
   };
 
   static Ctx context(const Job& J, size_t i, int64_t j0, int64_t len) {
@@ -56,6 +59,7 @@ struct Kern {
     c.lo = V::add(V::seti(lo0), V::iota());
     c.lo_first = V::seti(lo0);
     c.wraps = (uint64_t)lo0 + (uint64_t)len > 0x100000000ULL;
+    c.wo_stream = WOUT && reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(J.wo[i]) + j0) % V::kStreamAlign == 0;
     for (int d = 0; d < 2; ++d) {
       c.key[d] = V::seti(draw_key(k.key[d], hi0));
       c.key_wrapped[d] = V::seti(draw_key(k.key[d], hi0 + 1));
@@ -150,7 +154,12 @@ struct Kern {
       V::st_u16(P, round_sr(pn, V::band(draw<PLAIN>(c, 0), V::seti(0xFFFFu))));
     } else {
       V::stf(P, pn);
-      if constexpr (WOUT) V::st_u16(Wo, round_ne(pn));
+      if constexpr (WOUT) {
+        if (c.wo_stream)
+          V::st_u16_stream(Wo, round_ne(pn));
+        else
+          V::st_u16(Wo, round_ne(pn));
+      }
     }
     if constexpr (SK == Moments::Fp32) {
       V::stf(Ms, m);
@@ -163,7 +172,8 @@ struct Kern {
       V::stf(mb, m);
       V::stf(yb, y);
       mabs = V::maxu(mabs, V::band(V::bits(m), V::seti(0x7FFFFFFFu)));
-      yabs = V::maxu(yabs, V::band(V::bits(y), V::seti(0x7FFFFFFFu)));
+      yabs = V::maxu(yabs, V::bits(y));  // y = sqrt(v): +0, positive or NaN (a NaN's sign set
+                                         // is still above inf's bits as an unsigned number)
     }
     c.lo = V::add(c.lo, V::seti((uint32_t)W));
   }
@@ -234,7 +244,7 @@ struct Kern {
       const I ry = V::template srl<19>(V::add(V::add(ty, V::seti(0x3FFFFu)), V::band(V::template srl<19>(ty), one_bit)));
       // y != 0: max(code, the smallest nonzero code 0x10); y == 0: 0
       const I code = V::sub(V::maxu(ry, V::seti(113u << 4)), V::seti(112u << 4));
-      V::st_u8(Vs + k, V::keep(V::nonzero(V::band(V::bits(y), abs_mask)), code));
+      V::st_u8(Vs + k, V::keep(V::nonzero(V::bits(y)), code));  // y is never -0 (v = x*x + ...)
     }
   }
 
@@ -250,7 +260,10 @@ struct Kern {
     std::memcpy(g, G, len * sizeof(GT));
     std::memcpy(m, Ms, len);
     std::memcpy(v, Vs, len);
+    const bool stream = c.wo_stream;
+    c.wo_stream = false;  // the local copy is read back at once
     update_block<false>(c, p, g, m, v, w, msc, vsc, pending);
+    c.wo_stream = stream;
     encode(pending);
     std::memcpy(P, p, len * sizeof(MT));
     std::memcpy(Ms, m, len);
@@ -270,6 +283,7 @@ struct Kern {
     std::memcpy(m, Ms, len * sizeof(ST));
     std::memcpy(v, Vs, len * sizeof(ST));
     I unused = V::seti(0u);
+    c.wo_stream = false;  // the local copy is read back at once (and this is the span's end)
     if (kParity && tail_from < W)
       one<kParity, false>(c, p, g, m, v, w, nullptr, nullptr, unused, unused, V::lanes_from(tail_from));
     else

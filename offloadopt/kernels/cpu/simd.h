@@ -35,6 +35,9 @@ struct V {
   static inline I ld_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
   static inline void st_u16(uint16_t* p, I x) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(x)); }
   static inline void st_u8(uint8_t* p, I x) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(x)); }
+  // st_u16 with a streaming (non-temporal) store: p 32-byte aligned
+  static inline void st_u16_stream(uint16_t* p, I x) { _mm256_stream_si256((__m256i*)p, _mm512_cvtepi32_epi16(x)); }
+  static constexpr int kStreamAlign = 32;
   static inline F setf(float x) { return _mm512_set1_ps(x); }
   static inline I seti(uint32_t x) { return _mm512_set1_epi32((int)x); }
   static inline I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
@@ -80,14 +83,16 @@ struct V {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
   }
   static inline I ld_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
-  static inline void st_u16(uint16_t* p, I x) {
+  static inline __m128i pack_u16(I x) {
     // the low two bytes of each 32-bit lane to the low 8 bytes of each 128-bit half, then the
     // two halves' 8 bytes side by side
     const __m256i pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
                                           0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
-    const __m256i y = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(x, pick), 0x08);
-    _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(y));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(x, pick), 0x08));
   }
+  static inline void st_u16(uint16_t* p, I x) { _mm_storeu_si128((__m128i*)p, pack_u16(x)); }
+  static inline void st_u16_stream(uint16_t* p, I x) { _mm_stream_si128((__m128i*)p, pack_u16(x)); }
+  static constexpr int kStreamAlign = 16;
   static inline void st_u8(uint8_t* p, I x) {
     const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                           0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
@@ -148,6 +153,8 @@ struct V {
   static inline I ld_u8(const uint8_t* p) { I r; OO_LANES(r.v[l] = p[l]) return r; }
   static inline void st_u16(uint16_t* p, I x) { OO_LANES(p[l] = (uint16_t)x.v[l]) }
   static inline void st_u8(uint8_t* p, I x) { OO_LANES(p[l] = (uint8_t)x.v[l]) }
+  static inline void st_u16_stream(uint16_t* p, I x) { st_u16(p, x); }
+  static constexpr int kStreamAlign = 1;
   static inline F setf(float x) { F r; OO_LANES(r.v[l] = x) return r; }
   static inline I seti(uint32_t x) { I r; OO_LANES(r.v[l] = x) return r; }
   static inline I iota() { I r; OO_LANES(r.v[l] = (uint32_t)l) return r; }
