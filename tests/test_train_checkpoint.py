@@ -11,6 +11,7 @@ import torch
 
 from offloadopt.cli import main
 from offloadopt.harness import options, train
+from offloadopt.state.integrity import fsync_save
 
 N = 3  # steps before the interrupt; the run has 2 * N
 ARGS = ["train", "--steps", str(2 * N), "--batch-size", "2", "--seq-len", "32",
@@ -222,7 +223,7 @@ def test_bad_checkpoints_are_one_line_errors_naming_the_file(tmp_path, capsys):
     assert "is not a checkpoint of offloadopt train" in _error(capsys, [*ARGS, "--resume", other])
     small = str(tmp_path / "small.pt")
     cfg = options.TrainConfig(preset="small").resolved()
-    torch.save({"format": train.CHECKPOINT_FORMAT, "version": train.CHECKPOINT_VERSION,
+    fsync_save({"format": train.CHECKPOINT_FORMAT, "version": train.CHECKPOINT_VERSION,
                 "step": 1, "config": vars(cfg).copy()}, small)  # fmt: skip
     assert _error(capsys, [*ARGS, "--resume", small]) == (
         f"--resume: {small!r} is a checkpoint of preset 'small', not 'tiny' (--preset)"
