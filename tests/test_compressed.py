@@ -260,6 +260,27 @@ def test_assigning_torchs_moment_keys_encodes_them_into_the_int8_state():
         opt.state[p]["exp_avg"] = 0.0
 
 
+def test_a_value_that_would_wrap_in_the_int8_codes_is_refused_and_changes_nothing():
+    """A fresh user's finding (issue 44): float values assigned to the codes were accepted and
+    wrapped (300.0 became 44, -1 became 255, NaN 0). Refused now, naming torch's key instead;
+    through a whole entry and ``opt.state = ...`` too, before anything is cleared."""
+    params = make_params()
+    opt = run(params, 2, state_dtype="int8")
+    p = params[0]
+    before = {q: {k: v.clone() for k, v in opt.state[q].items()} for q in params}
+    for bad in (torch.full(p.shape, 300.0), torch.full(p.shape, -1, dtype=torch.int64), 300.0):
+        with pytest.raises(TypeError, match=r"'exp_avg_q'\] = .*would wrap.*'exp_avg'"):
+            opt.state[p]["exp_avg_q"] = bad
+    with pytest.raises(TypeError, match="would wrap"):
+        opt.state[p] = {**before[p], "exp_avg_sq_q": before[p]["exp_avg_sq_q"].float()}
+    with pytest.raises(TypeError, match="would wrap"):
+        opt.state = {**before, p: {**before[p], "exp_avg_q": before[p]["exp_avg_q"].float()}}
+    for q in params:
+        for k, v in before[q].items():
+            torch.testing.assert_close(opt.state[q][k], v, rtol=0, atol=0)
+    opt.state[p]["exp_avg_q"] = before[p]["exp_avg_q"].clone()  # uint8 codes: taken as they are
+
+
 def test_fsdp2_params_are_refused_with_compressed_state(monkeypatch):
     from offloadopt.place import placer
 

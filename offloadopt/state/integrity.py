@@ -208,8 +208,12 @@ def full_disk_error(who: str, path: str, written: int, needed: int, kept: str) -
         free = 0
     return OSError(
         errno.ENOSPC,
-        f"{who}: the disk of {path!r} is full: this checkpoint needs about "
-        f"{needed / 1e9:.3f} GB, {written / 1e9:.3f} GB were written before the disk filled "
-        f"({free / 1e9:.3f} GB free now, the partial write removed); {kept}. Free at least "
-        f"{max(needed - free, 0) / 1e9:.3f} GB there, or save elsewhere",
+        f"{who}: the disk of {path!r} is full: this checkpoint needs about {_size(needed)}, "
+        f"{_size(written)} of it were written before the disk filled ({_size(free)} free now, "
+        f"the partial write removed); {kept}. Free at least {_size(max(needed - free, 0))} "
+        "there, or save elsewhere",
     )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
