@@ -42,6 +42,12 @@ class UsageError(argparse.ArgumentTypeError, ValueError):
     """
 
 
+class RunStopped(RuntimeError):
+    """The main job stopped itself: a NaN or infinite loss, or weights that are no longer
+    finite before a checkpoint (``offloadopt train`` without ``--no-stop-on-nonfinite``). The
+    message is one line: the step, what was found, and where the run can go on from."""
+
+
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:36] + "..."

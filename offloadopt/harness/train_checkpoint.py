@@ -24,11 +24,12 @@ __all__ += ["load_checkpoint"]
 
 CHECKPOINT_FORMAT = "offloadopt-train-checkpoint"
 CHECKPOINT_VERSION = 2  # 2: the file ends with its checksum (state/integrity.py); 1 still loads
-# The TrainConfig fields a resumed run may change: where and how often it logs and saves, and
-# --speculate (its runs are bitwise the runs without it: docs/modes.md). Every other field
-# must be the saved run's (they decide the losses).
+# The TrainConfig fields a resumed run may change: where and how often it logs and saves,
+# whether it stops at a NaN loss, and --speculate (its runs are bitwise the runs without it:
+# docs/modes.md). Every other field must be the saved run's (they decide the losses).
 RESUME_MAY_CHANGE = ("progress", "eval_every", "eval_batches", "log_every", "save",
-                     "save_every", "resume", "tensorboard", "checkpoint_format", "speculate")  # fmt: skip
+                     "save_every", "resume", "tensorboard", "checkpoint_format", "speculate",
+                     "stop_on_nonfinite")  # fmt: skip
 
 
 def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: torch.Generator,
@@ -46,7 +47,7 @@ def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: tor
     ``step``, the batch sampler's generator state, torch's global RNG state, the resolved config
     (a dict) and the first step's loss (for the summary); ``delayed_weights`` ({param name:
     CPU tensor}, ``--overlap delayed``): the weights the run's next forward reads where they are
-    not the newest (:class:`offloadopt.harness.train.DelayedSchedule`), saved as given.
+    not the newest (:class:`offloadopt.harness.delayed.DelayedSchedule`), saved as given.
     """
     if hasattr(opt, "synchronize"):
         opt.synchronize()  # delayed: the masters and moments of every step taken
