@@ -131,7 +131,7 @@ def save(
             elif isinstance(value, torch.Tensor):
                 named.append((f"{_STATE}{index}/{key}", value))
     groups = checkpoint.drop_placement({"state": {}, "param_groups": base["param_groups"]})
-    needed = sum(t.numel() * t.element_size() for _, t in named) + 2**20  # + index, headers
+    needed = sum(t.numel() * t.element_size() for _, t in named) + 512 * len(named) + 2**16
     # unique per save (the process id first: _recover tells a killed save's leftovers by it)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(target)}.{os.getpid()}.",
                            suffix=".tmp")  # fmt: skip
