@@ -72,12 +72,14 @@ def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: tor
         os.replace(tmp, path)
         integrity.fsync_dir(os.path.dirname(os.path.abspath(path)))
     except BaseException as e:
+        written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if integrity.disk_full(e):
             kept = (f"the previous checkpoint at {path!r} is kept" if os.path.exists(path)
                     else "nothing was at that path before")  # fmt: skip
-            raise integrity.full_disk_error("--save", path, 0, _tensor_nbytes(payload), kept) from e
+            needed = _tensor_nbytes(payload)
+            raise integrity.full_disk_error("--save", path, written, needed, kept) from e
         raise
     return os.path.getsize(path)
 
