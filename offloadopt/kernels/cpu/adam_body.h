@@ -231,17 +231,18 @@ struct Kern {
     }
     const F minv = V::setf(b.minv), yinv = V::setf(b.yinv);
     const I abs_mask = V::seti(0x7FFFFFFFu), one_bit = V::seti(1u);
+    // round to nearest even on the bits: (u + half - 1 + the lowest kept bit) >> shift
     for (int k = 0; k < BLOCK; k += W) {
       const I mbits = V::bits(V::ldf(b.m + k));
       const I tm = V::bits(V::mul(V::flt(V::band(mbits, abs_mask)), minv));
-      const I rm = V::template srl<20>(V::add(V::add(tm, V::seti(0x7FFFFu)), V::band(V::template srl<20>(tm), one_bit)));
+      const I rm = V::template srl<20>(V::add_if(V::test(tm, V::seti(1u << 20)), V::add(tm, V::seti(0x7FFFFu)), one_bit));
       // t >= 2^-15: max(code, the smallest) | sign; below: 0
       const I mag = V::sub(V::maxu(rm, V::seti(113u << 3)), V::seti(112u << 3));
       const I sign = V::band(V::template srl<24>(mbits), V::seti(0x80u));
       V::st_u8(Ms + k, V::keep(V::ge_u(tm, V::seti(0x38000000u)), V::bor(mag, sign)));
       const F y = V::ldf(b.y + k);
       const I ty = V::bits(V::mul(y, yinv));
-      const I ry = V::template srl<19>(V::add(V::add(ty, V::seti(0x3FFFFu)), V::band(V::template srl<19>(ty), one_bit)));
+      const I ry = V::template srl<19>(V::add_if(V::test(ty, V::seti(1u << 19)), V::add(ty, V::seti(0x3FFFFu)), one_bit));
       // y != 0: max(code, the smallest nonzero code 0x10); y == 0: 0
       const I code = V::sub(V::maxu(ry, V::seti(113u << 4)), V::seti(112u << 4));
       V::st_u8(Vs + k, V::keep(V::nonzero(V::bits(y)), code));  // y is never -0 (v = x*x + ...)
@@ -304,8 +305,24 @@ struct Kern {
       span_loop<false>(J, c, i, j0, len);
   }
 
+  // Software prefetch of elements [j, j + BLOCK) (Job::prefetch blocks ahead of the one being
+  // updated; 0: off): every line of each operand, to be written (master, moments, weights
+  // out) or read (grad).
+  static inline void prefetch_block(MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo) {
+    for (int k = 0; k < BLOCK; k += 64 / (int)sizeof(MT)) __builtin_prefetch(P + k, 1, 3);
+    for (int k = 0; k < BLOCK; k += 64 / (int)sizeof(GT)) __builtin_prefetch(G + k, 0, 3);
+    for (int k = 0; k < BLOCK; k += 64 / (int)sizeof(ST)) {
+      __builtin_prefetch(Ms + k, 1, 3);
+      __builtin_prefetch(Vs + k, 1, 3);
+    }
+    if constexpr (WOUT)
+      for (int k = 0; k < BLOCK; k += 32) __builtin_prefetch(Wo + k, 1, 3);
+  }
+
   template <bool PLAIN>
   static void span_loop(const Job& J, Ctx& c, size_t i, int64_t j0, int64_t len) {
+    // prefetch: `ahead` elements ahead, while that stays inside this span
+    const int64_t ahead = (int64_t)J.prefetch * BLOCK;
     MT* P = static_cast<MT*>(J.master[i]) + j0;
     const GT* G = static_cast<const GT*>(J.grad[i]) + j0;
     ST* Ms = static_cast<ST*>(J.m[i]) + j0;
@@ -318,6 +335,8 @@ struct Kern {
       int64_t n = 0;
       for (int64_t b = 0; b < len; b += BLOCK, ++msc, ++vsc, ++n) {
         uint16_t* wo = WOUT ? Wo + b : nullptr;
+        if (ahead && b + ahead + BLOCK <= len)
+          prefetch_block(P + b + ahead, G + b + ahead, Ms + b + ahead, Vs + b + ahead, WOUT ? Wo + b + ahead : nullptr);
         if (len - b >= BLOCK) {
           update_block<PLAIN>(c, P + b, G + b, Ms + b, Vs + b, wo, msc, vsc, pending[n & 1]);
           encode(pending[(n + 1) & 1]);  // the block before
@@ -331,9 +350,12 @@ struct Kern {
     } else {
       I unused = V::seti(0u);
       int64_t k = 0;
-      for (; k + W <= len; k += W)
+      for (; k + W <= len; k += W) {
+        if (ahead && (k & (BLOCK - 1)) == 0 && k + ahead + BLOCK <= len)
+          prefetch_block(P + k + ahead, G + k + ahead, Ms + k + ahead, Vs + k + ahead, WOUT ? Wo + k + ahead : nullptr);
         one<false, PLAIN>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, nullptr, nullptr, unused,
                           unused, V::lanes_from(W));
+      }
       if (k < len) {
         const int64_t tail_from = std::max<int64_t>(0, J.tail_start[i] - (j0 + k));
         short_vector(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, (int)(len - k),

@@ -65,6 +65,8 @@ struct V {
   static inline I sel(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
   static inline F sel(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
   static inline I keep(M m, I a) { return _mm512_maskz_mov_epi32(m, a); }  // a where m, else 0
+  static inline M test(I a, I b) { return _mm512_test_epi32_mask(a, b); }    // a & b != 0
+  static inline I add_if(M m, I a, I b) { return _mm512_mask_add_epi32(a, m, a, b); }  // a + (m ? b : 0)
   static inline uint32_t hmaxu(I a) { return _mm512_reduce_max_epu32(a); }
   static inline M lanes_from(int k) { return (M)(k >= W ? 0 : (0xFFFFu << k)); }  // lanes >= k
 };
@@ -126,6 +128,8 @@ struct V {
   static inline I sel(M m, I a, I b) { return _mm256_blendv_epi8(b, a, m); }
   static inline F sel(M m, F a, F b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(m)); }
   static inline I keep(M m, I a) { return _mm256_and_si256(m, a); }
+  static inline M test(I a, I b) { return nonzero(_mm256_and_si256(a, b)); }
+  static inline I add_if(M m, I a, I b) { return _mm256_add_epi32(a, _mm256_and_si256(m, b)); }
   static inline uint32_t hmaxu(I a) {
     __m128i x = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
     x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0x4E));
@@ -182,6 +186,8 @@ struct V {
   static inline I sel(M m, I a, I b) { OO_LANES(a.v[l] = (a.v[l] & m.v[l]) | (b.v[l] & ~m.v[l])) return a; }
   static inline F sel(M m, F a, F b) { return flt(sel(m, bits(a), bits(b))); }
   static inline I keep(M m, I a) { return band(m, a); }
+  static inline M test(I a, I b) { return nonzero(band(a, b)); }
+  static inline I add_if(M m, I a, I b) { return add(a, band(m, b)); }
   static inline uint32_t hmaxu(I a) { uint32_t r = 0; OO_LANES(r = a.v[l] > r ? a.v[l] : r) return r; }
   static inline M lanes_from(int k) { I r; OO_LANES(r.v[l] = l >= k ? ~0u : 0u) return r; }
 #undef OO_LANES
