@@ -153,7 +153,7 @@ def plan_cpus(option, threads: int | None, training_thread_busy: bool) -> CpuPla
     if not mine:  # not Linux: the OS places the threads
         return CpuPlan(None, threads or default_cpu_threads(training_thread_busy), [])
     ranks = local_ranks()
-    if ranks > 1 and len(mine) >= 2 * ranks:  # each local rank its own slice
+    if ranks > 1 and len(mine) >= ranks:  # each local rank its own slice
         rank = int(os.environ.get("LOCAL_RANK", "0") or 0) % ranks
         per = len(mine) // ranks
         mine = mine[rank * per : (rank + 1) * per]
