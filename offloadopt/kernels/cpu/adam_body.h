@@ -123,11 +123,11 @@ struct Kern {
       v0 = V::ld_bf16(Vs);
     } else {  // int8 codes (formats.py): m = +-scale * 2^(e-15) * (1 + f/8); v = (scale * 2^(e-15) * (1 + f/16))^2
       const I cm = V::ld_u8(Ms), mag = V::band(cm, V::seti(0x7Fu));
-      const I mbits = V::keep(V::nonzero(mag), V::template sll<20>(V::add(mag, V::seti(112u << 3))));
+      const I mbits = V::keep_nonzero(mag, V::template sll<20>(V::add(mag, V::seti(112u << 3))));
       const I msign = V::band(V::template sll<24>(cm), V::seti(0x80000000u));
       m0 = V::flt(V::bxor(V::bits(V::mul(c.m_scale, V::flt(mbits))), msign));
       const I cv = V::ld_u8(Vs);
-      const F s = V::mul(c.v_scale, V::flt(V::keep(V::nonzero(cv), V::template sll<19>(V::add(cv, V::seti(112u << 4))))));
+      const F s = V::mul(c.v_scale, V::flt(V::keep_nonzero(cv, V::template sll<19>(V::add(cv, V::seti(112u << 4))))));
       v0 = V::mul(s, s);
     }
     const F m = V::fma(c.lerp, V::sub(g, m0), c.lerp_small ? m0 : g);
@@ -230,23 +230,36 @@ struct Kern {
       return;
     }
     const F minv = V::setf(b.minv), yinv = V::setf(b.yinv);
-    const I abs_mask = V::seti(0x7FFFFFFFu), one_bit = V::seti(1u);
-    // round to nearest even on the bits: (u + half - 1 + the lowest kept bit) >> shift
-    for (int k = 0; k < BLOCK; k += W) {
-      const I mbits = V::bits(V::ldf(b.m + k));
-      const I tm = V::bits(V::mul(V::flt(V::band(mbits, abs_mask)), minv));
-      const I rm = V::template srl<20>(V::add_if(V::test(tm, V::seti(1u << 20)), V::add(tm, V::seti(0x7FFFFu)), one_bit));
-      // t >= 2^-15: max(code, the smallest) | sign; below: 0
-      const I mag = V::sub(V::maxu(rm, V::seti(113u << 3)), V::seti(112u << 3));
-      const I sign = V::band(V::template srl<24>(mbits), V::seti(0x80u));
-      V::st_u8(Ms + k, V::keep(V::ge_u(tm, V::seti(0x38000000u)), V::bor(mag, sign)));
-      const F y = V::ldf(b.y + k);
-      const I ty = V::bits(V::mul(y, yinv));
-      const I ry = V::template srl<19>(V::add_if(V::test(ty, V::seti(1u << 19)), V::add(ty, V::seti(0x3FFFFu)), one_bit));
-      // y != 0: max(code, the smallest nonzero code 0x10); y == 0: 0
-      const I code = V::sub(V::maxu(ry, V::seti(113u << 4)), V::seti(112u << 4));
-      V::st_u8(Vs + k, V::keep(V::nonzero(V::bits(y)), code));  // y is never -0 (v = x*x + ...)
+    // four vectors at a time (AVX2 packs their bytes in four instructions, not eight)
+    for (int k = 0; k < BLOCK; k += 4 * W) {
+      I cm[4], cv[4];
+      for (int u = 0; u < 4; ++u) {
+        cm[u] = m_code(V::ldf(b.m + k + u * W), minv);
+        cv[u] = v_code(V::ldf(b.y + k + u * W), yinv);
+      }
+      V::st_u8x4(Ms + k, cm[0], cm[1], cm[2], cm[3]);
+      V::st_u8x4(Vs + k, cv[0], cv[1], cv[2], cv[3]);
     }
+  }
+
+  // exp_avg's code of m, t = |m| * minv (formats.py): round to nearest even on t's bits (add
+  // half - 1 and the lowest kept bit, shift), then t >= 2^-15: max(code, the smallest) | sign;
+  // below: 0
+  static inline I m_code(F m, F minv) {
+    const I mbits = V::bits(m);
+    const I tm = V::bits(V::mul(V::flt(V::band(mbits, V::seti(0x7FFFFFFFu))), minv));
+    const I rm = V::template srl<20>(V::template add_bit<20>(V::add(tm, V::seti(0x7FFFFu)), tm));
+    const I mag = V::sub(V::maxu(rm, V::seti(113u << 3)), V::seti(112u << 3));
+    const I sign = V::band(V::template srl<24>(mbits), V::seti(0x80u));
+    return V::keep(V::gt_s(tm, V::seti(0x37FFFFFFu)), V::bor(mag, sign));  // t's bits < 2^31
+  }
+
+  // exp_avg_sq's code of y = sqrt(v), t = y * yinv: y != 0: max(code, the smallest nonzero code
+  // 0x10); y == 0: 0 (y is never -0: v = x*x + ...)
+  static inline I v_code(F y, F yinv) {
+    const I ty = V::bits(V::mul(y, yinv));
+    const I ry = V::template srl<19>(V::template add_bit<19>(V::add(ty, V::seti(0x3FFFFu)), ty));
+    return V::keep_nonzero(V::bits(y), V::sub(V::maxu(ry, V::seti(113u << 4)), V::seti(112u << 4)));
   }
 
   // The last len (< BLOCK) elements of a tensor, as one zero-padded block.

@@ -58,15 +58,20 @@ struct V {
   static inline I maxu(I a, I b) { return _mm512_max_epu32(a, b); }
   template <int S> static inline I srl(I a) { return _mm512_srli_epi32(a, S); }
   template <int S> static inline I sll(I a) { return _mm512_slli_epi32(a, S); }
-  static inline M ge_u(I a, I b) { return _mm512_cmpge_epu32_mask(a, b); }
   static inline M lt_u(I a, I b) { return _mm512_cmplt_epu32_mask(a, b); }
   static inline M nonzero(I a) { return _mm512_test_epi32_mask(a, a); }
   static inline M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
   static inline I sel(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
   static inline F sel(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
   static inline I keep(M m, I a) { return _mm512_maskz_mov_epi32(m, a); }  // a where m, else 0
-  static inline M test(I a, I b) { return _mm512_test_epi32_mask(a, b); }    // a & b != 0
-  static inline I add_if(M m, I a, I b) { return _mm512_mask_add_epi32(a, m, a, b); }  // a + (m ? b : 0)
+  static inline I keep_nonzero(I x, I a) { return _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(x, x), a); }
+  static inline M gt_s(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }  // signed a > b
+  // x + bit S of u
+  template <int S> static inline I add_bit(I x, I u) {
+    return _mm512_mask_add_epi32(x, _mm512_test_epi32_mask(u, _mm512_set1_epi32(1 << S)), x, _mm512_set1_epi32(1));
+  }
+  // four vectors' low bytes, in order, to p (64 bytes)
+  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) { st_u8(p, a); st_u8(p + 16, b); st_u8(p + 32, c); st_u8(p + 48, d); }
   static inline uint32_t hmaxu(I a) { return _mm512_reduce_max_epu32(a); }
   static inline M lanes_from(int k) { return (M)(k >= W ? 0 : (0xFFFFu << k)); }  // lanes >= k
 };
@@ -121,15 +126,25 @@ struct V {
   static inline I maxu(I a, I b) { return _mm256_max_epu32(a, b); }
   template <int S> static inline I srl(I a) { return _mm256_srli_epi32(a, S); }
   template <int S> static inline I sll(I a) { return _mm256_slli_epi32(a, S); }
-  static inline M ge_u(I a, I b) { return _mm256_cmpeq_epi32(_mm256_max_epu32(a, b), a); }
-  static inline M lt_u(I a, I b) { return _mm256_andnot_si256(ge_u(a, b), _mm256_set1_epi32(-1)); }
+  static inline M lt_u(I a, I b) {  // no unsigned compare in AVX2: a < b iff max(a, b) != a
+    return _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(a, b), a), _mm256_set1_epi32(-1));
+  }
   static inline M nonzero(I a) { return _mm256_andnot_si256(_mm256_cmpeq_epi32(a, _mm256_setzero_si256()), _mm256_set1_epi32(-1)); }
   static inline M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
   static inline I sel(M m, I a, I b) { return _mm256_blendv_epi8(b, a, m); }
   static inline F sel(M m, F a, F b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(m)); }
   static inline I keep(M m, I a) { return _mm256_and_si256(m, a); }
-  static inline M test(I a, I b) { return nonzero(_mm256_and_si256(a, b)); }
-  static inline I add_if(M m, I a, I b) { return _mm256_add_epi32(a, _mm256_and_si256(m, b)); }
+  static inline I keep_nonzero(I x, I a) { return _mm256_andnot_si256(_mm256_cmpeq_epi32(x, _mm256_setzero_si256()), a); }
+  static inline M gt_s(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
+  template <int S> static inline I add_bit(I x, I u) {
+    return _mm256_add_epi32(x, _mm256_and_si256(_mm256_srli_epi32(u, S), _mm256_set1_epi32(1)));
+  }
+  // four vectors' low bytes, in order (values 0..255): two saturating packs to 16 bits, one to
+  // 8 bits (each within 128-bit halves), then the eight 4-byte groups put in order
+  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) {
+    const __m256i x = _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(c, d));
+    _mm256_storeu_si256((__m256i*)p, _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
   static inline uint32_t hmaxu(I a) {
     __m128i x = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
     x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0x4E));
@@ -179,15 +194,16 @@ struct V {
   static inline I maxu(I a, I b) { OO_LANES(a.v[l] = a.v[l] > b.v[l] ? a.v[l] : b.v[l]) return a; }
   template <int S> static inline I srl(I a) { OO_LANES(a.v[l] >>= S) return a; }
   template <int S> static inline I sll(I a) { OO_LANES(a.v[l] <<= S) return a; }
-  static inline M ge_u(I a, I b) { OO_LANES(a.v[l] = a.v[l] >= b.v[l] ? ~0u : 0u) return a; }
   static inline M lt_u(I a, I b) { OO_LANES(a.v[l] = a.v[l] < b.v[l] ? ~0u : 0u) return a; }
   static inline M nonzero(I a) { OO_LANES(a.v[l] = a.v[l] ? ~0u : 0u) return a; }
   static inline M isnan(F a) { I r; OO_LANES(r.v[l] = a.v[l] != a.v[l] ? ~0u : 0u) return r; }
   static inline I sel(M m, I a, I b) { OO_LANES(a.v[l] = (a.v[l] & m.v[l]) | (b.v[l] & ~m.v[l])) return a; }
   static inline F sel(M m, F a, F b) { return flt(sel(m, bits(a), bits(b))); }
   static inline I keep(M m, I a) { return band(m, a); }
-  static inline M test(I a, I b) { return nonzero(band(a, b)); }
-  static inline I add_if(M m, I a, I b) { return add(a, band(m, b)); }
+  static inline I keep_nonzero(I x, I a) { return keep(nonzero(x), a); }
+  static inline M gt_s(I a, I b) { OO_LANES(a.v[l] = (int32_t)a.v[l] > (int32_t)b.v[l] ? ~0u : 0u) return a; }
+  template <int S> static inline I add_bit(I x, I u) { OO_LANES(x.v[l] += (u.v[l] >> S) & 1u) return x; }
+  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) { st_u8(p, a); st_u8(p + 8, b); st_u8(p + 16, c); st_u8(p + 24, d); }
   static inline uint32_t hmaxu(I a) { uint32_t r = 0; OO_LANES(r = a.v[l] > r ? a.v[l] : r) return r; }
   static inline M lanes_from(int k) { I r; OO_LANES(r.v[l] = l >= k ? ~0u : 0u) return r; }
 #undef OO_LANES
