@@ -1,18 +1,21 @@
 // offloadopt: one fused CPU Adam/AdamW step over lists of 1-D tensors (adam_step below).
 //
-//   mode (master/moments)  grad  weights out  bytes read+written per element  passes  SR draws
-//   fp32/fp32 (torch's)    fp32  -            28 (bitwise torch._fused_adamw_)  1       0
-//   fp32/bf16              bf16  bf16 (RNE)   18 + 2                          1       1
-//   fp32/int8              bf16  bf16 (RNE)   14 + 2 + 0.06 (block scales)    2       0
-//   bf16-sr/fp32           bf16  -            22                              1       1
-//   bf16-sr/bf16           bf16  -            14                              1       2
-//   bf16-sr/int8           bf16  -            10 + 0.06                       2       1
-// (bf16 grads shown; an fp32 grad adds 2.) int8's second pass runs over one 256-element block
-// in L1. The body (cpu/adam_body.h) is written once over cpu/simd.h and compiled here for
-// AVX-512, AVX2 and plain C++ (generic); `pick_isa` takes the best the CPU has at load, and
-// every ISA gives the same bits (IEEE operations only). Measured against a triad on the GPU
-// host's Xeon: benchmarks/RESULTS.md, "The CPU kernel at the memory bus". The math and the
-// stochastic rounding are specified in reference.py; the formats in formats.py.
+//   mode (master/moments)  grad  weights out  bytes/elem  passes  SR draws  GB/s (x triad)
+//   fp32/fp32 (torch's)    fp32  -            28          1       0         162 (0.63x)
+//   fp32/bf16              bf16  bf16 (RNE)   20          1       1         145 (0.71x)
+//   fp32/int8              bf16  bf16 (RNE)   16.06       2       0         147 (0.70x)
+//   bf16-sr/fp32           bf16  -            22          1       1         -
+//   bf16-sr/bf16           bf16  -            14          1       2         149 (0.69x)
+//   bf16-sr/int8           bf16  -            10.06       2       1         126 (0.82x)
+// Bytes read + written per element, bf16 grads (an fp32 grad adds 2), int8 block scales
+// included. GB/s: 1.558e9 params, 16 threads of the GPU host's Xeon (AVX-512), beside a STREAM
+// triad of 102.6 GB/s in the same run (x triad: time over bytes / triad; below 1 where no line
+// is read for ownership): benchmarks/RESULTS.md, "The CPU kernel at the memory bus". int8's
+// second pass runs over one 256-element block in L1. The body (cpu/adam_body.h) is written
+// once over cpu/simd.h and compiled here for AVX-512, AVX2 and plain C++ (generic);
+// `current_isa` takes the best the CPU has, and every ISA gives the same bits (IEEE operations
+// only). The math and the stochastic rounding are specified in reference.py, the formats in
+// formats.py.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
