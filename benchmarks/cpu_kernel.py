@@ -16,6 +16,12 @@ With --backup, the speculative update's pre-step backup (offloadopt/step/specula
   ours fp32 + backup, plain stores   the same with ordinary stores
 Bytes per param count each operand read once and each written once (int8 scales included).
 Only one mode's tensors are alive at a time. ``--numel 2e7`` runs in seconds.
+
+The bus: a STREAM triad (``a = b + s*c`` over three fp32 arrays of ``--triad-numel`` elements,
+12 bytes counted per element as STREAM counts them) on the same threads in the same run; each
+row's ``x bus`` is its time over (its bytes / the triad's GB/s): 1.00x runs at the triad's
+bandwidth. ``--isa`` runs the kernel on another instruction set than the best this CPU has
+(``avx512``, ``avx2``, ``generic``); ``ATEN_CPU_CAPABILITY=avx2`` does the same for torch's row.
 """
 
 from __future__ import annotations
@@ -42,11 +48,16 @@ HP = dict(lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8)
 
 
 def bytes_per_param(master: torch.dtype, grad: torch.dtype, moments: int, wout: bool) -> float:
-    mb = 4 if master == F32 else 2
-    gb = 4 if grad == F32 else 2
-    sb = STATE[moments][1]
-    scales = 2 * 2 * 4 / kernels.BLOCK if moments == 2 else 0.0  # two scales, read + write
-    return 2 * mb + gb + 4 * sb + (2 if wout else 0) + scales
+    return kernels.element_nbytes(master == B16, grad == B16, moments, wout)
+
+
+def triad_gbps(numel: int, repeats: int) -> float:
+    """STREAM triad ``a = b + s*c`` on torch's threads: GB/s counting 12 bytes per element."""
+    b = filled(numel, F32, -1, 1)
+    c = filled(numel, F32, -1, 1)
+    a = torch.empty_like(b)
+    sec = timed(lambda: torch.add(b, c, alpha=3.0, out=a), repeats)
+    return 12 * numel / sec / 1e9
 
 
 def timed(fn, repeats: int) -> float:
@@ -137,6 +148,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--modes", nargs="*", default=None, help=f"subset of {list(MODES)}")
     ap.add_argument("--backup", action="store_true", help="add the backup rows (see above)")
+    ap.add_argument("--isa", default=None, help="the kernel's ISA (default: the best here)")
+    ap.add_argument("--prefetch", type=int, default=None,
+                    help="software prefetch, blocks of 256 elements ahead (0: off)")  # fmt: skip
+    ap.add_argument("--triad-numel", type=float, default=2**28,
+                    help="elements per triad array (default 2**28: 3 GiB in all)")  # fmt: skip
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -146,21 +162,31 @@ def main() -> None:
     t0 = time.perf_counter()
     mod = kernels.load()
     built = time.perf_counter() - t0
+    if args.isa:
+        mod.set_isa(args.isa)
+    if args.prefetch is not None:
+        mod.set_prefetch(args.prefetch)
+    triad = triad_gbps(int(args.triad_numel), args.repeats)
     print(f"params {n:,} in {k} tensors, threads {torch.get_num_threads()}, "
-          f"capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"kernel threads {mod.num_threads_used()}, load {built:.1f} s, repeats {args.repeats}")  # fmt: skip
-    print(f"{'mode':<34} {'B/param':>8} {'ms':>9} {'ns/param':>9} {'GB/s':>7} {'vs torch':>8}")
+          f"torch capability {torch.backends.cpu.get_cpu_capability()}, kernel ISA {mod.isa()} "
+          f"x{mod.lanes()}, prefetch {mod.prefetch()}, kernel threads {mod.num_threads_used()}, load {built:.1f} s, "
+          f"repeats {args.repeats}, triad {triad:.1f} GB/s")  # fmt: skip
+    print(f"{'mode':<34} {'B/param':>8} {'passes':>6} {'ms':>9} {'ns/param':>9} {'GB/s':>7} "
+          f"{'vs torch':>8} {'x bus':>6}")  # fmt: skip
     base = run_torch(sizes, args.repeats)
 
-    def row(name: str, b: float, sec: float) -> None:  # printed as measured: a timeout keeps them
-        print(f"{name:<34} {b:>8.2f} {sec * 1e3:>9.2f} {sec / n * 1e9:>9.3f} "
-              f"{b * n / sec / 1e9:>7.1f} {base / sec:>7.2f}x", flush=True)  # fmt: skip
+    def row(name: str, b: float, sec: float, passes: int = 1) -> None:
+        # printed as measured: a timeout keeps the rows so far
+        bus = sec / (b * n / (triad * 1e9))
+        print(f"{name:<34} {b:>8.2f} {passes:>6} {sec * 1e3:>9.2f} {sec / n * 1e9:>9.3f} "
+              f"{b * n / sec / 1e9:>7.1f} {base / sec:>7.2f}x {bus:>5.2f}x", flush=True)  # fmt: skip
 
     row("torch fused fp32", 28.0, base)
     for name, mode in MODES.items():
         if args.modes and name not in args.modes:
             continue
-        row(name, bytes_per_param(*mode), run_ours(mod, sizes, mode, args.repeats))
+        row(name, bytes_per_param(*mode), run_ours(mod, sizes, mode, args.repeats),
+            2 if mode[2] == 2 else 1)  # fmt: skip
     if args.backup:
         fp32 = MODES["ours fp32"]
         row("torch fp32 + copy", 64.0, run_torch(sizes, args.repeats, copy_backup=True))

@@ -117,9 +117,15 @@ class HybridAdamW(HybridOptimizer):
             copy launches on the worker, and fewer hand-offs of the GIL between it and the
             training thread while it launches the next forward and backward).
         flush_denormal: run the CPU update with flush-to-zero (see above).
-        cpu_threads: OpenMP threads of the CPU worker; default the cores this process may use
-            (its affinity) divided by the local ranks (in step mode the training thread waits
-            while the worker runs).
+        cpu_threads: OpenMP threads of the CPU worker; default one per CPU of
+            ``worker_cpus``.
+        worker_cpus: the CPUs the worker and its threads run on (their affinity). ``None``
+            (default): the CPUs this process may use (``os.sched_getaffinity``; with several
+            local ranks, this rank's slice), less the first core and its hyperthread siblings
+            when updates overlap the training thread's work (``overlap`` other than ``"step"``,
+            or ``wait="module"``), so that the thread launching the GPU work keeps a core;
+            ``"any"``: no affinity, the OS places the threads (the cores less one when updates
+            overlap); or a list of CPU ids. ``opt.stats`` and ``offloadopt audit`` report it.
         timeout_s: the longest any wait for the worker or a copy may last (seconds).
         overlap: ``"step"`` (everything inside ``step()``), ``"backward"`` (grad hooks start
             buckets during backward, as far as ``grads_final`` and ``max_grad_norm`` allow) or

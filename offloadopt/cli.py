@@ -13,7 +13,8 @@ only, and no progress bar); a command's result (``train``'s last JSON line, ``be
 
 Exit status: 0 done; 2 bad input (one ``offloadopt: error: ...`` line, printed before anything
 is built or written); 1 a failure while running (one line; ``OFFLOADOPT_TRACEBACK=1`` re-raises
-it, for the traceback); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM: a scheduler's,
+it, for the traceback), or a run that stopped itself at a NaN or infinite loss (one
+``offloadopt: stopped: ...`` line naming the step and the checkpoint kept); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM: a scheduler's,
 Docker's or torchrun's stop, handled as Ctrl-C is: the step in hand finishes first, and the
 log is flushed).
 """
@@ -33,7 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from offloadopt import __version__
 from offloadopt.harness import options
-from offloadopt.harness.checks import UsageError
+from offloadopt.harness.checks import RunStopped, UsageError
 
 # name -> (help, add_arguments(parser), the module whose run(args) -> exit status runs it)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]] = {
@@ -56,7 +57,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]] 
 
 
 EPILOG = (
-    "exit status: 0 done, 2 bad input, 1 a failure while running "
+    "exit status: 0 done, 2 bad input, 1 a failure while running or a stop at a NaN loss "
     "(OFFLOADOPT_TRACEBACK=1 shows its traceback), 130 interrupted (Ctrl-C), 143 terminated "
     "(SIGTERM)"
 )
@@ -216,6 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, _unavailable()) as e:
         print(f"offloadopt: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except RunStopped as e:  # a NaN loss: one line, the step and the checkpoint kept
+        print(f"offloadopt: stopped: {_one_line(e)}", file=sys.stderr)
+        return 1
     except Terminated:
         print("offloadopt: terminated (SIGTERM)", file=sys.stderr)
         return 143

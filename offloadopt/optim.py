@@ -754,11 +754,11 @@ class HybridOptimizer(Optimizer):
                 a ``load_state_dict`` pre-hook is registered; nothing was changed.
             RuntimeError: as ``load_state_dict``.
         """
-        from offloadopt.state import streamed
+        from offloadopt.state import streamed_load
 
         self._refuse_dict_hooks("load_streamed", "load_state_dict pre-hook(s)", "load_state_dict()",
                                 self._optimizer_load_state_dict_pre_hooks)  # fmt: skip
-        return streamed.load(self, path, model)
+        return streamed_load.load(self, path, model)
 
     @no_grad_whole  # no grad (copies record nothing); signals deferred around it
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -799,17 +799,23 @@ class HybridOptimizer(Optimizer):
             pass
 
     def _load_validated(self, sd: Any, before: Callable[[], None] | None = None,
-                        real_entry: Callable[[int, dict], dict] | None = None) -> None:  # fmt: skip
+                        real_entry: Callable[[int, dict], dict] | None = None,
+                        check: Callable[[], None] | None = None) -> None:  # fmt: skip
         """Validate ``sd`` whole, then copy it in (``load_state_dict``'s work after its
-        pre-hooks). ``before``: run once everything is validated, before the first copy (a
-        streamed load reads the model's weights there); ``real_entry(index, entry)``: the
-        entry with its tensors' values, where ``sd`` holds only their shapes (a streamed
-        load, offloadopt/state/streamed.py)."""
+        pre-hooks). ``check``: run after the validation, before anything changes (a streamed
+        load verifies its files there; its ValueError changes nothing); ``before``: run once
+        everything is validated, before the first copy (a streamed load reads the model's
+        weights there); ``real_entry(index, entry)``: the entry with its tensors' values,
+        where ``sd`` holds only their shapes (a streamed load,
+        offloadopt/state/streamed_load.py). A ValueError after the first copy is raised as a
+        RuntimeError: a ValueError means nothing was changed."""
         groups = self.param_groups
         specs = [[(self._placer.record(p, g, gi, i).name, tuple(local(p).shape))
                   for i, p in enumerate(g["params"])] for gi, g in enumerate(groups)]  # fmt: skip
         sd = local_state(sd, self.param_groups, lambda p: self._records[p].name)
         saved_groups, saved_state = checkpoint.validate(sd, self.rule, specs)
+        if check is not None:
+            check()
         # Copied in place entry by entry: a Ctrl-C (or SIGTERM) waits until every entry is in
         # (torch swaps its state in at once); any other failure part-way leaves the optimizer
         # refusing step() and state_dict() until a load succeeds (tests/test_state_contract.py).
@@ -826,8 +832,12 @@ class HybridOptimizer(Optimizer):
                 ):  # a checkpoint of SGD with momentum into one built without
                     self._replace_for_keys()  # (a fresh user's finding: its buffers were dropped)
                 ignored_masters = self._updater.load_state(groups, saved_state, real_entry)
-            except BaseException:
+            except BaseException as e:
                 self._timeline.refuse("load_state_dict() failed part-way")
+                if isinstance(e, ValueError):  # found after copies began: not "nothing changed"
+                    raise RuntimeError(f"the load failed part-way, after its checks: {e}; some "
+                                       "state was copied in, and the optimizer refuses step() "
+                                       "until a load succeeds") from e  # fmt: skip
                 raise
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

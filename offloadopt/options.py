@@ -46,8 +46,10 @@ class Options:
     flush_denormal: bool = True
     """The CPU worker runs with flush-to-zero and denormals-are-zero."""
     cpu_threads: int | None = None
-    """The CPU worker's threads; None: the cores this process may use / local ranks, less one
-    when updates overlap the training thread's work."""
+    """The CPU worker's OpenMP threads; None: one per CPU of worker_cpus."""
+    worker_cpus: Any = None
+    """The CPUs the worker runs on: None (this process's CPUs, or its local rank's slice, less
+    the training thread's core when updates overlap its work), "any" (no affinity) or CPU ids."""
     timeout_s: float = 600.0
     """The longest wait for the worker or a copy, in seconds (an error names what it waited
     for)."""
@@ -116,6 +118,7 @@ class OffloadOptions(TypedDict, total=False):
     bucket_nbytes: int | None
     flush_denormal: bool
     cpu_threads: int | None
+    worker_cpus: Any
     timeout_s: float
     overlap: str
     wait: str

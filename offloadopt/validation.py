@@ -6,6 +6,7 @@ the value. The rule's own hyperparameters are checked by the rule (offloadopt/ru
 from __future__ import annotations
 
 import numbers
+import os
 from typing import Any
 
 import torch
@@ -75,6 +76,26 @@ def tensor_betas(hyper: dict[str, Any]) -> None:
         _check(all(tensors) or not any(tensors), "betas must be either both floats or both Tensors")
 
 
+def _check_worker_cpus(value: Any) -> None:
+    """``worker_cpus``: None, ``"any"``, or a non-empty collection of CPU ids this process may
+    run on (``os.sched_getaffinity``). Raises ValueError naming the value."""
+    if value is None or value == "any":
+        return
+    ok = (isinstance(value, (list, tuple, set, frozenset, range)) and len(value) > 0
+          and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value))  # fmt: skip
+    if not ok:
+        raise ValueError(f"Invalid worker_cpus: {value!r} (expected None, 'any', or a non-empty "
+                         "list of CPU ids)")  # fmt: skip
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return
+    outside = sorted(set(value) - allowed)
+    if outside:
+        raise ValueError(f"Invalid worker_cpus: {value!r}: CPU {outside[0]} is not one this "
+                         f"process may run on ({sorted(allowed)})")  # fmt: skip
+
+
 def validate_options(
     rule: Rule,
     hyper: dict[str, Any],
@@ -120,6 +141,7 @@ def validate_options(
            f"Invalid bucket_nbytes: {o.bucket_nbytes!r} (expected None or an int > 0)")  # fmt: skip
     _check(o.cpu_threads is None or (count(o.cpu_threads) and o.cpu_threads > 0),
            f"Invalid cpu_threads: {o.cpu_threads!r} (expected None or an int > 0)")  # fmt: skip
+    _check_worker_cpus(o.worker_cpus)
     _check(number(o.timeout_s) and 0 < o.timeout_s < 1e7,
            f"Invalid timeout_s: {o.timeout_s!r} (expected seconds, finite and > 0)")  # fmt: skip
     _check(o.overlap in ("step", "backward", "delayed"),

@@ -6,6 +6,7 @@ bytes the placement counts, and the refusals."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,6 +259,45 @@ def test_assigning_torchs_moment_keys_encodes_them_into_the_int8_state():
         opt.state[p]["exp_avg"] = torch.zeros(3)
     with pytest.raises(TypeError, match="assign a tensor"):
         opt.state[p]["exp_avg"] = 0.0
+
+
+def test_a_value_that_would_wrap_in_the_int8_codes_is_refused_and_changes_nothing():
+    """A fresh user's finding (issue 44): float values assigned to the codes were accepted and
+    wrapped (300.0 became 44, -1 became 255, NaN 0). Refused now, naming torch's key instead;
+    through a whole entry and ``opt.state = ...`` too, before anything is cleared."""
+    params = make_params()
+    opt = run(params, 2, state_dtype="int8")
+    p = params[0]
+    before = {q: {k: v.clone() for k, v in opt.state[q].items()} for q in params}
+    for bad in (torch.full(p.shape, 300.0), torch.full(p.shape, -1, dtype=torch.int64), 300.0):
+        with pytest.raises(TypeError, match=r"'exp_avg_q'\] = .*would wrap.*'exp_avg'"):
+            opt.state[p]["exp_avg_q"] = bad
+    with pytest.raises(TypeError, match="would wrap"):
+        opt.state[p] = {**before[p], "exp_avg_sq_q": before[p]["exp_avg_sq_q"].float()}
+    with pytest.raises(TypeError, match="would wrap"):
+        opt.state = {**before, p: {**before[p], "exp_avg_q": before[p]["exp_avg_q"].float()}}
+    for q in params:
+        for k, v in before[q].items():
+            torch.testing.assert_close(opt.state[q][k], v, rtol=0, atol=0)
+    opt.state[p]["exp_avg_q"] = before[p]["exp_avg_q"].clone()  # uint8 codes: taken as they are
+
+
+def test_the_documented_exp_avg_sq_overflow_threshold_under_int8():
+    """docs/compressed-state.md said |g| above 1.8e19 (where g * g overflows); the update takes
+    (1 - beta2) * g first, so exp_avg_sq stays finite up to sqrt(3.4e38 / (1 - beta2)), about
+    5.83e20 with beta2 0.999 (issue 44), and its block's weights turn NaN above it."""
+    text = (Path(__file__).parents[1] / "docs" / "compressed-state.md").read_text()
+    assert "above about 5.8e20 with the default betas" in text
+    for g, finite in ((5.8e20, True), (5.9e20, False)):
+        p = torch.nn.Parameter(torch.zeros(512))
+        opt = HybridAdamW([p], state_dtype="int8", offload_fraction=1.0, min_offload_numel=1)
+        p.grad = torch.full((512,), g)
+        opt.step()
+        assert bool(opt.state_dict()["state"][0]["exp_avg_sq"].isfinite().all()) is finite, g
+        p.grad = torch.ones(512)
+        opt.step()
+        assert bool(p.isfinite().all()) is finite, g
+        opt.close()
 
 
 def test_fsdp2_params_are_refused_with_compressed_state(monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -533,14 +534,129 @@ def test_the_benchmark_runs_at_a_tiny_size(mod):
         assert row in r.stdout, r.stdout
 
 
-def test_two_installs_of_one_version_build_in_their_own_folders(tmp_path, monkeypatch):
-    """The same source at another path (a checkout beside a venv install) gets another cache
-    folder: torch's build file names the source's path, so a shared folder rebuilt at every
-    switch between the two, silently."""
+def test_two_differently_started_processes_reuse_one_build(mod, tmp_path):
+    """A finished build is imported as it is, whoever asks: a process started elsewhere, with
+    another environment and no compiler at all (CXX names none), loads the build these tests
+    made, without a rebuild or its notice (pytest and a script took turns rebuilding it when
+    torch's loader ran ninja on every load: a fresh user's finding)."""
+    import subprocess
+    import sys
+
+    code = ("from offloadopt import kernels; m = kernels.load(); "
+            "print(kernels.build_dir(), m.isa())")  # fmt: skip
+    env = {
+        **os.environ,
+        "CXX": "/nonexistent/g++",
+        "CXXFLAGS": "-O0",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    env.pop("OFFLOADOPT_KERNEL_DIR", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                       env=env, cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "building" not in r.stderr, r.stderr
+    assert r.stdout.split() == [str(kernels.build_dir()), mod.isa()]
+
+
+def test_the_cache_key_names_what_the_build_depends_on(tmp_path, monkeypatch):
+    """The same sources at another path share the key (one build per torch version and Python,
+    not per checkout); a changed header or torch changes it."""
+    mine = kernels.cache_key()
     copy = tmp_path / "adam_cpu.cpp"
     copy.write_bytes(kernels.SOURCE.read_bytes())
-    mine = kernels.cache_key()
     monkeypatch.setattr(kernels, "SOURCE", copy)
+    assert kernels.cache_key() == mine
+    header = tmp_path / "simd.h"
+    header.write_bytes(kernels.HEADERS[0].read_bytes() + b"// changed\n")
+    monkeypatch.setattr(kernels, "HEADERS", [header, *kernels.HEADERS[1:]])
     assert kernels.cache_key() != mine
-    monkeypatch.setattr(kernels, "SOURCE", copy)
-    assert kernels.cache_key() == kernels.cache_key()  # stable for one path
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    assert kernels.cache_key() != mine
+
+
+def test_every_build_says_so_with_its_time(tmp_path, monkeypatch, capsys):
+    """The notice shows whenever a build runs (a build over a stale one too), and a finished
+    build is only imported."""
+    from torch.utils import cpp_extension
+
+    builds = []
+
+    def fake_load(name, build_directory, **_):
+        builds.append(name)
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(kernels, "_import", lambda path, name: ("imported", name))
+    directory = tmp_path / "build"
+    assert kernels._build(directory) == "module"
+    err = capsys.readouterr().err
+    assert "building offloadopt's CPU kernel" in err and "built offloadopt's CPU kernel in" in err
+    assert kernels._build(directory)[0] == "imported"
+    assert capsys.readouterr().err == ""
+    (directory / kernels.STAMP).write_text("offloadopt_adam_cpu_0000 built in 1 s\n")  # stale
+    assert kernels._build(directory) == "module"
+    assert "building offloadopt's CPU kernel" in capsys.readouterr().err
+    assert len(builds) == 2
+
+
+# --- instruction sets ---------------------------------------------------------------------------
+
+
+def test_every_isa_gives_the_same_bits(mod):
+    """The body compiled for each ISA this CPU runs (AVX-512, AVX2, plain C++) gives the same
+    bits in every mode, with every option, on sizes that leave ragged vectors and blocks and
+    a counter that crosses 2^32 mid-vector; the AVX-512 host runs all three."""
+    isas = mod.isas()
+    assert isas[-1] == "generic" and mod.isa() == isas[0]
+    modes = [(False, 0), *MODES]
+    options = [dict(), dict(grad_scale=3.0, maximize=True, decoupled=False),
+               dict(weight_decay=0.0, beta1=0.3)]  # fmt: skip
+    sizes = SIZES + [70_001]
+    try:
+        for (master_bf16, moments), opts in itertools.product(modes, options):
+            gdtype = torch.bfloat16 if master_bf16 or moments else torch.float32
+            base = make_mode(sizes, 3, master_bf16, moments, gdtype=gdtype)
+            results = []
+            for isa in isas:
+                mod.set_isa(isa)
+                x = clone_all(base)
+                wout = [] if master_bf16 else [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+                kcall(mod.adam_step, *x[:4], sms=x[4], svs=x[5], wout=wout,
+                      steps=[3.0] * len(sizes), salts=list(range(len(sizes))),
+                      offsets=[2**32 - 40] * len(sizes), moments=moments, master_sr=master_bf16,
+                      **opts)  # fmt: skip
+                results.append([t.view(torch.uint8) for lst in x + [wout] for t in lst])
+            for isa, r in zip(isas[1:], results[1:], strict=True):
+                for k, (a, b) in enumerate(zip(results[0], r, strict=True)):
+                    assert torch.equal(a, b), (
+                        f"{isa} vs {isas[0]}: {master_bf16, moments, opts} #{k}"
+                    )
+    finally:
+        mod.set_isa(isas[0])
+
+
+def test_an_isa_the_cpu_does_not_run_is_refused(mod):
+    with pytest.raises(ValueError, match="'avx1024' is not run by this CPU; it runs: "):
+        mod.set_isa("avx1024")
+    assert mod.isa() == mod.isas()[0]
+
+
+@pytest.mark.parametrize("master_bf16,moments", [(False, 0), *MODES])
+def test_software_prefetch_changes_no_bit(mod, master_bf16, moments):
+    """set_prefetch (a speed knob) leaves every result as it is."""
+    sizes = [70_001, 5000, 300]
+    base = make_mode(sizes, 4, master_bf16, moments)
+    outs = []
+    try:
+        for blocks in (0, 3):
+            mod.set_prefetch(blocks)
+            x = clone_all(base)
+            wout = [] if master_bf16 else [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+            kcall(mod.adam_step, *x[:4], sms=x[4], svs=x[5], wout=wout, moments=moments,
+                  master_sr=master_bf16, steps=[2.0] * 3, salts=[1, 2, 3])  # fmt: skip
+            outs.append([t.view(torch.uint8) for lst in x + [wout] for t in lst])
+    finally:
+        mod.set_prefetch(0)
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))

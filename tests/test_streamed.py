@@ -186,7 +186,7 @@ def test_an_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch
         calls.append(file)
         if len(calls) == 3:
             raise KeyboardInterrupt  # after two parts were written
-        real(obj, file)
+        return real(obj, file)
 
     monkeypatch.setattr(streamed, "fsync_save", fails)
     with pytest.raises(KeyboardInterrupt):
@@ -289,11 +289,13 @@ def test_a_fresh_users_findings_on_streamed_checkpoints(tmp_path):
     before = snapshot(m, opt)
     with pytest.raises(ValueError, match="damaged"):
         opt.load_streamed(path, model=m)  # its size differs from the index's
-    torch.save(
-        {k: v for k, v in index.items() if k != "part_nbytes"}, os.path.join(path, "index.pt")
-    )
-    with pytest.raises(ValueError, match="damaged or mixed-up"):
-        opt.load_streamed(path, model=m)  # an index without sizes: found at its turn
+    old = {k: v for k, v in index.items() if k not in ("part_nbytes", "part_checksums")}
+    torch.save({**old, "version": 1}, os.path.join(path, "index.pt"))  # before sizes, checksums
+    with (
+        pytest.raises(ValueError, match="damaged or mixed-up"),
+        pytest.warns(match="before checksums"),
+    ):
+        opt.load_streamed(path, model=m)  # an index without sizes: found before any change
     os.remove(part)
     with pytest.raises(ValueError, match="lacks part files"):
         opt.load_streamed(path, model=m)
@@ -327,8 +329,11 @@ def test_save_paths_a_symlink_an_empty_folder_and_a_killed_saves_leftovers(tmp_p
     dead = 2**22 + 12345  # above the default pid_max: no such process
     os.replace(real, tmp_path / f".real.{dead}.ab.old")
     os.makedirs(tmp_path / f".real.{dead}.cd.tmp")
-    with pytest.raises(ValueError, match="interrupted: the checkpoint before it is"):
-        opt.load_streamed(str(real))
+    # (issue 44: a fresh process's load named the .old folder but did not use it)
+    with pytest.warns(match="killed after moving the previous checkpoint aside"):
+        assert opt.load_streamed(str(real)) == "three"  # moved back, and loaded
+    assert streamed.read_extra(str(real)) == "three"
+    os.replace(real, tmp_path / f".real.{dead}.ef.old")  # again, then a save
     opt.save_streamed(str(real), extra="four")  # moves it back, then replaces it
     assert streamed.read_extra(str(real)) == "four"
     left = sorted(e for e in os.listdir(tmp_path) if str(dead) in e)

@@ -11,6 +11,7 @@ import torch
 
 from offloadopt.cli import main
 from offloadopt.harness import options, train
+from offloadopt.state.integrity import fsync_save
 
 N = 3  # steps before the interrupt; the run has 2 * N
 ARGS = ["train", "--steps", str(2 * N), "--batch-size", "2", "--seq-len", "32",
@@ -223,7 +224,7 @@ def test_bad_checkpoints_are_one_line_errors_naming_the_file(tmp_path, capsys):
     assert "is not a checkpoint of offloadopt train" in _error(capsys, [*ARGS, "--resume", other])
     small = str(tmp_path / "small.pt")
     cfg = options.TrainConfig(preset="small").resolved()
-    torch.save({"format": train.CHECKPOINT_FORMAT, "version": train.CHECKPOINT_VERSION,
+    fsync_save({"format": train.CHECKPOINT_FORMAT, "version": train.CHECKPOINT_VERSION,
                 "step": 1, "config": vars(cfg).copy()}, small)  # fmt: skip
     assert _error(capsys, [*ARGS, "--resume", small]) == (
         f"--resume: {small!r} is a checkpoint of preset 'small', not 'tiny' (--preset)"
@@ -267,3 +268,68 @@ def test_tensorboard_gets_the_losses(tmp_path, capsys):
     steps = [e.step for e in events.Scalars("loss/train")]
     assert steps == list(range(1, 2 * N + 1))
     assert [e.step for e in events.Scalars("loss/heldout")] == [N, 2 * N]
+
+
+@pytest.mark.parametrize("fmt", ["file", "streamed"])
+def test_a_64_byte_overwrite_in_a_checkpoint_stops_resume_with_one_line(tmp_path, capsys,
+                                                                        monkeypatch, fmt):  # fmt: skip
+    """Issue 44's two steps: 64 bytes overwritten in the middle of a part (or of the --save
+    file), then --resume. It loaded both, trained on a NaN loss and exited 0; now the checksum
+    refuses it: status 2, one line naming the file, no step taken."""
+    ck = str(tmp_path / ("run" if fmt == "streamed" else "run.pt"))
+    real_get_batch = _interrupt_at_step(monkeypatch, N + 1)
+    status, _, _ = _run(capsys, [*ARGS, "--save", ck, "--save-every", str(N),
+                                 "--checkpoint-format", fmt])  # fmt: skip
+    monkeypatch.setattr(train, "get_batch", real_get_batch)
+    assert status == 130
+    target = ck
+    if fmt == "streamed":
+        parts = [os.path.join(ck, f) for f in os.listdir(ck) if f.startswith("part-")]
+        target = max(parts, key=os.path.getsize)
+    with open(target, "r+b") as f:
+        f.seek(os.path.getsize(target) // 2 - 32)
+        f.write(bytes(range(64)))
+    assert main([*ARGS, "--resume", ck]) == 2
+    captured = capsys.readouterr()
+    assert not STEP.search(captured.out) and captured.err.count("\n") == 1, captured
+    assert captured.err.startswith("offloadopt: error: --resume: ")
+    assert "is damaged: its bytes do not match the checksum" in captured.err
+    assert os.path.basename(target) in captured.err
+
+
+def test_a_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch):
+    """Issue 44: a run trained from step 50 to 200 on a NaN loss and exited 0. Now it stops at
+    the first NaN loss (one line naming the step, status 1), and before saving weights that
+    are not finite; the checkpoint holds the last good step. --no-stop-on-nonfinite trains on."""
+    real_step, calls = train.train_step, []
+
+    def nan_at(step, weights):
+        def patched(model, *args, **kwargs):
+            loss = real_step(model, *args, **kwargs)
+            calls.append(1)
+            if len(calls) == weights:  # the update made a weight NaN; its loss was finite
+                with torch.no_grad():
+                    next(model.parameters()).view(-1)[0] = float("nan")
+            return torch.full_like(loss, float("nan")) if len(calls) == step else loss
+
+        calls.clear()
+        monkeypatch.setattr(train, "train_step", patched)
+
+    ck = str(tmp_path / "run.pt")
+    argv = [*ARGS, "--save", ck, "--save-every", "1"]
+    nan_at(step=N + 1, weights=0)
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"offloadopt: stopped: step {N + 1}: the training loss is nan; the run stops, the last "
+        f"checkpoint, {ck}, holds step {N} (--resume {ck} goes on"
+    ), err
+    assert torch.load(ck, weights_only=True)["step"] == N
+    nan_at(step=0, weights=2)  # a NaN weight after step 2's update, saved there
+    assert main(argv) == 1
+    assert "step 2: 1 weights are not finite" in capsys.readouterr().err
+    assert torch.load(ck, weights_only=True)["step"] == 1
+    nan_at(step=N + 1, weights=0)
+    assert main([*ARGS, "--no-stop-on-nonfinite"]) == 0
+    out = capsys.readouterr().out
+    assert f"step {N + 1:6d}/{2 * N} | loss    nan" in out and f"step {2 * N:6d}/" in out

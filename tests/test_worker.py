@@ -1,6 +1,7 @@
 """The CPU worker thread: flush-to-zero on its own pool, thread counts, errors, timeouts, lifetime."""
 
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -103,7 +104,8 @@ def test_default_threads_are_the_affinity_over_local_ranks_minus_a_busy_training
 ):
     from offloadopt.link import worker
 
-    monkeypatch.setattr(worker, "usable_cores", lambda: 16)
+    monkeypatch.setattr(worker, "usable_cpus", lambda: list(range(16)))
+    monkeypatch.setattr(worker, "_siblings", lambda cpu: {cpu})
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert worker.default_cpu_threads(training_thread_busy=True) == 3
     assert worker.default_cpu_threads(training_thread_busy=False) == 4
@@ -112,9 +114,74 @@ def test_default_threads_are_the_affinity_over_local_ranks_minus_a_busy_training
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert worker.default_cpu_threads(training_thread_busy=True) == 15
     assert worker.default_cpu_threads(training_thread_busy=False) == 16
-    opt = HybridAdamW([torch.nn.Parameter(torch.randn(64))], min_offload_numel=1)
-    assert opt.cpu_threads == 16  # step mode: the training thread waits while the worker runs
+    plan = worker.plan_cpus(None, None, training_thread_busy=False)
+    assert plan.threads == 16  # step mode: the training thread waits while the worker runs
+    assert plan.cpus == list(range(16)) and plan.training == []
+
+
+def test_the_worker_leaves_the_training_thread_a_core_and_its_siblings(monkeypatch):
+    from offloadopt.link import worker
+
+    monkeypatch.setattr(worker, "usable_cpus", lambda: list(range(16)))
+    monkeypatch.setattr(
+        worker, "_siblings", lambda cpu: {cpu, cpu + 8} if cpu < 8 else {cpu, cpu - 8}
+    )
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    plan = worker.plan_cpus(None, None, training_thread_busy=True)
+    assert plan.training == [0, 8] and plan.cpus == [c for c in range(16) if c not in (0, 8)]
+    assert plan.threads == 14
+    assert plan.describe() == "14 threads on CPUs 1-7,9-15 (CPUs 0,8 left to the training thread)"
+    # two local ranks: each its slice, less its first core
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(worker, "_siblings", lambda cpu: {cpu})
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    plan = worker.plan_cpus(None, None, training_thread_busy=True)
+    assert plan.training == [8] and plan.cpus == list(range(9, 16))
+    # chosen by the caller; "any": unpinned, as before
+    assert worker.plan_cpus([3, 2, 3], None, training_thread_busy=True).cpus == [2, 3]
+    assert worker.plan_cpus([3, 2], 5, training_thread_busy=True).threads == 5
+    any_ = worker.plan_cpus("any", None, training_thread_busy=True)
+    assert any_.cpus is None and any_.threads == 7  # 16 // 2 ranks - 1
+
+
+def _threads_on(cpus: str) -> int:
+    """Threads of this process whose CPU affinity is exactly ``cpus`` (Linux's list form)."""
+    import glob
+
+    n = 0
+    for status in glob.glob("/proc/self/task/*/status"):
+        try:
+            text = open(status).read()
+        except OSError:
+            continue
+        n += any(ln.split()[-1] == cpus for ln in text.splitlines()
+                 if ln.startswith("Cpus_allowed_list"))  # fmt: skip
+    return n
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux affinity")
+def test_the_worker_and_its_pool_run_on_their_cpus():
+    """The worker's thread and the OpenMP threads of its pool (made after it set its affinity)
+    run on worker_cpus; the training thread keeps its own affinity."""
+    last = max(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    params = [torch.nn.Parameter(torch.randn(1 << 16))]
+    opt = HybridAdamW(params, min_offload_numel=1, worker_cpus=[last], cpu_threads=2)
+    params[0].grad = torch.randn(1 << 16)
+    seen = []
+    opt.debug.pipeline.worker_hook = lambda b: seen.append(os.sched_getaffinity(0))
+    opt.step()
+    assert seen == [{last}]
+    assert _threads_on(str(last)) >= 2  # the worker and its pool's second thread
+    assert os.sched_getaffinity(0) == before
+    assert opt.stats["worker_cpus"] == str(last) and opt.stats["cpu_threads"] == 2
     opt.close()
+
+
+@pytest.mark.parametrize("bad", [[], ["0"], [-1], 7, "all", [True], [10**6]])
+def test_bad_worker_cpus_are_refused_naming_the_value(bad):
+    with pytest.raises(ValueError, match="Invalid worker_cpus"):
+        HybridAdamW([torch.nn.Parameter(torch.randn(64))], worker_cpus=bad)
 
 
 def test_omp_num_threads_1_is_said_once_and_few_threads_warn(monkeypatch, caplog):

@@ -57,6 +57,22 @@ def make_optimizer(
     raise ValueError(f"Invalid optimizer: {name!r} (choose from {', '.join(OPTIMIZERS)})")
 
 
+def worker_line(stats: dict[str, Any]) -> str:
+    """The CPU worker's threads and cores from ``opt.stats`` (empty without a worker), e.g.
+    ``"CPU worker: 15 threads on CPUs 1-15; CPU 0 left to the training thread"``."""
+    threads = stats.get("cpu_threads")
+    if not threads:
+        return ""
+
+    def cpus(text: str) -> str:
+        return f"CPU{'s' if ',' in text or '-' in text else ''} {text}"
+
+    where = cpus(stats["worker_cpus"]) if stats.get("worker_cpus") else "any CPU (unpinned)"
+    left = stats.get("training_cpus")
+    left = f"; {cpus(left)} left to the training thread" if left else ""
+    return f"CPU worker: {threads} thread{'s' if threads != 1 else ''} on {where}{left}"
+
+
 def check_args(args: argparse.Namespace) -> None:
     """What the option types cannot check alone; raises ``UsageError`` naming the flag."""
     block_size = PRESETS[args.preset].block_size
@@ -147,6 +163,9 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
         print(f"memcpy audit {provenance.CPU_AUDIT_NOTE}")
     else:
         print(report.table())
+    worker = worker_line(getattr(opt, "stats", None) or {})
+    if worker:
+        print(worker)
     if spec is not None:
         print(f"speculative updates: {spec['buckets']} bucket updates in {spec['steps']} "
               f"iteration(s); redone: {spec['redone_buckets']} bucket updates, in "
@@ -164,6 +183,7 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
         "pageable_h2d_avg_us": (sum(r.time_us for r in pageable_h2d) / max(1, sum(r.count for r in pageable_h2d))),
         "link_nbytes_per_iteration": sum(r.nbytes for r in link) / per,
         "mode": args.mode if args.optimizer == "hybrid" else None,
+        "cpu_worker": worker or None,
         "speculation": spec,
         # the share of the link's copy time (D2H, H2D) with a backward kernel running beside it
         **{f"{d.lower()}_beside_backward_pct": (

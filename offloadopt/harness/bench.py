@@ -203,8 +203,10 @@ class Bench:
             "parked_gb": parked_nbytes / 1e9,
             "loss": float(loss.detach()), "timed_steps": len(total),
         }  # fmt: skip
-        for key in stats[-1] if stats else ():
-            result[f"opt_stats_{key}"] = statistics.median(s[key] for s in stats)
+        for key, last in stats[-1].items() if stats else ():
+            # numbers: the median over the timed steps; text (the worker's CPUs): the last
+            result[f"opt_stats_{key}"] = (last if isinstance(last, str)
+                                          else statistics.median(s[key] for s in stats))  # fmt: skip
         steps_taken = cfg.warmup + timed
         if built.get("baseline"):
             self.baseline = {**snapshots, steps_taken: weights(model)}

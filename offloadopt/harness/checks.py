@@ -42,6 +42,12 @@ class UsageError(argparse.ArgumentTypeError, ValueError):
     """
 
 
+class RunStopped(RuntimeError):
+    """The main job stopped itself: a NaN or infinite loss, or weights that are no longer
+    finite before a checkpoint (``offloadopt train`` without ``--no-stop-on-nonfinite``). The
+    message is one line: the step, what was found, and where the run can go on from."""
+
+
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:36] + "..."
@@ -241,8 +247,17 @@ def checkpoint_path(value: Any) -> str:
 
 
 def checkpoint_input(value: Any) -> str:
-    """A checkpoint to read: a file (:func:`input_file`), or a streamed checkpoint folder."""
+    """A checkpoint to read: a file (:func:`input_file`), or a streamed checkpoint folder; or
+    a missing folder that a save killed between its renames left aside (``.NAME.PID.*.old``
+    with an ``index.pt`` beside it: the load moves it back, offloadopt/state/streamed.py)."""
     path = _path(value)
+    if not path.exists() and path.parent.is_dir():
+        real = Path(os.path.realpath(path))
+        with contextlib.suppress(OSError):
+            for entry in os.listdir(real.parent):
+                if (entry.startswith(f".{real.name}.") and entry.endswith(".old")
+                        and (real.parent / entry / "index.pt").is_file()):  # fmt: skip
+                    return str(path)
     if path.is_dir():
         if not (path / "index.pt").is_file():
             raise UsageError(f"{str(path)!r} is a folder but no streamed checkpoint (no index.pt)")

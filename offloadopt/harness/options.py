@@ -112,6 +112,9 @@ class TrainConfig:
     checkpoint_format: str = "file"
     resume: str | None = None  # checkpoint file of an earlier run (same settings) to continue
     tensorboard: str | None = None  # folder for TensorBoard event files (needs tensorboard)
+    # stop at a NaN or infinite loss, or at weights that are not finite before a checkpoint
+    # (exit status 1, one line; the last checkpoint is kept); False: train on, as torch would
+    stop_on_nonfinite: bool = True
 
     def resolved(self) -> TrainConfig:
         """A checked copy with every None default filled in.
@@ -376,6 +379,12 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
         "backward as if nothing clips, redo them at its end if the clip bites (docs/modes.md)",
     )
     a("--no-progress", action="store_true", help="no tqdm progress bar on stderr")
+    a(
+        "--no-stop-on-nonfinite",
+        action="store_true",
+        help="train on past a NaN or infinite loss; by default the run stops there (exit "
+        "status 1, one line naming the step) and keeps its last checkpoint",
+    )
     par = parser.add_mutually_exclusive_group()
     par.add_argument(
         "--fsdp",
@@ -397,7 +406,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig of parsed ``add_train_args`` options."""
     fields = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
-    return TrainConfig(**fields, progress=not args.no_progress)
+    return TrainConfig(**fields, progress=not args.no_progress,
+                       stop_on_nonfinite=not args.no_stop_on_nonfinite)  # fmt: skip
 
 
 # --- bench --------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from offloadopt.adamw import HybridAdamW
 from offloadopt.harness import checks
 from offloadopt.harness.data import TokenData, get_batch, mock_data
+from offloadopt.harness.delayed import DelayedSchedule
 from offloadopt.harness.distributed import Dist, init_from_env, shard_fsdp, teardown, wrap_ddp
 from offloadopt.harness.gpt import GPT, PRESETS
 
@@ -131,86 +132,6 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
     return model, opt
 
 
-class DelayedSchedule:
-    """``--overlap delayed``: an evaluation or a checkpoint does not change the losses.
-
-    Both need the newest weights in the params (``opt.synchronize()`` copies the update in
-    flight in), which ends the delayed parameter update's staleness once: the next forward would
-    read weights one step newer than in a run that neither evaluates nor saves there. So after
-    them the params that changed get back the weights the delayed schedule reads
-    (:meth:`keep_delay`), and the newest go in again just before the next ``opt.step()``
-    (:meth:`publish`), where the optimizer would have copied them in. The copies go through
-    ``param.data``: the optimizer sees no outside write (no master refresh). A checkpoint keeps
-    those weights (``"delayed_weights"``) and a resumed run puts them back (:meth:`resume`), so
-    it continues an uninterrupted run bit for bit, whatever ``--save-every`` and ``--eval-every``.
-
-    Holds, between :meth:`newest` and :meth:`publish`, two host copies of the params whose
-    update was in flight (on the CPU device: copies beside them).
-    """
-
-    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer):
-        self.model, self.opt = model, opt
-        self.delayed = getattr(opt, "overlap", None) == "delayed"
-        # name -> (this rank's shard of the param, the weights the schedule reads, the newest)
-        self.held: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def newest(self) -> dict[str, torch.Tensor]:
-        """Put the newest weights in the params (every mode: ``opt.synchronize()`` where the
-        optimizer has it). Returns {param name: the weights the delayed schedule's next forward
-        reads} for the params where they differ (CPU tensors; empty unless delayed)."""
-        if not self.delayed:
-            if hasattr(self.opt, "synchronize"):
-                self.opt.synchronize()
-            return {}
-        if self.held:  # already held at this step (an evaluation, then a checkpoint)
-            self._copy(newest=True)
-        else:
-            shards = {name: local(p) for name, p in self.model.named_parameters()}
-            before = {name: t.detach().to("cpu", copy=True) for name, t in shards.items()}
-            self.opt.synchronize()  # the update in flight copied in
-            for name, t in shards.items():
-                now = t.detach().to("cpu", copy=True)
-                if not torch.equal(now, before[name]):
-                    self.held[name] = (t, before[name], now)
-        return {name: stale for name, (_, stale, _) in self.held.items()}
-
-    def keep_delay(self) -> None:
-        """After an evaluation or a checkpoint: the params read the delayed schedule's weights
-        until :meth:`publish`."""
-        self._copy(newest=False)
-
-    def publish(self) -> None:
-        """Just before ``opt.step()``: the newest weights go in, as the optimizer's own copy-in
-        of the update in flight would have put them (a no-op when nothing is held)."""
-        if self.held:
-            self._copy(newest=True)
-            self.held = {}
-
-    def resume(self, delayed_weights: dict[str, torch.Tensor], path: str) -> None:
-        """A resumed run (model and optimizer loaded: the newest weights in the params): its
-        next forward reads the checkpoint's ``delayed_weights``, as the saved run's did.
-
-        Raises:
-            UsageError: a name that is not a param of the model, or a shape that is not its
-                (naming ``--resume``, the file and the param).
-        """
-        shards = {name: local(p) for name, p in self.model.named_parameters()}
-        for name, stale in delayed_weights.items():
-            t = shards.get(name)
-            if t is None or not self.delayed or tuple(stale.shape) != tuple(t.shape):
-                raise checks.UsageError(
-                    f"--resume: {path!r}: its delayed weights of {name!r} "
-                    f"({tuple(stale.shape)}) match no param of this model"
-                )
-            self.held[name] = (t, stale, t.detach().to("cpu", copy=True))
-        self.keep_delay()
-
-    @torch.no_grad()
-    def _copy(self, newest: bool) -> None:
-        for t, stale, now in self.held.values():
-            t.data.copy_(now if newest else stale)  # .data: the param's version does not move
-
-
 def train_step(
     model: GPT,
     opt: torch.optim.Optimizer,
@@ -249,6 +170,36 @@ def evaluate(model: GPT, data: TokenData, cfg: TrainConfig) -> torch.Tensor:
     ]
     model.train()
     return torch.stack(losses).mean()
+
+
+class NonFiniteStop:
+    """The run stops at a NaN or infinite loss (``cfg.stop_on_nonfinite``), and before saving
+    weights that are not finite (an update of the step just taken can make them so while its
+    loss was finite): a NaN reaches no checkpoint, and the run does not go on for hundreds of
+    steps on NaN and end with status 0 (issue 44)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+
+    def check(self, step: int, what: str, value: float, saved_at: int | None) -> None:
+        """Raises checks.RunStopped when ``value`` (the ``what`` of ``step``) is not finite."""
+        if self.cfg.stop_on_nonfinite and not math.isfinite(value):
+            self._stop(step, f"the {what} is {value}", saved_at)
+
+    def check_weights(self, step: int, model: torch.nn.Module, saved_at: int | None) -> None:
+        """Raises checks.RunStopped when a weight of ``model`` is not finite."""
+        if self.cfg.stop_on_nonfinite:
+            bad = [n for n, p in model.named_parameters() if not bool(local(p).isfinite().all())]
+            if bad:
+                self._stop(step, f"{len(bad)} weights are not finite ({bad[0]}, ...)", saved_at)
+
+    def _stop(self, step: int, found: str, saved_at: int | None) -> None:
+        cfg = self.cfg
+        kept = (f"the last checkpoint, {cfg.save}, holds step {saved_at} (--resume {cfg.save} "
+                "goes on from there, with a lower --lr or more --grad-clip)" if saved_at is not None
+                else "no checkpoint was written" + ("" if cfg.save else " (--save PATH)"))  # fmt: skip
+        raise checks.RunStopped(f"step {step}: {found}; the run stops, {kept}; "
+                                "--no-stop-on-nonfinite trains on")  # fmt: skip
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -365,6 +316,7 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
     said_choice = None  # the optimizer's placement choice last printed
     # the step of the last checkpoint at --save: this run's, or the one it resumed from there
     saved_at = start - 1 if cfg.resume is not None and cfg.save == cfg.resume else None
+    stop = NonFiniteStop(cfg)
     bar = tqdm(range(start, cfg.steps + 1), desc="train", file=sys.stderr, initial=start - 1,
                total=cfg.steps, disable=None if cfg.progress and ranks.main else True)  # fmt: skip
     try:
@@ -383,10 +335,12 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
             train_loss = to_host(loss)
             if step == 1:
                 first_loss = train_loss
+            stop.check(step, "training loss", train_loss, saved_at)
             evaluated = step % cfg.eval_every == 0 or step == cfg.steps
             if evaluated:
                 schedule.newest()  # delayed: evaluate the newest weights (copied in now)
                 val_loss = to_host(evaluate(model, data, cfg))
+                stop.check(step, "held-out loss", val_loss, saved_at)
             if step % cfg.log_every == 0 or step in (start, cfg.steps) or evaluated:
                 peak_gpu = torch.cuda.max_memory_allocated(device) / gb if cuda else 0.0
                 pinned = getattr(opt, "pinned_nbytes", 0) / gb
@@ -411,6 +365,7 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
                 step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)
             ):
                 stale = schedule.newest()
+                stop.check_weights(step, model, saved_at)  # a NaN update is never saved
                 t = time.perf_counter()
                 nbytes = save_checkpoint(cfg.save, cfg, step, model, opt, gen, first_loss, stale)
                 saved_at = step
@@ -419,8 +374,8 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
             if step < cfg.steps:
                 schedule.keep_delay()  # after an evaluation or a checkpoint: the delay goes on
             bar.set_postfix(loss=f"{train_loss:.3f}", refresh=False)
-    except BaseException:  # Ctrl-C, SIGTERM, an error: where the run can go on from
-        if saved_at is not None and ranks.main:
+    except BaseException as e:  # Ctrl-C, SIGTERM, an error: where the run can go on from
+        if saved_at is not None and ranks.main and not isinstance(e, checks.RunStopped):
             print(f"offloadopt: the last checkpoint, {cfg.save}, holds step {saved_at} of "
                   f"{cfg.steps}: --resume {cfg.save} goes on from there", file=sys.stderr)  # fmt: skip
         raise

@@ -15,18 +15,21 @@ import torch
 
 from offloadopt.harness.checks import UsageError
 from offloadopt.harness.options import TrainConfig
-from offloadopt.state.streamed import fsync_save
+from offloadopt.state import integrity
+from offloadopt.state.integrity import fsync_save
+from offloadopt.warn import warn
 
 __all__ = ["CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "RESUME_MAY_CHANGE", "save_checkpoint"]
 __all__ += ["load_checkpoint"]
 
 CHECKPOINT_FORMAT = "offloadopt-train-checkpoint"
-CHECKPOINT_VERSION = 1
-# The TrainConfig fields a resumed run may change: where and how often it logs and saves, and
-# --speculate (its runs are bitwise the runs without it: docs/modes.md). Every other field
-# must be the saved run's (they decide the losses).
+CHECKPOINT_VERSION = 2  # 2: the file ends with its checksum (state/integrity.py); 1 still loads
+# The TrainConfig fields a resumed run may change: where and how often it logs and saves,
+# whether it stops at a NaN loss, and --speculate (its runs are bitwise the runs without it:
+# docs/modes.md). Every other field must be the saved run's (they decide the losses).
 RESUME_MAY_CHANGE = ("progress", "eval_every", "eval_batches", "log_every", "save",
-                     "save_every", "resume", "tensorboard", "checkpoint_format", "speculate")  # fmt: skip
+                     "save_every", "resume", "tensorboard", "checkpoint_format", "speculate",
+                     "stop_on_nonfinite")  # fmt: skip
 
 
 def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: torch.Generator,
@@ -34,6 +37,8 @@ def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: tor
     """Write the run's state after ``step`` to ``path`` whole: ``torch.save`` into a temporary
     file in the same folder, flushed to disk, then ``os.replace``, so an interrupt (Ctrl-C,
     SIGTERM, a full disk) leaves either the previous checkpoint or the new one, never half a file.
+    The file ends with the checksum of its bytes, which :func:`load_checkpoint` verifies; a full
+    disk is an OSError naming ``path`` and the space needed.
     With ``cfg.checkpoint_format == "streamed"`` a folder instead, written by
     ``opt.save_streamed`` (the same guarantee; everything but the model and the optimizer goes
     in its ``extra``). Returns the bytes written.
@@ -42,7 +47,7 @@ def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: tor
     ``step``, the batch sampler's generator state, torch's global RNG state, the resolved config
     (a dict) and the first step's loss (for the summary); ``delayed_weights`` ({param name:
     CPU tensor}, ``--overlap delayed``): the weights the run's next forward reads where they are
-    not the newest (:class:`offloadopt.harness.train.DelayedSchedule`), saved as given.
+    not the newest (:class:`offloadopt.harness.delayed.DelayedSchedule`), saved as given.
     """
     if hasattr(opt, "synchronize"):
         opt.synchronize()  # delayed: the masters and moments of every step taken
@@ -65,11 +70,30 @@ def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: tor
     try:
         fsync_save(payload, tmp)  # Ctrl-C while torch writes: a KeyboardInterrupt, exit 130
         os.replace(tmp, path)
-    except BaseException:
+        integrity.fsync_dir(os.path.dirname(os.path.abspath(path)))
+    except BaseException as e:
+        written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if integrity.disk_full(e):
+            kept = (f"the previous checkpoint at {path!r} is kept" if os.path.exists(path)
+                    else "nothing was at that path before")  # fmt: skip
+            needed = _tensor_nbytes(payload)
+            raise integrity.full_disk_error("--save", path, written, needed, kept) from e
         raise
     return os.path.getsize(path)
+
+
+def _tensor_nbytes(obj: Any) -> int:
+    """The bytes of the tensors in ``obj`` (nested dicts, lists, tuples): about what a
+    ``torch.save`` of it writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_nbytes(v) for v in obj)
+    return 0
 
 
 def load_checkpoint(path: str, cfg: TrainConfig) -> dict:
@@ -80,9 +104,10 @@ def load_checkpoint(path: str, cfg: TrainConfig) -> dict:
     differing ``--flag`` with both values), or one already at ``cfg.steps``.
     """
     name = f"--resume: {path!r}"
-    if os.path.isdir(path):  # a streamed checkpoint: its extra is the payload
-        from offloadopt.state.streamed import read_extra
+    from offloadopt.state.streamed import read_extra
 
+    if os.path.isdir(path) or not os.path.exists(path):  # a streamed checkpoint: extra is all
+        # (a missing path may be one a killed save left aside: read_extra finds it)
         try:
             ck = read_extra(path)
         except ValueError as e:
@@ -98,6 +123,15 @@ def load_checkpoint(path: str, cfg: TrainConfig) -> dict:
 
 
 def _load_file(path: str, name: str) -> Any:
+    """The ``--save`` file at ``path``, its checksum verified (a version 1 file has none: it
+    loads with a warning; a version 2 file without one is damaged)."""
+    fix = "; restore it from a copy, or resume from an earlier checkpoint"
+    try:
+        verified = integrity.verify(path, name, required=False)
+    except integrity.Damaged as e:
+        raise UsageError(f"{e}{fix}") from None
+    except OSError as e:
+        raise UsageError(f"{name}: {e.strerror or e}") from None
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
     except OSError as e:
@@ -105,17 +139,25 @@ def _load_file(path: str, name: str) -> Any:
     except Exception as e:  # noqa: BLE001 - whatever torch.load makes of a file that is not one
         raise UsageError(
             f"{name} is not a checkpoint of offloadopt train (--save writes one; "
-            f"torch.load: {type(e).__name__})"
+            f"torch.load: {type(e).__name__}{'' if verified else '; damaged?'})"
         ) from None
+    if isinstance(ck, dict) and ck.get("format") == CHECKPOINT_FORMAT:
+        version = ck.get("version")
+        if not verified and isinstance(version, int) and version >= 2:
+            raise UsageError(f"{name} is damaged: a version {version} checkpoint ends with its "
+                             f"checksum, and this one has none (cut short or overwritten){fix}")  # fmt: skip
+        if not verified and version == 1:
+            warn(f"{name} was saved by an offloadopt before checksums: its bytes cannot be "
+                 "verified; it loads as before")  # fmt: skip
     return ck
 
 
 def _checked(ck: Any, cfg: TrainConfig, name: str) -> dict:
     if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT:
         raise UsageError(f"{name} is not a checkpoint of offloadopt train (--save writes one)")
-    if ck.get("version") != CHECKPOINT_VERSION:
+    if ck.get("version") not in (1, CHECKPOINT_VERSION):
         raise UsageError(f"{name}: checkpoint version {ck.get('version')!r}, this offloadopt "
-                         f"reads {CHECKPOINT_VERSION}")  # fmt: skip
+                         f"reads 1 and {CHECKPOINT_VERSION}")  # fmt: skip
     saved = ck["config"]
     if saved.get("preset") != cfg.preset:
         raise UsageError(f"{name} is a checkpoint of preset {saved.get('preset')!r}, not "

@@ -66,6 +66,8 @@ __all__ = [
     "KernelBuildError",
     "available",
     "decode_m",
+    "describe",
+    "element_nbytes",
     "decode_v",
     "encode_m",
     "encode_v",
@@ -75,16 +77,22 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).with_name("adam_cpu.cpp")
-_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"] + (
-    ["-mprefer-vector-width=512"] if _X86 else []
-)
+# everything the build compiles (the .cpp includes the two headers): the cache key hashes them
+HEADERS = [
+    Path(__file__).with_name("cpu") / "simd.h",
+    Path(__file__).with_name("cpu") / "adam_body.h",
+]
+# No -march=native: the body is compiled for AVX-512, AVX2 and plain C++ in one build and the
+# kernel picks the ISA at run time (``isa()``), so one build serves every CPU of the
+# architecture and the cache key does not depend on the host.
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]
 HINT = (
     "offloadopt: compressed optimizer state (state_dtype='int8'/'bf16', master_weights='bf16-sr') "
     "and speculate=True's fast backups need a C++ compiler and ninja to build offloadopt's CPU "
     "kernel: install g++ (apt install g++) and ninja (pip install ninja)"
 )
+STAMP = "offloadopt-build.txt"  # written after a build succeeds: what was built, how long it took
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -107,26 +115,17 @@ def torch_vec_size() -> int:
     return 4
 
 
-def _cpu_tag() -> str:
-    """What -march=native depends on (so a build dir shared between hosts is not reused on
-    another CPU)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features", "model name")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cache_key() -> str:
-    """A hash of the source and its path, torch's version, the flags and the CPU (16 hex
-    digits). The path: torch's build file names the source by it, so two installs of one
-    version (a checkout and a venv) sharing a folder rebuilt at every switch, silently (about
-    30 s each; a fresh user's finding)."""
+    """A hash of what the build depends on, and nothing about who asks (16 hex digits): the
+    sources' bytes, torch's version, the Python ABI, the flags and the architecture. Not the
+    source's path nor the CPU: a checkout and a venv install of one version, pytest and a
+    script, the CLI and a notebook all load one build (they rebuilt each other's in turn when
+    torch's loader ran ninja on every load: a fresh user's finding)."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), str(SOURCE.resolve()).encode(), torch.__version__.encode(),
-                 " ".join(CFLAGS).encode(), _cpu_tag().encode()):  # fmt: skip
+    parts = [p.read_bytes() for p in (SOURCE, *HEADERS)]
+    parts += [torch.__version__.encode(), sys.implementation.cache_tag.encode(),
+              " ".join(CFLAGS + LDFLAGS).encode(), platform.machine().encode()]  # fmt: skip
+    for part in parts:
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
@@ -145,10 +144,42 @@ def _last_line(text: str) -> str:
     return (errors or lines or ["(no output)"])[0 if errors else -1]
 
 
+def _import(path: Path, name: str) -> ModuleType:
+    """Import a built extension from its file (what torch's loader does after its build)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _finished(directory: Path, name: str) -> Path | None:
+    """The built library in ``directory`` if a build of ``name`` finished there (its stamp
+    names it), else None."""
+    so = directory / f"{name}.so"
+    stamp = directory / STAMP
+    try:
+        done = stamp.read_text().split()[0] == name
+    except (OSError, IndexError):
+        return None
+    return so if done and so.exists() else None
+
+
 def _build(directory: Path) -> ModuleType:
-    """Compile (or reuse a finished build in ``directory``) and import the extension. Several
-    processes building at once are serialized by an ``flock`` (:func:`_exclusive`; a stale
-    baton of torch's, left by a killed build, is removed). Raises KernelBuildError."""
+    """Import the finished build in ``directory``, or build it first (saying so, with its
+    time). A finished build is imported without running ninja, so whoever asks and from
+    whatever environment, nothing is rebuilt. Several processes building at once are
+    serialized by an ``flock`` (:func:`_exclusive`; a stale baton of torch's, left by a killed
+    build, is removed). Raises KernelBuildError."""
+    import time
+
+    name = f"offloadopt_adam_cpu_{cache_key()}"
+    so = _finished(directory, name)
+    if so is not None:
+        return _import(so, name)
     from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX", "c++")
@@ -159,17 +190,28 @@ def _build(directory: Path) -> ModuleType:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with _exclusive(directory):
-            if not any(directory.glob("offloadopt_adam_cpu_*.so")):  # a build, not an import
-                print(f"offloadopt: building offloadopt's CPU kernel (once, "
-                      f"about 40 s; cached in {directory})", file=sys.stderr, flush=True)  # fmt: skip
-            return cpp_extension.load(
-                name=f"offloadopt_adam_cpu_{cache_key()}",
+            so = _finished(directory, name)  # built by another process while this one waited
+            if so is not None:
+                return _import(so, name)
+            print(f"offloadopt: building offloadopt's CPU kernel (once per torch version, "
+                  f"about 40 s; cached in {directory})", file=sys.stderr, flush=True)  # fmt: skip
+            start = time.perf_counter()
+            module = cpp_extension.load(
+                name=name,
                 sources=[str(SOURCE)],
-                extra_cflags=CFLAGS,
-                extra_ldflags=LDFLAGS,
+                # copies: torch's loader appends to the lists it is given (the cache key
+                # hashes these)
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
                 build_directory=str(directory),
                 verbose=False,
             )
+            seconds = time.perf_counter() - start
+            (directory / STAMP).write_text(f"{name} built in {seconds:.1f} s, torch "
+                                           f"{torch.__version__}\n")  # fmt: skip
+            print(f"offloadopt: built offloadopt's CPU kernel in {seconds:.0f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return module
     except Exception as e:  # noqa: BLE001 - any build failure becomes one clear line
         # g++ and ninja were found: say that the build failed first, then what it needs (the
         # bare hint read as "not installed" when the build failed for another reason)
@@ -218,6 +260,26 @@ def load() -> ModuleType:
             _error = e
             raise
         return _module
+
+
+def element_nbytes(master_bf16: bool, grad_bf16: bool, moments: int, weights_out: bool) -> float:
+    """Bytes the kernel reads and writes per element in a mode (each operand read once and each
+    written once; int8 block scales included): the numerator of its GB/s."""
+    master = 2 if master_bf16 else 4
+    state = {0: 4, 1: 2, 2: 1}[moments]
+    scales = 2 * 2 * 4 / BLOCK if moments == 2 else 0.0  # two scales, read and written
+    return 2 * master + (2 if grad_bf16 else 4) + 4 * state + (2 if weights_out else 0) + scales
+
+
+def describe(master_bf16: bool, grad_bf16: bool, moments: int, weights_out: bool) -> str:
+    """One line naming a mode as the kernel runs it here, e.g. ``"bf16-sr/int8 · 10.1 B/elem ·
+    2 passes · avx512x16"`` (builds the kernel)."""
+    names = {0: "fp32", 1: "bf16", 2: "int8"}
+    mod = load()
+    return (f"{'bf16-sr' if master_bf16 else 'fp32'}/{names[moments]} · "
+            f"{element_nbytes(master_bf16, grad_bf16, moments, weights_out):.1f} B/elem · "
+            f"{2 if moments == 2 else 1} pass{'es' if moments == 2 else ''} · "
+            f"{mod.isa()}x{mod.lanes()}")  # fmt: skip
 
 
 def available() -> bool:

@@ -1,53 +1,21 @@
-// offloadopt: one fused CPU Adam/AdamW step over lists of 1-D tensors, with the optimizer
-// state in fp32, bf16 (stochastic rounding) or int8 block-wise codes (see formats.py for the
-// code formats; reference.py is the same math in plain torch ops).
+// offloadopt: one fused CPU Adam/AdamW step over lists of 1-D tensors (adam_step below).
 //
-// Built by offloadopt/kernels/__init__.py with -O3 -march=native -fopenmp -ffp-contract=off
-// -fno-math-errno: the compiler contracts nothing on its own, so every FMA below is written out
-// (std::fma), and the loops over one 256-element block vectorize (omp simd).
-//
-// Parity with torch._fused_adam_/_fused_adamw_ (fp32 master, fp32 moments, no rounding), found
-// empirically against torch 2.13.0+cpu (capability AVX512, GCC build) element by element:
-//   * torch's AVX512 loop runs 16 elements a vector over 64-byte units; its ATen Vectorized
-//     arithmetic is contracted by torch's compiler. What reproduces it bit for bit:
-//       Adam weight decay   g = fma(p, wd, g)
-//       AdamW decay         p = p * float(1 - lr*wd)                 (no add: nothing to fuse)
-//       exp_avg (lerp)      |w| < 0.5: m = fma(w, g - m, m)  else  m = fma(w - 1, g - m, g)
-//       exp_avg_sq          v = fma(c2*g, g, v*beta2)                ((c2*g) rounded first)
-//       denom               sqrt(v) / float(bc2_sqrt) + float(eps)   (a division: no FMA)
-//       param               p + (float(-step_size) * m) / denom      (a division: no FMA)
-//   * the last (numel % 16) elements of a tensor go through torch's scalar loop, which its
-//     compiler auto-vectorizes 8 wide (the same contractions as above) and leaves the last
-//     (numel % 8) elements scalar. Those scalar elements contract the lerp the same way
-//     (m + w*(g-m) -> fma(w, g-m, m); g - (g-m)*(1-w) -> fma(-(g-m), 1-w, g), equal to the
-//     vector form since w-1 == -(1-w) exactly) but exp_avg_sq the OTHER way:
-//       v = fma(v, beta2, (c2*g)*g)
-//     So elements j >= numel - numel % 8 use that form (`tail_start` below). With AVX2
-//     (vec_size 8) torch's vector loop leaves numel % 8 elements to the scalar loop, which
-//     gives the same rule; that case is inferred, not measured (no AVX2-only host here).
-//     vec_size 4 (no AVX) is not matched: that build has no FMA at all.
-// The tail rule is applied only in the all-fp32 mode; the other modes use the vector forms
-// everywhere (reference.py follows the vector forms).
-//
-// Stochastic rounding to bf16: bits = (fp32 bits + (r & 0xFFFF)) >> 16, NaN -> 0x7FC0, +-inf
-// unchanged, where r = sr_hash(key(salt, step, stream), counter), counter = offsets[i] + j:
-//   key = mix64(salt + 0x9E3779B97F4A7C15 * (4*step + stream + 1))   (64-bit, per call/tensor)
-//   x = lo32(counter) ^ lo32(key); x = fmix32(x);
-//   x ^= hi32(key) ^ (hi32(counter) * 0x9E3779B9); x = fmix32(x); r = x
-// mix64 is the splitmix64 finalizer (xor-shift 30/27/31, multipliers 0xBF58476D1CE4E5B9,
-// 0x94D049BB133111EB); fmix32 is a 32-bit xor-shift-multiply finalizer (shifts 16/15/16,
-// multipliers 0x7FEB352D, 0x846CA68B; a bijection on 32 bits with low bias). Two keyed rounds
-// decorrelate streams and steps; everything per element is 32-bit and vectorizes.
-// Streams: 0 master, 1 exp_avg, 2 exp_avg_sq. A finite value above the largest bf16 may round
-// up to inf (as round-to-nearest would for most of that range).
-//
-// Work: all tensors' 256-element blocks are one range split over torch.get_num_threads()
-// threads by at::parallel_for (OpenMP; a block never splits across threads). One block is one
-// pass of a vectorized loop (omp simd; loop-invariant choices are bit masks, since GCC does
-// not vectorize a float select on an invariant bool) reading each operand once and writing
-// each once; the int8 mode keeps the block's fresh fp32 m and sqrt(v) in two 1 KiB buffers
-// for the absmax, then encodes them in a second (L1-resident) pass. Checked with objdump:
-// the block loops compile to vfmadd*ps / vsqrtps / vpmulld on zmm registers.
+//   mode (master/moments)  grad  weights out  bytes/elem  passes  SR draws  GB/s (x triad)
+//   fp32/fp32 (torch's)    fp32  -            28          1       0         162 (0.63x)
+//   fp32/bf16              bf16  bf16 (RNE)   20          1       1         145 (0.71x)
+//   fp32/int8              bf16  bf16 (RNE)   16.06       2       0         147 (0.70x)
+//   bf16-sr/fp32           bf16  -            22          1       1         -
+//   bf16-sr/bf16           bf16  -            14          1       2         149 (0.69x)
+//   bf16-sr/int8           bf16  -            10.06       2       1         126 (0.82x)
+// Bytes read + written per element, bf16 grads (an fp32 grad adds 2), int8 block scales
+// included. GB/s: 1.558e9 params, 16 threads of the GPU host's Xeon (AVX-512), beside a STREAM
+// triad of 102.6 GB/s in the same run (x triad: time over bytes / triad; below 1 where no line
+// is read for ownership): benchmarks/RESULTS.md, "The CPU kernel at the memory bus". int8's
+// second pass runs over one 256-element block in L1. The body (cpu/adam_body.h) is written
+// once over cpu/simd.h and compiled here for AVX-512, AVX2 and plain C++ (generic);
+// `current_isa` takes the best the CPU has, and every ISA gives the same bits (IEEE operations
+// only). The math and the stochastic rounding are specified in reference.py, the formats in
+// formats.py.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -59,63 +27,50 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
-#if defined(__SSE__) || defined(__x86_64__)
-#include <xmmintrin.h>
-#define OFFLOADOPT_HAVE_MXCSR 1
-#endif
-#if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE2__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#define OFFLOADOPT_X86 1
 #endif
 
 namespace {
 
 constexpr int64_t BLOCK = 256;
-constexpr int64_t RUN = 4096;  // blocks in one loop at most (1 Mi elements: int indices)
-// With backups, blocks in one loop at most: the run's operands (copied out first, then
-// updated) stay in the core's L2 between the two (16 blocks: 4096 elements, <= 48 KiB of
-// master and moments).
+constexpr int64_t RUN = 4096;  // blocks in one span at most (1 Mi elements)
+// With backups, blocks in one span at most: the span's operands (copied out first, then
+// updated) stay in the core's L2 between the two (16 blocks: 4096 elements, <= 48 KiB).
 constexpr int64_t BACKUP_RUN = 16;
+
+enum class Master : int { Fp32, Bf16Sr };
+enum class Moments : int { Fp32 = 0, Bf16Sr = 1, Int8Block = 2 };
 
 // Whether backups are written with non-temporal (streaming) stores (set_backup_stream).
 std::atomic<bool> g_backup_stream{true};
 
-// Copy n bytes; with streaming stores (where the CPU has them) the destination's lines are
-// neither read first nor kept in cache: the copy moves n bytes in and n out, not 3n.
+// Copy n bytes; with streaming stores the destination's lines are neither read first nor kept
+// in cache: the copy moves n bytes in and n out, not 3n.
 inline void backup_copy(void* dst, const void* src, size_t n) {
   char* d = static_cast<char*>(dst);
   const char* s = static_cast<const char*>(src);
-#if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE2__)
-#if defined(__AVX512F__)
-  constexpr size_t W = 64;
-#elif defined(__AVX__)
-  constexpr size_t W = 32;
-#else
+#ifdef OFFLOADOPT_X86
   constexpr size_t W = 16;
-#endif
   if (g_backup_stream.load(std::memory_order_relaxed) && n >= 2 * W) {
     const size_t head = (W - (reinterpret_cast<uintptr_t>(d) & (W - 1))) & (W - 1);
     std::memcpy(d, s, head);
     d += head;
     s += head;
     n -= head;
-    for (; n >= W; n -= W, d += W, s += W) {
-#if defined(__AVX512F__)
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(d), _mm512_loadu_si512(s));
-#elif defined(__AVX__)
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-#else
+    for (; n >= W; n -= W, d += W, s += W)
       _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-#endif
-    }
   }
 #endif
   std::memcpy(d, s, n);
 }
 
 inline void backup_fence() {
-#if defined(__SSE2__) || defined(__AVX__) || defined(__AVX512F__)
+#ifdef OFFLOADOPT_X86
   _mm_sfence();  // streaming stores are weakly ordered: visible before the region ends
 #endif
 }
@@ -126,258 +81,136 @@ inline uint64_t mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-inline uint64_t sr_key(int64_t salt, double step, int stream) {
+// The 64-bit key of one (salt, step, draw) (reference.sr_key)
+inline uint64_t sr_key(int64_t salt, double step, int draw) {
   uint64_t s = (uint64_t)(int64_t)step;
-  return mix64((uint64_t)salt + 0x9E3779B97F4A7C15ULL * (4 * s + (uint64_t)stream + 1));
+  return mix64((uint64_t)salt + 0x9E3779B97F4A7C15ULL * (4 * s + (uint64_t)draw + 1));
 }
 
-inline uint32_t fmix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352DU;
-  x ^= x >> 15;
-  x *= 0x846CA68BU;
-  x ^= x >> 16;
-  return x;
-}
+// The 32-bit word a draw xors into lo32(counter) for counters with this hi32 (reference.sr_bits)
+inline uint32_t draw_key(uint64_t key, uint32_t hi) { return (uint32_t)key ^ (hi * 0x9E3779B9u + (uint32_t)(key >> 32)); }
 
-// counter = hi << 32 | lo, all in 32-bit lanes (the caller carries lo's wrap into hi)
-inline uint32_t sr_hash(uint32_t k0, uint32_t k1, uint32_t lo, uint32_t hi) {
-  uint32_t x = fmix32(lo ^ k0);
-  return fmix32(x ^ k1 ^ (hi * 0x9E3779B9U));
-}
-
-inline uint32_t f2u(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
 inline float u2f(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
-// a where mask is all ones, b where it is zero
-inline float sel(uint32_t mask, float a, float b) { return u2f((f2u(a) & mask) | (f2u(b) & ~mask)); }
-inline float bf2f(uint16_t b) { return u2f((uint32_t)b << 16); }
 
-// fp32 -> bf16 with stochastic rounding (r: 32 random bits, the low 16 used).
-inline uint16_t f2bf_sr(float f, uint32_t r) {
-  uint32_t u = f2u(f);
-  bool nonfinite = (u & 0x7F800000U) == 0x7F800000U;
-  bool nan = nonfinite && (u & 0x007FFFFFU);
-  uint32_t rounded = (u + (r & 0xFFFFU)) >> 16;
-  uint32_t out = nonfinite ? (u >> 16) : rounded;
-  return (uint16_t)(nan ? 0x7FC0U : out);
-}
-
-// fp32 -> bf16 round to nearest even (as torch's .to(torch.bfloat16)).
-inline uint16_t f2bf_rne(float f) {
-  uint32_t u = f2u(f);
-  bool nan = (u & 0x7FFFFFFFU) > 0x7F800000U;
-  uint32_t rounded = (u + 0x7FFFU + ((u >> 16) & 1U)) >> 16;
-  return (uint16_t)(nan ? 0x7FC0U : rounded);
-}
-
-// exp_avg code: sign | e(4) | f(3); value(e, f) = 2^(e-15) * (1 + f/8); magnitude 0 = zero.
-inline float decode_m1(uint8_t c, float scale) {
-  uint32_t mag = c & 0x7FU;
-  uint32_t bits = mag ? ((mag + (112U << 3)) << 20) : 0U;
-  float v = scale * u2f(bits);
-  return (c & 0x80U) ? -v : v;
-}
-
-// t = |m| * (1/scale) in [0, 1 + 2 ulp] -> magnitude code (RNE on the fp32 bits; below 2^-14 -> 0 or the
-// smallest code, the nearer, 2^-15 itself going up).
-inline uint32_t encode_m_mag(float t) {
-  uint32_t u = f2u(t);
-  uint32_t r = (u + 0x7FFFFU + ((u >> 20) & 1U)) >> 20;  // exp8 << 3 | f3
-  int32_t e = (int32_t)(r >> 3) - 112;
-  uint32_t below = (u >= 0x38000000U) ? 0x08U : 0U;  // 2^-15 = 0x38000000
-  return e >= 1 ? (r - (112U << 3)) : below;
-}
-
-// exp_avg_sq code: e(4) | f(4) of y = sqrt(v) / scale; value = 2^(e-15) * (1 + f/16); code 0
-// only for y == 0.
-inline float decode_v1(uint8_t c, float scale) {
-  uint32_t bits = c ? (((uint32_t)c + (112U << 4)) << 19) : 0U;
-  float s = scale * u2f(bits);
-  return s * s;
-}
-
-inline uint32_t encode_v_code(float t, bool nonzero) {
-  uint32_t u = f2u(t);
-  uint32_t r = (u + 0x3FFFFU + ((u >> 19) & 1U)) >> 19;  // exp8 << 4 | f4
-  int32_t e = (int32_t)(r >> 4) - 112;
-  uint32_t below = nonzero ? 0x10U : 0U;
-  return e >= 1 ? (r - (112U << 4)) : below;
-}
-
-// Per-tensor scalars (the coefficients torch computes in double, cast to float).
+// Per-tensor scalars (torch computes them in double, then casts to float).
 struct Coefs {
-  float gscale;   // grad divisor (1 when no grad_scale: x / 1 == x)
-  float wd;       // Adam: g += p * wd
-  float decay;    // AdamW: p *= decay
-  float lerp_c;   // w or w - 1
-  bool lerp_small;
-  float b2, c2, bc2s, eps, nss;  // nss = float(-step_size)
-  uint32_t k[3][2];              // SR keys per stream
+  float gscale;        // grad divisor (grad_scale)
+  float wd;            // Adam: g = fma(p, wd, g)
+  float decay;         // AdamW: p *= 1 - lr*wd
+  float lerp;          // exp_avg's lerp weight: 1 - beta1, or (1 - beta1) - 1 when lerp_small is false
+  bool lerp_small;     // |1 - beta1| < 0.5
+  float b2, c2;        // beta2, 1 - beta2
+  float bc2s;          // sqrt(1 - beta2^step)
+  float eps, neg_step;     // all-fp32 mode: eps, -lr / (1 - beta1^step)
+  float eps_c, neg_step_c;  // compressed modes: the same times sqrt(bc2) (one division)
+  uint64_t key[2];     // stochastic rounding draws: 0 master, 1 moments
 };
 
 struct Job {
-  int mode_master_bf16, mode_grad_bf16, moments;
-  bool has_gs, maximize, adamw, has_wd, wout;
+  bool has_gs, maximize, adamw, has_wd;
+  int prefetch = 0;  // software prefetch, blocks ahead (set_prefetch; 0: the hardware's alone)
   std::vector<void*> master, grad, m, v, wo;
   std::vector<float*> ms, vs;
-  // backups: per tensor, where the pre-step master, exp_avg, exp_avg_sq (and with int8 moments
-  // their scales) are copied before the update overwrites them; empty: none
-  std::vector<void*> bmaster, bm, bv;
-  std::vector<float*> bms, bvs;
-  size_t master_es = 4, state_es = 4;
   std::vector<int64_t> numel, tail_start, offsets, first_block;
   std::vector<Coefs> coefs;
 };
 
-// Elements [j0, j1) of tensor i (one block with int8 moments; with fp32/bf16 moments a run of
-// up to RUN blocks); the grads come from gsrc (already at j0).
-template <bool MBF16, bool GBF16, int MOM, bool WOUT>
-void block_core(const Job& J, size_t i, int64_t j0, int64_t j1, const void* gsrc) {
-  const Coefs& c = J.coefs[i];
-  const int64_t len = std::min<int64_t>(j1, J.numel[i]) - j0;
-  using MT = std::conditional_t<MBF16, uint16_t, float>;
-  using GT = std::conditional_t<GBF16, uint16_t, float>;
-  using ST = std::conditional_t<MOM == 0, float, std::conditional_t<MOM == 1, uint16_t, uint8_t>>;
-  MT* P = static_cast<MT*>(J.master[i]) + j0;
-  const GT* G = static_cast<const GT*>(gsrc);
-  ST* M = static_cast<ST*>(J.m[i]) + j0;
-  ST* V = static_cast<ST*>(J.v[i]) + j0;
-  uint16_t* W = WOUT ? static_cast<uint16_t*>(J.wo[i]) + j0 : nullptr;
-  // element k of the block uses torch's scalar-tail form of exp_avg_sq from here on
-  const int tail = (int)std::min<int64_t>(len, J.tail_start[i] - j0);
-  const uint64_t cbase = (uint64_t)(J.offsets[i] + j0);
-  const uint32_t lo0 = (uint32_t)cbase, hi0 = (uint32_t)(cbase >> 32);
-  // Loop-invariant choices as bit masks (GCC does not vectorize a float select on an
-  // invariant bool): all-ones picks the first operand of sel().
-  const uint32_t adamw_mask = (J.has_wd && J.adamw) ? ~0U : 0U;
-  const uint32_t adam_mask = (J.has_wd && !J.adamw) ? ~0U : 0U;
-  const uint32_t small_mask = c.lerp_small ? ~0U : 0U;
-  const uint32_t neg = J.maximize ? 0x80000000U : 0U;  // maximize: flip g's sign bit
-  const float wd = c.wd, decay = c.decay, lc = c.lerp_c, b2 = c.b2,
-              c2 = c.c2, bc2s = c.bc2s, eps = c.eps, nss = c.nss;
-  float sm = 0.f, sv = 0.f;
-  float* mscale = nullptr;
-  float* vscale = nullptr;
-  if constexpr (MOM == 2) {
-    mscale = J.ms[i] + j0 / BLOCK;
-    vscale = J.vs[i] + j0 / BLOCK;
-    sm = *mscale;
-    sv = *vscale;
-  }
-  alignas(64) float mbuf[BLOCK];
-  alignas(64) float ybuf[BLOCK];
-  float mabs = 0.f, yabs = 0.f;
-  int bad = 0;
-  const int n = (int)len;
-#pragma omp simd reduction(max : mabs, yabs) reduction(| : bad)
-  for (int k = 0; k < n; ++k) {
-    float p, g, m0, v0;
-    if constexpr (MBF16) p = bf2f(P[k]); else p = P[k];
-    if constexpr (GBF16) g = bf2f(G[k]); else g = G[k];
-    if constexpr (MOM == 0) {
-      m0 = M[k];
-      v0 = V[k];
-    } else if constexpr (MOM == 1) {
-      m0 = bf2f(M[k]);
-      v0 = bf2f(V[k]);
-    } else {
-      m0 = decode_m1(M[k], sm);
-      v0 = decode_v1(V[k], sv);
-    }
-    g = u2f(f2u(g) ^ neg);
-    p = sel(adamw_mask, p * decay, p);
-    g = sel(adam_mask, std::fma(p, wd, g), g);
-    float m = std::fma(lc, g - m0, sel(small_mask, m0, g));
-    float cg = c2 * g;
-    float v = k >= tail ? std::fma(v0, b2, cg * g) : std::fma(cg, g, v0 * b2);
-    float y = std::sqrt(v);
-    float pn = p + (nss * m) / (y / bc2s + eps);
-    const uint32_t lo = lo0 + (uint32_t)k, hi = hi0 + (lo < lo0 ? 1U : 0U);
-    if constexpr (MBF16) {
-      P[k] = f2bf_sr(pn, sr_hash(c.k[0][0], c.k[0][1], lo, hi));
-    } else {
-      P[k] = pn;
-    }
-    if constexpr (WOUT) W[k] = f2bf_rne(pn);
-    if constexpr (MOM == 0) {
-      M[k] = m;
-      V[k] = v;
-    } else if constexpr (MOM == 1) {
-      M[k] = f2bf_sr(m, sr_hash(c.k[1][0], c.k[1][1], lo, hi));
-      V[k] = f2bf_sr(v, sr_hash(c.k[2][0], c.k[2][1], lo, hi));
-    } else {
-      float am = std::fabs(m);
-      mbuf[k] = m;
-      ybuf[k] = y;
-      mabs = std::max(mabs, am);
-      yabs = std::max(yabs, y);
-      // not finite (inf or NaN; sqrt of a negative v is NaN too)
-      bad |= !(am <= 3.4028234663852886e38f) | !(y <= 3.4028234663852886e38f);
-    }
-  }
-  if constexpr (MOM == 2) {
-    if (bad) {
-      *mscale = NAN;
-      *vscale = NAN;
-      std::memset(M, 0, len);
-      std::memset(V, 0, len);
-      return;
-    }
-    *mscale = mabs;
-    *vscale = yabs;
-    // a zero block: scale 0, codes 0 (the masks also keep 0/0 out of the codes)
-    const uint32_t mkeep = mabs == 0.f ? 0U : 0xFFU, vkeep = yabs == 0.f ? 0U : 0xFFU;
-    // t = |m| * (1/scale): one division a block, not one an element (formats.py does the same)
-    const float minv = mabs == 0.f ? 1.f : 1.f / mabs, yinv = yabs == 0.f ? 1.f : 1.f / yabs;
-#pragma omp simd
-    for (int k = 0; k < n; ++k) {
-      float m = mbuf[k];
-      float y = ybuf[k];
-      uint32_t mm = encode_m_mag(std::fabs(m) * minv);
-      uint32_t sign = (f2u(m) >> 24) & 0x80U;
-      M[k] = (uint8_t)((mm ? (mm | sign) : 0U) & mkeep);
-      V[k] = (uint8_t)(encode_v_code(y * yinv, y != 0.f) & vkeep);
-    }
-  }
+using SpanFn = void (*)(const Job&, size_t, int64_t, int64_t);
+
+}  // namespace
+
+// One copy of the body per ISA. GCC and Clang compile intrinsics for a target inside a region
+// that enables it, whatever the command line's -m flags: one build serves every x86 CPU.
+#if defined(OFFLOADOPT_X86) && defined(__GNUC__)
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+#endif
+namespace isa_avx512 {
+namespace {
+#define OO_SIMD_AVX512
+#include "cpu/simd.h"
+#include "cpu/adam_body.h"
+#undef OO_SIMD_AVX512
+}  // namespace
+}  // namespace isa_avx512
+#ifdef __clang__
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#endif
+namespace isa_avx2 {
+namespace {
+#define OO_SIMD_AVX2
+#include "cpu/simd.h"
+#include "cpu/adam_body.h"
+#undef OO_SIMD_AVX2
+}  // namespace
+}  // namespace isa_avx2
+#ifdef __clang__
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#define OFFLOADOPT_HAVE_AVX 1
+#endif
+
+namespace isa_generic {
+namespace {
+#define OO_SIMD_GENERIC
+#include "cpu/simd.h"
+#include "cpu/adam_body.h"
+#undef OO_SIMD_GENERIC
+}  // namespace
+}  // namespace isa_generic
+
+namespace {
+
+struct Isa {
+  const char* name;
+  int lanes;
+  SpanFn (*pick)(Master, bool, Moments, bool);
+};
+
+const Isa kGeneric{"generic", 8, isa_generic::pick};
+#ifdef OFFLOADOPT_HAVE_AVX
+const Isa kAvx2{"avx2", 8, isa_avx2::pick};
+const Isa kAvx512{"avx512", 16, isa_avx512::pick};
+#endif
+
+// The ISAs this CPU runs, best first.
+std::vector<const Isa*> supported_isas() {
+  std::vector<const Isa*> out;
+#ifdef OFFLOADOPT_HAVE_AVX
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    out.push_back(&kAvx512);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back(&kAvx2);
+#endif
+  out.push_back(&kGeneric);
+  return out;
 }
 
-// With a grad_scale, the block's grads are first upcast and divided into an L1-resident fp32
-// buffer (so the division is paid only then), and the core reads that buffer as fp32 grads.
-template <bool MBF16, bool GBF16, int MOM, bool WOUT>
-void run_block(const Job& J, size_t i, int64_t j0, int64_t j1) {
-  using GT = std::conditional_t<GBF16, uint16_t, float>;
-  const GT* G = static_cast<const GT*>(J.grad[i]) + j0;
-  if (!J.has_gs) return block_core<MBF16, GBF16, MOM, WOUT>(J, i, j0, j1, G);
-  const int n = (int)std::min<int64_t>(BLOCK, J.numel[i] - j0);
-  const float gscale = J.coefs[i].gscale;
-  alignas(64) float gbuf[BLOCK];
-#pragma omp simd
-  for (int k = 0; k < n; ++k) {
-    if constexpr (GBF16) gbuf[k] = bf2f(G[k]) / gscale; else gbuf[k] = G[k] / gscale;
+std::atomic<const Isa*> g_isa{nullptr};
+std::atomic<int> g_prefetch{0};
+
+const Isa* current_isa() {
+  const Isa* isa = g_isa.load();
+  if (!isa) {
+    isa = supported_isas().front();
+    g_isa.store(isa);
   }
-  block_core<MBF16, false, MOM, WOUT>(J, i, j0, j0 + BLOCK, gbuf);
-}
-
-using BlockFn = void (*)(const Job&, size_t, int64_t, int64_t);
-
-template <bool MBF16, bool GBF16>
-BlockFn pick_mom(int moments, bool wout) {
-  if (moments == 0) return wout ? run_block<MBF16, GBF16, 0, true> : run_block<MBF16, GBF16, 0, false>;
-  if (moments == 1) return wout ? run_block<MBF16, GBF16, 1, true> : run_block<MBF16, GBF16, 1, false>;
-  return wout ? run_block<MBF16, GBF16, 2, true> : run_block<MBF16, GBF16, 2, false>;
-}
-
-BlockFn pick(bool mbf16, bool gbf16, int moments, bool wout) {
-  if (mbf16) return gbf16 ? pick_mom<true, true>(moments, false) : pick_mom<true, false>(moments, false);
-  return gbf16 ? pick_mom<false, true>(moments, wout) : pick_mom<false, false>(moments, wout);
+  return isa;
 }
 
 // Numbers in error messages are made strings here (std::to_string, snprintf), never streamed: on
@@ -412,6 +245,7 @@ void check_1d(const at::Tensor& t, const char* list, size_t i, int64_t n, std::v
   TORCH_CHECK_VALUE(t.numel() == n, "adam_step: ", where(list, i), " has ", N(t.numel()),
                     " elements; expected ", N(n));
 }
+
 
 }  // namespace
 
@@ -493,22 +327,16 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
   TORCH_CHECK_VALUE(!grad_scale.has_value() || *grad_scale != 0.0, "adam_step: grad_scale=0");
 
   Job J;
-  J.moments = (int)moments;
   J.has_gs = grad_scale.has_value();
   J.maximize = maximize;
   J.adamw = decoupled;
   J.has_wd = weight_decay != 0.0;
-  J.wout = !weights_out.empty();
+  J.prefetch = g_prefetch.load();
+  const bool wout = !weights_out.empty();
   const bool bk = !backups.empty();
-  J.master_es = mbf16 ? 2 : 4;
-  J.state_es = moments == 0 ? 4 : moments == 1 ? 2 : 1;
-  if (bk) {
-    J.bmaster.resize(T);
-    J.bm.resize(T);
-    J.bv.resize(T);
-    J.bms.resize(T, nullptr);
-    J.bvs.resize(T, nullptr);
-  }
+  const size_t master_es = mbf16 ? 2 : 4, state_es = moments == 0 ? 4 : moments == 1 ? 2 : 1;
+  std::vector<void*> bmaster(bk ? T : 0), bm(bk ? T : 0), bv(bk ? T : 0);
+  std::vector<float*> bms(bk ? T : 0, nullptr), bvs(bk ? T : 0, nullptr);
   J.master.resize(T);
   J.grad.resize(T);
   J.m.resize(T);
@@ -521,6 +349,7 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
   J.offsets = offsets;
   J.first_block.resize(T + 1);
   J.coefs.resize(T);
+  // torch's scalar tail (Note [torch parity] in cpu/adam_body.h): all-fp32 mode only
   const bool parity_tail = !mbf16 && moments == 0 && vec_size >= 8;
   int64_t nblocks = 0;
   for (size_t i = 0; i < T; ++i) {
@@ -529,14 +358,14 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
     J.grad[i] = grads[i].data_ptr();
     J.m[i] = exp_avgs[i].data_ptr();
     J.v[i] = exp_avg_sqs[i].data_ptr();
-    if (J.wout) J.wo[i] = weights_out[i].data_ptr();
+    if (wout) J.wo[i] = weights_out[i].data_ptr();
     if (bk) {
-      J.bmaster[i] = backups[per * i].data_ptr();
-      J.bm[i] = backups[per * i + 1].data_ptr();
-      J.bv[i] = backups[per * i + 2].data_ptr();
+      bmaster[i] = backups[per * i].data_ptr();
+      bm[i] = backups[per * i + 1].data_ptr();
+      bv[i] = backups[per * i + 2].data_ptr();
       if (moments == 2) {
-        J.bms[i] = backups[per * i + 3].data_ptr<float>();
-        J.bvs[i] = backups[per * i + 4].data_ptr<float>();
+        bms[i] = backups[per * i + 3].data_ptr<float>();
+        bvs[i] = backups[per * i + 4].data_ptr<float>();
       }
     }
     if (moments == 2) {
@@ -558,53 +387,50 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
     c.decay = (float)(1 - lr * weight_decay);
     const float w = (float)(1 - beta1);
     c.lerp_small = std::fabs(w) < 0.5f;
-    c.lerp_c = c.lerp_small ? w : w - 1.f;
+    c.lerp = c.lerp_small ? w : w - 1.f;
     c.b2 = (float)beta2;
     c.c2 = (float)(1 - beta2);
     c.bc2s = (float)std::sqrt(bc2);
     c.eps = (float)eps;
-    c.nss = (float)(-step_size);
-    for (int s = 0; s < 3; ++s) {
-      const uint64_t k = sr_key(salts[i], step, s);
-      c.k[s][0] = (uint32_t)k;
-      c.k[s][1] = (uint32_t)(k >> 32);
-    }
+    c.neg_step = (float)(-step_size);
+    c.eps_c = (float)(eps * std::sqrt(bc2));
+    c.neg_step_c = (float)(-step_size * std::sqrt(bc2));
+    for (int d = 0; d < 2; ++d) c.key[d] = sr_key(salts[i], step, d);
   }
   J.first_block[T] = nblocks;
   if (nblocks == 0) return;
-  const BlockFn fn = pick(mbf16, gbf16, (int)moments, J.wout);
-  const bool runs = moments != 2 && !J.has_gs;
+  const SpanFn fn = current_isa()->pick(mbf16 ? Master::Bf16Sr : Master::Fp32, gbf16, (Moments)moments, wout);
+  const int64_t max_run = bk ? BACKUP_RUN : RUN;
 
   at::parallel_for(0, nblocks, 1, [&](int64_t begin, int64_t end) {
-#ifdef OFFLOADOPT_HAVE_MXCSR
+#ifdef OFFLOADOPT_X86
     const unsigned int csr = _mm_getcsr();
     if (flush_denormal) _mm_setcsr(csr | 0x8040U);  // FTZ | DAZ
 #endif
     size_t i = std::upper_bound(J.first_block.begin(), J.first_block.end(), begin) - J.first_block.begin() - 1;
     for (int64_t b = begin; b < end;) {
       while (b >= J.first_block[i + 1]) ++i;
-      // one block, or (fp32/bf16 moments, no grad_scale: nothing kept per block) a run of
-      // blocks of this tensor in one loop
-      const int64_t run = runs ? std::min({end, J.first_block[i + 1], b + (bk ? BACKUP_RUN : RUN)}) - b : 1;
+      const int64_t run = std::min({end, J.first_block[i + 1], b + max_run}) - b;
       const int64_t j0 = (b - J.first_block[i]) * BLOCK;
-      if (bk) {  // the run's pre-step values, copied out just before the update reads them
-        const int64_t len = std::min(j0 + run * BLOCK, J.numel[i]) - j0;
-        backup_copy(static_cast<char*>(J.bmaster[i]) + j0 * J.master_es,
-                    static_cast<const char*>(J.master[i]) + j0 * J.master_es, len * J.master_es);
-        backup_copy(static_cast<char*>(J.bm[i]) + j0 * J.state_es,
-                    static_cast<const char*>(J.m[i]) + j0 * J.state_es, len * J.state_es);
-        backup_copy(static_cast<char*>(J.bv[i]) + j0 * J.state_es,
-                    static_cast<const char*>(J.v[i]) + j0 * J.state_es, len * J.state_es);
-        if (J.moments == 2) {  // int8: one block a call, one scale each
-          J.bms[i][j0 / BLOCK] = J.ms[i][j0 / BLOCK];
-          J.bvs[i][j0 / BLOCK] = J.vs[i][j0 / BLOCK];
-        }
+      const int64_t len = std::min(j0 + run * BLOCK, J.numel[i]) - j0;
+      if (bk) {  // the span's pre-step values, copied out just before the update reads them
+        backup_copy(static_cast<char*>(bmaster[i]) + j0 * master_es,
+                    static_cast<const char*>(J.master[i]) + j0 * master_es, len * master_es);
+        backup_copy(static_cast<char*>(bm[i]) + j0 * state_es, static_cast<const char*>(J.m[i]) + j0 * state_es,
+                    len * state_es);
+        backup_copy(static_cast<char*>(bv[i]) + j0 * state_es, static_cast<const char*>(J.v[i]) + j0 * state_es,
+                    len * state_es);
+        if (moments == 2)
+          for (int64_t k = j0 / BLOCK; k < j0 / BLOCK + run; ++k) {
+            bms[i][k] = J.ms[i][k];
+            bvs[i][k] = J.vs[i][k];
+          }
       }
-      fn(J, i, j0, j0 + run * BLOCK);
+      fn(J, i, j0, len);
       b += run;
     }
-    if (bk) backup_fence();
-#ifdef OFFLOADOPT_HAVE_MXCSR
+    backup_fence();  // the backups' and weights_out's streaming stores, visible when the region ends
+#ifdef OFFLOADOPT_X86
     _mm_setcsr(csr);
 #endif
   });
@@ -616,6 +442,25 @@ int64_t num_threads_used() {
   std::atomic<int64_t> seen{0};
   at::parallel_for(0, 1 << 16, 1, [&](int64_t, int64_t) { seen.fetch_add(1); });
   return seen.load();
+}
+
+std::vector<std::string> isas() {
+  std::vector<std::string> out;
+  for (const Isa* isa : supported_isas()) out.push_back(isa->name);
+  return out;
+}
+
+// Run every later call on the named ISA ("avx512", "avx2" or "generic"); raises ValueError for
+// one this CPU (or this build) does not run.
+void set_isa(const std::string& name) {
+  for (const Isa* isa : supported_isas())
+    if (name == isa->name) {
+      g_isa.store(isa);
+      return;
+    }
+  std::string ok;
+  for (const std::string& s : isas()) ok += (ok.empty() ? "" : ", ") + s;
+  TORCH_CHECK_VALUE(false, "set_isa: '", name, "' is not run by this CPU; it runs: ", ok);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -633,6 +478,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("num_threads_used", &num_threads_used,
           "number of threads a parallel region of the extension runs on");
   mod.def("block", []() { return BLOCK; });
+  mod.def("isa", []() { return std::string(current_isa()->name); }, "the ISA the kernel runs on");
+  mod.def("lanes", []() { return current_isa()->lanes; }, "fp32 lanes per vector of that ISA");
+  mod.def("isas", &isas, "the ISAs this CPU runs, best first");
+  mod.def("set_isa", &set_isa, py::arg("name"), "run later calls on this ISA (tests and benchmarks)");
+  mod.def("set_prefetch", [](int blocks) { g_prefetch.store(std::max(0, std::min(blocks, 64))); }, py::arg("blocks"),
+          "software prefetch this many 256-element blocks ahead (0: off, the default)");
+  mod.def("prefetch", []() { return g_prefetch.load(); });
   mod.def("set_backup_stream", [](bool on) { g_backup_stream.store(on); },
           "write backups with streaming (non-temporal) stores (default True; False: plain copies)");
 }

@@ -9,11 +9,30 @@ and cast to float as torch does::
     g = grad / grad_scale; g = -g if maximize
     Adam: g = g + p*wd          AdamW: p = p*(1 - lr*wd)          (when wd != 0)
     m = lerp(m, g, 1 - beta1);  v = v*beta2 + (1 - beta2)*g*g
-    p = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+    all fp32 (torch's):  p = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+    compressed:          p = p + (-lr / bc1 * sqrt(bc2)) * m / (sqrt(v) + eps * sqrt(bc2))
 
-The stochastic rounding draws the same bits as the kernel (``sr_bits``: integer ops on int64
-masked to 32 bits, no overflow). Results equal the kernel's up to the order of fp32 operations
-(the kernel writes its FMAs out; torch's elementwise CPU kernels may or may not fuse).
+The compressed form is the same quantity with ``sqrt(bc2)`` folded into the two scalars (in
+double, then cast to float): one division per element instead of two, which bounded the
+kernel on AVX2 hosts; it differs from torch's form by an fp32 rounding or two.
+
+Stochastic rounding to bf16: ``bits = (fp32 bits + r16) >> 16``, NaN -> 0x7FC0, +-inf
+unchanged (a finite value above the largest bf16 may round up to inf, as round-to-nearest
+would for most of that range), where r16 is 16 bits of a counter-based draw: element j of a
+parameter (its ``counter``, ``offset + j``) under a 64-bit key per (salt, step, draw)::
+
+    key  = mix64(salt + 0x9E3779B97F4A7C15 * (4*step + draw + 1))          (sr_key)
+    bits = fmix32(lo32(counter) ^ lo32(key) ^ (hi32(counter) * 0x9E3779B9 + hi32(key)))
+
+(32-bit arithmetic; mix64 is splitmix64's finalizer, fmix32 MurmurHash3's, a bijection on 32
+bits.) Draw 0 rounds the master (its low 16 bits); draw 1 the moments (low 16 bits exp_avg,
+high 16 exp_avg_sq). One hash per element and draw, keyed by position and not by thread or
+vector: the result does not depend on the thread count, the ISA or where a parameter is cut.
+
+The kernel computes exactly these operations (correctly rounded fp32 add, mul, div, sqrt and
+fma); this module's torch ops may fuse or order them differently (torch.lerp, addcmul), so
+results equal the kernel's up to an fp32 rounding, which moves a rounded bf16 value or an int8
+code by one step where the value sits that close to a threshold.
 """
 
 from __future__ import annotations
@@ -29,7 +48,7 @@ __all__ = ["adam_step", "adam_step_flat", "round_bf16_sr", "sr_bits", "sr_key"]
 
 M64 = (1 << 64) - 1
 M32 = 0xFFFFFFFF
-STREAM_MASTER, STREAM_EXP_AVG, STREAM_EXP_AVG_SQ = 0, 1, 2
+DRAW_MASTER, DRAW_MOMENTS = 0, 1
 
 
 def _f32(x: float) -> float:
@@ -43,11 +62,11 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def sr_key(salt: int, step: float, stream: int) -> int:
-    """The 64-bit key of one (salt, step, stream): splitmix64's finalizer of
-    ``salt + 0x9E3779B97F4A7C15 * (4*step + stream + 1)`` (mod 2^64)."""
+def sr_key(salt: int, step: float, draw: int) -> int:
+    """The 64-bit key of one (salt, step, draw): splitmix64's finalizer of
+    ``salt + 0x9E3779B97F4A7C15 * (4*step + draw + 1)`` (mod 2^64)."""
     s = int(step) & M64
-    return _mix64((salt + 0x9E3779B97F4A7C15 * (4 * s + stream + 1)) & M64)
+    return _mix64((salt + 0x9E3779B97F4A7C15 * (4 * s + draw + 1)) & M64)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -67,21 +86,20 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
 
 def sr_bits(key: int, counter: torch.Tensor) -> torch.Tensor:
     """32 random bits (int64 in [0, 2^32)) per int64 counter under a 64-bit key:
-    ``fmix32(fmix32(lo32(c) ^ lo32(key)) ^ hi32(key) ^ hi32(c)*0x9E3779B9)``."""
+    ``fmix32(lo32(c) ^ lo32(key) ^ (hi32(c)*0x9E3779B9 + hi32(key)))`` (mod 2^32)."""
     return _sr_bits_halves(key & M32, key >> 32, counter)
 
 
 def _sr_bits_halves(key_lo, key_hi, counter: torch.Tensor) -> torch.Tensor:
     """:func:`sr_bits` with the key given as its 32-bit halves: ints, or int64 tensors that
     broadcast against ``counter`` (the flat pass: one key per block, ``(nblocks, 1)``)."""
-    x = _fmix32((counter & M32) ^ key_lo)
-    hi = _mul32(counter >> 32, 0x9E3779B9)
-    return _fmix32(x ^ key_hi ^ hi)
+    hi = (_mul32(counter >> 32, 0x9E3779B9) + key_hi) & M32
+    return _fmix32((counter & M32) ^ key_lo ^ hi)
 
 
 def round_bf16_sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """fp32 -> bf16 by stochastic rounding: ``(bits + (r & 0xFFFF)) >> 16``; NaN -> NaN
-    (0x7FC0), +-inf unchanged."""
+    (0x7FC0), +-inf unchanged (``r``: int64 random bits, the low 16 used)."""
     u = x.contiguous().view(torch.int32).to(torch.int64) & M32
     nonfinite = (u & 0x7F800000) == 0x7F800000
     nan = nonfinite & ((u & 0x7FFFFF) != 0)
@@ -98,15 +116,17 @@ def _consts(beta1: float, beta2: float, weight_decay: float, eps: float) -> tupl
 
 
 def _adam_math(p, g, m0, v0, *, k, maximize, decoupled, grad_scale, neg_step_size,
-               divide_bc2, wd_factor):  # fmt: skip
+               denominator, wd_factor):  # fmt: skip
     """The update itself, elementwise in fp32 (the module docstring's formula): ``p``, ``g``,
-    ``m0``, ``v0`` fp32 of one shape; ``k``: :func:`_consts`; ``neg_step_size`` ``-lr / bc1``
-    as fp32 (a float, or a tensor that broadcasts); ``divide_bc2(y)``: ``y / sqrt(bc2)`` as the
-    caller's device computes it; ``wd_factor``: AdamW's ``1 - lr * wd`` as fp32 (a float or a
-    0-dim tensor; unused unless decoupled with wd != 0); ``grad_scale``: an fp32 value as a
-    float, a 0-dim fp32 tensor, or None. Python floats only (no struct calls): the compiled
-    pass traces this function. Returns ``(p, m, v, sqrt(v))``, new tensors."""
-    one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay = k
+    ``m0``, ``v0`` fp32 of one shape; ``k``: :func:`_consts`; ``neg_step_size``: the step's
+    scalar as fp32 (``-lr / bc1``; compressed: times ``sqrt(bc2)``; a float, or a tensor that
+    broadcasts); ``denominator(y)``: of ``y = sqrt(v)``, ``y / sqrt(bc2) + eps`` (all fp32) or
+    ``y + eps * sqrt(bc2)`` (compressed), as the caller's device computes it; ``wd_factor``:
+    AdamW's ``1 - lr * wd`` as fp32 (a float or a 0-dim tensor; unused unless decoupled with wd
+    != 0); ``grad_scale``: an fp32 value as a float, a 0-dim fp32 tensor, or None. Python
+    floats only (no struct calls): the compiled pass traces this function. Returns ``(p, m, v,
+    sqrt(v))``, new tensors."""
+    one_minus_beta1, beta2, one_minus_beta2, _, weight_decay = k
     if grad_scale is not None:
         g = g / grad_scale
     if maximize:
@@ -119,8 +139,24 @@ def _adam_math(p, g, m0, v0, *, k, maximize, decoupled, grad_scale, neg_step_siz
     m = torch.lerp(m0, g, one_minus_beta1)
     v = (v0 * beta2).addcmul_(g, g, value=one_minus_beta2)
     y = v.sqrt()
-    denom = divide_bc2(y).add_(eps)
-    return p + (m * neg_step_size) / denom, m, v, y
+    return p + (m * neg_step_size) / denominator(y), m, v, y
+
+
+def _step_scalars(step_size: float, bc2: float, eps: float, compressed: bool, *, cuda: bool):
+    """``(neg_step, denominator)`` for :func:`_adam_math` (the module docstring's two forms),
+    the scalars rounded from double to fp32 as the kernel rounds them. ``cuda``: a tensor
+    divided by a host scalar on CUDA is a multiplication by its fp32 reciprocal (torch's
+    div_true_kernel_cuda): 1/s rounded once from double equals that (double rounding is
+    innocuous for division, 53 >= 2*24 + 2)."""
+    s = math.sqrt(bc2)
+    if compressed:
+        eps_c = _f32(eps * s)
+        return _f32(-step_size * s), lambda y: y + eps_c
+    eps32, s32 = _f32(eps), _f32(s)
+    if cuda:
+        inv = _f32(1.0 / s32)
+        return _f32(-step_size), lambda y: (y * inv).add_(eps32)
+    return _f32(-step_size), lambda y: (y / s32).add_(eps32)
 
 
 def adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
@@ -140,25 +176,25 @@ def adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_
         bc1 = 1 - beta1**step
         bc2 = 1 - beta2**step
         step_size = lr / bc1
-        sqrt_bc2 = _f32(math.sqrt(bc2))
         n = p_in.numel()
+        compressed = bf16_master or moments != 0
         if moments in (0, 1):
             m0, v0 = exp_avgs[i].float(), exp_avg_sqs[i].float()
         else:
             m0 = decode_m(exp_avgs[i], exp_avg_scales[i])
             v0 = decode_v(exp_avg_sqs[i], exp_avg_sq_scales[i])
+        neg_step, denominator = _step_scalars(step_size, bc2, eps, compressed, cuda=False)
         p, m, v, y = _adam_math(
             p_in.float(), grads[i].float(), m0, v0, k=_consts(beta1, beta2, weight_decay, eps),
             wd_factor=_f32(1 - lr * weight_decay), maximize=maximize, decoupled=decoupled,
             grad_scale=None if grad_scale is None else _f32(float(grad_scale)),
-            neg_step_size=_f32(-step_size),
-            divide_bc2=lambda y: y / sqrt_bc2,  # noqa: B023 - called in this iteration
+            neg_step_size=neg_step, denominator=denominator,
         )  # fmt: skip
         counter = None
         if bf16_master or moments == 1:
             counter = offsets[i] + torch.arange(n, dtype=torch.int64, device=p.device)
         if bf16_master:
-            r = sr_bits(sr_key(salts[i], step, STREAM_MASTER), counter)
+            r = sr_bits(sr_key(salts[i], step, DRAW_MASTER), counter)
             p_in.copy_(round_bf16_sr(p, r))
         else:
             p_in.copy_(p)
@@ -168,8 +204,9 @@ def adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_
             exp_avgs[i].copy_(m)
             exp_avg_sqs[i].copy_(v)
         elif moments == 1:
-            exp_avgs[i].copy_(round_bf16_sr(m, sr_bits(sr_key(salts[i], step, 1), counter)))
-            exp_avg_sqs[i].copy_(round_bf16_sr(v, sr_bits(sr_key(salts[i], step, 2), counter)))
+            r = sr_bits(sr_key(salts[i], step, DRAW_MOMENTS), counter)
+            exp_avgs[i].copy_(round_bf16_sr(m, r))
+            exp_avg_sqs[i].copy_(round_bf16_sr(v, r >> 16))
         else:
             cm, sm = encode_m(m)
             cv, sv = _encode_y(y)
@@ -309,27 +346,31 @@ def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_av
     lengths = [c * BLOCK for c in counts]
     pads = [ln - n for ln, n in zip(lengths, sizes, strict=True)]
     total_blocks = sum(counts)
-    # per-tensor scalars, in double on the host exactly as adam_step computes them
-    neg_step_size, sqrt_bc2, ints = [], [], []
+    # per-tensor scalars, in double on the host exactly as adam_step computes them: the step's
+    # scalar and, for the denominator, sqrt(bc2) (its fp32 reciprocal on CUDA: _step_scalars)
+    # or, compressed, eps * sqrt(bc2)
+    neg_step_size, second, ints = [], [], []
     cuda_div = device.type == "cuda"
+    compressed = bf16_master or moments != 0
     for i in range(len(masters)):
         step = float(steps[i])
         bc1 = 1 - beta1**step
         bc2 = 1 - beta2**step
-        neg_step_size.append(_f32(-(lr / bc1)))
-        s = _f32(math.sqrt(bc2))
-        # A tensor divided by a host scalar on CUDA is a multiplication by its fp32 reciprocal
-        # (torch's div_true_kernel_cuda); 1/s rounded once from double equals the fp32
-        # division (double rounding is innocuous for division, 53 >= 2*24 + 2).
-        sqrt_bc2.append(_f32(1.0 / s) if cuda_div else s)
-        keys = [sr_key(salts[i], step, stream) for stream in (0, 1, 2)]
+        s = math.sqrt(bc2)
+        if compressed:
+            neg_step_size.append(_f32(-(lr / bc1) * s))
+            second.append(_f32(eps * s))
+        else:
+            neg_step_size.append(_f32(-(lr / bc1)))
+            second.append(_f32(1.0 / _f32(s)) if cuda_div else _f32(s))
+        keys = [sr_key(salts[i], step, draw) for draw in (DRAW_MASTER, DRAW_MOMENTS)]
         row = [int(offsets[i])]
         for k in keys:
             row += [k & M32, k >> 32]
         ints.append(row)
     counts_t = torch.tensor(counts, dtype=torch.int64)
-    fl = torch.tensor([neg_step_size, sqrt_bc2], dtype=torch.float32).t()  # (n_t, 2)
-    it = torch.tensor(ints, dtype=torch.int64)  # (n_t, 7)
+    fl = torch.tensor([neg_step_size, second], dtype=torch.float32).t()  # (n_t, 2)
+    it = torch.tensor(ints, dtype=torch.int64)  # (n_t, 5)
     # block b of tensor i: its counter base = offset_i + BLOCK * (b - first block of i)
     first = torch.cumsum(counts_t, 0) - counts_t
     if device.type == "cuda":  # pinned: the copies do not wait for the host
@@ -338,7 +379,7 @@ def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_av
     elif device.type != "cpu":
         fl, it, counts_t, first = (x.to(device) for x in (fl, it, counts_t, first))
     fl_b = fl.repeat_interleave(counts_t, dim=0, output_size=total_blocks)  # (blocks, 2)
-    it_b = it.repeat_interleave(counts_t, dim=0, output_size=total_blocks)  # (blocks, 7)
+    it_b = it.repeat_interleave(counts_t, dim=0, output_size=total_blocks)  # (blocks, 5)
     first_b = first.repeat_interleave(counts_t, output_size=total_blocks)
     if moments in (0, 1):
         m_in, v_in = _gather(exp_avgs, pads), _gather(exp_avg_sqs, pads)
@@ -366,7 +407,7 @@ def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_av
         first_b, wd_factor=wd_factor, grad_scale=gs, k=_consts(beta1, beta2, weight_decay, eps),
         maximize=maximize, decoupled=decoupled,
         moments=moments, bf16_master=bf16_master, weights_out=bool(weights_out),
-        cuda_div=cuda_div,
+        cuda_div=cuda_div, compressed=compressed,
     )  # fmt: skip
     _scatter(masters, p_out, lengths)
     if weights_out:
@@ -380,17 +421,26 @@ def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_av
 
 def _flat_core(p_in, g_in, m_in, m_sc, v_in, v_sc, fl_b, it_b, first_b, *, wd_factor,
                grad_scale, k, maximize, decoupled, moments, bf16_master, weights_out,
-               cuda_div):  # fmt: skip
+               cuda_div, compressed):  # fmt: skip
     """The elementwise part of :func:`adam_step_flat` over the gathered (padded) flat buffers,
     a pure function of tensors: returns ``(master, bf16 weights or None, exp_avg or its codes,
     exp_avg_sq or its codes, exp_avg scales or None, exp_avg_sq scales or None)``, new tensors
-    in the stored dtypes. ``fl_b`` (blocks, 2) fp32: per block ``-lr / bc1`` and ``sqrt(bc2)``
-    (its reciprocal when ``cuda_div``); ``it_b`` (blocks, 7) int64: the counter offset and the
-    three rounding keys' 32-bit halves; ``first_b`` (blocks,) the first block of each block's
-    tensor. ``k``: :func:`_consts`. ``wd_factor`` / ``grad_scale``: fp32 values as floats or
-    0-dim fp32 tensors (a compiled pass takes tensors), or None."""
+    in the stored dtypes. ``fl_b`` (blocks, 2) fp32: per block the step's scalar and the
+    denominator's (:func:`_step_scalars`: ``-lr / bc1`` and ``sqrt(bc2)``, its reciprocal when
+    ``cuda_div``; ``compressed``: both times ``sqrt(bc2)``, the second ``eps * sqrt(bc2)``);
+    ``it_b`` (blocks, 5) int64: the counter offset and the two draws' keys' 32-bit halves;
+    ``first_b`` (blocks,) the first block of each block's tensor. ``k``: :func:`_consts`.
+    ``wd_factor`` / ``grad_scale``: fp32 values as floats or 0-dim fp32 tensors (a compiled
+    pass takes tensors), or None."""
     ss = fl_b[:, 0:1]
     sb2 = fl_b[:, 1:2]
+    eps = k[3]
+    if compressed:
+        denominator = lambda y: y + sb2  # noqa: E731
+    elif cuda_div:
+        denominator = lambda y: (y * sb2).add_(eps)  # noqa: E731
+    else:
+        denominator = lambda y: (y / sb2).add_(eps)  # noqa: E731
 
     def blocks(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, BLOCK)
@@ -402,8 +452,7 @@ def _flat_core(p_in, g_in, m_in, m_sc, v_in, v_sc, fl_b, it_b, first_b, *, wd_fa
     p, m, v, y = _adam_math(
         blocks(p_in.float()), blocks(g_in.float()), m0, v0, k=k, maximize=maximize,
         decoupled=decoupled,
-        grad_scale=grad_scale, neg_step_size=ss, wd_factor=wd_factor,
-        divide_bc2=(lambda y: y * sb2) if cuda_div else (lambda y: y / sb2),
+        grad_scale=grad_scale, neg_step_size=ss, wd_factor=wd_factor, denominator=denominator,
     )  # fmt: skip
     counter = None
     if bf16_master or moments == 1:
@@ -412,16 +461,13 @@ def _flat_core(p_in, g_in, m_in, m_sc, v_in, v_sc, fl_b, it_b, first_b, *, wd_fa
         base = it_b[:, 0] + (idx - first_b) * BLOCK
         counter = base[:, None] + torch.arange(BLOCK, dtype=torch.int64, device=p.device)
 
-    def sr(x: torch.Tensor, stream: int) -> torch.Tensor:
-        key_lo, key_hi = (
-            it_b[:, 1 + 2 * stream : 2 + 2 * stream],
-            it_b[:, 2 + 2 * stream : 3 + 2 * stream],
-        )
-        return round_bf16_sr(x, _sr_bits_halves(key_lo, key_hi, counter))
+    def bits(draw: int) -> torch.Tensor:
+        key_lo, key_hi = it_b[:, 1 + 2 * draw : 2 + 2 * draw], it_b[:, 2 + 2 * draw : 3 + 2 * draw]
+        return _sr_bits_halves(key_lo, key_hi, counter)
 
     w_out = sm = sv = None
     if bf16_master:
-        p_out = sr(p, STREAM_MASTER)
+        p_out = round_bf16_sr(p, bits(DRAW_MASTER))
     else:
         p_out = p
         if weights_out:
@@ -429,7 +475,8 @@ def _flat_core(p_in, g_in, m_in, m_sc, v_in, v_sc, fl_b, it_b, first_b, *, wd_fa
     if moments == 0:
         m_out, v_out = m, v
     elif moments == 1:
-        m_out, v_out = sr(m, STREAM_EXP_AVG), sr(v, STREAM_EXP_AVG_SQ)
+        r = bits(DRAW_MOMENTS)
+        m_out, v_out = round_bf16_sr(m, r), round_bf16_sr(v, r >> 16)
     else:
         cm, sm = encode_m(m.reshape(-1))
         cv, sv = _encode_y(y.reshape(-1))

@@ -11,6 +11,13 @@ op, are: set flush-to-zero, set its thread count, and run one parallel op so tha
 exists with both settings. The training thread's floating-point mode is never changed, and its
 thread count is restored once the worker's pool exists (``torch.set_num_threads`` also sets the
 default for threads that start later).
+
+Its cores (:func:`plan_cpus`): when updates overlap the training thread's work (backward mode,
+delayed updates, module waits), the worker's thread sets its CPU affinity to the CPUs this
+process may use less one core (and its hyperthread siblings) left to the training thread, before
+its pool exists, so that the pool's threads inherit it: the thread that launches the GPU work
+is never queued behind 15 busy update threads. The training thread's own affinity is not
+touched. Several local ranks each take their slice of the CPUs first.
 """
 
 from __future__ import annotations
@@ -30,8 +37,10 @@ __all__ = [
     "Job",
     "WorkerError",
     "WaitTimeout",
+    "CpuPlan",
     "default_cpu_threads",
     "local_ranks",
+    "plan_cpus",
     "start_worker",
 ]
 
@@ -60,12 +69,101 @@ def local_ranks() -> int:
     return 1
 
 
+def usable_cpus() -> list[int] | None:
+    """The CPUs this process may run on (its CPU affinity), or None where the OS does not say
+    (not Linux)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its CPU affinity), not the machine's count."""
+    cpus = usable_cpus()
+    return len(cpus) if cpus else os.cpu_count() or 1
+
+
+def _siblings(cpu: int) -> set[int]:
+    """``cpu`` and its hyperthread siblings (Linux sysfs), or just ``cpu``."""
+    path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
     try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        with open(path) as fh:
+            return set(cpu_list(fh.read().strip())) | {cpu}
+    except (OSError, ValueError):
+        return {cpu}
+
+
+def cpu_list(text: str) -> list[int]:
+    """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]`` (the kernel's CPU list format). Raises ValueError."""
+    out: list[int] = []
+    for part in text.split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def cpu_text(cpus) -> str:
+    """``[0, 1, 2, 3, 8]`` -> ``"0-3,8"``."""
+    cpus = sorted(cpus)
+    runs: list[str] = []
+    i = 0
+    while i < len(cpus):
+        j = i
+        while j + 1 < len(cpus) and cpus[j + 1] == cpus[j] + 1:
+            j += 1
+        runs.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
+        i = j + 1
+    return ",".join(runs)
+
+
+class CpuPlan:
+    """Where the worker runs: ``cpus`` (its affinity, or None: the OS places its threads),
+    ``threads`` (its OpenMP threads) and ``training`` (the CPUs left to the training thread;
+    empty when none is)."""
+
+    def __init__(self, cpus: list[int] | None, threads: int, training: list[int]):
+        self.cpus, self.threads, self.training = cpus, threads, training
+
+    def describe(self) -> str:
+        """One line, e.g. ``"15 threads on CPUs 1-15 (CPU 0 left to the training thread)"``."""
+        where = f"CPUs {cpu_text(self.cpus)}" if self.cpus else "any CPU"
+        left = (f" (CPU{'s' if len(self.training) > 1 else ''} {cpu_text(self.training)} left to "
+                "the training thread)") if self.training else ""  # fmt: skip
+        return f"{self.threads} thread{'s' if self.threads != 1 else ''} on {where}{left}"
+
+
+def plan_cpus(option, threads: int | None, training_thread_busy: bool) -> CpuPlan:
+    """The worker's CPUs and threads from the ``worker_cpus`` and ``cpu_threads`` options.
+
+    ``option``: None (choose: this process's CPUs, or its local rank's slice of them when
+    several local ranks share them, less the first core and its hyperthread siblings when the
+    training thread is busy while the worker runs, unless that would leave the worker
+    nothing), ``"any"`` (no affinity: the OS places the threads; :func:`default_cpu_threads`),
+    or the CPU ids. ``threads``: the ``cpu_threads`` option (None: one per CPU of the plan)."""
+    if option == "any":
+        n = threads or default_cpu_threads(training_thread_busy)
+        return CpuPlan(None, n, [])
+    if option is not None:
+        cpus = sorted(set(int(c) for c in option))
+        return CpuPlan(cpus, threads or len(cpus), [])
+    mine = usable_cpus()
+    if not mine:  # not Linux: the OS places the threads
+        return CpuPlan(None, threads or default_cpu_threads(training_thread_busy), [])
+    ranks = local_ranks()
+    if ranks > 1 and len(mine) >= ranks:  # each local rank its own slice
+        rank = int(os.environ.get("LOCAL_RANK", "0") or 0) % ranks
+        per = len(mine) // ranks
+        mine = mine[rank * per : (rank + 1) * per]
+    training: list[int] = []
+    if training_thread_busy:
+        training = sorted(_siblings(mine[0]) & set(mine))
+        if len(training) >= len(mine):
+            training = []
+    cpus = [c for c in mine if c not in training]
+    return CpuPlan(cpus, threads or len(cpus), training)
 
 
 def default_cpu_threads(training_thread_busy: bool) -> int:
@@ -104,9 +202,12 @@ class Job:
             ) from self.error
 
 
-def _serve(jobs: queue.SimpleQueue, ready: threading.Event, threads: int, flush: bool) -> None:
+def _serve(jobs: queue.SimpleQueue, ready: threading.Event, threads: int, flush: bool,
+           cpus: list[int] | None) -> None:  # fmt: skip
     """The worker's loop. Holds no reference to the optimizer (it can be collected while the
     thread waits; its finalizer then stops the thread)."""
+    if cpus:  # this thread's affinity (Linux: pid 0 is the calling thread); its pool inherits it
+        os.sched_setaffinity(0, cpus)
     if flush:
         torch.set_flush_denormal(True)  # FTZ/DAZ for this thread; its pool, made below, inherits
     torch.set_num_threads(threads)  # this thread's count (and, for now, the default)
@@ -140,21 +241,23 @@ class Worker:
     Args:
         threads: OpenMP threads of the worker's own pool (``torch.set_num_threads`` there).
         flush_denormal: set flush-to-zero and denormals-are-zero on the worker (its pool too).
+        cpus: the CPUs the worker and its pool run on (their affinity), or None: any.
         timeout_s: how long :meth:`__init__` waits for the thread to start.
 
     Raises:
         TimeoutError: the thread did not start in time.
     """
 
-    def __init__(self, threads: int, flush_denormal: bool, timeout_s: float = 60.0):
-        self.threads, self.flush_denormal = threads, flush_denormal
+    def __init__(self, threads: int, flush_denormal: bool, timeout_s: float = 60.0,
+                 cpus: list[int] | None = None):  # fmt: skip
+        self.threads, self.flush_denormal, self.cpus = threads, flush_denormal, cpus
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.stopping = threading.Event()  # set when the worker is closed or collected
         ready = threading.Event()
         before = torch.get_num_threads()
         self._thread = threading.Thread(
             target=_serve,
-            args=(self._jobs, ready, threads, flush_denormal),
+            args=(self._jobs, ready, threads, flush_denormal, cpus),
             name="offloadopt-worker",
             daemon=True,  # a live optimizer never keeps the process from exiting
         )
@@ -190,11 +293,12 @@ class Worker:
 
 
 def start_worker(
-    cpu_threads: int, flush_denormal: bool, warn_once: Callable[[str, str], None]
+    plan: CpuPlan, flush_denormal: bool, warn_once: Callable[[str, str], None]
 ) -> Worker:
-    """The CPU worker on ``cpu_threads`` threads, the count said where it surprises: a log
+    """The CPU worker on ``plan``'s CPUs and threads, the count said where it surprises: a log
     line under ``OMP_NUM_THREADS=1`` (torchrun's), a warning (``warn_once(key, message)``)
     when it is above the usable cores or far below them."""
+    cpu_threads = plan.threads
     cores, ranks = usable_cores(), local_ranks()
     if os.environ.get("OMP_NUM_THREADS") == "1" and cpu_threads > 1:
         log.warning(
@@ -215,4 +319,4 @@ def start_worker(
             f"the CPU update will run on {cpu_threads} threads x {ranks} local ranks, "
             f"far below the {cores} cores this process may use (cpu_threads=)",
         )
-    return Worker(cpu_threads, flush_denormal)
+    return Worker(cpu_threads, flush_denormal, cpus=plan.cpus)

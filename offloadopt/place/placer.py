@@ -19,7 +19,7 @@ from offloadopt.kernels.adam import device_work_nbytes
 from offloadopt.link.layout import CUT_ALIGN, Arena, Bucket, build_arenas
 from offloadopt.link.pipeline import Pipeline
 from offloadopt.link.transfer import Transfer
-from offloadopt.link.worker import default_cpu_threads, start_worker
+from offloadopt.link.worker import plan_cpus, start_worker
 from offloadopt.options import Options
 from offloadopt.place import budget
 from offloadopt.place.auto import PROBE_FRACTION, AutoFraction
@@ -111,7 +111,8 @@ class Placer:
         # Step mode: the training thread waits in step() while the worker runs; when updates
         # overlap backward or the next forward, it needs a core of its own.
         busy = o.overlap != "step" or o.wait != "step"
-        self.cpu_threads = o.cpu_threads or default_cpu_threads(training_thread_busy=busy)
+        self.cpu_plan = plan_cpus(o.worker_cpus, o.cpu_threads, training_thread_busy=busy)
+        self.cpu_threads = self.cpu_plan.threads
         # max_gpu_memory's choice: grads go during backward only when no clip waits for them
         # all (backward mode's grad hook), and with wait="module" they are in flight meanwhile
         self.releases_early = o.release_grads and o.max_grad_norm is None and o.grad_scaler is None
@@ -413,7 +414,7 @@ class Placer:
                     new_transfers[d] = Transfer(d, need, pin[d])
             if buckets and self.pipeline is None:
                 self.pipeline = Pipeline(
-                    start_worker(self.cpu_threads, self.flush_denormal, self.warn_once),
+                    start_worker(self.cpu_plan, self.flush_denormal, self.warn_once),
                     self.timeout_s,
                 )
         except BaseException:

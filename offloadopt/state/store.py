@@ -50,6 +50,8 @@ class StateEntry(dict):
         if isinstance(old, torch.Tensor) and is_dtensor(value):
             value = local(value)  # an FSDP2 param's state: this rank's shard is copied in
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if isinstance(old, torch.Tensor) and (number or isinstance(value, torch.Tensor)):
+            _refuse_wrapping(key, old, value)
         if isinstance(old, torch.Tensor) and old.numel() == 1 and number:
             old.fill_(value)  # e.g. "step" assigned a number: the counter tensor keeps it
             return
@@ -108,6 +110,27 @@ class StateEntry(dict):
 
     def __reduce__(self):
         return dict, (dict(self),)  # copies are plain dicts
+
+
+def _refuse_wrapping(key: str, old: torch.Tensor, value: Any) -> None:
+    """Raises TypeError when copying ``value`` into the integer buffer ``old`` (int8 moments'
+    uint8 codes) would not keep its values: a float, or an integer of another dtype, which
+    ``copy_`` wraps (300.0 -> 44, -1 -> 255, NaN -> 0: a fresh user's finding, issue 44)."""
+    if old.is_floating_point() or old.is_complex() or old.dtype == torch.bool:
+        return
+    dtype = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+    if isinstance(value, torch.Tensor) and value.dtype == old.dtype:
+        return
+    if isinstance(value, int) and torch.iinfo(old.dtype).min <= value <= torch.iinfo(old.dtype).max:
+        return
+    moment = key[: -len("_q")] if key.endswith("_q") else None
+    hint = (f"; to set {moment}, assign torch's key: opt.state[p][{moment!r}] = a float tensor "
+            "is encoded into the codes and scales" if moment in MOMENT_KEYS else "")  # fmt: skip
+    raise TypeError(
+        f"opt.state[...][{key!r}] = a value of {dtype}: the optimizer's buffer holds "
+        f"{old.dtype} codes, and the copy would wrap the values (300.0 becomes 44, -1 becomes "
+        f"255); assign a {old.dtype} tensor{hint}"
+    )
 
 
 class OptimizerState(defaultdict):
@@ -191,7 +214,8 @@ class OptimizerState(defaultdict):
         the update in flight.
 
         Raises:
-            TypeError: ``mapping`` is not a mapping, or an entry of a param is not a dict.
+            TypeError: ``mapping`` is not a mapping, an entry of a param is not a dict, or a
+                value would wrap in an integer buffer (int8 codes).
             ValueError: an entry's tensor does not fit the param's buffer.
         """
         if not hasattr(mapping, "items"):
@@ -206,7 +230,11 @@ class OptimizerState(defaultdict):
                     f"opt.state = ...: the entry of {rec.name} is a {type(entry).__name__}, "
                     "expected a dict of its state"
                 )
+            current = dict.get(self, p)  # its buffers' dtypes (the new ones have the same)
             for key, v in entry.items():
+                held = current.get(key) if isinstance(current, dict) else None
+                if isinstance(held, torch.Tensor) and isinstance(v, (torch.Tensor, int, float)):
+                    _refuse_wrapping(key, held, v)  # before anything is cleared
                 # a blockwise key (int8 scales): one value per block of BLOCK elements
                 want = -(-p.numel() // BLOCK) if rule.blockwise(key) else p.numel()
                 if key != "step" and isinstance(v, torch.Tensor) and v.numel() != want:

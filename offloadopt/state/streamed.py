@@ -17,15 +17,17 @@ every tensor it copied or cloned (a view of a larger buffer is cloned) until the
 so a save held a second copy of the host arenas (tests/test_streamed.py measures the peak).
 
 The folder: ``index.pt`` (format, version, representation, the groups as in ``state_dict()``,
-every param's ``step``, each item's part, shape and dtype, and the caller's ``extra``) and
-``part-00000.pt``, ...; items ``model/<name>`` (``model.state_dict()``, when a model is given)
-then ``optimizer/state/<param index>/<key>`` (the param index counts over the groups, as
-torch's). Every file is read with ``torch.load(weights_only=True)``.
+every param's ``step``, each item's part, shape and dtype, each part's bytes and checksum, and
+the caller's ``extra``) and ``part-00000.pt``, ...; items ``model/<name>``
+(``model.state_dict()``, when a model is given) then ``optimizer/state/<param index>/<key>``
+(the param index counts over the groups, as torch's). Every file is read with
+``torch.load(weights_only=True)`` and ends with the xxh3-64 checksum of its bytes
+(offloadopt/state/integrity.py); the index records each part's.
 
-A load validates the whole checkpoint against the optimizer first (the same checks as
-``load_state_dict``, on the shapes and dtypes of the index): a checkpoint that does not fit
-raises ``ValueError`` and changes nothing. A save writes a temporary folder beside ``path`` and
-renames it into place: an interrupt leaves the previous checkpoint or the new one.
+A save writes a temporary folder beside ``path`` and renames it into place: an interrupt
+leaves the previous checkpoint or the new one; a save killed between its two renames leaves
+the previous one under a hidden name, which the next load or save moves back (:func:`locate`).
+The load is offloadopt/state/streamed_load.py: it verifies everything, then applies.
 """
 
 from __future__ import annotations
@@ -38,20 +40,23 @@ from typing import Any
 
 import torch
 
-from offloadopt.state import checkpoint
+from offloadopt.state import checkpoint, integrity
+from offloadopt.state.integrity import fsync_save
+from offloadopt.warn import warn
 
 # ``opt`` below is a HybridOptimizer (offloadopt/optim.py, which calls this module: not
 # imported here, the layers import downwards only)
 HybridOptimizer = Any
 
-__all__ = ["FORMAT", "VERSION", "PART_NBYTES", "save", "load", "read_extra"]
+__all__ = ["FORMAT", "VERSION", "PART_NBYTES", "save", "read_extra", "locate", "read_index"]
 
 FORMAT = "offloadopt-streamed-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: checksums (every file's at its end, each part's in the index); 1 still loads
 PART_NBYTES = 256 * 2**20  # bytes of tensors per part file (host memory in flight)
 _INDEX = "index.pt"
 _STATE, _MODEL = "optimizer/state/", "model/"
 _NUMPY_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_said_unchecked: set[str] = set()  # checkpoints without checksums already named in a warning
 
 
 def _own_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -72,24 +77,6 @@ def _own_bytes(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
 
 
-def fsync_save(obj: Any, path: str) -> int:
-    """``torch.save(obj)`` to ``path``, flushed to the disk; returns the file's bytes.
-
-    Raises:
-        KeyboardInterrupt: Ctrl-C during the write (torch's zip writer reports one that
-            lands while it writes as a RuntimeError; the interrupt is what the caller sees)."""
-    with open(path, "wb") as f:
-        try:
-            torch.save(obj, f)
-        except RuntimeError as e:
-            if isinstance(e.__context__, KeyboardInterrupt):
-                raise e.__context__ from None
-            raise
-        f.flush()
-        os.fsync(f.fileno())
-        return f.tell()
-
-
 def save(
     opt: HybridOptimizer, path: str, model: torch.nn.Module | None = None, extra: Any = None
 ) -> int:
@@ -98,10 +85,14 @@ def save(
 
     Raises:
         NotImplementedError: FSDP2 (DTensor) params (their state is sharded across ranks).
+        ValueError: ``extra`` cannot be saved, or read back with
+            ``torch.load(weights_only=True)`` (nothing was written).
         FileExistsError: ``path`` exists and is not a streamed checkpoint (left as it is).
+        FileNotFoundError: the folder that would hold ``path`` does not exist (names both).
         RuntimeError: a step is in progress (as ``state_dict()``; a closed optimizer's state
             saves as it stands).
-        OSError: the folder could not be written; an existing checkpoint at ``path`` is kept.
+        OSError: the folder could not be written; a full disk names the space the checkpoint
+            needs. An existing checkpoint at ``path`` is kept whole in every case.
     """
     from offloadopt.shards import is_dtensor
 
@@ -111,18 +102,14 @@ def save(
             "torch.distributed.checkpoint with opt.state_dict() there"
         )
     if extra is not None:  # a checkpoint whose extra cannot be read back must not replace one
-        buf = io.BytesIO()
-        torch.save(extra, buf)
-        buf.seek(0)
-        try:
-            torch.load(buf, weights_only=True)
-        except Exception as e:  # noqa: BLE001 - torch's unpickler names what it refused
-            raise ValueError(
-                f"save_streamed: extra cannot be read back with torch.load(weights_only=True) "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); give "
-                "numbers, strings, tensors, lists and dicts of them"
-            ) from None
+        _check_extra(extra)
     target = os.path.realpath(path)  # a symlink's checkpoint goes where it points
+    parent = os.path.dirname(target)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(
+            f"save_streamed: the folder {os.path.dirname(os.path.abspath(path))!r} that would "
+            f"hold {path!r} does not exist; create it first"
+        )
     _recover(target)
     if (
         os.path.exists(target)
@@ -144,21 +131,24 @@ def save(
             elif isinstance(value, torch.Tensor):
                 named.append((f"{_STATE}{index}/{key}", value))
     groups = checkpoint.drop_placement({"state": {}, "param_groups": base["param_groups"]})
-    parent = os.path.dirname(target)
+    needed = sum(t.numel() * t.element_size() for _, t in named) + 512 * len(named) + 2**16
     # unique per save (the process id first: _recover tells a killed save's leftovers by it)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(target)}.{os.getpid()}.",
                            suffix=".tmp")  # fmt: skip
     old = tmp[: -len(".tmp")] + ".old"
+    sizes: list[int] = []  # each part file's bytes and checksum: a load checks them first
+    sums: list[str] = []
     try:
         items: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
         part: dict[str, torch.Tensor] = {}
         nbytes, parts = 0, 0
-        sizes: list[int] = []  # each part file's bytes: a load checks them first
 
         def flush() -> None:
             nonlocal part, nbytes, parts
             if part:
-                sizes.append(fsync_save(part, os.path.join(tmp, f"part-{parts:05d}.pt")))
+                written = fsync_save(part, os.path.join(tmp, f"part-{parts:05d}.pt"))
+                sizes.append(written.nbytes)
+                sums.append(written.checksum)
                 parts += 1
             part, nbytes = {}, 0
 
@@ -173,19 +163,43 @@ def save(
         index = {"format": FORMAT, "version": VERSION, "rule": opt.rule.name,
                  "moments": opt.rule.moments, "master_sr": opt.rule.master_sr,
                  "torch": str(torch.__version__), "param_groups": groups["param_groups"],
-                 "steps": steps, "items": items, "part_nbytes": sizes, "extra": extra}  # fmt: skip
+                 "steps": steps, "items": items, "part_nbytes": sizes,
+                 "checksum": integrity.ALGORITHM, "part_checksums": sums, "extra": extra}  # fmt: skip
         fsync_save(index, os.path.join(tmp, _INDEX))
+        integrity.fsync_dir(tmp)
         written = sum(e.stat().st_size for e in os.scandir(tmp))
         if os.path.exists(target):
             os.replace(target, old)
         os.replace(tmp, target)
-    except BaseException:
+        integrity.fsync_dir(parent)  # both renames on the disk before the old one goes
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if os.path.exists(old) and not os.path.exists(target):
             os.replace(old, target)  # put the previous checkpoint back
+        if integrity.disk_full(e):
+            kept = (f"the previous checkpoint at {path!r} is kept" if os.path.exists(target)
+                    else "nothing was at that path before")  # fmt: skip
+            raise integrity.full_disk_error("save_streamed", path, sum(sizes), needed, kept) from e
         raise
     shutil.rmtree(old, ignore_errors=True)
     return written
+
+
+def _check_extra(extra: Any) -> None:
+    """Raises ValueError (naming the type and torch's reason) when ``extra`` cannot be saved
+    by ``torch.save`` or read back by ``torch.load(weights_only=True)``."""
+    buf = io.BytesIO()
+    try:
+        torch.save(extra, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - pickle's or torch's unpickler's reason, named
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(
+            f"save_streamed: extra (a {type(extra).__name__}) cannot be saved and read back with "
+            f"torch.load(weights_only=True) ({type(e).__name__}: {reason}); give numbers, "
+            "strings, tensors, lists and dicts of them"
+        ) from None
 
 
 def _leftovers(target: str) -> list[tuple[str, int, str]]:
@@ -233,145 +247,124 @@ def _recover(target: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _index(path: str, who: str = "load_streamed") -> dict[str, Any]:
-    """The checkpoint's index; ``who`` names the caller in the messages.
+def locate(path: str, who: str = "load_streamed") -> str:
+    """The folder to read the checkpoint at ``path`` from: ``path`` itself, or, where it is
+    missing because a save to it was killed between moving the previous checkpoint aside and
+    moving the new one in, that previous checkpoint: moved back to ``path`` (as the next save
+    would), or read where it lies when it cannot be moved (a read-only folder). Says so in a
+    warning. Other leftovers are left to the next save.
 
     Raises:
-        ValueError: ``path`` is no streamed checkpoint of offloadopt (names it).
+        ValueError: ``path`` is not a folder, and no killed save left a checkpoint for it.
     """
-    if not os.path.isdir(path):
-        kept = [p for p, _, kind in _leftovers(os.path.realpath(path)) if kind == "old"]
-        if kept:
-            raise ValueError(
-                f"{who}: {path!r} is missing, and a save to it was interrupted: the "
-                f"checkpoint before it is {kept[0]!r} (the next save_streamed to {path!r} "
-                "moves it back, or rename it yourself)"
-            )
-        raise ValueError(f"{who}: {path!r} is not a folder (save_streamed writes one)")
+    if os.path.isdir(path):
+        return path
+    target = os.path.realpath(path)
+    kept = [(p, pid) for p, pid, kind in _leftovers(target) if kind == "old"]
+    dead = [p for p, pid in kept if not _alive(pid) and os.path.isfile(os.path.join(p, _INDEX))]
+    if dead:
+        try:
+            os.replace(dead[0], target)
+            integrity.fsync_dir(os.path.dirname(target))
+            found, where = target, f"moved back to {path!r}"
+        except OSError as e:
+            found, where = dead[0], f"read where it lies: it could not be moved back ({e})"
+        warn(f"{who}: {path!r} is missing: a save to it was killed after moving the previous "
+             f"checkpoint aside, to {dead[0]!r}; that previous checkpoint is used ({where})")  # fmt: skip
+        return found
+    if kept:
+        raise ValueError(
+            f"{who}: {path!r} is missing: a save to it (process {kept[0][1]}, still running) "
+            f"is between its renames; the checkpoint before it is {kept[0][0]!r}"
+        )
+    raise ValueError(f"{who}: {path!r} is not a folder (save_streamed writes one)")
+
+
+def read_index(path: str, who: str = "load_streamed") -> dict[str, Any]:
+    """The index of the checkpoint folder ``path``, its checksum verified and its structure
+    checked (``who`` names the caller in the messages). A checkpoint of an offloadopt before
+    checksums (version 1) loads unverified, with one warning per folder.
+
+    Raises:
+        ValueError: ``path`` is no streamed checkpoint of offloadopt, or its index is damaged
+            (names the file and what is wrong, and what to do).
+    """
     file = os.path.join(path, _INDEX)
     if not os.path.isfile(file):
         raise ValueError(f"{who}: {path!r} has no {_INDEX}: not a streamed checkpoint")
+    what = f"{who}: {file!r}"
+    fix = ("; nothing was changed: restore the folder from a copy, or use an earlier "
+           "checkpoint")  # fmt: skip
+    try:
+        verified = integrity.verify(file, what, required=False)
+    except integrity.Damaged as e:
+        raise ValueError(f"{e}{fix}") from None
+    except OSError as e:
+        raise ValueError(f"{what} could not be read ({e.strerror or e})") from None
     try:
         index = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever torch.load makes of a damaged file
-        raise ValueError(f"{who}: {file!r} could not be read ({type(e).__name__}: {e})") from None
+        reason = str(e).splitlines()[0][:200] if str(e) else ""
+        raise ValueError(f"{what} could not be read ({type(e).__name__}: {reason}): a damaged "
+                         f"or incomplete index{fix}") from None  # fmt: skip
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise ValueError(f"{who}: {path!r} is not a streamed checkpoint of offloadopt")
-    if index.get("version") != VERSION:
-        raise ValueError(f"{who}: {path!r} has version {index.get('version')!r}; this "
-                         f"offloadopt reads {VERSION}")  # fmt: skip
+    version = index.get("version")
+    if version not in (1, VERSION):
+        raise ValueError(f"{who}: {path!r} has version {version!r}; this offloadopt reads 1 "
+                         f"and {VERSION}")  # fmt: skip
+    if version >= 2 and not verified:
+        raise ValueError(f"{what} is damaged: a version {version} index carries a checksum at "
+                         f"its end, and this one has none (cut short or overwritten there){fix}")  # fmt: skip
+    problem = _index_problem(index)
+    if problem:
+        raise ValueError(f"{what} is damaged: {problem}{fix}")
+    if version < 2 and os.path.realpath(path) not in _said_unchecked:
+        _said_unchecked.add(os.path.realpath(path))
+        warn(f"{who}: {path!r} was saved by an offloadopt before checksums (version 1): its "
+             "bytes cannot be verified; it loads as before. Save it again to add them")  # fmt: skip
     return index
 
 
+def _index_problem(index: dict) -> str | None:
+    """What is wrong with the structure of a loaded index, or None."""
+    items, sizes = index.get("items"), index.get("part_nbytes")
+    if not isinstance(items, dict):
+        return f"its 'items' is a {type(items).__name__}, not a dict"
+    parts = set()
+    for name, item in items.items():
+        ok = (isinstance(name, str) and isinstance(item, (tuple, list)) and len(item) == 3
+              and isinstance(item[0], int) and item[0] >= 0 and isinstance(item[2], torch.dtype)
+              and isinstance(item[1], (tuple, list))
+              and all(isinstance(d, int) and d >= 0 for d in item[1]))  # fmt: skip
+        if not ok:
+            return f"item {name!r} is {item!r}, not (part, shape, dtype)"
+        if name.startswith(_STATE) and not name[len(_STATE) :].split("/", 1)[0].isdigit():
+            return f"item {name!r} names no param index"
+        parts.add(item[0])
+    if sizes is not None:  # absent in checkpoints saved before it was recorded
+        if not isinstance(sizes, list) or not all(isinstance(s, int) for s in sizes):
+            return f"its 'part_nbytes' is {sizes!r}, not a list of byte counts"
+        if parts and max(parts) >= len(sizes):
+            return f"its items name part {max(parts)}, and it records {len(sizes)} parts"
+    if index["version"] >= 2:
+        sums = index.get("part_checksums")
+        if not isinstance(sums, list) or sizes is None or len(sums) != len(sizes):
+            return "its part checksums do not match its parts"
+    steps = index.get("steps")
+    if not isinstance(steps, dict) or not all(
+        isinstance(k, int) and isinstance(v, (int, float)) for k, v in steps.items()
+    ):
+        return "its 'steps' is not a dict of param index -> step"
+    if not isinstance(index.get("param_groups"), list):
+        return "its 'param_groups' is not a list"
+    return None
+
+
 def read_extra(path: str) -> Any:
-    """The ``extra`` object saved with the checkpoint at ``path`` (None if none).
+    """The ``extra`` object saved with the checkpoint at ``path`` (None if none); the index's
+    checksum is verified, and a checkpoint a killed save left aside is found (:func:`locate`).
 
     Raises:
-        ValueError: ``path`` is no streamed checkpoint of offloadopt."""
-    return _index(path, "read_extra")["extra"]
-
-
-class _Parts:
-    """The part files of one checkpoint, read one at a time (the last one kept)."""
-
-    def __init__(self, path: str, items: dict):
-        self.path, self.items, self.number, self.tensors = path, items, -1, {}
-
-    def get(self, number: int, name: str) -> torch.Tensor:
-        """Item ``name`` of part ``number``, checked against the index.
-
-        Raises:
-            ValueError: the part is unreadable, or holds another shape or dtype than the index
-                says (a damaged or mixed-up file)."""
-        file = os.path.join(self.path, f"part-{number:05d}.pt")
-        if number != self.number:
-            self.tensors = {}  # drop the last part before reading the next
-            try:
-                self.tensors = torch.load(file, map_location="cpu", weights_only=True)
-            except Exception as e:  # noqa: BLE001 - a truncated zip, a missing file
-                raise ValueError(f"load_streamed: {file!r} could not be read "
-                                 f"({type(e).__name__})") from None  # fmt: skip
-            self.number = number
-        t = self.tensors.get(name) if isinstance(self.tensors, dict) else None
-        _, shape, dtype = self.items[name]
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-            raise ValueError(f"load_streamed: {file!r} holds no {dtype} {tuple(shape)} tensor "
-                             f"{name!r}, which the index names (a damaged or mixed-up file)")  # fmt: skip
-        return t
-
-
-def load(opt: HybridOptimizer, path: str, model: torch.nn.Module | None = None) -> Any:
-    """Read the checkpoint folder ``path`` into ``opt`` (and ``model``'s tensors, in place);
-    returns the ``extra`` object saved with it (None if none). The whole checkpoint is checked
-    first; then the model's tensors are copied in, then the optimizer's entries, each as
-    ``load_state_dict`` copies an entry (so a checkpoint of another representation loads as
-    one of ``state_dict()`` would), one part file in memory at a time.
-
-    Raises:
-        ValueError: ``path`` is no streamed checkpoint, or does not fit ``opt`` or ``model``
-            (names what); nothing was changed.
-        RuntimeError: as ``load_state_dict``; a read failing part-way leaves the optimizer
-            refusing ``step()`` until a load succeeds.
-    """
-    opt._prepare_load()  # as load_state_dict: placed, not mid-step, nothing in flight
-    index = _index(path)
-    if index.get("rule") != opt.rule.name:
-        raise ValueError(f"load_streamed: {path!r} holds the state of Hybrid{index.get('rule')}, "
-                         f"not Hybrid{opt.rule.name}")  # fmt: skip
-    items: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = index["items"]
-    state: dict[int, dict] = {int(i): {"step": torch.tensor(v)} for i, v in index["steps"].items()}
-    for name, (_, shape, dtype) in items.items():
-        if name.startswith(_STATE):
-            i, key = name[len(_STATE) :].split("/", 1)
-            # only the shape and dtype, for the validation: no memory behind it
-            state.setdefault(int(i), {})[key] = torch.zeros((), dtype=dtype).expand(shape)
-    sd = {"state": state, "param_groups": index["param_groups"]}
-    targets: dict[str, torch.Tensor] = {}
-    if model is not None:
-        mine = model.state_dict()
-        saved = {n[len(_MODEL) :] for n in items if n.startswith(_MODEL)}
-        if saved != set(mine):
-            missing, unexpected = sorted(set(mine) - saved), sorted(saved - set(mine))
-            raise ValueError(f"load_streamed: the model's tensors differ from the checkpoint's: "
-                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")  # fmt: skip
-        for name, t in mine.items():
-            _, shape, dtype = items[_MODEL + name]
-            if tuple(shape) != tuple(t.shape) or dtype != t.dtype:
-                raise ValueError(f"load_streamed: model tensor {name!r} is {t.dtype} "
-                                 f"{tuple(t.shape)} here, {dtype} {tuple(shape)} in the "
-                                 "checkpoint")  # fmt: skip
-            targets[_MODEL + name] = t
-    have = {}  # part number -> its file's bytes, None when missing
-    for n in sorted({number for number, _, _ in items.values()}):
-        file = os.path.join(path, f"part-{n:05d}.pt")
-        have[n] = os.path.getsize(file) if os.path.isfile(file) else None
-    missing = [n for n, size in have.items() if size is None]
-    if missing:
-        raise ValueError(f"load_streamed: {path!r} lacks part files {missing[:5]} that its index "
-                         "names: an incomplete copy")  # fmt: skip
-    sizes = index.get("part_nbytes")  # absent in checkpoints saved before it was recorded
-    if sizes is not None:
-        wrong = [(n, size, sizes[n]) for n, size in have.items()
-                 if n < len(sizes) and size != sizes[n]]  # fmt: skip
-        if wrong:
-            n, have, want = wrong[0]
-            raise ValueError(f"load_streamed: part-{n:05d}.pt of {path!r} has {have} bytes, "
-                             f"{want} when saved: a truncated or damaged copy"
-                             + (f" ({len(wrong)} parts differ)" if len(wrong) > 1 else ""))  # fmt: skip
-    parts = _Parts(path, items)
-
-    def read_model() -> None:
-        with torch.no_grad():
-            for name in sorted(targets, key=lambda n: items[n][0]):  # part by part
-                targets[name].copy_(parts.get(items[name][0], name))
-
-    def real_entry(i: int, validated: dict) -> dict:
-        real = dict(validated)
-        for key in validated:
-            name = f"{_STATE}{i}/{key}"
-            if name in items:
-                real[key] = parts.get(items[name][0], name)
-        return real
-
-    opt._load_validated(sd, before=read_model, real_entry=real_entry)
-    return index["extra"]
+        ValueError: ``path`` is no streamed checkpoint of offloadopt, or its index is damaged."""
+    return read_index(locate(path, "read_extra"), "read_extra")["extra"]

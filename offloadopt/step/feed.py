@@ -15,7 +15,7 @@ import torch
 from offloadopt.interrupts import signals_deferred
 from offloadopt.link.layout import Bucket
 from offloadopt.link.pipeline import BucketWork
-from offloadopt.link.worker import local_ranks
+from offloadopt.link.worker import cpu_text, local_ranks
 from offloadopt.place.placer import Placer
 from offloadopt.rules import Hyper, Rule
 from offloadopt.shards import local
@@ -244,7 +244,12 @@ class Feeder:
             for p in st.prepared:
                 if self.records[p].offloaded:
                     self.records[p].mark_written(p)
-        st.stats["cpu_threads"] = self.placer.cpu_threads if self.placer.pipeline is not None else 0
+        worker = self.placer.pipeline is not None
+        st.stats["cpu_threads"] = self.placer.cpu_threads if worker else 0
+        # where the worker runs: its CPUs ("" unpinned) and those left to the training thread
+        plan = self.placer.cpu_plan
+        st.stats["worker_cpus"] = cpu_text(plan.cpus) if worker and plan.cpus else ""
+        st.stats["training_cpus"] = cpu_text(plan.training) if worker else ""
         st.stats["local_ranks"] = local_ranks()  # processes on this host sharing its cores
         self.stats = st.stats  # step() sets its step_ms (the same dict) when it returns
 

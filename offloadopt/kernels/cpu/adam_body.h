@@ -1,0 +1,392 @@
+// The kernel's body, written once over `struct V` (simd.h): decode, update, round, encode.
+//
+// No include guard: adam_cpu.cpp includes it once per ISA, inside that ISA's namespace, after
+// simd.h and after the ISA-free declarations (Job, Coefs, Master, Moments, BLOCK) of
+// adam_cpu.cpp. Its one export is `pick`, the span function of a mode.
+//
+// A span is a run of whole 256-element blocks of one tensor (the last may be short). Full
+// vectors go through `Kern::one`; a tensor's ragged end (fewer than W elements, or a short
+// int8 block) is copied into zero-padded local arrays, run through the same `one`, and copied
+// back: the lanes are independent, so the bits do not depend on where a vector starts.
+
+template <Master MK, bool GBF16, Moments SK, bool WOUT>
+struct Kern {
+  using F = typename V::F;
+  using I = typename V::I;
+  using MT = std::conditional_t<MK == Master::Bf16Sr, uint16_t, float>;
+  using GT = std::conditional_t<GBF16, uint16_t, float>;
+  using ST = std::conditional_t<SK == Moments::Fp32, float,
+                                std::conditional_t<SK == Moments::Bf16Sr, uint16_t, uint8_t>>;
+  static constexpr int W = V::W;
+  // fp32 master and fp32 moments: torch's fused AdamW, bit for bit (the note in adam_cpu.cpp)
+  static constexpr bool kParity = MK == Master::Fp32 && SK == Moments::Fp32;
+
+  struct Ctx {
+    // the tensor's scalars (Coefs) as vectors
+    F gscale, wd, decay, lerp, b2, c2, bc2s, eps, neg_step;
+    F m_scale, v_scale;  // int8: the block's scales
+    I gsign;             // maximize: the sign bit to flip in g
+    bool has_gs, maximize, adamw, l2, lerp_small;
+    // stochastic rounding: lo32 of each lane's counter, and the keys (sr_key in adam_cpu.cpp)
+    I lo, lo_first, key[2], key_wrapped[2];
+    bool wraps;  // lo32 of the counter wraps inside this span (hi32 steps up by one)
+    // weights_out (write-only) written with streaming stores when aligned for them: the lines
+    // are not read first (2 bytes an element, not 4)
+    bool wo_stream;
+  };
+
+  static Ctx context(const Job& J, size_t i, int64_t j0, int64_t len) {
+    const Coefs& k = J.coefs[i];
+    Ctx c;
+    c.gscale = V::setf(k.gscale);
+    c.wd = V::setf(k.wd);
+    c.decay = V::setf(k.decay);
+    c.lerp = V::setf(k.lerp);
+    c.b2 = V::setf(k.b2);
+    c.c2 = V::setf(k.c2);
+    c.bc2s = V::setf(k.bc2s);
+    c.eps = V::setf(kParity ? k.eps : k.eps_c);
+    c.neg_step = V::setf(kParity ? k.neg_step : k.neg_step_c);
+    c.m_scale = c.v_scale = V::setf(0.f);
+    c.gsign = V::seti(0x80000000u);
+    c.has_gs = J.has_gs;
+    c.maximize = J.maximize;
+    c.adamw = J.has_wd && J.adamw;
+    c.l2 = J.has_wd && !J.adamw;
+    c.lerp_small = k.lerp_small;
+    const uint64_t base = (uint64_t)(J.offsets[i] + j0);
+    const uint32_t lo0 = (uint32_t)base, hi0 = (uint32_t)(base >> 32);
+    c.lo = V::add(V::seti(lo0), V::iota());
+    c.lo_first = V::seti(lo0);
+    c.wraps = (uint64_t)lo0 + (uint64_t)len > 0x100000000ULL;
+    c.wo_stream = WOUT && reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(J.wo[i]) + j0) % V::kStreamAlign == 0;
+    for (int d = 0; d < 2; ++d) {
+      c.key[d] = V::seti(draw_key(k.key[d], hi0));
+      c.key_wrapped[d] = V::seti(draw_key(k.key[d], hi0 + 1));
+    }
+    return c;
+  }
+
+  // 32 random bits per lane of draw d (0: master, 1: moments)
+  template <bool PLAIN>
+  static inline I draw(const Ctx& c, int d) {
+    I key = c.key[d];
+    if (!PLAIN && c.wraps) key = V::sel(V::lt_u(c.lo, c.lo_first), c.key_wrapped[d], key);
+    I x = V::bxor(c.lo, key);
+    x = V::bxor(x, V::template srl<16>(x));
+    x = V::mullo(x, V::seti(0x7FEB352Du));
+    x = V::bxor(x, V::template srl<15>(x));
+    x = V::mullo(x, V::seti(0x846CA68Bu));
+    return V::bxor(x, V::template srl<16>(x));
+  }
+
+  // fp32 -> bf16 bits (low half of each lane): stochastic rounding with 16 random bits r16
+  static inline I round_sr(F x, I r16) {
+    I out = V::template srl<16>(V::add(V::bits(x), r16));
+    return V::sel(V::isnan(x), V::seti(0x7FC0u), out);
+  }
+
+  // fp32 -> bf16 bits, round to nearest even (torch's .to(torch.bfloat16))
+  static inline I round_ne(F x) {
+    I u = V::bits(x);
+    I lsb = V::band(V::template srl<16>(u), V::seti(1u));
+    I out = V::template srl<16>(V::add(V::add(u, V::seti(0x7FFFu)), lsb));
+    return V::sel(V::isnan(x), V::seti(0x7FC0u), out);
+  }
+
+  // One vector of W elements at P, G, Ms, Vs (and Wo). TAIL: lanes in `tail` use torch's
+  // scalar-tail form of exp_avg_sq (all-fp32 mode only; see the note in adam_cpu.cpp). int8:
+  // the new m and y = sqrt(v) go to mb, yb and their magnitudes' bits into mabs, yabs; the
+  // codes are written by `encode` once the block's scales are known. PLAIN: the common
+  // case, decided once per span (`plain`): no grad_scale, no maximize, no Adam-style weight
+  // decay, no counter wrap; AdamW's decay is a multiplication by 1 - lr*wd (exactly 1.0
+  // without weight decay: p * 1 == p), so the loop has no branch.
+  template <bool TAIL, bool PLAIN>
+  static inline void one(Ctx& c, MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo, float* mb, float* yb,
+                         I& mabs, I& yabs, typename V::M tail) {
+    F p, g, m0, v0;
+    if constexpr (MK == Master::Bf16Sr) p = V::ld_bf16(P); else p = V::ldf(P);
+    if constexpr (GBF16) g = V::ld_bf16(G); else g = V::ldf(G);
+    if (PLAIN) {
+      p = V::mul(p, c.decay);
+    } else {
+      if (c.has_gs) g = V::div(g, c.gscale);
+      if (c.maximize) g = V::flt(V::bxor(V::bits(g), c.gsign));
+      if (c.adamw) p = V::mul(p, c.decay);
+      if (c.l2) g = V::fma(p, c.wd, g);
+    }
+    if constexpr (SK == Moments::Fp32) {
+      m0 = V::ldf(Ms);
+      v0 = V::ldf(Vs);
+    } else if constexpr (SK == Moments::Bf16Sr) {
+      m0 = V::ld_bf16(Ms);
+      v0 = V::ld_bf16(Vs);
+    } else {  // int8 codes (formats.py): m = +-scale * 2^(e-15) * (1 + f/8); v = (scale * 2^(e-15) * (1 + f/16))^2
+      const I cm = V::ld_u8(Ms), mag = V::band(cm, V::seti(0x7Fu));
+      const I mbits = V::keep_nonzero(mag, V::template sll<20>(V::add(mag, V::seti(112u << 3))));
+      const I msign = V::band(V::template sll<24>(cm), V::seti(0x80000000u));
+      m0 = V::flt(V::bxor(V::bits(V::mul(c.m_scale, V::flt(mbits))), msign));
+      const I cv = V::ld_u8(Vs);
+      const F s = V::mul(c.v_scale, V::flt(V::keep_nonzero(cv, V::template sll<19>(V::add(cv, V::seti(112u << 4))))));
+      v0 = V::mul(s, s);
+    }
+    const F m = V::fma(c.lerp, V::sub(g, m0), c.lerp_small ? m0 : g);
+    const F cg = V::mul(c.c2, g);
+    // Note [torch parity]: torch._fused_adam(w)_ (fp32 everything) reproduced bit for bit,
+    // found element by element against torch 2.13.0+cpu (AVX512, GCC build). Its vector loop is
+    // contracted by torch's compiler: Adam decay g = fma(p, wd, g); AdamW p = p * (1 - lr*wd);
+    // lerp |w| < 0.5: fma(w, g - m, m), else fma(w - 1, g - m, g); v = fma(c2*g, g, v*b2)
+    // ((c2*g) rounded first); p + (-step_size * m) / (sqrt(v) / sqrt(bc2) + eps) (divisions:
+    // no FMA). The last numel % 16 elements go through torch's scalar loop, which its compiler
+    // vectorizes 8 wide with the same forms and leaves numel % 8 elements scalar, where
+    // exp_avg_sq contracts the OTHER way: v = fma(v, b2, (c2*g)*g). So elements from
+    // numel - numel % 8 on (Job::tail_start) take that form, the TAIL lanes here; with AVX2
+    // (vec_size 8) the rule is the same (inferred: no AVX2-only host was measured); vec_size
+    // 4 (no AVX) is not matched. Compressed modes use the vector forms everywhere.
+    F v = V::fma(cg, g, V::mul(v0, c.b2));
+    if constexpr (TAIL) v = V::sel(tail, V::fma(v0, c.b2, V::mul(cg, g)), v);
+    const F y = V::sqrt(v);
+    // all-fp32: torch's p + (-step_size * m) / (sqrt(v) / sqrt(bc2) + eps), two divisions;
+    // compressed: the same with sqrt(bc2) folded into the step and eps, one division
+    const F denom = kParity ? V::add(V::div(y, c.bc2s), c.eps) : V::add(y, c.eps);
+    const F pn = V::add(p, V::div(V::mul(c.neg_step, m), denom));
+    if constexpr (MK == Master::Bf16Sr) {
+      V::st_u16(P, round_sr(pn, V::band(draw<PLAIN>(c, 0), V::seti(0xFFFFu))));
+    } else {
+      V::stf(P, pn);
+      if constexpr (WOUT) {
+        if (c.wo_stream)
+          V::st_u16_stream(Wo, round_ne(pn));
+        else
+          V::st_u16(Wo, round_ne(pn));
+      }
+    }
+    if constexpr (SK == Moments::Fp32) {
+      V::stf(Ms, m);
+      V::stf(Vs, v);
+    } else if constexpr (SK == Moments::Bf16Sr) {
+      const I r = draw<PLAIN>(c, 1);  // low half: exp_avg, high half: exp_avg_sq
+      V::st_u16(Ms, round_sr(m, V::band(r, V::seti(0xFFFFu))));
+      V::st_u16(Vs, round_sr(v, V::template srl<16>(r)));
+    } else {
+      V::stf(mb, m);
+      V::stf(yb, y);
+      mabs = V::maxu(mabs, V::band(V::bits(m), V::seti(0x7FFFFFFFu)));
+      yabs = V::maxu(yabs, V::bits(y));  // y = sqrt(v): +0, positive or NaN (a NaN's sign set
+                                         // is still above inf's bits as an unsigned number)
+    }
+    c.lo = V::add(c.lo, V::seti((uint32_t)W));
+  }
+
+  // int8 works a block in two passes: `update_block` updates it and keeps the fresh m and y =
+  // sqrt(v) in an L1 buffer (`Pending`), with the block's new scales; `encode` writes their
+  // codes. The span runs the encode of block b after the update of block b + 1: the encode
+  // waits for its block's absmax (a reduction and a division), and the next block's update,
+  // independent of it, fills that wait.
+  struct Pending {
+    alignas(64) float m[BLOCK];
+    alignas(64) float y[BLOCK];
+    uint8_t* Ms = nullptr;  // where the codes go (nullptr: nothing pending)
+    uint8_t* Vs = nullptr;
+    float minv = 1.f, yinv = 1.f;  // 1 / the scales (1 for a zero block)
+    bool bad = false;               // inf or NaN in the block: codes 0
+  };
+
+  template <bool PLAIN>
+  static void update_block(Ctx& c, MT* P, const GT* G, uint8_t* Ms, uint8_t* Vs, uint16_t* Wo, float* msc,
+                           float* vsc, Pending& out) {
+    c.m_scale = V::setf(*msc);
+    c.v_scale = V::setf(*vsc);
+    I mabs = V::seti(0u), yabs = V::seti(0u);
+    for (int k = 0; k < BLOCK; k += W)
+      one<false, PLAIN>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, out.m + k, out.y + k, mabs, yabs,
+                        V::lanes_from(W));
+    const uint32_t ma = V::hmaxu(mabs), ya = V::hmaxu(yabs);
+    out.Ms = Ms;
+    out.Vs = Vs;
+    out.bad = ma >= 0x7F800000u || ya >= 0x7F800000u;
+    if (out.bad) {  // NaN scales, codes 0: the problem shows instead of hiding (formats.py)
+      *msc = NAN;
+      *vsc = NAN;
+      return;
+    }
+    const float ms = u2f(ma), ys = u2f(ya);
+    *msc = ms;
+    *vsc = ys;
+    // t = |m| * (1/scale): one division a block (a zero block: scale 0, t = 0, codes 0)
+    out.minv = ms == 0.f ? 1.f : 1.f / ms;
+    out.yinv = ys == 0.f ? 1.f : 1.f / ys;
+  }
+
+  // The codes of a pending block (formats.py: round to nearest even on t's fp32 bits).
+  static void encode(Pending& b) {
+    if (!b.Ms) return;
+    uint8_t* Ms = b.Ms;
+    uint8_t* Vs = b.Vs;
+    b.Ms = b.Vs = nullptr;
+    if (b.bad) {
+      std::memset(Ms, 0, BLOCK);
+      std::memset(Vs, 0, BLOCK);
+      return;
+    }
+    const F minv = V::setf(b.minv), yinv = V::setf(b.yinv);
+    // four vectors at a time (AVX2 packs their bytes in four instructions, not eight)
+    for (int k = 0; k < BLOCK; k += 4 * W) {
+      I cm[4], cv[4];
+      for (int u = 0; u < 4; ++u) {
+        cm[u] = m_code(V::ldf(b.m + k + u * W), minv);
+        cv[u] = v_code(V::ldf(b.y + k + u * W), yinv);
+      }
+      V::st_u8x4(Ms + k, cm[0], cm[1], cm[2], cm[3]);
+      V::st_u8x4(Vs + k, cv[0], cv[1], cv[2], cv[3]);
+    }
+  }
+
+  // exp_avg's code of m, t = |m| * minv (formats.py): round to nearest even on t's bits (add
+  // half - 1 and the lowest kept bit, shift), then t >= 2^-15: max(code, the smallest) | sign;
+  // below: 0
+  static inline I m_code(F m, F minv) {
+    const I mbits = V::bits(m);
+    const I tm = V::bits(V::mul(V::flt(V::band(mbits, V::seti(0x7FFFFFFFu))), minv));
+    const I rm = V::template srl<20>(V::template add_bit<20>(V::add(tm, V::seti(0x7FFFFu)), tm));
+    const I mag = V::sub(V::maxu(rm, V::seti(113u << 3)), V::seti(112u << 3));
+    const I sign = V::band(V::template srl<24>(mbits), V::seti(0x80u));
+    return V::keep(V::gt_s(tm, V::seti(0x37FFFFFFu)), V::bor(mag, sign));  // t's bits < 2^31
+  }
+
+  // exp_avg_sq's code of y = sqrt(v), t = y * yinv: y != 0: max(code, the smallest nonzero code
+  // 0x10); y == 0: 0 (y is never -0: v = x*x + ...)
+  static inline I v_code(F y, F yinv) {
+    const I ty = V::bits(V::mul(y, yinv));
+    const I ry = V::template srl<19>(V::template add_bit<19>(V::add(ty, V::seti(0x3FFFFu)), ty));
+    return V::keep_nonzero(V::bits(y), V::sub(V::maxu(ry, V::seti(113u << 4)), V::seti(112u << 4)));
+  }
+
+  // The last len (< BLOCK) elements of a tensor, as one zero-padded block.
+  static void short_block(Ctx& c, MT* P, const GT* G, uint8_t* Ms, uint8_t* Vs, uint16_t* Wo, float* msc,
+                          float* vsc, int len) {
+    alignas(64) MT p[BLOCK] = {};
+    alignas(64) GT g[BLOCK] = {};
+    alignas(64) uint8_t m[BLOCK] = {}, v[BLOCK] = {};
+    alignas(64) uint16_t w[BLOCK];
+    Pending pending;
+    std::memcpy(p, P, len * sizeof(MT));
+    std::memcpy(g, G, len * sizeof(GT));
+    std::memcpy(m, Ms, len);
+    std::memcpy(v, Vs, len);
+    const bool stream = c.wo_stream;
+    c.wo_stream = false;  // the local copy is read back at once
+    update_block<false>(c, p, g, m, v, w, msc, vsc, pending);
+    c.wo_stream = stream;
+    encode(pending);
+    std::memcpy(P, p, len * sizeof(MT));
+    std::memcpy(Ms, m, len);
+    std::memcpy(Vs, v, len);
+    if constexpr (WOUT) std::memcpy(Wo, w, len * 2);
+  }
+
+  // The last len (< W) elements of a tensor, as one zero-padded vector; lanes >= tail_from
+  // take the scalar-tail form (all-fp32 mode).
+  static void short_vector(Ctx& c, MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo, int len, int tail_from) {
+    alignas(64) MT p[W] = {};
+    alignas(64) GT g[W] = {};
+    alignas(64) ST m[W] = {}, v[W] = {};
+    alignas(64) uint16_t w[W];
+    std::memcpy(p, P, len * sizeof(MT));
+    std::memcpy(g, G, len * sizeof(GT));
+    std::memcpy(m, Ms, len * sizeof(ST));
+    std::memcpy(v, Vs, len * sizeof(ST));
+    I unused = V::seti(0u);
+    c.wo_stream = false;  // the local copy is read back at once (and this is the span's end)
+    if (kParity && tail_from < W)
+      one<kParity, false>(c, p, g, m, v, w, nullptr, nullptr, unused, unused, V::lanes_from(tail_from));
+    else
+      one<false, false>(c, p, g, m, v, w, nullptr, nullptr, unused, unused, V::lanes_from(W));
+    std::memcpy(P, p, len * sizeof(MT));
+    std::memcpy(Ms, m, len * sizeof(ST));
+    std::memcpy(Vs, v, len * sizeof(ST));
+    if constexpr (WOUT) std::memcpy(Wo, w, len * 2);
+  }
+
+  // Elements [j0, j0 + len) of tensor i; j0 a multiple of BLOCK.
+  static void span(const Job& J, size_t i, int64_t j0, int64_t len) {
+    Ctx c = context(J, i, j0, len);
+    const bool plain = !c.has_gs && !c.maximize && !c.l2 && !c.wraps;
+    if (plain)
+      span_loop<true>(J, c, i, j0, len);
+    else
+      span_loop<false>(J, c, i, j0, len);
+  }
+
+  // Software prefetch of elements [j, j + BLOCK) (Job::prefetch blocks ahead of the one being
+  // updated; 0: off): every line of each operand, to be written (master, moments, weights
+  // out) or read (grad).
+  static inline void prefetch_block(MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo) {
+    for (int k = 0; k < BLOCK; k += 64 / (int)sizeof(MT)) __builtin_prefetch(P + k, 1, 3);
+    for (int k = 0; k < BLOCK; k += 64 / (int)sizeof(GT)) __builtin_prefetch(G + k, 0, 3);
+    for (int k = 0; k < BLOCK; k += 64 / (int)sizeof(ST)) {
+      __builtin_prefetch(Ms + k, 1, 3);
+      __builtin_prefetch(Vs + k, 1, 3);
+    }
+    if constexpr (WOUT)
+      for (int k = 0; k < BLOCK; k += 32) __builtin_prefetch(Wo + k, 1, 3);
+  }
+
+  template <bool PLAIN>
+  static void span_loop(const Job& J, Ctx& c, size_t i, int64_t j0, int64_t len) {
+    // prefetch: `ahead` elements ahead, while that stays inside this span
+    const int64_t ahead = (int64_t)J.prefetch * BLOCK;
+    MT* P = static_cast<MT*>(J.master[i]) + j0;
+    const GT* G = static_cast<const GT*>(J.grad[i]) + j0;
+    ST* Ms = static_cast<ST*>(J.m[i]) + j0;
+    ST* Vs = static_cast<ST*>(J.v[i]) + j0;
+    uint16_t* Wo = WOUT ? static_cast<uint16_t*>(J.wo[i]) + j0 : nullptr;
+    if constexpr (SK == Moments::Int8Block) {
+      float* msc = J.ms[i] + j0 / BLOCK;
+      float* vsc = J.vs[i] + j0 / BLOCK;
+      Pending pending[2];
+      int64_t n = 0;
+      for (int64_t b = 0; b < len; b += BLOCK, ++msc, ++vsc, ++n) {
+        uint16_t* wo = WOUT ? Wo + b : nullptr;
+        if (ahead && b + ahead + BLOCK <= len)
+          prefetch_block(P + b + ahead, G + b + ahead, Ms + b + ahead, Vs + b + ahead, WOUT ? Wo + b + ahead : nullptr);
+        if (len - b >= BLOCK) {
+          update_block<PLAIN>(c, P + b, G + b, Ms + b, Vs + b, wo, msc, vsc, pending[n & 1]);
+          encode(pending[(n + 1) & 1]);  // the block before
+        } else {
+          encode(pending[(n + 1) & 1]);
+          short_block(c, P + b, G + b, Ms + b, Vs + b, wo, msc, vsc, (int)(len - b));
+        }
+      }
+      encode(pending[(n + 1) & 1]);
+      encode(pending[n & 1]);
+    } else {
+      I unused = V::seti(0u);
+      int64_t k = 0;
+      for (; k + W <= len; k += W) {
+        if (ahead && (k & (BLOCK - 1)) == 0 && k + ahead + BLOCK <= len)
+          prefetch_block(P + k + ahead, G + k + ahead, Ms + k + ahead, Vs + k + ahead, WOUT ? Wo + k + ahead : nullptr);
+        one<false, PLAIN>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, nullptr, nullptr, unused,
+                          unused, V::lanes_from(W));
+      }
+      if (k < len) {
+        const int64_t tail_from = std::max<int64_t>(0, J.tail_start[i] - (j0 + k));
+        short_vector(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, (int)(len - k),
+                     (int)std::min<int64_t>(tail_from, W));
+      }
+    }
+  }
+};
+
+template <Master MK, bool GBF16>
+SpanFn pick_moments(Moments s, bool wout) {
+  if (s == Moments::Fp32) return wout ? Kern<MK, GBF16, Moments::Fp32, true>::span : Kern<MK, GBF16, Moments::Fp32, false>::span;
+  if (s == Moments::Bf16Sr) return wout ? Kern<MK, GBF16, Moments::Bf16Sr, true>::span : Kern<MK, GBF16, Moments::Bf16Sr, false>::span;
+  return wout ? Kern<MK, GBF16, Moments::Int8Block, true>::span : Kern<MK, GBF16, Moments::Int8Block, false>::span;
+}
+
+// The span function of a mode (weights_out only with fp32 masters).
+SpanFn pick(Master mk, bool gbf16, Moments s, bool wout) {
+  if (mk == Master::Bf16Sr) return gbf16 ? pick_moments<Master::Bf16Sr, true>(s, false) : pick_moments<Master::Bf16Sr, false>(s, false);
+  return gbf16 ? pick_moments<Master::Fp32, true>(s, wout) : pick_moments<Master::Fp32, false>(s, wout);
+}

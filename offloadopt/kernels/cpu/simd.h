@@ -1,0 +1,214 @@
+// offloadopt's SIMD layer: one `struct V` per instruction set, with the same names in each, so
+// the kernel's body (adam_body.h) is written once and compiled once per ISA.
+//
+// No include guard: adam_cpu.cpp includes this file once per ISA, inside that ISA's namespace
+// and its `#pragma GCC target` region, with exactly one of OO_SIMD_AVX512, OO_SIMD_AVX2,
+// OO_SIMD_GENERIC defined. <immintrin.h> and <cstdint> are included by the caller first.
+//
+//   ISA       lanes  registers       masks                  target
+//   AVX-512   16     zmm             __mmask16 (k regs)      avx512f,avx512bw,avx512vl,avx512dq
+//   AVX2      8      ymm             all-ones lanes in ymm   avx2,fma
+//   generic   8      plain arrays    all-ones lanes          the build's baseline (any CPU)
+//
+// Every floating-point operation here is a correctly rounded IEEE operation (add, sub, mul,
+// div, sqrt, fma), and everything else is integer bit manipulation, so the three give the same
+// bits for the same inputs (tests/test_kernels.py runs all three on one host). No approximate
+// reciprocal or rsqrt: rcp14/rsqrt14 and rcpps/rsqrtps give different bits on AVX-512 and AVX2
+// and between vendors (ispc#2882, xsimd#790).
+//
+// Names: F a vector of fp32, I of uint32, M a lane mask. sel(m, a, b): a where m, else b.
+// ld_bf16 widens bf16 to fp32 (exact); st_u16 / st_u8 store the low 16 / 8 bits of each lane.
+
+#if defined(OO_SIMD_AVX512)
+
+struct V {
+  static constexpr int W = 16;
+  static constexpr const char* name = "avx512";
+  using F = __m512;
+  using I = __m512i;
+  using M = __mmask16;
+  static inline F ldf(const float* p) { return _mm512_loadu_ps(p); }
+  static inline void stf(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static inline F ld_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  }
+  static inline I ld_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+  static inline void st_u16(uint16_t* p, I x) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(x)); }
+  static inline void st_u8(uint8_t* p, I x) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(x)); }
+  // st_u16 with a streaming (non-temporal) store: p 32-byte aligned
+  static inline void st_u16_stream(uint16_t* p, I x) { _mm256_stream_si256((__m256i*)p, _mm512_cvtepi32_epi16(x)); }
+  static constexpr int kStreamAlign = 32;
+  static inline F setf(float x) { return _mm512_set1_ps(x); }
+  static inline I seti(uint32_t x) { return _mm512_set1_epi32((int)x); }
+  static inline I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static inline F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static inline F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }  // a*b + c, one rounding
+  static inline I bits(F a) { return _mm512_castps_si512(a); }
+  static inline F flt(I a) { return _mm512_castsi512_ps(a); }
+  static inline I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static inline I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static inline I band(I a, I b) { return _mm512_and_si512(a, b); }
+  static inline I bor(I a, I b) { return _mm512_or_si512(a, b); }
+  static inline I bxor(I a, I b) { return _mm512_xor_si512(a, b); }
+  static inline I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static inline I maxu(I a, I b) { return _mm512_max_epu32(a, b); }
+  template <int S> static inline I srl(I a) { return _mm512_srli_epi32(a, S); }
+  template <int S> static inline I sll(I a) { return _mm512_slli_epi32(a, S); }
+  static inline M lt_u(I a, I b) { return _mm512_cmplt_epu32_mask(a, b); }
+  static inline M nonzero(I a) { return _mm512_test_epi32_mask(a, a); }
+  static inline M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+  static inline I sel(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
+  static inline F sel(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
+  static inline I keep(M m, I a) { return _mm512_maskz_mov_epi32(m, a); }  // a where m, else 0
+  static inline I keep_nonzero(I x, I a) { return _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(x, x), a); }
+  static inline M gt_s(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }  // signed a > b
+  // x + bit S of u
+  template <int S> static inline I add_bit(I x, I u) {
+    return _mm512_mask_add_epi32(x, _mm512_test_epi32_mask(u, _mm512_set1_epi32(1 << S)), x, _mm512_set1_epi32(1));
+  }
+  // four vectors' low bytes, in order, to p (64 bytes)
+  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) { st_u8(p, a); st_u8(p + 16, b); st_u8(p + 32, c); st_u8(p + 48, d); }
+  static inline uint32_t hmaxu(I a) { return _mm512_reduce_max_epu32(a); }
+  static inline M lanes_from(int k) { return (M)(k >= W ? 0 : (0xFFFFu << k)); }  // lanes >= k
+};
+
+#elif defined(OO_SIMD_AVX2)
+
+struct V {
+  static constexpr int W = 8;
+  static constexpr const char* name = "avx2";
+  using F = __m256;
+  using I = __m256i;
+  using M = __m256i;
+  static inline F ldf(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void stf(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static inline F ld_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+  }
+  static inline I ld_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+  static inline __m128i pack_u16(I x) {
+    // the low two bytes of each 32-bit lane to the low 8 bytes of each 128-bit half, then the
+    // two halves' 8 bytes side by side
+    const __m256i pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(x, pick), 0x08));
+  }
+  static inline void st_u16(uint16_t* p, I x) { _mm_storeu_si128((__m128i*)p, pack_u16(x)); }
+  static inline void st_u16_stream(uint16_t* p, I x) { _mm_stream_si128((__m128i*)p, pack_u16(x)); }
+  static constexpr int kStreamAlign = 16;
+  static inline void st_u8(uint8_t* p, I x) {
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i y = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(x, pick), _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+    _mm_storel_epi64((__m128i*)p, _mm256_castsi256_si128(y));
+  }
+  static inline F setf(float x) { return _mm256_set1_ps(x); }
+  static inline I seti(uint32_t x) { return _mm256_set1_epi32((int)x); }
+  static inline I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static inline F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static inline F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static inline F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline I bits(F a) { return _mm256_castps_si256(a); }
+  static inline F flt(I a) { return _mm256_castsi256_ps(a); }
+  static inline I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static inline I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static inline I band(I a, I b) { return _mm256_and_si256(a, b); }
+  static inline I bor(I a, I b) { return _mm256_or_si256(a, b); }
+  static inline I bxor(I a, I b) { return _mm256_xor_si256(a, b); }
+  static inline I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static inline I maxu(I a, I b) { return _mm256_max_epu32(a, b); }
+  template <int S> static inline I srl(I a) { return _mm256_srli_epi32(a, S); }
+  template <int S> static inline I sll(I a) { return _mm256_slli_epi32(a, S); }
+  static inline M lt_u(I a, I b) {  // no unsigned compare in AVX2: a < b iff max(a, b) != a
+    return _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(a, b), a), _mm256_set1_epi32(-1));
+  }
+  static inline M nonzero(I a) { return _mm256_andnot_si256(_mm256_cmpeq_epi32(a, _mm256_setzero_si256()), _mm256_set1_epi32(-1)); }
+  static inline M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+  static inline I sel(M m, I a, I b) { return _mm256_blendv_epi8(b, a, m); }
+  static inline F sel(M m, F a, F b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(m)); }
+  static inline I keep(M m, I a) { return _mm256_and_si256(m, a); }
+  static inline I keep_nonzero(I x, I a) { return _mm256_andnot_si256(_mm256_cmpeq_epi32(x, _mm256_setzero_si256()), a); }
+  static inline M gt_s(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
+  template <int S> static inline I add_bit(I x, I u) {
+    return _mm256_add_epi32(x, _mm256_and_si256(_mm256_srli_epi32(u, S), _mm256_set1_epi32(1)));
+  }
+  // four vectors' low bytes, in order (values 0..255): two saturating packs to 16 bits, one to
+  // 8 bits (each within 128-bit halves), then the eight 4-byte groups put in order
+  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) {
+    const __m256i x = _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(c, d));
+    _mm256_storeu_si256((__m256i*)p, _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+  static inline uint32_t hmaxu(I a) {
+    __m128i x = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0x4E));
+    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(x);
+  }
+  static inline M lanes_from(int k) { return _mm256_cmpgt_epi32(iota(), _mm256_set1_epi32(k - 1)); }
+};
+
+#elif defined(OO_SIMD_GENERIC)
+
+// Plain arrays of 8 lanes: what any C++ compiler builds (the fallback off x86, and the
+// same-shape reference the tests run beside the vector builds). -ffp-contract=off keeps a*b+c
+// two roundings, as the intrinsics are; std::fma is the one fused operation.
+struct V {
+  static constexpr int W = 8;
+  static constexpr const char* name = "generic";
+  struct F { float v[8]; };
+  struct I { uint32_t v[8]; };
+  using M = I;
+#define OO_LANES(expr) for (int l = 0; l < 8; ++l) { expr; }
+  static inline F ldf(const float* p) { F r; std::memcpy(r.v, p, 32); return r; }
+  static inline void stf(float* p, F x) { std::memcpy(p, x.v, 32); }
+  static inline F ld_bf16(const uint16_t* p) { I r; OO_LANES(r.v[l] = (uint32_t)p[l] << 16) return flt(r); }
+  static inline I ld_u8(const uint8_t* p) { I r; OO_LANES(r.v[l] = p[l]) return r; }
+  static inline void st_u16(uint16_t* p, I x) { OO_LANES(p[l] = (uint16_t)x.v[l]) }
+  static inline void st_u8(uint8_t* p, I x) { OO_LANES(p[l] = (uint8_t)x.v[l]) }
+  static inline void st_u16_stream(uint16_t* p, I x) { st_u16(p, x); }
+  static constexpr int kStreamAlign = 1;
+  static inline F setf(float x) { F r; OO_LANES(r.v[l] = x) return r; }
+  static inline I seti(uint32_t x) { I r; OO_LANES(r.v[l] = x) return r; }
+  static inline I iota() { I r; OO_LANES(r.v[l] = (uint32_t)l) return r; }
+  static inline F add(F a, F b) { OO_LANES(a.v[l] = a.v[l] + b.v[l]) return a; }
+  static inline F sub(F a, F b) { OO_LANES(a.v[l] = a.v[l] - b.v[l]) return a; }
+  static inline F mul(F a, F b) { OO_LANES(a.v[l] = a.v[l] * b.v[l]) return a; }
+  static inline F div(F a, F b) { OO_LANES(a.v[l] = a.v[l] / b.v[l]) return a; }
+  static inline F sqrt(F a) { OO_LANES(a.v[l] = std::sqrt(a.v[l])) return a; }
+  static inline F fma(F a, F b, F c) { OO_LANES(a.v[l] = std::fma(a.v[l], b.v[l], c.v[l])) return a; }
+  static inline I bits(F a) { I r; std::memcpy(r.v, a.v, 32); return r; }
+  static inline F flt(I a) { F r; std::memcpy(r.v, a.v, 32); return r; }
+  static inline I add(I a, I b) { OO_LANES(a.v[l] += b.v[l]) return a; }
+  static inline I sub(I a, I b) { OO_LANES(a.v[l] -= b.v[l]) return a; }
+  static inline I band(I a, I b) { OO_LANES(a.v[l] &= b.v[l]) return a; }
+  static inline I bor(I a, I b) { OO_LANES(a.v[l] |= b.v[l]) return a; }
+  static inline I bxor(I a, I b) { OO_LANES(a.v[l] ^= b.v[l]) return a; }
+  static inline I mullo(I a, I b) { OO_LANES(a.v[l] *= b.v[l]) return a; }
+  static inline I maxu(I a, I b) { OO_LANES(a.v[l] = a.v[l] > b.v[l] ? a.v[l] : b.v[l]) return a; }
+  template <int S> static inline I srl(I a) { OO_LANES(a.v[l] >>= S) return a; }
+  template <int S> static inline I sll(I a) { OO_LANES(a.v[l] <<= S) return a; }
+  static inline M lt_u(I a, I b) { OO_LANES(a.v[l] = a.v[l] < b.v[l] ? ~0u : 0u) return a; }
+  static inline M nonzero(I a) { OO_LANES(a.v[l] = a.v[l] ? ~0u : 0u) return a; }
+  static inline M isnan(F a) { I r; OO_LANES(r.v[l] = a.v[l] != a.v[l] ? ~0u : 0u) return r; }
+  static inline I sel(M m, I a, I b) { OO_LANES(a.v[l] = (a.v[l] & m.v[l]) | (b.v[l] & ~m.v[l])) return a; }
+  static inline F sel(M m, F a, F b) { return flt(sel(m, bits(a), bits(b))); }
+  static inline I keep(M m, I a) { return band(m, a); }
+  static inline I keep_nonzero(I x, I a) { return keep(nonzero(x), a); }
+  static inline M gt_s(I a, I b) { OO_LANES(a.v[l] = (int32_t)a.v[l] > (int32_t)b.v[l] ? ~0u : 0u) return a; }
+  template <int S> static inline I add_bit(I x, I u) { OO_LANES(x.v[l] += (u.v[l] >> S) & 1u) return x; }
+  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) { st_u8(p, a); st_u8(p + 8, b); st_u8(p + 16, c); st_u8(p + 24, d); }
+  static inline uint32_t hmaxu(I a) { uint32_t r = 0; OO_LANES(r = a.v[l] > r ? a.v[l] : r) return r; }
+  static inline M lanes_from(int k) { I r; OO_LANES(r.v[l] = l >= k ? ~0u : 0u) return r; }
+#undef OO_LANES
+};
+
+#else
+#error "simd.h: define one of OO_SIMD_AVX512, OO_SIMD_AVX2, OO_SIMD_GENERIC"
+#endif
