@@ -324,6 +324,9 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, capsys
         f"offloadopt: stopped: step {N + 1}: the training loss is nan; the run stops, the last "
         f"checkpoint, {ck}, holds step {N} (--resume {ck} goes on"
     ), err
+    # a resumed run keeps the saved settings: the advice says so (it offered a lower --lr on
+    # --resume, which refuses changed settings: a fresh user's finding)
+    assert "with the same settings; a lower --lr or more --grad-clip is a new run" in err, err
     assert torch.load(ck, weights_only=True)["step"] == N
     nan_at(step=0, weights=2)  # a NaN weight after step 2's update, saved there
     assert main(argv) == 1

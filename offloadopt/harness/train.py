@@ -195,8 +195,11 @@ class NonFiniteStop:
 
     def _stop(self, step: int, found: str, saved_at: int | None) -> None:
         cfg = self.cfg
+        # a resumed run keeps the saved run's settings (train_checkpoint.RESUME_MAY_CHANGE): a
+        # lower --lr or more --grad-clip is a new run (a fresh user followed the old advice)
         kept = (f"the last checkpoint, {cfg.save}, holds step {saved_at} (--resume {cfg.save} "
-                "goes on from there, with a lower --lr or more --grad-clip)" if saved_at is not None
+                "goes on from there with the same settings; a lower --lr or more --grad-clip "
+                "is a new run)" if saved_at is not None
                 else "no checkpoint was written" + ("" if cfg.save else " (--save PATH)"))  # fmt: skip
         raise checks.RunStopped(f"step {step}: {found}; the run stops, {kept}; "
                                 "--no-stop-on-nonfinite trains on")  # fmt: skip
