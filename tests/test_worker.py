@@ -178,6 +178,15 @@ def test_the_worker_and_its_pool_run_on_their_cpus():
     opt.close()
 
 
+def test_more_threads_than_the_pinned_cpus_warns_naming_them():
+    with pytest.warns(
+        UserWarning, match=r"cpu_threads=3 is more than the 1 CPU\(s\) of worker_cpus \(0\)"
+    ):
+        opt = HybridAdamW([torch.nn.Parameter(torch.randn(64))], min_offload_numel=1,
+                          worker_cpus=[0], cpu_threads=3)  # fmt: skip
+        opt.close()
+
+
 @pytest.mark.parametrize("bad", [[], ["0"], [-1], 7, "all", [True], [10**6]])
 def test_bad_worker_cpus_are_refused_naming_the_value(bad):
     with pytest.raises(ValueError, match="Invalid worker_cpus"):

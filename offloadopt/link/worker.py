@@ -307,7 +307,13 @@ def start_worker(
             "%d, less one when updates overlap the training thread); pass cpu_threads= to "
             "choose", cpu_threads, cores, ranks,
         )  # fmt: skip
-    if cpu_threads > cores:
+    if plan.cpus and cpu_threads > len(plan.cpus):  # pinned: its own CPUs are the limit
+        warn_once(
+            "threads-over",
+            f"cpu_threads={cpu_threads} is more than the {len(plan.cpus)} CPU(s) of "
+            f"worker_cpus ({cpu_text(plan.cpus)}): the worker's threads will contend for them",
+        )
+    elif cpu_threads > cores:
         warn_once(
             "threads-over",
             f"cpu_threads={cpu_threads} is more than the {cores} cores this process "
