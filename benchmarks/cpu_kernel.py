@@ -149,8 +149,6 @@ def main() -> None:
     ap.add_argument("--modes", nargs="*", default=None, help=f"subset of {list(MODES)}")
     ap.add_argument("--backup", action="store_true", help="add the backup rows (see above)")
     ap.add_argument("--isa", default=None, help="the kernel's ISA (default: the best here)")
-    ap.add_argument("--prefetch", type=int, default=None,
-                    help="software prefetch, blocks of 256 elements ahead (0: off)")  # fmt: skip
     ap.add_argument("--triad-numel", type=float, default=2**28,
                     help="elements per triad array (default 2**28: 3 GiB in all)")  # fmt: skip
     args = ap.parse_args()
@@ -164,12 +162,10 @@ def main() -> None:
     built = time.perf_counter() - t0
     if args.isa:
         mod.set_isa(args.isa)
-    if args.prefetch is not None:
-        mod.set_prefetch(args.prefetch)
     triad = triad_gbps(int(args.triad_numel), args.repeats)
     print(f"params {n:,} in {k} tensors, threads {torch.get_num_threads()}, "
           f"torch capability {torch.backends.cpu.get_cpu_capability()}, kernel ISA {mod.isa()} "
-          f"x{mod.lanes()}, prefetch {mod.prefetch()}, kernel threads {mod.num_threads_used()}, load {built:.1f} s, "
+          f"x{mod.lanes()}, kernel threads {mod.num_threads_used()}, load {built:.1f} s, "
           f"repeats {args.repeats}, triad {triad:.1f} GB/s")  # fmt: skip
     print(f"{'mode':<34} {'B/param':>8} {'passes':>6} {'ms':>9} {'ns/param':>9} {'GB/s':>7} "
           f"{'vs torch':>8} {'x bus':>6}")  # fmt: skip

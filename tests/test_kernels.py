@@ -641,22 +641,3 @@ def test_an_isa_the_cpu_does_not_run_is_refused(mod):
     with pytest.raises(ValueError, match="'avx1024' is not run by this CPU; it runs: "):
         mod.set_isa("avx1024")
     assert mod.isa() == mod.isas()[0]
-
-
-@pytest.mark.parametrize("master_bf16,moments", [(False, 0), *MODES])
-def test_software_prefetch_changes_no_bit(mod, master_bf16, moments):
-    """set_prefetch (a speed knob) leaves every result as it is."""
-    sizes = [70_001, 5000, 300]
-    base = make_mode(sizes, 4, master_bf16, moments)
-    outs = []
-    try:
-        for blocks in (0, 3):
-            mod.set_prefetch(blocks)
-            x = clone_all(base)
-            wout = [] if master_bf16 else [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
-            kcall(mod.adam_step, *x[:4], sms=x[4], svs=x[5], wout=wout, moments=moments,
-                  master_sr=master_bf16, steps=[2.0] * 3, salts=[1, 2, 3])  # fmt: skip
-            outs.append([t.view(torch.uint8) for lst in x + [wout] for t in lst])
-    finally:
-        mod.set_prefetch(0)
-    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))

@@ -66,7 +66,6 @@ __all__ = [
     "KernelBuildError",
     "available",
     "decode_m",
-    "describe",
     "element_nbytes",
     "decode_v",
     "encode_m",
@@ -269,17 +268,6 @@ def element_nbytes(master_bf16: bool, grad_bf16: bool, moments: int, weights_out
     state = {0: 4, 1: 2, 2: 1}[moments]
     scales = 2 * 2 * 4 / BLOCK if moments == 2 else 0.0  # two scales, read and written
     return 2 * master + (2 if grad_bf16 else 4) + 4 * state + (2 if weights_out else 0) + scales
-
-
-def describe(master_bf16: bool, grad_bf16: bool, moments: int, weights_out: bool) -> str:
-    """One line naming a mode as the kernel runs it here, e.g. ``"bf16-sr/int8 · 10.1 B/elem ·
-    2 passes · avx512x16"`` (builds the kernel)."""
-    names = {0: "fp32", 1: "bf16", 2: "int8"}
-    mod = load()
-    return (f"{'bf16-sr' if master_bf16 else 'fp32'}/{names[moments]} · "
-            f"{element_nbytes(master_bf16, grad_bf16, moments, weights_out):.1f} B/elem · "
-            f"{2 if moments == 2 else 1} pass{'es' if moments == 2 else ''} · "
-            f"{mod.isa()}x{mod.lanes()}")  # fmt: skip
 
 
 def available() -> bool:

@@ -112,7 +112,6 @@ struct Coefs {
 
 struct Job {
   bool has_gs, maximize, adamw, has_wd;
-  int prefetch = 0;  // software prefetch, blocks ahead (set_prefetch; 0: the hardware's alone)
   std::vector<void*> master, grad, m, v, wo;
   std::vector<float*> ms, vs;
   std::vector<int64_t> numel, tail_start, offsets, first_block;
@@ -202,7 +201,6 @@ std::vector<const Isa*> supported_isas() {
 }
 
 std::atomic<const Isa*> g_isa{nullptr};
-std::atomic<int> g_prefetch{0};
 
 const Isa* current_isa() {
   const Isa* isa = g_isa.load();
@@ -331,7 +329,6 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
   J.maximize = maximize;
   J.adamw = decoupled;
   J.has_wd = weight_decay != 0.0;
-  J.prefetch = g_prefetch.load();
   const bool wout = !weights_out.empty();
   const bool bk = !backups.empty();
   const size_t master_es = mbf16 ? 2 : 4, state_es = moments == 0 ? 4 : moments == 1 ? 2 : 1;
@@ -482,9 +479,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("lanes", []() { return current_isa()->lanes; }, "fp32 lanes per vector of that ISA");
   mod.def("isas", &isas, "the ISAs this CPU runs, best first");
   mod.def("set_isa", &set_isa, py::arg("name"), "run later calls on this ISA (tests and benchmarks)");
-  mod.def("set_prefetch", [](int blocks) { g_prefetch.store(std::max(0, std::min(blocks, 64))); }, py::arg("blocks"),
-          "software prefetch this many 256-element blocks ahead (0: off, the default)");
-  mod.def("prefetch", []() { return g_prefetch.load(); });
   mod.def("set_backup_stream", [](bool on) { g_backup_stream.store(on); },
           "write backups with streaming (non-temporal) stores (default True; False: plain copies)");
 }

@@ -318,24 +318,8 @@ struct Kern {
       span_loop<false>(J, c, i, j0, len);
   }
 
-  // Software prefetch of elements [j, j + BLOCK) (Job::prefetch blocks ahead of the one being
-  // updated; 0: off): every line of each operand, to be written (master, moments, weights
-  // out) or read (grad).
-  static inline void prefetch_block(MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo) {
-    for (int k = 0; k < BLOCK; k += 64 / (int)sizeof(MT)) __builtin_prefetch(P + k, 1, 3);
-    for (int k = 0; k < BLOCK; k += 64 / (int)sizeof(GT)) __builtin_prefetch(G + k, 0, 3);
-    for (int k = 0; k < BLOCK; k += 64 / (int)sizeof(ST)) {
-      __builtin_prefetch(Ms + k, 1, 3);
-      __builtin_prefetch(Vs + k, 1, 3);
-    }
-    if constexpr (WOUT)
-      for (int k = 0; k < BLOCK; k += 32) __builtin_prefetch(Wo + k, 1, 3);
-  }
-
   template <bool PLAIN>
   static void span_loop(const Job& J, Ctx& c, size_t i, int64_t j0, int64_t len) {
-    // prefetch: `ahead` elements ahead, while that stays inside this span
-    const int64_t ahead = (int64_t)J.prefetch * BLOCK;
     MT* P = static_cast<MT*>(J.master[i]) + j0;
     const GT* G = static_cast<const GT*>(J.grad[i]) + j0;
     ST* Ms = static_cast<ST*>(J.m[i]) + j0;
@@ -348,8 +332,6 @@ struct Kern {
       int64_t n = 0;
       for (int64_t b = 0; b < len; b += BLOCK, ++msc, ++vsc, ++n) {
         uint16_t* wo = WOUT ? Wo + b : nullptr;
-        if (ahead && b + ahead + BLOCK <= len)
-          prefetch_block(P + b + ahead, G + b + ahead, Ms + b + ahead, Vs + b + ahead, WOUT ? Wo + b + ahead : nullptr);
         if (len - b >= BLOCK) {
           update_block<PLAIN>(c, P + b, G + b, Ms + b, Vs + b, wo, msc, vsc, pending[n & 1]);
           encode(pending[(n + 1) & 1]);  // the block before
@@ -363,12 +345,9 @@ struct Kern {
     } else {
       I unused = V::seti(0u);
       int64_t k = 0;
-      for (; k + W <= len; k += W) {
-        if (ahead && (k & (BLOCK - 1)) == 0 && k + ahead + BLOCK <= len)
-          prefetch_block(P + k + ahead, G + k + ahead, Ms + k + ahead, Vs + k + ahead, WOUT ? Wo + k + ahead : nullptr);
+      for (; k + W <= len; k += W)
         one<false, PLAIN>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, nullptr, nullptr, unused,
                           unused, V::lanes_from(W));
-      }
       if (k < len) {
         const int64_t tail_from = std::max<int64_t>(0, J.tail_start[i] - (j0 + k));
         short_vector(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, (int)(len - k),

@@ -59,7 +59,6 @@ struct V {
   template <int S> static inline I srl(I a) { return _mm512_srli_epi32(a, S); }
   template <int S> static inline I sll(I a) { return _mm512_slli_epi32(a, S); }
   static inline M lt_u(I a, I b) { return _mm512_cmplt_epu32_mask(a, b); }
-  static inline M nonzero(I a) { return _mm512_test_epi32_mask(a, a); }
   static inline M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
   static inline I sel(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
   static inline F sel(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
@@ -129,7 +128,6 @@ struct V {
   static inline M lt_u(I a, I b) {  // no unsigned compare in AVX2: a < b iff max(a, b) != a
     return _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(a, b), a), _mm256_set1_epi32(-1));
   }
-  static inline M nonzero(I a) { return _mm256_andnot_si256(_mm256_cmpeq_epi32(a, _mm256_setzero_si256()), _mm256_set1_epi32(-1)); }
   static inline M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
   static inline I sel(M m, I a, I b) { return _mm256_blendv_epi8(b, a, m); }
   static inline F sel(M m, F a, F b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(m)); }
@@ -195,12 +193,11 @@ struct V {
   template <int S> static inline I srl(I a) { OO_LANES(a.v[l] >>= S) return a; }
   template <int S> static inline I sll(I a) { OO_LANES(a.v[l] <<= S) return a; }
   static inline M lt_u(I a, I b) { OO_LANES(a.v[l] = a.v[l] < b.v[l] ? ~0u : 0u) return a; }
-  static inline M nonzero(I a) { OO_LANES(a.v[l] = a.v[l] ? ~0u : 0u) return a; }
   static inline M isnan(F a) { I r; OO_LANES(r.v[l] = a.v[l] != a.v[l] ? ~0u : 0u) return r; }
   static inline I sel(M m, I a, I b) { OO_LANES(a.v[l] = (a.v[l] & m.v[l]) | (b.v[l] & ~m.v[l])) return a; }
   static inline F sel(M m, F a, F b) { return flt(sel(m, bits(a), bits(b))); }
   static inline I keep(M m, I a) { return band(m, a); }
-  static inline I keep_nonzero(I x, I a) { return keep(nonzero(x), a); }
+  static inline I keep_nonzero(I x, I a) { OO_LANES(a.v[l] = x.v[l] ? a.v[l] : 0u) return a; }
   static inline M gt_s(I a, I b) { OO_LANES(a.v[l] = (int32_t)a.v[l] > (int32_t)b.v[l] ? ~0u : 0u) return a; }
   template <int S> static inline I add_bit(I x, I u) { OO_LANES(x.v[l] += (u.v[l] >> S) & 1u) return x; }
   static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) { st_u8(p, a); st_u8(p + 8, b); st_u8(p + 16, c); st_u8(p + 24, d); }
