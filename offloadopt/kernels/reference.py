@@ -142,21 +142,31 @@ def _adam_math(p, g, m0, v0, *, k, maximize, decoupled, grad_scale, neg_step_siz
     return p + (m * neg_step_size) / denominator(y), m, v, y
 
 
-def _step_scalars(step_size: float, bc2: float, eps: float, compressed: bool, *, cuda: bool):
-    """``(neg_step, denominator)`` for :func:`_adam_math` (the module docstring's two forms),
-    the scalars rounded from double to fp32 as the kernel rounds them. ``cuda``: a tensor
-    divided by a host scalar on CUDA is a multiplication by its fp32 reciprocal (torch's
-    div_true_kernel_cuda): 1/s rounded once from double equals that (double rounding is
-    innocuous for division, 53 >= 2*24 + 2)."""
+def _step_scalars(step_size: float, bc2: float, eps: float, compressed: bool, *,
+                  cuda: bool) -> tuple[float, float]:  # fmt: skip
+    """``(neg_step, d)``, one tensor's two scalars of the module docstring's forms, rounded from
+    double to fp32 as the kernel rounds them: the step's (``-lr / bc1``; compressed: times
+    ``sqrt(bc2)``) and the denominator's (:func:`_denominator`): ``sqrt(bc2)``, compressed
+    ``eps * sqrt(bc2)``. ``cuda``: a tensor divided by a host scalar on CUDA is a
+    multiplication by its fp32 reciprocal (torch's div_true_kernel_cuda), so ``d`` is that
+    reciprocal: 1/s rounded once from double equals it (double rounding is innocuous for
+    division, 53 >= 2*24 + 2)."""
     s = math.sqrt(bc2)
     if compressed:
-        eps_c = _f32(eps * s)
-        return _f32(-step_size * s), lambda y: y + eps_c
-    eps32, s32 = _f32(eps), _f32(s)
+        return _f32(-step_size * s), _f32(eps * s)
+    s32 = _f32(s)
+    return _f32(-step_size), _f32(1.0 / s32) if cuda else s32
+
+
+def _denominator(d, eps: float, compressed: bool, cuda: bool):
+    """``y -> `` the update's denominator of ``y = sqrt(v)`` from :func:`_step_scalars`'s ``d``
+    (a float, or a tensor that broadcasts): ``y + d`` compressed, else ``y / d + eps``
+    (``y * d + eps`` on CUDA)."""
+    if compressed:
+        return lambda y: y + d
     if cuda:
-        inv = _f32(1.0 / s32)
-        return _f32(-step_size), lambda y: (y * inv).add_(eps32)
-    return _f32(-step_size), lambda y: (y / s32).add_(eps32)
+        return lambda y: (y * d).add_(eps)
+    return lambda y: (y / d).add_(eps)
 
 
 def adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
@@ -183,7 +193,8 @@ def adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_
         else:
             m0 = decode_m(exp_avgs[i], exp_avg_scales[i])
             v0 = decode_v(exp_avg_sqs[i], exp_avg_sq_scales[i])
-        neg_step, denominator = _step_scalars(step_size, bc2, eps, compressed, cuda=False)
+        neg_step, d = _step_scalars(step_size, bc2, eps, compressed, cuda=False)
+        denominator = _denominator(d, _f32(eps), compressed, cuda=False)
         p, m, v, y = _adam_math(
             p_in.float(), grads[i].float(), m0, v0, k=_consts(beta1, beta2, weight_decay, eps),
             wd_factor=_f32(1 - lr * weight_decay), maximize=maximize, decoupled=decoupled,
@@ -346,9 +357,7 @@ def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_av
     lengths = [c * BLOCK for c in counts]
     pads = [ln - n for ln, n in zip(lengths, sizes, strict=True)]
     total_blocks = sum(counts)
-    # per-tensor scalars, in double on the host exactly as adam_step computes them: the step's
-    # scalar and, for the denominator, sqrt(bc2) (its fp32 reciprocal on CUDA: _step_scalars)
-    # or, compressed, eps * sqrt(bc2)
+    # per-tensor scalars, exactly as adam_step computes them (_step_scalars)
     neg_step_size, second, ints = [], [], []
     cuda_div = device.type == "cuda"
     compressed = bf16_master or moments != 0
@@ -356,13 +365,9 @@ def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_av
         step = float(steps[i])
         bc1 = 1 - beta1**step
         bc2 = 1 - beta2**step
-        s = math.sqrt(bc2)
-        if compressed:
-            neg_step_size.append(_f32(-(lr / bc1) * s))
-            second.append(_f32(eps * s))
-        else:
-            neg_step_size.append(_f32(-(lr / bc1)))
-            second.append(_f32(1.0 / _f32(s)) if cuda_div else _f32(s))
+        neg, d = _step_scalars(lr / bc1, bc2, eps, compressed, cuda=cuda_div)
+        neg_step_size.append(neg)
+        second.append(d)
         keys = [sr_key(salts[i], step, draw) for draw in (DRAW_MASTER, DRAW_MOMENTS)]
         row = [int(offsets[i])]
         for k in keys:
@@ -433,14 +438,7 @@ def _flat_core(p_in, g_in, m_in, m_sc, v_in, v_sc, fl_b, it_b, first_b, *, wd_fa
     ``wd_factor`` / ``grad_scale``: fp32 values as floats or 0-dim fp32 tensors (a compiled
     pass takes tensors), or None."""
     ss = fl_b[:, 0:1]
-    sb2 = fl_b[:, 1:2]
-    eps = k[3]
-    if compressed:
-        denominator = lambda y: y + sb2  # noqa: E731
-    elif cuda_div:
-        denominator = lambda y: (y * sb2).add_(eps)  # noqa: E731
-    else:
-        denominator = lambda y: (y / sb2).add_(eps)  # noqa: E731
+    denominator = _denominator(fl_b[:, 1:2], k[3], compressed, cuda_div)
 
     def blocks(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, BLOCK)
