@@ -639,6 +639,7 @@ class HybridOptimizer(Optimizer):
         old_state = dict.copy(self.state)
         old_hooks = (self._start.grad_hooks, self._publish.module_waits)
         dict.clear(self.state)
+        self._updater.flat.drop()  # the device's flat buffers: laid out again from the state
         self._start.grad_hooks, self._publish.module_waits = [], []
         try:
             self._placer.replace(fraction)
