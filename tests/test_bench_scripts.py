@@ -34,6 +34,11 @@ def test_overlap_bench_variants_add_options_to_a_known_configuration():
     assert overlap_bench.derived("f0", known) is known["f0"]
     assert overlap_bench.derived("backward f0.4 clip int8", known) == {
         **overlap_bench.CLIPPED, "fraction": 0.4, "state_dtype": "int8"}  # fmt: skip
+    assert overlap_bench.derived("backward f0 int8", known) == {  # issue 46's fraction 0
+        **overlap_bench.BEST, "fraction": 0.0, "state_dtype": "int8"}  # fmt: skip
+    assert overlap_bench.derived("backward f0 sr8 pertensor", known) == {
+        **overlap_bench.BEST, "fraction": 0.0, **overlap_bench.STATES["sr8"],
+        "per_tensor": True}  # fmt: skip
     assert overlap_bench.derived("delayed f1 sr8", known) == {
         **known["delayed f1"], "state_dtype": "int8", "master_weights": "bf16-sr"}  # fmt: skip
     assert overlap_bench.derived("backward f0.1 clip spec maxnorm100 copybk", known) == {

@@ -279,3 +279,26 @@ def test_off_the_cpu_by_default_and_switched_off_by_the_environment(monkeypatch)
     assert device_flat.takes_flat(torch.device("cuda", 0))
     monkeypatch.setenv("OFFLOADOPT_DEVICE_FLAT", "0")
     assert not device_flat.takes_flat(torch.device("cuda", 0))
+
+
+def test_the_gpu_probe_runs_at_a_tiny_size_on_the_cpu(tmp_path):
+    """benchmarks/probes/device_pass.py as the GPU host runs it, at the tiny preset on the CPU
+    (a program: no test imports a benchmark): every row timed, the flat row bitwise the
+    per-tensor one."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "probes" / "device_pass.py"
+    argv = ["--preset", "tiny", "--device", "cpu", "--warmup", "0", "--repeats", "1",
+            "--modes", "int8", "--out", str(tmp_path)]  # fmt: skip
+    r = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "device_pass.json").read_text())["rows"]
+    assert [row["row"] for row in rows] == ["torch fused AdamW, fp32 state",
+                                            "HybridAdamW, fp32 state", "int8: per tensor",
+                                            "int8: flat"]  # fmt: skip
+    assert rows[-1]["bitwise"] is True and all(row["ms"] > 0 for row in rows)
+    assert "reproduce: python benchmarks/probes/device_pass.py --preset tiny" in r.stdout
