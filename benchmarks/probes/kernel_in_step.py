@@ -11,6 +11,9 @@ same kernel over the same state (1.558e9 params by default, GPT-2 1.5B's shapes)
   + fwd/bwd             the same while the main thread runs GPT-2 1.5B's forward+backward
                         (batch 4 x 1024) in a loop: launches, autograd, the GIL
   + GIL hog             the same while the main thread spins in Python (the GIL alone)
+and, to tell the candidates apart: the buckets on the main thread (16 threads, unpinned), in
+calls 4x larger, one call on the worker, a worker of 16 unpinned threads, and the one call over
+pageable copies of the masters and grads (the pinned ones are page-locked by CUDA).
 
 Each row: the worker's wall ms for the whole update (sum of its calls), the kernel's own ms
 (``kernels.kernel_ms``: inside its parallel regions, no GIL), and their ratio to "alone". The
@@ -99,22 +102,36 @@ def main() -> None:
     worker = Worker(plan.threads, flush_denormal=True, cpus=plan.cpus)
     groups = buckets(sizes, args.bucket_mib)
 
-    def on_worker() -> tuple[float, float]:
+    whole = [list(range(len(sizes)))]
+    big = buckets(sizes, 4 * args.bucket_mib)
+    unpinned = plan_cpus("any", torch.get_num_threads(), training_thread_busy=False)
+    any_worker = Worker(unpinned.threads, flush_denormal=True, cpus=unpinned.cpus)
+
+    def calls(calls: list[list[int]], state=st) -> tuple[float, float]:
+        t, k = time.perf_counter(), kernels.kernel_ms()
+        for idx in calls:
+            call(mod, state, idx, 10.0)
+        return (time.perf_counter() - t) * 1e3, kernels.kernel_ms() - k
+
+    def on_worker(calls_: list[list[int]] = groups, on: Worker = worker) -> tuple[float, float]:
         box = {}
 
         def run() -> None:
-            t, k = time.perf_counter(), kernels.kernel_ms()
-            for idx in groups:
-                call(mod, st, idx, 10.0)
-            box["wall"], box["kernel"] = (time.perf_counter() - t) * 1e3, kernels.kernel_ms() - k
+            box["got"] = calls(calls_)
 
-        worker.submit(run, "probe").wait(600)
-        return box["wall"], box["kernel"]
+        on.submit(run, "probe").wait(600)
+        return box["got"]
 
     def alone() -> tuple[float, float]:
-        t, k = time.perf_counter(), kernels.kernel_ms()
-        call(mod, st, list(range(len(sizes))), 10.0)
-        return (time.perf_counter() - t) * 1e3, kernels.kernel_ms() - k
+        return calls(whole)
+
+    pageable = None
+
+    def alone_pageable() -> tuple[float, float]:
+        nonlocal pageable
+        if pageable is None:  # masters and grads copied to pageable memory, moments shared
+            pageable = ([t.clone() for t in st[0]], [t.clone() for t in st[1]], *st[2:])
+        return calls(whole, pageable)
 
     def with_background(body) -> tuple[float, float]:
         stop = threading.Event()
@@ -153,7 +170,11 @@ def main() -> None:
         while not stop.is_set():
             k += 1
 
-    rows = {"alone, one call": alone, "worker, buckets": on_worker,
+    rows = {"alone, one call": alone, "main, buckets": lambda: calls(groups),
+            f"main, {4 * args.bucket_mib} MiB": lambda: calls(big),
+            "alone, pageable": alone_pageable, "worker, one call": lambda: on_worker(whole),
+            "worker, buckets": on_worker, f"worker, {4 * args.bucket_mib} MiB": lambda: on_worker(big),
+            "worker any, buckets": lambda: on_worker(groups, any_worker),
             "+ DMA": lambda: with_background(dma), "+ fwd/bwd": lambda: with_background(fwd_bwd),
             "+ GIL hog": lambda: with_background(hog)}  # fmt: skip
     results = {}
@@ -163,14 +184,15 @@ def main() -> None:
         results[name] = {"wall_ms": statistics.median(w for w, _ in got),
                          "kernel_ms": statistics.median(k for _, k in got)}  # fmt: skip
     worker.close()
+    any_worker.close()
     base = results["alone, one call"]["wall_ms"]
     print(f"bf16-sr + int8, {n / 1e9:.3f}e9 params in {len(sizes)} tensors, {len(groups)} calls "
           f"of {args.bucket_mib} MiB on the worker ({plan.describe()}), "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")  # fmt: skip
-    print(f"{'row':<18} {'wall ms':>8} {'kernel ms':>9} {'vs alone':>8}")
+    print(f"{'row':<22} {'wall ms':>8} {'kernel ms':>9} {'vs alone':>8}")
     for name, r in results.items():
         print(
-            f"{name:<18} {r['wall_ms']:>8.1f} {r['kernel_ms']:>9.1f} {r['wall_ms'] / base:>7.2f}x"
+            f"{name:<22} {r['wall_ms']:>8.1f} {r['kernel_ms']:>9.1f} {r['wall_ms'] / base:>7.2f}x"
         )
     if args.out:
         with open(args.out, "w") as fh:
