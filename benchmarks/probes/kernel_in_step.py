@@ -19,6 +19,12 @@ Each row: the worker's wall ms for the whole update (sum of its calls), the kern
 (``kernels.kernel_ms``: inside its parallel regions, no GIL), and their ratio to "alone". The
 state holds real values: moments from --warm-steps earlier updates with N(0, 1e-3) grads.
 Needs CUDA. Prints a table; --out writes JSON.
+
+Answer (2026-12-06, cedc1b9, two H100 machines): not the GIL, the buckets or the worker. 92-94%
+of the worker's update time in the step is inside the kernel; the same work took 149-327 ms
+from row to row and call to call on the shared host (the 116 ms "alone" was a good moment),
+and the link's DMA slows it 1.2-2.0x when flat out. benchmarks/results/
+2026-12-06-kernel-in-step-h100/notes.md.
 """
 
 from __future__ import annotations
