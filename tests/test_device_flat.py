@@ -69,7 +69,7 @@ def train(params, opt, steps, start=0, scaler=None, bad=(), moves=None):
         for p, g in zip(params, grads(params, step, scale), strict=True):
             if step in bad and p.dim() == 2:
                 g[0, 0] = float("inf")
-            p.grad = g
+            p.grad = g.to(p.device)
         if scaler is None:
             opt.step()
         else:
