@@ -110,6 +110,41 @@ def test_the_keys_made_on_the_device_are_sr_key_bit_for_bit():
                 assert row[2 * draw : 2 * draw + 2] == [k & 0xFFFFFFFF, k >> 32], (salt, step)
 
 
+def test_the_keys_of_one_step_per_param_are_sr_key_too():
+    salts = [3, 2**63 + 11, 7]
+    steps = [4.0, 5.0, 2.0**40]
+    table = torch.tensor([flat.signed64(s) for s in salts], dtype=torch.int64)
+    keys = flat.key_table(table, steps).tolist()
+    for salt, step, row in zip(salts, steps, keys, strict=True):
+        k0, k1 = reference.sr_key(salt, step, 0), reference.sr_key(salt, step, 1)
+        assert row == [k0 & 0xFFFFFFFF, k0 >> 32, k1 & 0xFFFFFFFF, k1 >> 32]
+
+
+@pytest.mark.parametrize("setting", ["int8", "sr8", "bf16"])
+def test_a_missed_grad_leaves_the_steps_apart_and_the_set_flat(paths, monkeypatch, setting):
+    """A param without a grad at one step: its set takes the per-tensor path that step; after
+    it, the set's params are at two step counts and the flat pass runs with per-block
+    scalars and keys (no new layout); the bits of the per-tensor path throughout."""
+    monkeypatch.setitem(device_flat.FLAT_CHUNK, "cpu", 512)
+    runs = []
+    for on in (False, True):
+        paths(on)
+        params = make_params()
+        opt = build(params, setting)
+        for step in range(5):
+            for p, g in zip(params, grads(params, step), strict=True):
+                p.grad = None if (step == 1 and p is params[0]) else g
+            opt.step()
+            if on and step == 1:
+                sets = set(opt.debug.updater.flat.where.values())
+        runs.append((params, opt))
+    same(*runs[0], *runs[1], f"{setting}, after a missed grad")
+    params, opt = runs[1]
+    assert {float(opt.state[p]["step"]) for p in params[:5]} == {4.0, 5.0}
+    assert set(opt.debug.updater.flat.where.values()) == sets  # laid out once
+    assert opt.debug.updater.flat.where[params[0]].fl_all is not None  # per-block scalars
+
+
 @pytest.mark.parametrize("chunk", [512, 2**16])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_the_flat_pass_is_bitwise_the_per_tensor_pass(paths, monkeypatch, setting, chunk):

@@ -46,16 +46,23 @@ def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
     return (z >> k) & ((1 << (64 - k)) - 1)
 
 
-def key_table(salts: torch.Tensor, step: float) -> torch.Tensor:
+def key_table(salts: torch.Tensor, step: float | list[float]) -> torch.Tensor:
     """``(n, 4)`` int64 on ``salts``' device: per salt (``(n,)`` int64, :func:`signed64` of
     each param's salt) the 32-bit halves ``lo, hi`` of ``reference.sr_key(salt, step, draw)``
-    for the master's draw, then the moments'. Integer ops only (int64 adds and multiplies wrap
-    mod 2^64), so the keys are those of the host's ``sr_key`` bit for bit; about 20 launches
-    over ``n`` elements, no host sync (tests/test_device_flat.py)."""
-    s = int(step) & M64
+    for the master's draw, then the moments'; ``step``: one for all, or one per salt. Integer
+    ops only (int64 adds and multiplies wrap mod 2^64), so the keys are those of the host's
+    ``sr_key`` bit for bit; about 20 launches over ``n`` elements, no host sync (a list of
+    steps crosses from pinned memory; tests/test_device_flat.py)."""
     cols = []
     for draw in (DRAW_MASTER, DRAW_MOMENTS):
-        z = salts + signed64(_GOLDEN * (4 * s + draw + 1))
+        if isinstance(step, list):
+            add = torch.tensor([signed64(_GOLDEN * (4 * (int(s) & M64) + draw + 1)) for s in step],
+                               dtype=torch.int64)  # fmt: skip
+            on_cuda = salts.device.type == "cuda"
+            add = add.pin_memory().to(salts.device, non_blocking=True) if on_cuda else add
+        else:
+            add = signed64(_GOLDEN * (4 * (int(step) & M64) + draw + 1))
+        z = salts + add
         z = z ^ _shr(z, 30)
         z = z * signed64(_MIX1)
         z = z ^ _shr(z, 27)

@@ -11,9 +11,10 @@ param's segment padded to ``BLOCK`` so that an int8 block never mixes two params
 every tensor: ``state.checkpoint.pack``; streamed saves clone a view, ``streamed._exact``),
 ``load_state_dict``, assignments and re-placement read and write the tensors they always did.
 
-Per step and set, when every member has its grad and all are at one step count: the steps
-advanced (one CPU op); the per-block scalars filled in (two fills; the rounding keys, where a
-draw is used, made on the device from the salts cached at build: ``kernels.flat.key_table``);
+Per step and set, when every member has its grad: the steps advanced (one CPU op); the
+per-block scalars filled in (two fills; members at different step counts, after a step some
+of them missed: a per-member table spread over the blocks); the rounding keys, where a draw is
+used, made on the device from the salts cached at build (``kernels.flat.key_table``);
 then per pass of at most :data:`FLAT_CHUNK` elements: the grads copied into a workspace with
 one multi-tensor copy (with the params too when they are their own master), the pads zeroed,
 ``kernels.flat.core_into`` over the pass, the new weights copied into the params with one
@@ -55,12 +56,13 @@ def takes_flat(device: torch.device) -> bool:
 class _Pass:
     """Elements ``[lo, hi)`` of a set's flat buffers, with every view a step needs made once.
 
-    ``pieces``: per member in the pass ``(i, a, b, whole)``, its elements ``[a, b)`` (``whole``:
+    ``blocks``: its blocks ``[b0, b1)``; ``pieces``: per member in the pass ``(i, a, b, whole)``, its elements ``[a, b)`` (``whole``:
     all of them, and the views are shaped like the param); ``grads``: the workspace views its
     grads are copied into; ``weights``: the workspace views holding its weights (the params'
     own when they are their own master, else the new bf16 weights); ``masters``: the views of
     its fp32 masters (mastered sets); ``pads``: the pad ranges zeroed before the pass, one
-    list per dtype; ``args``: :func:`kernels.flat.core_into`'s tensors."""
+    list per dtype; ``args``: :func:`kernels.flat.core_into`'s buffers; ``fl``, ``it``,
+    ``first_b``: its per-block tables (at one step count for every member)."""
 
     def __init__(self, fs: FlatSet, lo: int, hi: int):
         self.pieces, self.grads, self.weights, self.masters = [], [], [], []
@@ -96,8 +98,10 @@ class _Pass:
         blk = blk or [None, None]  # fp32 / bf16 moments: no scales
         p_in = master[lo:hi] if master is not None else fs.ws_weights[:n]
         w_out = fs.ws_weights[:n] if master is not None else None
-        self.args = (p_in, fs.ws_grad[:n], elem[0], blk[0], elem[1], blk[1], w_out,
-                     fs.fl_b[: b1 - b0], fs.it_b[b0:b1], fs.first_b[: b1 - b0])  # fmt: skip
+        self.blocks = (b0, b1)
+        self.args = (p_in, fs.ws_grad[:n], elem[0], blk[0], elem[1], blk[1], w_out)
+        self.fl, self.first_b = fs.fl_b[: b1 - b0], fs.first_b[: b1 - b0]
+        self.it = fs.it_b[b0:b1] if fs.draws else fs.it_b[: b1 - b0]
 
 
 class FlatSet:
@@ -107,6 +111,7 @@ class FlatSet:
         members: the params (one device, dtype and group; contiguous), in their group's order.
         keys: the rule's state keys (kernel order); ``dtypes`` and ``blockwise`` per key.
         mastered: whether the state keeps an fp32 ``"master"`` (bf16 params).
+        draws: whether the update draws rounding bits (a bf16 master or bf16 moments).
         salts: per member, its stochastic rounding's seed (``ParamRecord.salt``).
         chunk: elements per pass (a multiple of BLOCK).
         entries: None (fresh state: zeros, the views claimed by ``Updater.init_state``), or per
@@ -115,8 +120,8 @@ class FlatSet:
     """
 
     def __init__(self, members: list[torch.Tensor], keys: tuple[str, ...], dtypes: dict,
-                 blockwise: dict, *, mastered: bool, salts: list[int], chunk: int,
-                 entries: list[dict] | None = None):  # fmt: skip
+                 blockwise: dict, *, mastered: bool, draws: bool, salts: list[int],
+                 chunk: int, entries: list[dict] | None = None):  # fmt: skip
         dev = self.device = members[0].device
         self.members, self.keys, self.blockwise = members, keys, blockwise
         self.dtype = members[0].dtype  # the params' and their grads'
@@ -150,15 +155,21 @@ class FlatSet:
         self.key0, self.entry_len = keys[0], len(keys) + 1 + mastered
         self.view0 = [v[keys[0]] for v in self.views]
         self.master_views = [v["master"] for v in self.views] if mastered else []
-        # per block: its member's index, and the rounding counter's base (BLOCK x its index
-        # in the member); then the keys' halves, written per step where a draw is used
-        member = torch.repeat_interleave(torch.arange(len(members)), torch.tensor(counts))
-        it_b = torch.zeros(nb, 5, dtype=torch.int64)  # (blocks, 5) int64, on the device
-        it_b[:, 0] = (torch.arange(nb) - torch.tensor(self.first)[member]) * BLOCK
-        self.it_b, self.block_member = it_b.to(dev), member.to(dev)  # (blocks,) int64
+        # per block: its member (made when first needed), and where a draw is used, the
+        # rounding counter's base (BLOCK x its index in the member) and the keys' halves
+        # written per step; else a pass's worth of zeros the pass never reads
+        self.draws, self.counts, self.fl_all = draws, counts, None
+        self._member: torch.Tensor | None = None
+        per_pass = min(nb, chunk // BLOCK)
+        if draws:
+            member = torch.repeat_interleave(torch.arange(len(members)), torch.tensor(counts))
+            it_b = torch.zeros(nb, 5, dtype=torch.int64)  # (blocks, 5) int64, on the device
+            it_b[:, 0] = (torch.arange(nb) - torch.tensor(self.first)[member]) * BLOCK
+            self.it_b = it_b.to(dev)
+        else:
+            self.it_b = torch.zeros(per_pass, 5, dtype=torch.int64, device=dev)
         self.it_keys = self.it_b[:, 1:]
         self.salts = torch.tensor([signed64(s) for s in salts], dtype=torch.int64, device=dev)
-        per_pass = min(nb, chunk // BLOCK)
         self.fl_b = torch.zeros(per_pass, 2, dtype=torch.float32, device=dev)  # step, denominator
         self.fl_cols = (self.fl_b[:, 0], self.fl_b[:, 1])
         self.first_b = torch.arange(per_pass, dtype=torch.int64, device=dev)
@@ -175,6 +186,25 @@ class FlatSet:
             self.views[i][key] = v
             if entries is not None:  # the entry's own tensor goes (a plain dict write: the
                 dict.__setitem__(entries[i], key, v)  # entry's __setitem__ would copy into it)
+
+    def member_of_block(self) -> torch.Tensor:
+        """``(blocks,)`` int64 on the device: each block's member index (made once)."""
+        if self._member is None:
+            counts = torch.tensor(self.counts)
+            member = torch.repeat_interleave(torch.arange(len(self.members)), counts)
+            self._member = member.to(self.device)
+        return self._member
+
+    def per_block(self, rows: list) -> torch.Tensor:
+        """``rows`` (one per member) spread over the set's blocks: ``(blocks, len(row))`` on
+        the device (host values copied from pinned memory, no host sync)."""
+        dtype = torch.float32 if isinstance(rows[0][0], float) else torch.int64
+        table = torch.tensor(rows, dtype=dtype)
+        if self.device.type == "cuda":
+            table = table.pin_memory().to(self.device, non_blocking=True)
+        else:
+            table = table.to(self.device)
+        return table.index_select(0, self.member_of_block())
 
     def valid(self, state: dict) -> bool:
         """Whether every member's state is still this set's views (a re-placement, a load
@@ -299,8 +329,10 @@ class DeviceFlat:
         udt = update_dtype(p0.dtype, self.master_weights)
         keys = self.records[p0].state_keys
         chunk = FLAT_CHUNK.get(p0.device.type, FLAT_CHUNK_DEFAULT)
+        mastered = udt != p0.dtype
+        draws = (not mastered and p0.dtype == torch.bfloat16) or self.rule.moments == "bf16"
         fs = FlatSet(members, keys, {k: self.rule.key_dtype(k, udt) for k in keys},
-                     {k: self.rule.blockwise(k) for k in keys}, mastered=udt != p0.dtype,
+                     {k: self.rule.blockwise(k) for k in keys}, mastered=mastered, draws=draws,
                      salts=[self.records[p].salt for p in members], chunk=chunk,
                      entries=entries)  # fmt: skip
         for p in members:
@@ -309,16 +341,13 @@ class DeviceFlat:
 
     def _run(self, fs: FlatSet, hyper: Any, scale, amp) -> bool:
         """One step of set ``fs``; False, with nothing changed, where it cannot run (a grad
-        missing or of another dtype, a param no longer contiguous, steps that differ)."""
+        missing or of another dtype, a param no longer contiguous)."""
         grads = []
         for p in fs.members:
             g = p.grad
             if g is None or g.dtype != fs.dtype or g.device != fs.device or not p.is_contiguous():
                 return False
             grads.append(g)
-        lo, hi = torch.aminmax(fs.steps)
-        if lo.item() != hi.item():
-            return False
         fs.steps.add_(1)  # as the per-tensor path: advanced, then read
         args = None if amp is None else amp.kernel_args(host=False)
         found_inf = None if args is None else args.get("found_inf")
@@ -331,17 +360,24 @@ class DeviceFlat:
         gs = None if args is None else args.get("grad_scale")
         grad_scale = None if gs is None else float(gs.item())
         lr, beta1, beta2, wd, eps, maximize = hyper_floats(hyper, host=False)
-        step = float(fs.steps[0])
         bf16_master = not fs.mastered and fs.dtype == torch.bfloat16
         moments = MOMENT_CODES[self.rule.moments]
         compressed, cuda_div = bf16_master or moments != 0, fs.device.type == "cuda"
-        # the per-tensor scalars exactly as reference.adam_step_flat computes them
-        neg, d = _step_scalars(lr / (1 - beta1**step), 1 - beta2**step, eps, compressed,
-                               cuda=cuda_div)  # fmt: skip
-        fs.fl_cols[0].fill_(neg)
-        fs.fl_cols[1].fill_(d)
-        if bf16_master or moments == 1:  # a draw is used: the keys of this step
-            fs.it_keys.copy_(key_table(fs.salts, step).index_select(0, fs.block_member))
+        # the per-tensor scalars exactly as reference.adam_step_flat computes them, once per
+        # step count (one for the whole set but after a step some params missed)
+        steps = fs.steps.tolist()
+        scalars = {s: _step_scalars(lr / (1 - beta1**s), 1 - beta2**s, eps, compressed,
+                                    cuda=cuda_div) for s in set(steps)}  # fmt: skip
+        uniform = len(scalars) == 1
+        if uniform:
+            ((neg, d),) = scalars.values()
+            fs.fl_cols[0].fill_(neg)
+            fs.fl_cols[1].fill_(d)
+        else:
+            fs.fl_all = fs.per_block([list(scalars[s]) for s in steps])  # (blocks, 2) fp32
+        if fs.draws:  # the rounding keys of this step
+            keys = key_table(fs.salts, steps[0] if uniform else steps)
+            fs.it_keys.copy_(keys.index_select(0, fs.member_of_block()))
         wd_factor = _f32(1 - lr * wd) if wd != 0 and self.rule.decoupled else None
         gsf = None if grad_scale is None else _f32(grad_scale)
         compiled = compile_device_step(fs.device)
@@ -365,14 +401,16 @@ class DeviceFlat:
                 torch._foreach_copy_(ps.weights, params)
             for pads in ps.pads:
                 torch._foreach_zero_(pads)
-            p_in, g, m, m_sc, v, v_sc, w_out, fl, it, first = ps.args
+            p_in, g, m, m_sc, v, v_sc, w_out = ps.args
             if factors:  # the clip factors on the grads in the update's dtype, as the
                 if fs.mastered:  # per-tensor path multiplies them (fp32 copies for masters)
                     g = g.float()
                 for f in factors:
                     g.mul_(f)
                 w_out = None  # the weights are then the masters' downcast, as there
-            core_into(p_in, g, m, m_sc, v, v_sc, w_out, fl, it, first, compiled=compiled, **kw)
+            fl = ps.fl if uniform else fs.fl_all[ps.blocks[0] : ps.blocks[1]]
+            core_into(p_in, g, m, m_sc, v, v_sc, w_out, fl, ps.it, ps.first_b, compiled=compiled,
+                      **kw)  # fmt: skip
             if fs.mastered and w_out is None:
                 torch._foreach_copy_(params, ps.masters)
             else:
