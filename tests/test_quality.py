@@ -319,11 +319,12 @@ def test_quality_gives_parallel_runs_disjoint_cores(tmp_path):
     cores = {}
     for taskset in ("/usr/bin/taskset", None):
         prelude = SEVENTEEN_CORES.format(taskset=taskset) + fake_runs({})
-        argvs = [[*four, "--parallel", str(p), "--out", str(tmp_path / f"{taskset}-{p}")]
+        folder = "taskset" if taskset else "none"
+        argvs = [[*four, "--parallel", str(p), "--out", str(tmp_path / f"{folder}-{p}")]
                  for p in (4, 1, 18)]  # fmt: skip
         for (rc, _, err), p in zip(_quality(*argvs, prelude=prelude), (4, 1, 18), strict=True):
             assert rc == 0, err
-            results = json.loads((tmp_path / f"{taskset}-{p}" / "quality.json").read_text())
+            results = json.loads((tmp_path / f"{folder}-{p}" / "quality.json").read_text())
             cores[taskset, p] = sorted(r["cores"] or [] for r in results["runs"])
     assert cores["/usr/bin/taskset", 4] == [[2, 3, 4, 5], [6, 7, 8, 9], [10, 11, 12, 13],
                                             [14, 15, 16, 17]]  # fmt: skip
