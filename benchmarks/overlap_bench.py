@@ -292,6 +292,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "where the 'base' variant imports offloadopt_base from (benchmarks/gpu_run.sh's ab "
         "part says how to make it)"))  # fmt: skip
     ap.add_argument("--no-memory", action="store_true", help="skip the grad-release memory runs")
+    ap.add_argument("--list", action="store_true", help=(
+        "print each selected configuration's name and options (one JSON line each) and exit"))  # fmt: skip
+    ap.add_argument("--summary", metavar="OVERLAP_JSON", default=None,
+                    help="print the findings of a saved overlap.json and exit")  # fmt: skip
     ap.add_argument("--out", type=checks.out_dir, default="overlap-out")
     ap.add_argument("--device", type=checks.device, default="cuda", help="cpu: a smoke test")
     args = ap.parse_args(argv)
@@ -312,6 +316,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.list:
+        for name, cfg in selected(args.only, args.quick):
+            print(json.dumps({"name": name, "options": cfg}))
+        return 0
+    if args.summary:
+        results = json.loads(Path(args.summary).read_text())
+        summarize(results, results["params"])
+        return 0
     if any(name.endswith(" base") for name in args.only or ()):
         sys.path.insert(0, str(Path(args.baseline_dir).resolve()))
     out = Path(args.out)

@@ -117,14 +117,16 @@ def representation(state_dtype: str = "fp32", master_weights: str = "fp32") -> d
 
 def hybrid(fraction: float, mode: str = "step", **kwargs):
     """HybridAdamW at ``fraction`` in ``mode`` (a key of :data:`MODES`; fraction 0 in step
-    mode is the benchmark's baseline). Modes other than step watch the model."""
+    mode is the benchmark's baseline). Modes other than step watch the model. A keyword in
+    ``kwargs`` replaces the mode's own (profile_modes.py's ``backward:0.2:grads_final=False``
+    raised "multiple values for keyword argument")."""
     options, numerics = MODES[mode]
 
     def build(model: torch.nn.Module, lr: float) -> dict[str, Any]:
         from offloadopt import HybridAdamW
 
         opt = HybridAdamW(model.named_parameters(), offload_fraction=fraction,
-                          **adamw_kwargs(lr), **options, **kwargs)  # fmt: skip
+                          **adamw_kwargs(lr), **{**options, **kwargs})  # fmt: skip
         if mode != "step":
             opt.watch(model)  # per-module waits; delayed: model.state_dict() sees the masters
         stale = mode == "delayed" and fraction > 0  # at fraction 0 nothing is a step old
