@@ -248,6 +248,7 @@ class HybridOptimizer(Optimizer):
         before any state changes; phase 2 (the offloaded buckets, on the worker) starts before
         phase 1 (the device-resident params) is launched; phase 3 publishes."""
         t0 = time.perf_counter()
+        micro_steps = self._start.take_micro_steps()  # gradient accumulation's, for auto
         self.ensure_placed()  # params built on the meta device, materialized since
         auto = self._placer.sampling()  # offload_fraction="auto" while it measures, else None
         with signals_deferred(), self._timeline.lock:
@@ -261,7 +262,7 @@ class HybridOptimizer(Optimizer):
         # caller's (tests/test_overlap.py).
         st.stats["step_ms"] = (time.perf_counter() - t0) * 1e3
         if auto is not None:  # a sample (a step that updated nothing is none); may move state
-            auto.end(self, worked=bool(st.prepared))
+            auto.end(self, worked=bool(st.prepared), micro_steps=micro_steps)
 
     def _take_step(self) -> Step:
         """Phase 0: the step that backward's announcements began (its values frozen at the
