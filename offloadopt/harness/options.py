@@ -90,7 +90,10 @@ class TrainConfig:
     # optimizer steps; on the tiny preset (seed 0) the held-out loss after 200 steps of its own
     # schedule is that of 300 (2.316 vs 2.326 nats; 150: 2.390) for two thirds of the time
     steps: int = 200
-    batch_size: int | None = None  # sequences per step; None: RUN_DEFAULTS[preset]
+    batch_size: int | None = None  # sequences per micro-batch; None: RUN_DEFAULTS[preset]
+    # micro-batches per optimizer step (gradient accumulation): the first N - 1 backward inside
+    # opt.accumulating(), each loss divided by N; tokens per step = batch_size x seq_len x N
+    grad_accum: int = 1
     seq_len: int | None = None  # tokens per sequence; None: the preset's block_size
     lr: float | None = None  # peak learning rate; None: RUN_DEFAULTS[preset]
     warmup_steps: int | None = None  # linear warm-up steps, then cosine to lr/10; None: steps/20
@@ -113,6 +116,9 @@ class TrainConfig:
     checkpoint_format: str = "file"
     resume: str | None = None  # checkpoint file of an earlier run (same settings) to continue
     tensorboard: str | None = None  # folder for TensorBoard event files (needs tensorboard)
+    # before training, time this many optimizer steps' forward+backward alone (the same
+    # micro-batches and accumulation, grads kept, no optimizer step); 0: none
+    measure_fwd_bwd: int = 0
     # stop at a NaN or infinite loss, or at weights that are not finite before a checkpoint
     # (exit status 1, one line; the last checkpoint is kept); False: train on, as torch would
     stop_on_nonfinite: bool = True
@@ -297,6 +303,7 @@ FIELD_CHECKS = {
     "delay_after": checks.nonneg_int,
     "steps": checks.positive_int,
     "batch_size": checks.positive_int,
+    "grad_accum": checks.positive_int,
     "seq_len": checks.positive_int,
     "lr": checks.nonneg_float,
     "warmup_steps": checks.nonneg_int,
@@ -311,6 +318,7 @@ FIELD_CHECKS = {
     "save_every": checks.nonneg_int,
     "resume": checks.checkpoint_input,
     "tensorboard": checks.out_dir,
+    "measure_fwd_bwd": checks.nonneg_int,
 }
 
 
@@ -327,7 +335,8 @@ HELP = {
     "state_dtype": "HybridAdamW: exp_avg and exp_avg_sq in fp32 (torch's), bf16 (stochastic rounding) or int8 (block-wise codes): 8, 4 or about 2 bytes per param (default: %(default)s)",
     "master_weights": "HybridAdamW: fp32 masters for bf16 params, or bf16-sr: none, the bf16 weights rounded stochastically (default: %(default)s)",
     "steps": "optimizer steps (default: %(default)s)",
-    "batch_size": "sequences per step (default: per preset, 16 for tiny)",
+    "batch_size": "sequences per micro-batch (default: per preset, 16 for tiny)",
+    "grad_accum": "micro-batches per optimizer step (gradient accumulation): the first N - 1 backward passes run inside opt.accumulating(), each loss is divided by N; tokens per step = batch x seq-len x N (default: %(default)s)",
     "seq_len": "tokens per sequence (default: the preset's block_size)",
     "lr": "peak learning rate (default: per preset, 3e-3 for tiny)",
     "warmup_steps": "linear warm-up steps before cosine decay to lr/10 (default: steps/20)",
@@ -344,6 +353,7 @@ HELP = {
     "checkpoint_format": "file: one torch.save file of the optimizer's state_dict(); streamed (HybridAdamW): a folder written in parts from the live state, with no second copy of it in host memory, for models near the machine's limits (default: %(default)s)",
     "resume": "continue from a --save checkpoint; the other settings must be the saved run's (log and save options aside), and the losses are then those of an uninterrupted run",
     "tensorboard": "also write the losses, learning rate and step times as TensorBoard events in this folder (needs tensorboard)",
+    "measure_fwd_bwd": "before training, time N steps of forward+backward alone (the same micro-batches and accumulation, grads kept, no optimizer step; one untimed step first, batches drawn apart so the run's losses do not change); the JSON gives fwd_bwd_ms and step_over_fwd_bwd (default: %(default)s, none)",
 }  # fmt: skip
 
 
@@ -357,7 +367,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                "master_weights": list(MASTERS), "checkpoint_format": ["file", "streamed"]}  # fmt: skip
     for name, help_text in HELP.items():
         kwargs = {"choices": choices[name]} if name in choices else {"type": FIELD_CHECKS[name]}
-        metavar = {"data": "FILE", "save": "PATH", "resume": "PATH", "tensorboard": "DIR"}
+        metavar = {"data": "FILE", "save": "PATH", "resume": "PATH", "tensorboard": "DIR",
+                   "grad_accum": "N", "measure_fwd_bwd": "STEPS"}  # fmt: skip
         metavar = {"metavar": metavar[name]} if name in metavar else {}
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, default=getattr(d, name), help=help_text, **kwargs, **metavar)
