@@ -248,7 +248,8 @@ class HybridOptimizer(Optimizer):
         before any state changes; phase 2 (the offloaded buckets, on the worker) starts before
         phase 1 (the device-resident params) is launched; phase 3 publishes."""
         t0 = time.perf_counter()
-        self.ensure_placed()  # params built on the meta device, materialized since
+        micro_steps = self._start.take_micro_steps()  # gradient accumulation's: budget, auto
+        self._ensure_placed(micro_steps)  # params built on the meta device, materialized since
         auto = self._placer.sampling()  # offload_fraction="auto" while it measures, else None
         with signals_deferred(), self._timeline.lock:
             st = self._take_step()  # phase 0: the step begun in backward, or a new one
@@ -261,7 +262,7 @@ class HybridOptimizer(Optimizer):
         # caller's (tests/test_overlap.py).
         st.stats["step_ms"] = (time.perf_counter() - t0) * 1e3
         if auto is not None:  # a sample (a step that updated nothing is none); may move state
-            auto.end(self, worked=bool(st.prepared))
+            auto.end(self, worked=bool(st.prepared), micro_steps=micro_steps)
 
     def _take_step(self) -> Step:
         """Phase 0: the step that backward's announcements began (its values frozen at the
@@ -569,7 +570,12 @@ class HybridOptimizer(Optimizer):
         Raises:
             RuntimeError: a param is still on the meta device (named); nothing is placed.
         """
-        if not self._placer.ensure_placed():
+        self._ensure_placed()
+
+    def _ensure_placed(self, micro_steps: int = 1) -> None:
+        """:meth:`ensure_placed`; from ``step()`` with its ``micro_steps`` (gradient
+        accumulation), which a ``max_gpu_memory`` budget's choice at the first step counts."""
+        if not self._placer.ensure_placed(micro_steps):
             return
         later, self._publish.watch_later = self._publish.watch_later, []
         for ref in later:

@@ -11,7 +11,10 @@ Timeline (each phase is :data:`MEASURED_STEPS` steps; the optimizer calls :meth:
    host clock without CUDA): the window from the end of the previous ``step()`` to the start of
    this one (forward + backward), the device-resident update, and the period from end to end
    (the whole training step). ``opt.stats`` gives the worker's kernel time and the link's bytes
-   and times.
+   and times. With gradient accumulation every window spans the whole optimizer step, all its
+   micro-steps (``step()`` marks it); the micro-steps a step has (the optimizer counts
+   ``opt.accumulating()`` blocks) go to the cost model, whose backward mode hides the CPU work
+   behind one micro-step's backward and forward, not the whole step's.
 2. *Choose*: medians become :class:`costmodel.Measurements` (:func:`measurements`; the
    probe's own period, measured and predicted, is kept beside them). Without a budget the choice
    is :func:`costmodel.largest_hidden` (the largest fraction whose predicted step stays within
@@ -82,10 +85,12 @@ def measurements(
     weight_bytes: int = 2,
     state_bytes: int = 12,
     host_copy_bytes: int = 0,
+    micro_steps: int = 1,
 ) -> costmodel.Measurements:
     """:class:`costmodel.Measurements` from one placement's figures: the medians of the
     windows (ms), the optimizer's ``stats`` of a step there (the worker's kernel time, its busy
-    time, the buckets, the link's bytes and GPU times) and the elements on each side. The
+    time, the buckets, the link's bytes and GPU times), the elements on each side and the
+    micro-steps a step has (gradient accumulation). The
     per-bucket overhead is the worker's busy time (``worker_ms`` less its waits for D2H and for
     buckets backward had not announced yet, as with ``release_grads``) beyond the kernel, per
     bucket.
@@ -112,7 +117,7 @@ def measurements(
         d2h_gbps=gbps("d2h"), h2d_gbps=gbps("h2d"),
         bucket_overhead_ms=max(0.0, busy_ms - kernel_ms) / max(1, stats.get("buckets", 1)),
         bucket_nbytes=bucket_nbytes, weight_bytes=weight_bytes, grad_bytes=weight_bytes,
-        state_bytes=state_bytes, host_copy_bytes=host_copy_bytes,
+        state_bytes=state_bytes, host_copy_bytes=host_copy_bytes, micro_steps=micro_steps,
     )  # fmt: skip
 
 
@@ -192,10 +197,11 @@ class AutoFraction:
         if self._cur:
             self._cur[key] = self._clock.mark()
 
-    def end(self, opt, worked: bool = True) -> None:
+    def end(self, opt, worked: bool = True, micro_steps: int = 1) -> None:
         """At the end of a successful ``step()``: a sample, and the phase's action once it has
         :data:`MEASURED_STEPS`. A step that updated nothing (no grads) is no sample, and the
-        window of the next one runs from the last step that did."""
+        window of the next one runs from the last step that did. ``micro_steps``: the step's
+        forward and backward passes (gradient accumulation; the optimizer counts them)."""
         if not self._cur:
             return
         cur, self._cur = self._cur, {}
@@ -209,7 +215,7 @@ class AutoFraction:
             self._stats = dict(
                 opt._feeder.stats
             )  # this step's figures (complete: it was waited for)
-        cur["end"] = self._clock.mark()
+        cur["end"], cur["micro_steps"] = self._clock.mark(), micro_steps
         prev, self._prev_end = self._prev_end, cur["end"]
         if prev is not None:
             if not self._samples and opt._placer.pipeline is not None:
@@ -238,7 +244,7 @@ class AutoFraction:
         self._clock = self._prev_end = None
 
     def _timed(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        """Medians of the windows, in ms."""
+        """Medians of the windows, in ms, and of the samples' micro-steps."""
         ms = self._clock.ms
 
         def median(a: str, b: str) -> float:
@@ -246,7 +252,8 @@ class AutoFraction:
             return statistics.median(values) if values else 0.0
 
         return {"fwd_bwd_ms": median("prev", "start"), "period_ms": median("prev", "end"),
-                "device_update_ms": median("dev0", "dev1")}  # fmt: skip
+                "device_update_ms": median("dev0", "dev1"),
+                "micro_steps": round(statistics.median(s["micro_steps"] for s in samples))}  # fmt: skip
 
     def _link(self, opt) -> dict[str, float]:
         """The last step's figures, with the link's GPU times and bytes of the copies since
@@ -268,7 +275,8 @@ class AutoFraction:
             m = measurements(fwd_bwd_ms=timed["fwd_bwd_ms"], stats=self._link(opt),
                              device_update_ms=timed["device_update_ms"],
                              device_numel=numel[False], offloaded_numel=numel[True],
-                             bucket_nbytes=opt.bucket_nbytes, **sizes)  # fmt: skip
+                             bucket_nbytes=opt.bucket_nbytes, micro_steps=timed["micro_steps"],
+                             **sizes)  # fmt: skip
         except ValueError as e:
             self._keep(opt, str(e))
             return
@@ -300,10 +308,11 @@ class AutoFraction:
                                   f"fraction 0's {zero.step_ms:.1f} ms (half the tolerance: "
                                   "the rest is room for the host's noise)")  # fmt: skip
         _log.info(
-            "offloadopt: offload_fraction auto: probe %g measured %.1f ms/step (fwd+bwd %.1f ms, "
-            "worker %.3f ns/param, device %.3f ns/param); chose %g, predicted %.1f ms/step "
-            "(fraction 0: %.1f)", probe, timed["period_ms"], m.fwd_bwd_ms, m.cpu_ns_per_param,
-            m.device_ns_per_param, chosen.fraction, chosen.step_ms, zero.step_ms,
+            "offloadopt: offload_fraction auto: probe %g measured %.1f ms/step (fwd+bwd %.1f ms "
+            "over %d micro-steps, worker %.3f ns/param, device %.3f ns/param); chose %g, "
+            "predicted %.1f ms/step (fraction 0: %.1f)", probe, timed["period_ms"], m.fwd_bwd_ms,
+            m.micro_steps, m.cpu_ns_per_param, m.device_ns_per_param, chosen.fraction,
+            chosen.step_ms, zero.step_ms,
         )  # fmt: skip
         self._model, self._mode = m, mode
         self.choice["corrections"] = []

@@ -14,9 +14,11 @@ The model (tests/test_costmodel.py checks it against the H200 runs recorded in b
 - ``overlap="step"``: forward+backward, then the device work, then the CPU work.
 - ``overlap="backward"`` (grads final, each module waiting for its own params): the CPU work
   hides behind the rest of backward and the next forward, a window of about one
-  forward+backward; what is left shows.
-- ``overlap="delayed"``: the CPU work of one step runs during the next forward and backward;
-  the step is the longer of the two.
+  forward+backward; what is left shows. With gradient accumulation (``micro_steps`` forward
+  and backward passes a step, the first inside ``opt.accumulating()``) the updates start in the
+  last backward only: the window is one micro-step's, ``fwd_bwd_ms / micro_steps``.
+- ``overlap="delayed"``: the CPU work of one step runs during the next forward and backward
+  (all of a step's micro-steps); the step is the longer of the two.
 
 Memory per param, bf16 params with fp32 masters (README, "Memory per parameter"): on the GPU 2
 (weight) + 2 (grad) bytes for every param, 12 (master, ``exp_avg``, ``exp_avg_sq``) for the
@@ -42,7 +44,8 @@ MODES = ("step", "backward", "delayed")
 class Measurements:
     """The inputs, from one run (times in ms or ns, sizes in bytes).
 
-    ``params``: trainable elements; ``fwd_bwd_ms``: forward + backward with nothing offloaded;
+    ``params``: trainable elements; ``fwd_bwd_ms``: forward + backward with nothing offloaded,
+    all of a step's ``micro_steps`` (gradient accumulation: 1 + the non-final ones);
     ``device_ns_per_param``: the device-resident update; ``cpu_ns_per_param``: the worker's
     kernel while copies cross the link; ``d2h_gbps`` / ``h2d_gbps``: the link, GB/s of fp32
     state; ``bucket_overhead_ms``: per bucket above the kernel; ``activation_bytes``: the GPU
@@ -64,8 +67,14 @@ class Measurements:
     # per offloaded param, the host copy of the weights where no fp32 master is in state_bytes
     # (fp32 params, master_weights=False, "bf16-sr"): host bytes only
     host_copy_bytes: int = 0
+    micro_steps: int = 1  # forward+backward passes in fwd_bwd_ms (gradient accumulation)
 
     def __post_init__(self) -> None:
+        steps = self.micro_steps
+        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+            raise ValueError(
+                f"Invalid micro_steps: {self.micro_steps!r} (expected an integer >= 1)"
+            )
         for name in ("params", "bucket_nbytes", "d2h_gbps", "h2d_gbps"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
@@ -115,8 +124,8 @@ def predict(m: Measurements, fraction: float, mode: str = "step") -> Prediction:
     device_ms = (m.params - offloaded) * m.device_ns_per_param * 1e-6
     if mode == "step":
         step = m.fwd_bwd_ms + device_ms + cpu_ms
-    elif mode == "backward":
-        step = m.fwd_bwd_ms + device_ms + max(0.0, cpu_ms - m.fwd_bwd_ms)
+    elif mode == "backward":  # hidden behind the last micro-step's backward and the next forward
+        step = m.fwd_bwd_ms + device_ms + max(0.0, cpu_ms - m.fwd_bwd_ms / m.micro_steps)
     else:
         step = max(m.fwd_bwd_ms + device_ms, cpu_ms)
     gpu = m.params * (m.weight_bytes + m.grad_bytes) + (m.params - offloaded) * m.state_bytes

@@ -152,9 +152,10 @@ class Placer:
         else:
             self.place(group_indices)
 
-    def ensure_placed(self) -> bool:
+    def ensure_placed(self, micro_steps: int = 1) -> bool:
         """Place the groups waiting for their meta params (``opt.ensure_placed``'s work);
-        returns whether any was placed.
+        returns whether any was placed. ``micro_steps``: the forward and backward passes of
+        the step that places them (gradient accumulation), for max_gpu_memory's choice.
 
         Raises:
             RuntimeError: a param is still on the meta device (named); nothing is placed.
@@ -172,8 +173,8 @@ class Placer:
                         "set_swap_module_params_on_conversion(True) before model.to_empty(); "
                         "without it to_empty() makes new params this optimizer does not hold)"
                     )
-        if self.budget_pending():
-            self.choose_fraction(self.unplaced)  # raises with the figures; nothing is built
+        if self.budget_pending():  # raises with the figures; nothing is built
+            self.choose_fraction(self.unplaced, micro_steps)
         pending, self.unplaced = self.unplaced, []
         try:
             self.place(pending)
@@ -215,9 +216,12 @@ class Placer:
             )
         self.choice["predicted_gpu_bytes"] = need
 
-    def choose_fraction(self, group_indices: list[int]) -> None:
+    def choose_fraction(self, group_indices: list[int], micro_steps: int = 1) -> None:
         """max_gpu_memory: measure what the device holds, then let :func:`budget.choose`
-        take the smallest fraction that fits (see there).
+        take the smallest fraction that fits (see there). With gradient accumulation
+        (``micro_steps`` > 1, the step that chooses) ``release_grads`` frees nothing off the
+        peak: every grad stays on the device through the non-final micro-steps, whose
+        backward holds them all beside its activations, as the measured first step did.
 
         Raises:
             ValueError: no fraction fits, or the host lacks the memory (both with figures).
@@ -247,11 +251,13 @@ class Placer:
             self.sizes["max_host_memory"], self.bucket_nbytes, self.overlap == "delayed",
             lambda f, infos: place(infos, f, self.min_offload_numel, self.master_weights,
                                    self.policy),
-            release_grads=self.releases_early,
+            release_grads=self.releases_early and micro_steps == 1,
             grads_in_flight=self.wait == "module" and self.overlap != "delayed",
             work=(lambda n: device_work_nbytes(n, "cuda")) if cuda else None,
             backups=self.speculate,
         )  # fmt: skip
+        if micro_steps > 1:
+            self.choice["micro_steps"] = micro_steps  # what released_grad_bytes 0 follows from
         self.fraction = self.choice["fraction"]
 
     def choice_replaced(self) -> str | None:
