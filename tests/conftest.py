@@ -23,3 +23,15 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's Ctrl-C handler for a test that raises SIGINT, whatever the process inherited: a
+    shell starts background jobs with SIGINT ignored, and Python then leaves it so (such a test
+    then saw no KeyboardInterrupt)."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

@@ -235,17 +235,6 @@ def test_set_offload_fraction_after_the_choice_says_it_replaced_it():
         opt.set_offload_fraction(0.5)
 
 
-@pytest.fixture
-def ctrl_c_raises():
-    """Python's Ctrl-C handler, whatever the process inherited (a shell starts background
-    jobs with SIGINT ignored)."""
-    import signal
-
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
-
-
 def test_an_interrupt_during_set_offload_fraction_waits_for_the_move(monkeypatch, ctrl_c_raises):
     import os
     import signal

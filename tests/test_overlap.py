@@ -525,7 +525,7 @@ def test_a_grad_set_after_its_bucket_started_is_named():
     opt.discard_failed_step()
 
 
-def test_an_interrupt_in_a_grad_hook_leaves_no_half_fed_step(monkeypatch):
+def test_an_interrupt_in_a_grad_hook_leaves_no_half_fed_step(monkeypatch, ctrl_c_raises):
     """A fresh user's finding: Ctrl-C landing in a grad hook while it queued a bucket (on the
     CPU the hook runs on the main thread, where Python raises KeyboardInterrupt) left a step
     begun with nothing queued; the next backward was accepted, and step() then waited for

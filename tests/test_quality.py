@@ -41,6 +41,9 @@ def fake_runs(losses: dict[str, float | None], interrupt: bool = False) -> str:
 import os, signal, subprocess, sys, time
 from pathlib import Path
 LOSSES, INTERRUPT = {losses!r}, {interrupt!r}
+# Python's Ctrl-C handler, whatever this process inherited: under a pytest started in the
+# background SIGINT is ignored, and a child Python then leaves it ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 real = subprocess.run
 def run(cmd, **kw):
     if "train" not in cmd:  # git, for the results' commit

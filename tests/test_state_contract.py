@@ -83,17 +83,6 @@ def test_copies_of_entries_are_plain_dicts():
     )
 
 
-@pytest.fixture
-def ctrl_c_raises():
-    """Python's Ctrl-C handler, whatever the process inherited (a shell starts background
-    jobs with SIGINT ignored, and Python then leaves it so)."""
-    import signal
-
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
-
-
 @pytest.mark.parametrize("fraction", FRACTIONS)
 def test_an_interrupt_inside_step_arrives_after_the_step_is_whole(fraction, ctrl_c_raises):
     import os
