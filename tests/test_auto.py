@@ -244,7 +244,7 @@ def test_a_verified_step_over_the_limit_moves_the_fraction_down(monkeypatch):
     is corrected by the measured period: the state moves down, bitwise as ever. (Fraction 0's
     baseline is left out, so the limit is its prediction: a baseline measured on a loaded core
     could make the limit loose enough for fraction 1.)"""
-    monkeypatch.setattr(auto.AutoFraction, "_baseline", lambda self, opt, f: self._move(opt, f))
+    monkeypatch.setattr(auto.AutoFraction, "_baseline", lambda self, f: self._want(f, "verify"))
     monkeypatch.setattr(auto.costmodel, "largest_hidden",
                         lambda m, tol, mode: costmodel.predict(m, 1.0, mode))  # fmt: skip
     m = model()
@@ -274,7 +274,7 @@ def test_a_choice_left_above_the_limit_warns_with_what_was_kept(monkeypatch):
     fraction kept, the measured step and the limit. (Forced here: the model picks fraction 1
     whatever it predicts, each bucket costs 2 ms, and no correction is allowed; no baseline,
     as in the test above.)"""
-    monkeypatch.setattr(auto.AutoFraction, "_baseline", lambda self, opt, f: self._move(opt, f))
+    monkeypatch.setattr(auto.AutoFraction, "_baseline", lambda self, f: self._want(f, "verify"))
     monkeypatch.setattr(auto.costmodel, "largest_hidden",
                         lambda m, tol, mode: costmodel.predict(m, 1.0, mode))  # fmt: skip
     monkeypatch.setattr(auto, "CORRECTIONS", 0)
@@ -453,14 +453,14 @@ def test_where_fraction_0_cannot_be_placed_the_prediction_stands_in(monkeypatch)
     m = model()
     opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**14,
                       offload_fraction="auto")  # fmt: skip
-    real = type(opt).set_offload_fraction
+    real = type(opt.debug.relocate).set_fraction  # every move, auto's too
 
-    def no_zero(self, fraction):
+    def no_zero(self, fraction, by_auto=False):
         if fraction == 0.0:
             raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
-        return real(self, fraction)
+        return real(self, fraction, by_auto)
 
-    monkeypatch.setattr(type(opt), "set_offload_fraction", no_zero)
+    monkeypatch.setattr(type(opt.debug.relocate), "set_fraction", no_zero)
     got = train(m, opt)
     choice = opt.placement_choice
     assert "out of memory" in choice["baseline_skipped"] and choice["measured_step_ms_at_0"] is None

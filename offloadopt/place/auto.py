@@ -2,7 +2,9 @@
 model (offloadopt/place/costmodel.py), move to the one it picks, then measure that.
 
 Timeline (each phase is :data:`MEASURED_STEPS` steps; the optimizer calls :meth:`begin`,
-:meth:`mark` and :meth:`end` from ``step()``):
+:meth:`mark` and :meth:`end` from ``step()``, and :meth:`moved` after a move ``end`` asked
+for; auto reads the Placer it is handed and records its choice there, and never moves state
+itself):
 
 1. *Probe*: the optimizer is placed at :data:`PROBE_FRACTION` (or, with ``max_gpu_memory``, at
    the budget's choice, made at the first ``step()``); ``overlap="backward"``'s updates wait
@@ -17,7 +19,8 @@ Timeline (each phase is :data:`MEASURED_STEPS` steps; the optimizer calls :meth:
    is :func:`costmodel.largest_hidden` (the largest fraction whose predicted step stays within
    ``1 + tolerance * CHOICE_MARGIN`` of fraction 0's: half the tolerance); with a budget it stays the budget's (the smallest
    fraction that fits, which is also the fastest that fits: the predicted step grows with the
-   fraction). ``opt.set_offload_fraction`` moves the state, losslessly.
+   fraction). :meth:`AutoFraction.end` returns the fraction; the step moves the state there,
+   losslessly (offloadopt/relocate.py), and tells it (:meth:`AutoFraction.moved`).
 3. *Baseline* (without a budget): the state moves to fraction 0 and fraction 0's period is
    measured (the model's prediction of it was 3-6% high on the H200, which let a choice end at
    1.08-1.12x the real fraction 0's step). If fraction 0 does not fit (out of memory) or cannot
@@ -40,6 +43,7 @@ import dataclasses
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -155,7 +159,8 @@ class AutoFraction:
         self._cur: dict[str, Any] = {}
         self._prev_end: Any = None
         self._samples: list[dict[str, float]] = []
-        self.moving = False  # our own set_offload_fraction call (the caller's cancels us)
+        self.moving = False  # a move asked for by end(), not yet moved() (a caller's cancels us)
+        self._then = "verify"  # the phase after that move
         self._model: costmodel.Measurements | None = None  # the probe's, once chosen
         self._stats: dict[str, float] = {}  # the figures of the last step that updated buckets
         self._target = 0.0  # the chosen fraction, while fraction 0 is measured
@@ -173,6 +178,20 @@ class AutoFraction:
         a budget (its choice needs no times) or ``release_grads`` (held grads would exceed
         the memory it counted)."""
         return self.phase == "probe" and self._may_hold
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        """offload_fraction="auto" chooses a share of every param: a group that forces its
+        placement (``"offload": True`` or ``False``) would not move with it.
+
+        Raises:
+            ValueError: such a group, without a budget (whose choice it keeps).
+        """
+        if not self.budgeted and group.get("offload") is not None:
+            raise ValueError(
+                f"a param group with 'offload': {group['offload']!r} and "
+                "offload_fraction='auto': the cost model predicts a share of every param, and "
+                "this group's stays where it is forced; give a number, or drop the key"
+            )
 
     def cancel(self, why: str) -> None:
         """Stop (the caller placed the params itself); ``placement_choice`` says why."""
@@ -192,49 +211,91 @@ class AutoFraction:
         if self._cur:
             self._cur[key] = self._clock.mark()
 
-    def end(self, opt, worked: bool = True) -> None:
+    def end(self, placer: Any, *, worked: bool, stats: dict[str, float],
+            synchronize: Callable[[], None], wait_module: bool, mode: str) -> float | None:  # fmt: skip
         """At the end of a successful ``step()``: a sample, and the phase's action once it has
-        :data:`MEASURED_STEPS`. A step that updated nothing (no grads) is no sample, and the
-        window of the next one runs from the last step that did."""
+        :data:`MEASURED_STEPS`. Returns the fraction to move to (the step moves the state,
+        then calls :meth:`moved`), or None. A step that updated nothing (no grads) is no
+        sample, and the window of the next one runs from the last step that did.
+
+        ``placer``: the Placer (the fraction, records, pipeline; the choice is recorded in
+        it); ``stats``: the Feeder's figures of this step; ``synchronize``: the publish
+        policy's (every copy of the step waited for); ``wait_module``: ``wait="module"``;
+        ``mode``: :func:`cost_mode` of the options now."""
         if not self._cur:
-            return
+            return None
         cur, self._cur = self._cur, {}
         if not worked:
-            return
-        if self.phase == "probe" and opt.wait == "module":
+            return None
+        if self.phase == "probe" and wait_module:
             # The next forward must not wait for this step's copies inside the window that
             # measures forward+backward: the probe waits for them here, as wait="step" would.
-            opt.synchronize()
-        if opt._feeder.stats.get("buckets"):
-            self._stats = dict(
-                opt._feeder.stats
-            )  # this step's figures (complete: it was waited for)
+            synchronize()
+        if stats.get("buckets"):
+            self._stats = dict(stats)  # this step's figures (complete: it was waited for)
         cur["end"] = self._clock.mark()
         prev, self._prev_end = self._prev_end, cur["end"]
         if prev is not None:
-            if not self._samples and opt._placer.pipeline is not None:
-                opt._placer.pipeline.collect_link()  # the link's copies from here on are ours
+            if not self._samples and placer.pipeline is not None:
+                placer.pipeline.collect_link()  # the link's copies from here on are ours
             self._samples.append(cur | {"prev": prev})
         if len(self._samples) < MEASURED_STEPS:
-            return
+            return None
         samples, self._samples = self._timed(self._samples), []
         if self.phase == "probe":
-            self._choose(opt, samples)
-        elif self.phase == "baseline":
+            return self._choose(placer, samples, synchronize, mode)
+        if self.phase == "baseline":
             self.choice["measured_step_ms_at_0"] = samples["period_ms"]
             _log.info("offloadopt: offload_fraction auto: fraction 0 measured %.1f ms/step "
                       "(predicted %.1f)", samples["period_ms"],
                       self.choice["predicted_step_ms_at_0"])  # fmt: skip
-            self._move(opt, self._target)
-        else:
-            self._verified(opt, samples)
+            return self._want(self._target, "verify")
+        return self._verified(placer, samples)
 
-    def _keep(self, opt, why: str) -> None:
+    def _want(self, fraction: float, then: str) -> float:
+        """Ask the step to move the state to ``fraction``; :meth:`moved` follows, and then
+        phase ``then`` (``"baseline"``: fraction 0 measured, ``"verify"``)."""
+        self.moving, self._then = True, then
+        return fraction
+
+    def moved(self, placer: Any, error: BaseException | None) -> float | None:
+        """The step moved the state as :meth:`end` asked (``error``: the move failed, and the
+        old placement stays: out of memory, or a RuntimeError). Also called when Ctrl-C
+        reaches its handler at the end of the move (interrupts.signals_deferred): the choice
+        records where the state is, and the next steps measure it. Returns a further
+        fraction to move to (fraction 0 could not be placed: straight to the target), or
+        None."""
+        self.moving = False
+        if self._then == "baseline":
+            if error is not None:
+                self.choice["baseline_skipped"] = f"{type(error).__name__}: {error}"[:300]
+                _log.warning("offloadopt: offload_fraction auto: fraction 0 not measured: %s",
+                             error)  # fmt: skip
+                return self._want(self._target, "verify")
+            if placer.fraction == 0.0:
+                placer.choice = {**(placer.choice or {}), **self.choice, "fraction": 0.0}
+                self.phase, self._samples = "baseline", []
+                self._prev_end = None  # the next window spans the move
+            return None
+        if error is not None:
+            self.choice["kept"] = f"{type(error).__name__}: {error}"[:300]
+            _log.warning("offloadopt: offload_fraction auto: kept %g: %s", placer.fraction,
+                         error)  # fmt: skip
+        self.choice["fraction"] = placer.fraction
+        self.choice["predicted_step_ms"] = costmodel.predict(
+            self._model, placer.fraction, self._mode
+        ).step_ms
+        placer.choice = {**(placer.choice or {}), **self.choice}
+        self.phase, self._samples = "verify", []
+        self._prev_end = None  # the next window spans the move
+        return None
+
+    def _keep(self, placer: Any, why: str) -> None:
         """No choice can be made: the placement stays, and ``placement_choice`` says why."""
         self.phase = "done"
-        self.choice = {"fraction": opt.offload_fraction, "set_by": "auto", "kept": why}
-        opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
-        _log.info("offloadopt: offload_fraction auto: kept %g (%s)", opt.offload_fraction, why)
+        self.choice = {"fraction": placer.fraction, "set_by": "auto", "kept": why}
+        placer.choice = {**(placer.choice or {}), **self.choice}
+        _log.info("offloadopt: offload_fraction auto: kept %g (%s)", placer.fraction, why)
         self._clock = self._prev_end = None
 
     def _timed(self, samples: list[dict[str, Any]]) -> dict[str, float]:
@@ -248,35 +309,34 @@ class AutoFraction:
         return {"fwd_bwd_ms": median("prev", "start"), "period_ms": median("prev", "end"),
                 "device_update_ms": median("dev0", "dev1")}  # fmt: skip
 
-    def _link(self, opt) -> dict[str, float]:
+    def _link(self, placer: Any, synchronize: Callable[[], None]) -> dict[str, float]:
         """The last step's figures, with the link's GPU times and bytes of the copies since
         the first sample (``opt.stats`` sums times over every step not yet read)."""
         stats = dict(self._stats)
-        if opt._placer.pipeline is not None:
-            opt.synchronize()  # every copy of the measured steps has run
-            for key, (ms, nbytes) in opt._placer.pipeline.collect_link().items():
+        if placer.pipeline is not None:
+            synchronize()  # every copy of the measured steps has run
+            for key, (ms, nbytes) in placer.pipeline.collect_link().items():
                 stats[key], stats[key.replace("_ms", "_nbytes")] = ms, nbytes
         return stats
 
-    def _choose(self, opt, timed: dict[str, float]) -> None:
-        mode = cost_mode(opt.overlap, opt.grads_final or opt.grad_scaler is not None,
-                         opt.max_grad_norm)  # fmt: skip
-        probe = opt.offload_fraction
-        numel = report.numel_by_side(opt._records)
-        sizes = report.bytes_per_param(opt.param_groups, opt.rule, opt.master_weights)
+    def _choose(self, placer: Any, timed: dict[str, float], synchronize: Callable[[], None],
+                mode: str) -> float | None:  # fmt: skip
+        probe = placer.fraction
+        numel = report.numel_by_side(placer.records)
+        sizes = report.bytes_per_param(placer.param_groups, placer.rule, placer.master_weights)
         try:
-            m = measurements(fwd_bwd_ms=timed["fwd_bwd_ms"], stats=self._link(opt),
+            m = measurements(fwd_bwd_ms=timed["fwd_bwd_ms"], stats=self._link(placer, synchronize),
                              device_update_ms=timed["device_update_ms"],
                              device_numel=numel[False], offloaded_numel=numel[True],
-                             bucket_nbytes=opt.bucket_nbytes, **sizes)  # fmt: skip
+                             bucket_nbytes=placer.bucket_nbytes, **sizes)  # fmt: skip
         except ValueError as e:
-            self._keep(opt, str(e))
-            return
+            self._keep(placer, str(e))
+            return None
         if numel[False] < SMALLEST_SIDE * (numel[False] + numel[True]) and not self.budgeted:
-            self._keep(opt, f"offload_fraction='auto': {numel[False]:,} of "
+            self._keep(placer, f"offload_fraction='auto': {numel[False]:,} of "
                        f"{numel[False] + numel[True]:,} trainable elements are on the device "
                        "at the probe, too few to time its update")  # fmt: skip
-            return
+            return None
         zero = costmodel.predict(m, 0.0, mode)
         if self.budgeted:
             chosen = costmodel.predict(m, probe, mode)
@@ -309,55 +369,16 @@ class AutoFraction:
         self.choice["corrections"] = []
         self.choice["measured_step_ms_at_0"] = None
         if self.budgeted or probe == 0.0 or chosen.fraction == 0.0:
-            self._move(opt, chosen.fraction)
-        else:
-            self._baseline(opt, chosen.fraction)
+            return self._want(chosen.fraction, "verify")
+        return self._baseline(chosen.fraction)
 
-    def _baseline(self, opt, target: float) -> None:
-        """Move to fraction 0 and measure it, then to ``target`` (:meth:`end`); where fraction
-        0 cannot be placed, straight to ``target``, verified against the prediction."""
+    def _baseline(self, target: float) -> float:
+        """Fraction 0 is measured first, then the state moves to ``target`` (where fraction 0
+        cannot be placed, straight there, verified against the prediction: :meth:`moved`)."""
         self._target = target
-        try:
-            self.moving = True
-            opt.set_offload_fraction(0.0)
-        except (torch.OutOfMemoryError, RuntimeError) as e:  # the old placement stays
-            self.moving = False
-            self.choice["baseline_skipped"] = f"{type(e).__name__}: {e}"[:300]
-            _log.warning("offloadopt: offload_fraction auto: fraction 0 not measured: %s", e)
-            self._move(opt, target)
-        finally:
-            # Also when Ctrl-C reaches its handler at the end of the move (signals_deferred):
-            # the choice records where the state is, and the next steps measure it.
-            self.moving = False
-            if opt.offload_fraction == 0.0:
-                opt.placement_choice = {**(opt.placement_choice or {}), **self.choice,
-                                        "fraction": 0.0}  # fmt: skip
-                self.phase, self._samples = "baseline", []
-                self._prev_end = None  # the next window spans the move
+        return self._want(0.0, "baseline")
 
-    def _move(self, opt, fraction: float) -> None:
-        """Place at ``fraction`` (a failure keeps the placement, and says so), then verify."""
-        try:
-            if fraction != opt.offload_fraction:
-                self.moving = True
-                opt.set_offload_fraction(fraction)
-        except (torch.OutOfMemoryError, RuntimeError) as e:  # the old placement stays
-            self.choice["kept"] = f"{type(e).__name__}: {e}"[:300]
-            _log.warning("offloadopt: offload_fraction auto: kept %g: %s",
-                         opt.offload_fraction, e)  # fmt: skip
-        finally:
-            # Also when Ctrl-C reaches its handler at the end of the move (signals_deferred):
-            # the choice records where the state is, and the next steps verify it.
-            self.moving = False
-            self.choice["fraction"] = opt.offload_fraction
-            self.choice["predicted_step_ms"] = costmodel.predict(
-                self._model, opt.offload_fraction, self._mode
-            ).step_ms
-            opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
-            self.phase, self._samples = "verify", []
-            self._prev_end = None  # the next window spans the move
-
-    def _verified(self, opt, timed: dict[str, float]) -> None:
+    def _verified(self, placer: Any, timed: dict[str, float]) -> float | None:
         """The period at the placed fraction, measured. Without a budget, a period above the
         limit (``1 + tolerance`` times fraction 0's prediction) moves down: to the largest
         fraction whose prediction, raised by the error just measured, stays within it, but at
@@ -365,7 +386,7 @@ class AutoFraction:
         (unless 0.05 down is lower); at most :data:`CORRECTIONS` times (the CPU's speed varies
         from run to run, and the model leaves out the contention between the worker and the
         training thread)."""
-        fraction, measured = opt.offload_fraction, timed["period_ms"]
+        fraction, measured = placer.fraction, timed["period_ms"]
         self.choice["measured_step_ms"] = measured
         _log.info("offloadopt: offload_fraction auto: fraction %g measured %.1f ms/step "
                   "(predicted %.1f)", fraction, measured, self.choice["predicted_step_ms"])  # fmt: skip
@@ -383,8 +404,7 @@ class AutoFraction:
             hidden = max(f for f in step if step[f] <= self.choice["predicted_step_ms_at_0"])
             corrections.append({"fraction": fraction, "measured_step_ms": measured,
                                 "predicted_step_ms": self.choice["predicted_step_ms"]})  # fmt: skip
-            self._move(opt, max(0.0, min(max(fits, hidden), round(fraction - 0.05, 2))))
-            return
+            return self._want(max(0.0, min(max(fits, hidden), round(fraction - 0.05, 2))), "verify")
         self.phase = "done"
         self.choice["within_tolerance"] = self.budgeted or measured <= limit
         if not self.choice["within_tolerance"]:
@@ -401,5 +421,6 @@ class AutoFraction:
                 "offload_fraction a number, or call opt.set_offload_fraction(), to choose "
                 "yourself (opt.placement_choice has the figures)"
             )
-        opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
+        placer.choice = {**(placer.choice or {}), **self.choice}
         self._clock = self._prev_end = None
+        return None

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from offloadopt.interrupts import signals_deferred
-from offloadopt.link.pipeline import Pipeline
 from offloadopt.link.worker import WaitTimeout
+from offloadopt.place.placer import Placer
 from offloadopt.place.records import ParamRecord
 from offloadopt.shards import local
 from offloadopt.step.hooks import ModuleWaits
@@ -51,15 +51,13 @@ class Publisher:
         records: param -> its :class:`~offloadopt.place.records.ParamRecord` (the optimizer's
             own dict, emptied and refilled in place): which buckets hold a param, its landing
             buffer, its name for messages, its written marks.
-        pipeline: a zero-argument callable returning the optimizer's
-            :class:`~offloadopt.link.pipeline.Pipeline`, or None before the first offloaded
-            bucket is placed (read only while a step is in flight, when it exists).
+        placer: the :class:`~offloadopt.place.placer.Placer`: its ``pipeline`` (None before
+            the first offloaded bucket is placed; read only while a step is in flight, when it
+            exists).
         timeout_s: the longest wait for the worker, in seconds (``TimeoutError`` past it).
-        finish: ``finish(st, streams)`` ends a step whose copies are all waited for (its
-            params marked written, its figures made the optimizer's ``stats``).
         warn_once: ``warn_once(key, message)`` warns once per optimizer for each ``key``.
-        closed: a zero-argument callable, whether ``close()`` was called (a closed optimizer's
-            update in flight may be waited for from any thread).
+        (``timeline.closed``: a closed optimizer's update in flight may be waited for from
+        any thread.)
 
     Owns: ``module_waits`` (the :class:`~offloadopt.step.hooks.ModuleWaits` of each watched
     model; ``close()`` and re-placement take them off), ``watched`` (weak references to the
@@ -72,24 +70,32 @@ class Publisher:
         self,
         timeline: Timeline,
         records: dict[torch.Tensor, ParamRecord],
-        pipeline: Callable[[], Pipeline | None],
+        placer: Placer,
         *,
         timeout_s: float,
-        finish: Callable[[Step, dict], None],
         warn_once: Callable[[str, str], None],
-        closed: Callable[[], bool],
     ):
         self.timeline = timeline
         self.records = records
-        self.pipeline = pipeline
+        self.placer = placer
         self.timeout_s = timeout_s
-        self.finish = finish
+        self._finish: Callable[[], Callable[[Step, dict], None] | None] = lambda: None
         self.warn_once = warn_once
-        self.closed = closed
         self.module_waits: list[ModuleWaits] = []
         self.unwaited = False  # a forward ran past its waits (PerModule.before_step)
         self.watched: list = []  # weak references to the models given to watch()
         self.watch_later: list = []  # watch() before a budget's choice: registered after it
+
+    def finish(self, st: Step, streams: dict) -> None:
+        """End a step whose copies are all waited for (its params marked written, its
+        figures made the optimizer's ``stats``): the Feeder's ``finish`` (:meth:`ends`)."""
+        self._finish()(st, streams)
+
+    def ends(self, finish: Callable[[Step, dict], None]) -> None:
+        """``finish``: the Feeder's bound ``finish``, which the Feeder hands over as it is
+        built. Held weakly: the Feeder holds this publisher, and a cycle between owners would
+        keep a dropped optimizer's memory (its state, through the Updater) until Python's gc."""
+        self._finish = weakref.WeakMethod(finish)
 
     # ------------------------------------------------------------------ step()'s ends
     def before_step(self) -> None:
@@ -172,7 +178,7 @@ class Publisher:
                 self.publish_after_failure(st, streams)
             raise
         finally:
-            self.pipeline().publish(streams, st.run)  # (I4) whatever landed is waited for
+            self.placer.pipeline.publish(streams, st.run)  # (I4) whatever landed is waited for
         self.publish(st, streams)
         self.finish(st, streams)
         edited = [p for ref, version, p in st.lent
@@ -235,7 +241,7 @@ class Publisher:
             if b in st.waited:
                 continue
             st.run.wait_h2d_queued(b, self.timeout_s)  # its event exists from here on
-            tr = self.pipeline().transfers[b.arena.device]
+            tr = self.placer.pipeline.transfers[b.arena.device]
             if tr.cuda:
                 # (I4) what runs next on these streams reads the params only after their H2D.
                 torch.cuda.current_stream(b.arena.device).wait_event(tr.h2d_done[b])
@@ -349,7 +355,12 @@ class NextStep(Publisher):
             RuntimeError: called from another thread while a delayed update is in flight.
         """
         st = self.timeline.inflight
-        if st is None or not st.delayed or self.closed() or threading.get_ident() == st.thread:
+        if (
+            st is None
+            or not st.delayed
+            or self.timeline.closed
+            or threading.get_ident() == st.thread
+        ):
             return
         raise RuntimeError(
             "overlap='delayed': the update in flight is copied into the params by the "
@@ -417,7 +428,7 @@ class NextStep(Publisher):
         """A delayed step whose run failed (the worker stopped): the buckets whose update
         completed publish their weights (:meth:`publish_completed`)."""
         if st.delayed and st.run is not None and st.run.job.done.wait(self.timeout_s):
-            self.pipeline().publish(streams, st.run)
+            self.placer.pipeline.publish(streams, st.run)
             self.publish_completed(st, streams)
 
     @torch.no_grad()
@@ -449,13 +460,13 @@ class NextStep(Publisher):
 
 
 def publisher_for(
-    options: Options, timeline: Timeline, records: dict, pipeline: Callable, **kw: Any
+    options: Options, timeline: Timeline, records: dict, placer: Placer, **kw: Any
 ) -> Publisher:
     """The publish policy of ``options.overlap`` and ``options.wait`` (validated:
     ``overlap="delayed"`` takes ``wait="step"``), built with :class:`Publisher`'s arguments
-    (``kw``: ``timeout_s``, ``finish``, ``warn_once``, ``closed``)."""
+    (``kw``: ``timeout_s``, ``warn_once``)."""
     if options.overlap == "delayed":
-        return NextStep(timeline, records, pipeline, **kw)
+        return NextStep(timeline, records, placer, **kw)
     if options.wait == "module":
-        return PerModule(timeline, records, pipeline, **kw)
-    return AtReturn(timeline, records, pipeline, **kw)
+        return PerModule(timeline, records, placer, **kw)
+    return AtReturn(timeline, records, placer, **kw)

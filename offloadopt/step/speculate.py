@@ -53,6 +53,7 @@ import torch
 
 from offloadopt.link.layout import Bucket
 from offloadopt.link.pipeline import BucketWork
+from offloadopt.place.placer import Placer
 from offloadopt.step.amp import AmpInputs, inverse
 from offloadopt.step.scaling import Scaling
 from offloadopt.step.step import Step
@@ -66,9 +67,8 @@ class Speculation:
     Args:
         scaling: the optimizer's :class:`~offloadopt.step.scaling.Scaling` (the clip and the
             attached GradScaler).
-        transfers: ``transfers()`` gives the pipeline's Transfer per device (I3's waits).
-        buckets: ``buckets()`` gives the current buckets (a new placement's drop the old
-            ones' backups).
+        placer: the :class:`~offloadopt.place.placer.Placer`: its ``transfers()`` (I3's
+            waits) and its current ``buckets`` (a new placement's drop the old ones' backups).
         timeout_s: the longest wait for the worker, in seconds.
         in_kernel: ``in_kernel(bucket)``: whether the bucket's update copies its pre-step state
             out itself (``Updater.backs_up_in_kernel``); None: never.
@@ -84,12 +84,11 @@ class Speculation:
             not finite or 0 (an inf or NaN grad without a GradScaler) counts as a clip.
     """
 
-    def __init__(self, scaling: Scaling, transfers, buckets, timeout_s: float, in_kernel=None):
-        self.scaling, self.transfers, self.timeout_s = scaling, transfers, timeout_s
+    def __init__(self, scaling: Scaling, placer: Placer, timeout_s: float, in_kernel=None):
+        self.scaling, self.placer, self.timeout_s = scaling, placer, timeout_s
         self.in_kernel = in_kernel or (lambda b: False)
         # False: always the copy before the update (benchmarks/overlap_bench.py's "copybk")
         self.kernel_backup = True
-        self.buckets = buckets
         self.backups: dict[Bucket, list[torch.Tensor]] = {}  # per bucket: its ranges' copies
         self.counts = dict(
             steps=0, buckets=0, redone_clip=0, redone_inf=0, redone_buckets=0, discarded=0
@@ -109,7 +108,7 @@ class Speculation:
             return st.speculative[0]
         # set_offload_fraction made new buckets: drop the old ones' backups. list(): with
         # wait="module" the worker may still be adding the last step's (one atomic copy)
-        current = set(self.buckets())
+        current = set(self.placer.buckets)
         self.backups = {b: v for b, v in list(self.backups.items()) if b in current}
         grad_scale = self.scaling.attached_scale()
         scale = amp = None
@@ -189,7 +188,7 @@ class Speculation:
         # (at fraction 0.2 on the GPU host the worker trails backward by a third of its work)
         run.abort()
         run.wait(self.timeout_s)  # every speculative update taken is done, its H2D queued
-        transfers = self.transfers()
+        transfers = self.placer.transfers()
         undone = 0
         for w in works:
             if w.bucket in st.backed_up:  # its update ran (the run is done)
@@ -220,7 +219,7 @@ class Speculation:
 
         if st.speculative is None:
             return 0
-        transfers = self.transfers()
+        transfers = self.placer.transfers()
         done = [b for b in st.fed if b in st.backed_up]
         for b in done:
             transfers[b.arena.device].wait_h2d_done(b, self.timeout_s)  # (I3)

@@ -44,7 +44,7 @@ micro-steps (``opt.accumulating()``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -112,10 +112,9 @@ class FromBackward(AtStep):
     Args:
         timeline: the optimizer's Timeline (its lock and the step being fed).
         placer: the Placer (records, buckets in forward order, auto's probe).
-        feeder: the Feeder that queues complete buckets and releases landed grads.
+        feeder: the Feeder that begins the step at its first announcement, queues complete
+            buckets and releases landed grads.
         scaling: the Scaling that decides a clip or a GradScaler's inputs at backward's end.
-        begin: ``begin()`` makes the step at its first announcement (the optimizer's
-            ``_begin``, through a weak reference: no cycle to the optimizer).
         grads_final, release_grads: the options of those names.
         ddp: whether DDP's comm hook announces grads (``ddp=``).
         timeout_s: the longest wait for the worker, in seconds.
@@ -132,7 +131,6 @@ class FromBackward(AtStep):
         placer: Placer,
         feeder: Feeder,
         scaling: Scaling,
-        begin: Callable[[], Step],
         *,
         grads_final: bool,
         release_grads: bool,
@@ -143,7 +141,6 @@ class FromBackward(AtStep):
         super().__init__()
         self.speculation = speculation
         self.timeline, self.placer, self.feeder, self.scaling = timeline, placer, feeder, scaling
-        self.begin = begin
         self.grads_final, self.release_grads = grads_final, release_grads
         self.ddp, self.timeout_s = ddp, timeout_s
         self.reductions: list = []  # ddp=: this backward's all-reduce futures
@@ -193,7 +190,7 @@ class FromBackward(AtStep):
                 self.timeline.current = st = None
             if st is None:
                 self.check_single_process()
-                st = self.timeline.current = self.begin()
+                st = self.timeline.current = self.feeder.begin()
                 st.task_id = task
             if self.ddp:
                 return  # DDP's all-reduce of its bucket announces it (hooks.DDPGrads)
@@ -219,7 +216,7 @@ class FromBackward(AtStep):
         with self.timeline.lock:
             st = self.timeline.current
             if st is None:  # before this backward's first grad hook (a small first bucket)
-                st = self.timeline.current = self.begin()
+                st = self.timeline.current = self.feeder.begin()
                 st.task_id = _PENDING
             # A param DDP reduced without a grad of its own (unused this step, with
             # find_unused_parameters=True) keeps grad None: it is not announced, as in torch.
