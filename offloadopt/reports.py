@@ -135,9 +135,13 @@ class Reports:
         speculatively), ``redone_clip`` / ``redone_inf`` (steps undone and made again because
         the clip coefficient was below 1.0 / found_inf was set), ``redone_buckets``,
         ``discarded`` (steps rolled back by :meth:`discard_failed_step`), and
-        ``backup_nbytes`` (pageable host bytes of the pre-step copies, kept between steps).
+        ``backup_nbytes`` (pageable host bytes of the pre-step copies, kept between steps),
+        ``device_extra_peak_nbytes`` (the most device bytes speculation held beyond the run
+        without it, measured at each speculative step's start and end; documented bound:
+        ``offloadopt.step.speculate.DEVICE_BOUND_NBYTES``, 8 bytes, the factors of one step).
         None without ``speculate``."""
         spec = self._speculation
         if spec is None:
             return None
-        return {**spec.counts, "backup_nbytes": spec.backup_nbytes}
+        return {**spec.counts, "backup_nbytes": spec.backup_nbytes,
+                "device_extra_peak_nbytes": spec.device_extra_peak_nbytes}  # fmt: skip
