@@ -14,6 +14,7 @@ import gc
 import importlib
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -75,10 +76,13 @@ def derived(name: str, known: dict[str, dict]) -> dict:
     (HybridAdamW of the baseline package ``offloadopt_base`` under ``--baseline-dir``),
     ``int8`` / ``sr8`` (compressed state: :data:`STATES`), ``spec`` (``speculate=True``),
     ``maxnormN`` (``max_grad_norm=N``), ``copybk`` (with ``spec``: the backup as a copy before
-    the update, not the CPU kernel's, as before 2026-12-04), e.g. "backward f0.2 threads8 switch1". Raises ValueError for a name that is none of these."""
+    the update, not the CPU kernel's, as before 2026-12-04), ``pertensor`` (the device-resident
+    compressed update per tensor, ``OFFLOADOPT_DEVICE_FLAT=0``, as before the flat buffers of
+    2026-12-07), e.g. "backward f0.2 threads8 switch1"; "backward f0 int8" is issue 46's
+    fraction 0 in backward mode. Raises ValueError for a name that is none of these."""
     if name in known:
         return known[name]
-    fixed = re.fullmatch(r"(backward|delayed) f(0?\.\d+|1)( clip)?", name)
+    fixed = re.fullmatch(r"(backward|delayed) f(0|0?\.\d+|1)( clip)?", name)
     if fixed:  # a fraction off the sweep's grid: "backward f0.4", "backward f0.45 clip"
         mode, f, clip = fixed.groups()
         if mode == "delayed":
@@ -99,6 +103,8 @@ def derived(name: str, known: dict[str, dict]) -> dict:
         return {**derived(base, known), "speculate": True}
     if base and last == "copybk":  # speculation's backup copied before the update
         return {**derived(base, known), "copy_backup": True}
+    if base and last == "pertensor":  # the device update per tensor (before 2026-12-07)
+        return {**derived(base, known), "per_tensor": True}
     for prefix, key, unit in (("threads", "cpu_threads", 1), ("bucket", "bucket_nbytes", 2**20),
                               ("switch", "switch_s", 1e-3), ("maxnorm", "max_grad_norm", 1.0)):  # fmt: skip
         if base and last.startswith(prefix) and last[len(prefix) :].replace(".", "", 1).isdigit():
@@ -108,7 +114,7 @@ def derived(name: str, known: dict[str, dict]) -> dict:
                 raise ValueError(f"--only: {name!r}: {last!r} needs a number above 0")
             return {**derived(base, known), key: value}
     raise ValueError(f"--only: {name!r} is no configuration, nor one followed by variant words "
-                     "(threadsN, bucketN, switchN, maxnormN, fifo, perseg, base, int8, sr8, spec, copybk); --help lists the names")  # fmt: skip
+                     "(threadsN, bucketN, switchN, maxnormN, fifo, perseg, base, int8, sr8, spec, copybk, pertensor); --help lists the names")  # fmt: skip
 
 
 # Variant words for compressed optimizer state: "int8" (int8 moments, fp32 masters) and "sr8"
@@ -173,6 +179,8 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
         StepRun._take = lambda run: run._queue.popleft()
     if cfg.pop("perseg", False):  # main() puts the function back after each configuration
         update._joined = lambda segs, columns, steps: (columns, steps)
+    if cfg.pop("per_tensor", False):  # main() puts the variable back after each configuration
+        os.environ["OFFLOADOPT_DEVICE_FLAT"] = "0"  # (step/device_flat.py reads it per step)
     hybrid = HybridAdamW
     if cfg.pop("base", False):
         hybrid = importlib.import_module("offloadopt_base").HybridAdamW
@@ -284,6 +292,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "where the 'base' variant imports offloadopt_base from (benchmarks/gpu_run.sh's ab "
         "part says how to make it)"))  # fmt: skip
     ap.add_argument("--no-memory", action="store_true", help="skip the grad-release memory runs")
+    ap.add_argument("--list", action="store_true", help=(
+        "print each selected configuration's name and options (one JSON line each) and exit"))  # fmt: skip
+    ap.add_argument("--summary", metavar="OVERLAP_JSON", default=None,
+                    help="print the findings of a saved overlap.json and exit")  # fmt: skip
     ap.add_argument("--out", type=checks.out_dir, default="overlap-out")
     ap.add_argument("--device", type=checks.device, default="cuda", help="cpu: a smoke test")
     args = ap.parse_args(argv)
@@ -304,6 +316,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.list:
+        for name, cfg in selected(args.only, args.quick):
+            print(json.dumps({"name": name, "options": cfg}))
+        return 0
+    if args.summary:
+        results = json.loads(Path(args.summary).read_text())
+        summarize(results, results["params"])
+        return 0
     if any(name.endswith(" base") for name in args.only or ()):
         sys.path.insert(0, str(Path(args.baseline_dir).resolve()))
     out = Path(args.out)
@@ -327,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     results["params"] = n
     rows = results["configs"] = []
     take, joined = StepRun._take, update._joined
+    flat_env = os.environ.get("OFFLOADOPT_DEVICE_FLAT")
     for name, cfg in selected(args.only, args.quick):
         try:
             if "budget_of" in cfg:  # a budget of a measured row's peak: fractions above it fit
@@ -341,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 StepRun._take = take  # a "fifo" variant replaced it
                 update._joined = joined  # a "perseg" variant replaced it
+                if flat_env is None:  # a "pertensor" variant set it
+                    os.environ.pop("OFFLOADOPT_DEVICE_FLAT", None)
+                else:
+                    os.environ["OFFLOADOPT_DEVICE_FLAT"] = flat_env
         except anchors.Unavailable as e:
             rows.append({"name": name, "error": f"skipped: {e}"})
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the rest

@@ -216,6 +216,7 @@ class Relocator:
         old_state = dict.copy(self.state)
         old_hooks = (self.start.grad_hooks, self.publisher.module_waits)
         dict.clear(self.state)
+        self.updater.flat.drop()  # the device's flat buffers: laid out again from the state
         self.start.grad_hooks, self.publisher.module_waits = [], []
         try:
             self.placer.replace(fraction)
@@ -233,8 +234,10 @@ class Relocator:
         """After params move between host and device, rebuild what depends on the placement:
         the state copied into the new buffers (``saved``: param index -> its entry, torch's
         layout, on the host), and the watched models' module waits registered again. The
-        grad hooks were made by the placement itself (the Placer's ``on_offloaded``). An owner
-        of state laid out by placement (flat device buffers) rebuilds it here too."""
+        grad hooks were made by the placement itself (the Placer's ``on_offloaded``); the
+        device's flat buffers (step/device_flat.py), dropped with the old placement, are laid
+        out again from this state at the next step. An owner of anything else laid out by
+        placement rebuilds it here."""
         for index, entry in saved.items():
             # An empty entry is a read of opt.state[p] for a param without state (torch's
             # defaultdict makes it): no state to move, as load_state_dict() drops it too.

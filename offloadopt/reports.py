@@ -105,7 +105,9 @@ class Reports:
         """Figures of the last completed step (with ``wait="module"`` or ``overlap="delayed"`` a
         step completes at the next ``synchronize()`` or ``step()``: until then these are the
         step's before, and ``{}`` before the first): ``d2h_wait_ms`` (worker time blocked on D2H
-        events), ``cpu_update_ms`` (worker time in the fused kernel), ``launch_ms`` (worker
+        events), ``cpu_update_ms`` (worker time in the fused kernel), ``cpu_kernel_ms`` (of it, the
+        time inside offloadopt's compiled kernel's parallel regions: compressed state; 0 when
+        torch's kernel runs), ``launch_ms`` (worker
         time queuing the D2H and H2D copies and casts, staging-slot waits included),
         ``feed_wait_ms`` (worker time waiting for the next bucket to be fed after the first
         one arrived: backward had not announced it yet), ``device_update_ms``

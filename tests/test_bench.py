@@ -163,15 +163,17 @@ def test_the_new_anchors_are_cleanly_unavailable_on_a_cpu_only_machine(tmp_path,
     bench = Bench(tiny(tmp_path))
     with pytest.raises(anchors.Unavailable, match="deepspeed is not installed|CUDA device"):
         anchors.deepspeed_zero2(bench.reset_model(), 1e-3)
+    with pytest.raises(anchors.Unavailable, match="deepspeed is not installed|CUDA device"):
+        anchors.deepspeed_zenflow(bench.reset_model(), 1e-3)
     assert not dist.is_available() or not dist.is_initialized()  # refused before any setup
     monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", None)  # a torch without FSDP2
     with pytest.raises(anchors.Unavailable, match="FSDP2"):
         anchors.fsdp2_cpu_offload(bench.reset_model(), 1e-3)
     # run_bench measures anchors on a GPU only: on the CPU they are listed as skipped, not run
-    new = ["deepspeed-zero2", "fsdp2-cpuoffload"]
+    new = ["deepspeed-zero2", "deepspeed-zenflow", "fsdp2-cpuoffload"]
     results = run_bench(tiny(tmp_path, anchors=new, fractions=[0.0], kernel=False))
     assert [r["name"] for r in results] == [*new, "hybrid:0", "hybrid:0 (repeat)"]
-    assert all(r["status"] == "skipped: needs a CUDA device" for r in results[:2])
+    assert all(r["status"] == "skipped: needs a CUDA device" for r in results[:3])
 
 
 @pytest.mark.slow

@@ -1,27 +1,19 @@
 """tests/long/endurance.py on the CPU: a few steps of every phase, the JSON it writes, and the
-checks failing when they should (a broken oracle kernel, memory that grows)."""
+checks failing when they should (a broken oracle kernel, memory that grows). tests/long/ is on
+pytest's pythonpath (pyproject.toml)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
+import endurance
+import endurance_checks
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent / "long" / "endurance.py"
 SMALL = ["--device", "cpu", "--preset", "tiny", "--batch-size", "4", "--seq-len", "32"]
 SMALL += ["--sample-every", "1", "--eval-batches", "2", "--no-progress"]
 
 
-@pytest.fixture(scope="module")
-def endurance():
-    spec = importlib.util.spec_from_file_location("endurance", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_smoke_run_writes_every_figure_and_passes(endurance, tmp_path, capsys):
+def test_smoke_run_writes_every_figure_and_passes(tmp_path, capsys):
     rc = endurance.main([*SMALL, "--steps", "5", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -36,7 +28,7 @@ def test_smoke_run_writes_every_figure_and_passes(endurance, tmp_path, capsys):
         assert s["pinned_nbytes"] == s["gpu_allocated_nbytes"] == 0  # nothing pinned on a CPU
         assert s["train_loss_nats"] == pytest.approx(e["train_losses_nats"][s["step"] - 1])
     flat = e["flatness"]
-    assert flat["host_rss"]["limit_nbytes"] >= endurance.RSS_LIMIT_NBYTES
+    assert flat["host_rss"]["limit_nbytes"] >= endurance_checks.RSS_LIMIT_NBYTES
     assert flat["pinned"]["spread_nbytes"] == flat["host"]["spread_nbytes"] == 0
     assert [ref["seed"] for ref in r["references"]] == [0, 1, 2]
     for run in [e, *r["references"]]:
@@ -53,7 +45,7 @@ def test_smoke_run_writes_every_figure_and_passes(endurance, tmp_path, capsys):
     assert "mismatching steps (bitwise)" in out
 
 
-def test_a_wrong_update_is_counted_once_and_fails_the_run(endurance, tmp_path, monkeypatch):
+def test_a_wrong_update_is_counted_once_and_fails_the_run(tmp_path, monkeypatch):
     calls = []
 
     def off_by_a_bit(params, grads, exp_avgs, *args, **kwargs):
@@ -62,7 +54,7 @@ def test_a_wrong_update_is_counted_once_and_fails_the_run(endurance, tmp_path, m
         if len(calls) == 3:  # the third step: one element of one moment is off
             exp_avgs[0].view(-1)[0] += 1e-3
 
-    monkeypatch.setattr(endurance, "ORACLE_KERNEL", off_by_a_bit)
+    monkeypatch.setattr(endurance_checks, "ORACLE_KERNEL", off_by_a_bit)
     rc = endurance.main([*SMALL, "--steps", "5", "--ref-seeds=", "--out", str(tmp_path)])
     assert rc == 1
     r = json.loads((tmp_path / "endurance.json").read_text())
@@ -76,7 +68,7 @@ def test_a_wrong_update_is_counted_once_and_fails_the_run(endurance, tmp_path, m
     assert r["references"] == [] and r["heldout_band"]["within"] is None
 
 
-def test_flatness_limits(endurance):
+def test_flatness_limits():
     def samples(rss_growth, pinned_growth):  # growth per sample, every 10 steps
         return [
             {
@@ -90,10 +82,10 @@ def test_flatness_limits(endurance):
             for s in range(10, 101, 10)
         ]
 
-    flat = endurance.flatness(samples(2**20, 0), 100)  # 8 MiB over steps 20..100: fine
+    flat = endurance_checks.flatness(samples(2**20, 0), 100)  # 8 MiB over steps 20..100: fine
     assert flat["warmup_steps"] == 10 and flat["samples_after_warmup"] == 9
     assert flat["host_rss"]["spread_nbytes"] == 8 * 2**20 and flat["host_rss"]["ok"]
     assert flat["pinned"]["ok"] and flat["host"]["ok"]
-    flat = endurance.flatness(samples(10 * 2**20, 4096), 100)  # 80 MiB: over max(64 MiB, 2%)
+    flat = endurance_checks.flatness(samples(10 * 2**20, 4096), 100)  # 80 MiB: over max(64 MiB, 2%)
     assert not flat["host_rss"]["ok"] and flat["host_rss"]["limit_nbytes"] == 64 * 2**20
     assert not flat["pinned"]["ok"] and flat["pinned"]["spread_nbytes"] == 8 * 4096

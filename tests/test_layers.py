@@ -141,11 +141,11 @@ def test_the_leaf_package_check_can_fail(tmp_path, monkeypatch):
                    "kernels.a imports rules")  # fmt: skip
 
 
-# The tests of a benchmark script itself (its options and summaries) import it; nothing else
-# under tests/ does: a suite's cases live in tests/ (tests/long/ for the long-running ones).
-TESTS_OF_BENCHMARKS = {"test_bench_scripts.py": {"overlap_bench", "profile_modes", "timeline"},
-                       "test_quality.py": {"quality"}}  # fmt: skip
-LOADS = re.compile(r"spec_from_file_location|sys\.path\.insert|syspath_prepend")
+# No test imports a benchmark: a suite's cases live in tests/ (tests/long/ for the long-running
+# ones), and a test of a script of benchmarks/ runs it as a program, through as_program.py (the
+# one file here that executes one, as ``python script`` does, in a child process).
+AS_PROGRAM = "as_program.py"
+LOADS = re.compile(r"spec_from_file_location|sys\.path\.insert|syspath_prepend|run_path")
 
 
 def test_no_test_imports_a_benchmark():
@@ -160,11 +160,10 @@ def test_no_test_imports_a_benchmark():
                 names |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names.add(node.module.split(".")[0])
-        allowed = TESTS_OF_BENCHMARKS.get(path.name, set())
-        found = sorted(names & benchmarks - allowed - {p.stem for p in tests.glob("*.py")})
+        found = sorted(names & benchmarks - {p.stem for p in tests.glob("*.py")})
         if found:
             bad.append(f"{path.relative_to(tests)} imports {found}")
-        elif not allowed and path != Path(__file__).resolve() and LOADS.search(text) and \
-                re.search(r"""["']benchmarks["']""", text):  # fmt: skip
+        elif path.name != AS_PROGRAM and path != Path(__file__).resolve() and \
+                LOADS.search(text) and re.search(r"""["']?benchmarks["'/]""", text):  # fmt: skip
             bad.append(f"{path.relative_to(tests)} loads a file of benchmarks/")
     assert not bad, bad

@@ -104,13 +104,13 @@ def test_an_interrupt_inside_step_arrives_after_the_step_is_whole(fraction, ctrl
     if opt.debug.pipeline is not None:  # Ctrl-C while the worker updates the first bucket
         opt.debug.pipeline.worker_hook = lambda b: os.kill(os.getpid(), signal.SIGINT)
     else:
-        ref_step = opt.debug.updater.device_rule
+        ref_step = opt.debug.updater.device.run_rule
 
         def interrupted(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGINT)
             return ref_step(*args, **kwargs)
 
-        opt.debug.updater.device_rule = interrupted
+        opt.debug.updater.device.run_rule = interrupted
     for p, q, g in zip(ref_params, params, seeded_grads(params, 1), strict=True):
         p.grad, q.grad = g.clone(), g.clone()
     ref.step()

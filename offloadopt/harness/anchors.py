@@ -117,14 +117,16 @@ def representation(state_dtype: str = "fp32", master_weights: str = "fp32") -> d
 
 def hybrid(fraction: float, mode: str = "step", **kwargs):
     """HybridAdamW at ``fraction`` in ``mode`` (a key of :data:`MODES`; fraction 0 in step
-    mode is the benchmark's baseline). Modes other than step watch the model."""
+    mode is the benchmark's baseline). Modes other than step watch the model. A keyword in
+    ``kwargs`` replaces the mode's own (profile_modes.py's ``backward:0.2:grads_final=False``
+    raised "multiple values for keyword argument")."""
     options, numerics = MODES[mode]
 
     def build(model: torch.nn.Module, lr: float) -> dict[str, Any]:
         from offloadopt import HybridAdamW
 
         opt = HybridAdamW(model.named_parameters(), offload_fraction=fraction,
-                          **adamw_kwargs(lr), **options, **kwargs)  # fmt: skip
+                          **adamw_kwargs(lr), **{**options, **kwargs})  # fmt: skip
         if mode != "step":
             opt.watch(model)  # per-module waits; delayed: model.state_dict() sees the masters
         stale = mode == "delayed" and fraction > 0  # at fraction 0 nothing is a step old
@@ -196,7 +198,24 @@ def _host_weights(
     return out
 
 
-def deepspeed_zero2(model: torch.nn.Module, lr: float, batch_size: int = 1) -> dict[str, Any]:
+# ZenFlow's tutorial settings (deepspeed.ai/tutorials/zenflow): the top 5% of the grads by norm
+# updated on the GPU every step, the rest accumulated and updated on the CPU every 4th step,
+# that update overlapped with the next steps
+ZENFLOW = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto",
+           "update_interval": 4, "full_warm_up_rounds": 0, "overlap_step": True}  # fmt: skip
+
+
+def deepspeed_zenflow(model: torch.nn.Module, lr: float, batch_size: int = 1) -> dict[str, Any]:
+    """DeepSpeed ZenFlow: :func:`deepspeed_zero2` with a ``zenflow`` block (:data:`ZENFLOW`)
+    under ``zero_optimization``. Its updates are stale by design (most params are updated
+    every 4th step, from accumulated grads), so its weights differ from AdamW's."""
+    out = deepspeed_zero2(model, lr, batch_size, zenflow=ZENFLOW)
+    return {**out, "numerics": "DeepSpeed ZenFlow (stale, selective updates)"}
+
+
+def deepspeed_zero2(
+    model: torch.nn.Module, lr: float, batch_size: int = 1, zenflow: dict | None = None
+) -> dict[str, Any]:
     """DeepSpeed ZeRO-2 with ``offload_optimizer: cpu`` (pinned), one rank, on a deep copy.
 
     Its engine casts the copy to bf16 and flattens its params in place. During backward the
@@ -228,7 +247,8 @@ def deepspeed_zero2(model: torch.nn.Module, lr: float, batch_size: int = 1) -> d
         "train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0, "steps_per_print": 2**31 - 1,
         "bf16": {"enabled": next(model.parameters()).dtype == torch.bfloat16},
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                              **({"zenflow": zenflow} if zenflow else {})},
         "optimizer": {"type": "AdamW", "params": {"lr": hp["lr"], "betas": list(hp["betas"]),
                                                   "eps": hp["eps"], "weight_decay": hp["weight_decay"]}},
     }  # fmt: skip
@@ -346,5 +366,6 @@ ANCHORS: dict[str, tuple[Any, bool]] = {
     "deepspeed-zero2": (
         deepspeed_zero2,
         False,
-    ),  # last: its CPU Adam compiles itself first (~1 min)
+    ),  # after the others: its CPU Adam compiles itself first (~1 min)
+    "deepspeed-zenflow": (deepspeed_zenflow, False),
 }

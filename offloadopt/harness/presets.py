@@ -107,4 +107,5 @@ ANCHOR_NAMES: tuple[str, ...] = (
     "hybrid-fsdp2-delayed:1",
     "hybrid-fsdp2-backward:1",
     "deepspeed-zero2",
+    "deepspeed-zenflow",
 )

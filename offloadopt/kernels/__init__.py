@@ -70,6 +70,7 @@ __all__ = [
     "decode_v",
     "encode_m",
     "encode_v",
+    "kernel_ms",
     "load",
     "nblocks",
     "torch_vec_size",
@@ -259,6 +260,15 @@ def load() -> ModuleType:
             _error = e
             raise
         return _module
+
+
+def kernel_ms() -> float:
+    """Milliseconds spent inside the kernel's parallel regions since it was loaded, all calls
+    and threads' calls summed (0.0 before it is loaded; this never builds it). The difference
+    across a call is the kernel's own time, without the GIL, the checks or the Python around it
+    (``opt.stats["cpu_kernel_ms"]`` against ``cpu_update_ms``)."""
+    module = _module
+    return 0.0 if module is None else module.kernel_ns() / 1e6
 
 
 def element_nbytes(master_bf16: bool, grad_bf16: bool, moments: int, weights_out: bool) -> float:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["adam_update", "device_step", "device_work_nbytes", "MOMENT_CODES"]
+__all__ = ["adam_update", "device_step", "device_work_nbytes", "hyper_floats", "MOMENT_CODES"]
 
 MOMENT_CODES = {"fp32": 0, "bf16": 1, "int8": 2}  # the kernel's ``moments`` argument
 # Elements per flat pass of the device path (reference.adam_step_flat): its temporaries are
@@ -131,6 +131,17 @@ def device_step(*, max_numel: int | None = None, compiled: bool | None = None, *
         adam_step_flat(**part)
 
 
+def hyper_floats(hyper: Any, host: bool) -> tuple[float, float, float, float, float, bool]:
+    """``(lr, beta1, beta2, weight_decay, eps, maximize)`` of a frozen group
+    (:class:`offloadopt.rules.Hyper`) as the update takes them: ``host``, the learning rate as
+    the host kernel takes it; a tensor lr is read with ``.item()``."""
+    lr = hyper.lr_host if host else hyper["lr"]
+    lr = float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
+    beta1, beta2 = (float(b) for b in hyper["betas"])
+    wd, eps = float(hyper["weight_decay"]), float(hyper["eps"])
+    return lr, beta1, beta2, wd, eps, bool(hyper["maximize"])
+
+
 def adam_update(
     rule: Any,
     hyper: Any,
@@ -196,9 +207,7 @@ def adam_update(
             return
         scale = amp.get("grad_scale")
         grad_scale = None if scale is None else float(scale.item())
-    lr = hyper.lr_host if host else hyper["lr"]
-    lr = float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
-    beta1, beta2 = (float(b) for b in hyper["betas"])
+    lr, beta1, beta2, weight_decay, eps, maximize = hyper_floats(hyper, host)
     if rule.moments == "int8":
         m, m_scale, v, v_scale = states
     else:
@@ -236,9 +245,9 @@ def adam_update(
             lr=lr,
             beta1=beta1,
             beta2=beta2,
-            weight_decay=float(hyper["weight_decay"]),
-            eps=float(hyper["eps"]),
-            maximize=bool(hyper["maximize"]),
+            weight_decay=weight_decay,
+            eps=eps,
+            maximize=maximize,
             decoupled=rule.decoupled,
             grad_scale=grad_scale,
             moments=MOMENT_CODES[rule.moments],

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -48,6 +49,9 @@ enum class Moments : int { Fp32 = 0, Bf16Sr = 1, Int8Block = 2 };
 
 // Whether backups are written with non-temporal (streaming) stores (set_backup_stream).
 std::atomic<bool> g_backup_stream{true};
+// wall ns spent in the update's parallel regions, summed over calls (kernel_ns()): the
+// kernel's own time, without the GIL, the argument checks or the Python around the call
+std::atomic<int64_t> g_kernel_ns{0};
 
 // Copy n bytes; with streaming stores the destination's lines are neither read first nor kept
 // in cache: the copy moves n bytes in and n out, not 3n.
@@ -399,6 +403,7 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
   const SpanFn fn = current_isa()->pick(mbf16 ? Master::Bf16Sr : Master::Fp32, gbf16, (Moments)moments, wout);
   const int64_t max_run = bk ? BACKUP_RUN : RUN;
 
+  const auto t0 = std::chrono::steady_clock::now();
   at::parallel_for(0, nblocks, 1, [&](int64_t begin, int64_t end) {
 #ifdef OFFLOADOPT_X86
     const unsigned int csr = _mm_getcsr();
@@ -431,6 +436,8 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
     _mm_setcsr(csr);
 #endif
   });
+  g_kernel_ns.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
 }
 
 int64_t num_threads_used() {
@@ -475,6 +482,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("num_threads_used", &num_threads_used,
           "number of threads a parallel region of the extension runs on");
   mod.def("block", []() { return BLOCK; });
+  mod.def("kernel_ns", []() { return g_kernel_ns.load(); },
+          "wall ns spent in the update's parallel regions since the module loaded, all calls summed");
   mod.def("isa", []() { return std::string(current_isa()->name); }, "the ISA the kernel runs on");
   mod.def("lanes", []() { return current_isa()->lanes; }, "fp32 lanes per vector of that ISA");
   mod.def("isas", &isas, "the ISAs this CPU runs, best first");

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from offloadopt import kernels
 from offloadopt.link.layout import Bucket
 from offloadopt.link.transfer import SLOTS, Slot, Transfer, wait_event
 from offloadopt.link.worker import WaitTimeout, Worker
@@ -346,12 +347,13 @@ class Pipeline:
             views = b.slot_views(slot.host, slot.link)
             # grads in the link dtype: the update writes the new weights over them
             work.out = [views[i] for i in work.idx] if slot.holds_weights(b) else None
-            t = time.perf_counter()
+            t, k = time.perf_counter(), kernels.kernel_ms()
             with _traced("offloadopt.cpu_update"):
                 if work.before is not None:
                     work.before(work)
                 update(work, [views[i] for i in work.idx])
             stats["cpu_update_ms"] += (time.perf_counter() - t) * 1e3
+            stats["cpu_kernel_ms"] += kernels.kernel_ms() - k
         except WaitTimeout:
             raise
         except Exception as e:

@@ -73,7 +73,7 @@ def drop_placement(sd: dict[str, Any]) -> dict[str, Any]:
         # Placement is the loading optimizer's own (load_state_dict keeps its groups'
         # "offload"), so a checkpoint carries none: torch.distributed.checkpoint loads
         # only keys the checkpoint has, and one of torch's AdamW, or one taken at another
-        # placement, must load here (found by benchmarks/faults.py: "Missing key in
+        # placement, must load here (found by the fault suite's resumes: "Missing key in
         # checkpoint state_dict: optim.param_groups.0.offload").
         g.pop("offload", None)
     return sd

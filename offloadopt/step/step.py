@@ -159,7 +159,15 @@ def stop_run(run: StepRun, timeout_s: float) -> None:
     run.job.done.wait(timeout_s)
 
 
-_STATS = ("d2h_wait_ms", "cpu_update_ms", "launch_ms", "feed_wait_ms", "h2d_ms", "d2h_ms")
+_STATS = (
+    "d2h_wait_ms",
+    "cpu_update_ms",
+    "cpu_kernel_ms",
+    "launch_ms",
+    "feed_wait_ms",
+    "h2d_ms",
+    "d2h_ms",
+)
 
 
 def begin_step(

@@ -1,6 +1,7 @@
 """The update itself, owned by :class:`Updater`: the rule on the worker over a bucket, and on
-the device over the device-resident params; the making of state (lazily, at a param's first
-grad, or from a saved entry), stale masters refreshed, the offloaded ``step`` advanced."""
+the device over the device-resident params (step/device.py); the making of state (lazily, at a
+param's first grad, in the flat buffers of step/device_flat.py where it goes there, or from a
+saved entry), stale masters refreshed, the offloaded ``step`` advanced."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from offloadopt.place.records import ParamRecord
 from offloadopt.rules import BLOCK, INT8_KEYS, Hyper
 from offloadopt.shards import local
 from offloadopt.state import checkpoint
+from offloadopt.step.device import DeviceUpdate
+from offloadopt.step.device_flat import DeviceFlat
 from offloadopt.step.step import Step
 from offloadopt.warn import warn
 
@@ -25,29 +28,6 @@ if TYPE_CHECKING:
     from offloadopt.state.store import OptimizerState
 
 __all__ = ["Updater"]
-
-
-def _matching(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``grad`` in ``like``'s dtype and strides. torch's fused kernels walk param, grad and
-    state as flat memory, so a grad with other strides (a transposed grad set by hand) would
-    be paired with the wrong elements; autograd's grads already match and pass through."""
-    if grad.dtype == like.dtype and grad.stride() == like.stride():
-        return grad
-    return torch.empty_like(like).copy_(grad)
-
-
-def _dense(p: torch.Tensor) -> bool:
-    """Whether ``p``'s elements fill its memory without gaps or overlap (flat kernels are safe)."""
-    if p.is_contiguous():
-        return True
-    expected = 1  # sorted by stride, a dense tensor's strides are running products of its sizes
-    for stride, size in sorted(
-        (st, n) for st, n in zip(p.stride(), p.shape, strict=True) if n != 1
-    ):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _joined(segs: list, columns: list[list[torch.Tensor]], steps: list[torch.Tensor]):
@@ -122,7 +102,9 @@ class Updater:
 
     Owns: the rule's application over one bucket on the CPU worker (:meth:`update_bucket`,
     the worker's callable) and over the device-resident params on the compute stream
-    (:meth:`device_update`); the making of state (:meth:`init_state`, :meth:`make_state`,
+    (:attr:`device`, a :class:`~offloadopt.step.device.DeviceUpdate`; the flat buffers of
+    compressed state: :attr:`flat`, a :class:`~offloadopt.step.device_flat.DeviceFlat`); the
+    making of state (:meth:`init_state`, :meth:`make_state`,
     :meth:`new_state_tensor`, :meth:`load_entry`, :meth:`load_state`); stale masters
     (:meth:`refresh_if_stale`); a step's preparation of its params (:meth:`prepare`,
     :meth:`prepare_device`).
@@ -146,6 +128,9 @@ class Updater:
         self.bucket_nbytes = bucket_nbytes
         self.timeout_s = timeout_s
         self.warn_once = warn_once
+        self.flat = DeviceFlat(rule, records, state, master_weights=master_weights)
+        self.device = DeviceUpdate(rule, records, state, self.flat, self.apply,
+                                   bucket_nbytes=bucket_nbytes)  # fmt: skip
 
     def update_bucket(self, work: BucketWork, grads: list[torch.Tensor]) -> None:
         """On the worker: the rule over the bucket's segments ``work.idx``, whose grads (in
@@ -210,6 +195,11 @@ class Updater:
         else:
             self.rule.update(hyper, weights, grads, states, steps, host=host, first=first, amp=amp)
 
+    def device_update(self, hyper: Hyper, params: list[torch.Tensor], scale, first=False,
+                      amp=None) -> None:  # fmt: skip
+        """The rule over device-resident ``params`` (:meth:`DeviceUpdate.update`)."""
+        self.device.update(hyper, params, scale, first, amp)
+
     def prepare(self, st: Step, params: list[torch.Tensor]) -> None:
         """Create state lazily, refresh stale masters, advance the offloaded params' ``step``
         (once per step, even when buckets cut a param in several segments)."""
@@ -237,7 +227,16 @@ class Updater:
     def prepare_device(self, st: Step, with_grad: list[torch.Tensor]) -> list:
         """Prepare the device-resident params; their work grouped by frozen hyperparameters."""
         on_device = [p for p in with_grad if not self.records[p].offloaded]
-        self.prepare(st, on_device)
+        fresh: dict[int, list[torch.Tensor]] = {}  # per group, the params without state yet
+        for p in on_device:
+            if not self.state.get(p):
+                fresh.setdefault(id(st.group_of[p]), []).append(p)
+        for params in fresh.values():
+            self.flat.reserve(params)  # their state is made in flat buffers (init_state)
+        try:
+            self.prepare(st, on_device)
+        finally:
+            self.flat.pending.clear()
         by_group: dict[tuple, tuple[Hyper, list, bool]] = {}
         for p in on_device:
             hyper, first = st.hypers[id(st.group_of[p])], p in st.first
@@ -263,8 +262,14 @@ class Updater:
             # it would cost a host sync every step on the training thread
             if step and not self.rule.compressed:
                 step["step"] = step["step"].to(p.device)
-            state = {**step, **{k: self.new_state_tensor(p, rec, k) for k in keys}}
-            if udt != p.dtype:
+            views = self.flat.claim(p)  # zeroed views of flat buffers (step/device_flat.py)
+            if views is not None:
+                state = {k: views[k] for k in (*step, *keys)}
+                if "master" in views:
+                    state["master"] = views["master"].copy_(local(p).detach())
+            else:
+                state = {**step, **{k: self.new_state_tensor(p, rec, k) for k in keys}}
+            if udt != p.dtype and views is None:
                 # the compressed kernels walk flat memory: their master is contiguous (a
                 # channels_last bf16 param's crashed them); torch's keep the param's layout
                 layout = torch.contiguous_format if self.rule.compressed else torch.preserve_format
@@ -361,108 +366,6 @@ class Updater:
             self.load_entry(p, self.records[p], entry)
             ignored_masters |= entry.get("master") is not None and "master" not in self.state[p]
         return ignored_masters
-
-    def device_update(
-        self, hyper: Hyper, params: list[torch.Tensor], scale, first=False, amp=None
-    ) -> None:
-        """The rule on the device, on the compute stream; fp32 masters where they exist, fed
-        grads upcast (and multiplied by the clip factors ``scale``) chunk by chunk so the fp32
-        temporaries stay under ``bucket_nbytes``; ``amp``: a GradScaler's inputs or None."""
-        # torch's fused kernels walk a tensor's memory flat: a strided view (Parameter(base[..., 0]))
-        # is updated through a contiguous copy (tests/test_state_contract.py); the compressed
-        # kernels pair elements with contiguous state, so they need a contiguous param.
-        flat = (lambda t: t.is_contiguous()) if self.rule.compressed else _dense
-        plain = [p for p in params if "master" not in self.state[p] and flat(local(p))]
-        strided = [p for p in params if "master" not in self.state[p] and not flat(local(p))]
-        mastered = [p for p in params if "master" in self.state[p]]
-        if scale is None:
-            weights = [local(p) for p in plain]
-            grads = [_matching(local(p.grad), w) for p, w in zip(plain, weights, strict=True)]
-            self.device_rule(hyper, plain, weights, grads, first, amp)
-            plain = []
-            if self.rule.compressed and mastered:
-                # offloadopt's kernels read bf16 grads and write the bf16 weights themselves
-                # (rounded to nearest even, the bits of the master's downcast): one call over
-                # every contiguous mastered param, no fp32 copies of the grads, no chunks (the
-                # device pass makes its own, kernels.adam.FLAT_NUMEL_DEFAULT). Chunked by
-                # bucket_nbytes with fp32 grads, GPT-2 1.5B's device update took about 115 ms
-                # more than torch's fused kernel (48 passes, each with its host-side setup).
-                # bf16 only: the kernels read fp32 or bf16 grads (fp16 ones are upcast below)
-                whole = [p for p in mastered if local(p).is_contiguous()
-                         and local(p).dtype == local(p.grad).dtype == torch.bfloat16]  # fmt: skip
-                if whole:
-                    targets = [self.state[q]["master"] for q in whole]
-                    grads = [local(q.grad) for q in whole]
-                    self.device_rule(hyper, whole, targets, grads, first, amp,
-                                     out=[local(q) for q in whole])  # fmt: skip
-                    for q in whole:
-                        self.records[q].mark_written(q)
-                    done = {id(q) for q in whole}
-                    mastered = [p for p in mastered if id(p) not in done]
-        for kind in (plain, strided, mastered):
-            chunk: list[torch.Tensor] = []
-            nbytes = 0
-            for n, p in enumerate(kind):
-                chunk.append(p)
-                nbytes += p.numel() * 4
-                if nbytes < self.bucket_nbytes and n < len(kind) - 1:
-                    continue
-                if kind is mastered:
-                    targets = [self.state[q]["master"] for q in chunk]
-                elif kind is strided:
-                    targets = [
-                        local(q).detach().clone(memory_format=torch.contiguous_format)
-                        for q in chunk
-                    ]
-                else:
-                    targets = [local(q) for q in chunk]
-                grads = [_matching(local(q.grad), t) for q, t in zip(chunk, targets, strict=True)]
-                if scale is not None:
-                    # The clip factors on fp32 grads, as the offloaded path applies them; the
-                    # user's grads are left as they are.
-                    factors = scale if isinstance(scale, tuple) else (scale,)
-                    theirs = [n for n, (g, q) in enumerate(zip(grads, chunk, strict=True))
-                              if g is local(q.grad)]  # fmt: skip
-                    skip = set(theirs)
-                    mine = [g for n, g in enumerate(grads) if n not in skip]
-                    if mine:  # upcast copies: in place, one launch per list
-                        torch._foreach_mul_(mine, factors[0])
-                    if theirs:
-                        scaled = torch._foreach_mul([grads[n] for n in theirs], factors[0])
-                        for n, g in zip(theirs, scaled, strict=True):
-                            # A 0-d bf16 grad times the 0-d fp32 factor promotes to fp32
-                            # (0-d operands promote as equals): back to the grad's dtype, the
-                            # one rounding an n-d grad's product gets.
-                            grads[n] = g.to(grads[n].dtype)
-                    for f in factors[1:]:
-                        torch._foreach_mul_(grads, f)
-                self.device_rule(hyper, chunk, targets, grads, first, amp)
-                if kind is not plain:
-                    # weights = round(master), or strided
-                    torch._foreach_copy_([local(q) for q in chunk], targets)
-                for q in chunk:
-                    self.records[q].mark_written(q)
-                chunk, nbytes = [], 0
-
-    def device_rule(self, hyper: Hyper, params, weights, grads, first=False, amp=None,
-                    out=None) -> None:  # fmt: skip
-        """The rule over ``params`` on their device: ``weights`` (the params or their masters)
-        updated in place from ``grads``; ``out`` (compressed rules): the params, written with
-        the new weights rounded to nearest even."""
-        if not params:
-            return
-        keys = self.records[params[0]].state_keys  # one group: the same keys
-        states = [[self.state[p][k] for p in params] for k in keys]
-        steps = [self.state[p]["step"] for p in params] if self.rule.has_step else []
-        if steps:
-            torch._foreach_add_(steps, 1)
-        args = None if amp is None else amp.kernel_args(host=False)
-        where = [(self.records[p].salt, 0) for p in params] if self.rule.compressed else None
-        self.apply(hyper, weights, grads, states, steps, host=False, first=first, amp=args,
-                   where=where, out=out)  # fmt: skip
-        if steps and amp is not None and amp.found_inf is not None:
-            # as torch.optim.AdamW(fused=True): a skipped step does not count
-            torch._foreach_sub_(steps, [amp.found_inf.to(steps[0].device)] * len(steps))
 
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
