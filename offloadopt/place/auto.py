@@ -29,6 +29,12 @@ itself):
    the prediction. Without a budget, a period above ``1 + tolerance`` times fraction 0's
    (measured in the baseline; else predicted) moves the state down to the fraction the model, corrected by that error, keeps within it, and that
    one is verified in turn (:data:`CORRECTIONS` times at most; ``choice["corrections"]``).
+   After each move (the baseline's and the choice's alike) the step whose window spans it and
+   :data:`SETTLE_STEPS` more are no sample: both are timed in their steady state.
+5. *Steady*: :data:`STEADY_AFTER` steps after a choice within the limit, its period is measured
+   once more (``choice["steady_step_ms"]``). Above the limit it is corrected as in 4 while
+   corrections are left; otherwise a warning says that the host moved, and
+   ``choice["host_moved"]`` is True (False when the steady state held).
 
 ``opt.placement_choice`` holds the choice, its inputs and the predicted and measured step
 times (milliseconds); logger ``offloadopt`` says the same in two lines. When no choice can be
@@ -49,13 +55,33 @@ from typing import Any
 import torch
 
 from offloadopt.place import costmodel, report
+from offloadopt.place.costmodel import cost_mode, measurements  # auto's inputs, re-exported
 from offloadopt.warn import warn
 
-__all__ = ["AutoFraction", "PROBE_FRACTION", "MEASURED_STEPS", "CORRECTIONS", "measurements"]
+__all__ = [
+    "AutoFraction",
+    "PROBE_FRACTION",
+    "MEASURED_STEPS",
+    "CORRECTIONS",
+    "SETTLE_STEPS",
+    "STEADY_AFTER",
+    "cost_mode",
+    "measurements",
+]
 
 PROBE_FRACTION = 0.5  # both sides hold state, so both kernels' speeds are measured
 MEASURED_STEPS = 3  # steps per phase (medians)
 CORRECTIONS = 2  # verified periods above the limit that move the fraction down
+# Steps after a move that are no sample (besides the first, whose window spans the move): the
+# allocator's new blocks, the old placement's pinned frees and the worker's pages settle there,
+# for fraction 0's baseline and the chosen fraction alike, so both are timed in the steady
+# state a user then gets. On the H200 (issue 46) a choice verified right after its move
+# measured 123.2 ms against fraction 0's 120.5, and stepped 135.6 ms from then on.
+SETTLE_STEPS = 2
+# Steps after a verified choice before it is measured once more (the steady state): a period
+# there above the limit moves the fraction down while corrections are left, or says that the
+# host moved (a warning, ``placement_choice["host_moved"]``).
+STEADY_AFTER = 6
 # The choice aims at this share of the tolerance; the rest is room for what the probe cannot
 # see: the steps' spread on a shared host (+-10% step to step on the GPU host) and, in backward
 # mode, the grad hooks' hand-off inside backward (the probe holds the updates for step()). On
@@ -63,61 +89,7 @@ CORRECTIONS = 2  # verified periods above the limit that move the fraction down
 # step (benchmarks/RESULTS.md, auto).
 CHOICE_MARGIN = 0.5
 SMALLEST_SIDE = 0.05  # the probe's device share below which its update is not timed
-_NO_LINK_GBPS = 1e3  # without CUDA the "link" is a memcpy the worker's time already holds
 _log = logging.getLogger("offloadopt")
-
-
-def cost_mode(overlap: str, grads_final: bool, max_grad_norm: float | None) -> str:
-    """The cost model's mode for these options: backward mode whose updates wait for
-    ``step()`` (no ``grads_final``, no ``max_grad_norm``) costs what step mode does."""
-    if overlap == "backward" and not (grads_final or max_grad_norm is not None):
-        return "step"
-    return overlap
-
-
-def measurements(
-    *,
-    fwd_bwd_ms: float,
-    device_update_ms: float,
-    stats: dict[str, float],
-    device_numel: int,
-    offloaded_numel: int,
-    bucket_nbytes: int,
-    weight_bytes: int = 2,
-    state_bytes: int = 12,
-    host_copy_bytes: int = 0,
-) -> costmodel.Measurements:
-    """:class:`costmodel.Measurements` from one placement's figures: the medians of the
-    windows (ms), the optimizer's ``stats`` of a step there (the worker's kernel time, its busy
-    time, the buckets, the link's bytes and GPU times) and the elements on each side. The
-    per-bucket overhead is the worker's busy time (``worker_ms`` less its waits for D2H and for
-    buckets backward had not announced yet, as with ``release_grads``) beyond the kernel, per
-    bucket.
-
-    Raises:
-        ValueError: no offloaded elements (nothing to measure the worker on), or a figure the
-            cost model refuses (named).
-    """
-    if offloaded_numel <= 0:
-        raise ValueError("offload_fraction='auto': no param is offloaded at the probe fraction")
-
-    def gbps(key: str) -> float:
-        ms, nbytes = stats.get(f"{key}_ms", 0.0), stats.get(f"{key}_nbytes", 0.0)
-        return nbytes / (ms * 1e6) if ms > 0 and nbytes > 0 else _NO_LINK_GBPS
-
-    kernel_ms = stats.get("cpu_update_ms", 0.0)
-    waits_ms = stats.get("d2h_wait_ms", 0.0) + stats.get("feed_wait_ms", 0.0)
-    busy_ms = stats.get("worker_ms", 0.0) - waits_ms
-    return costmodel.Measurements(
-        params=device_numel + offloaded_numel,
-        fwd_bwd_ms=max(fwd_bwd_ms, 0.0),
-        device_ns_per_param=device_update_ms * 1e6 / device_numel if device_numel else 0.0,
-        cpu_ns_per_param=kernel_ms * 1e6 / offloaded_numel,
-        d2h_gbps=gbps("d2h"), h2d_gbps=gbps("h2d"),
-        bucket_overhead_ms=max(0.0, busy_ms - kernel_ms) / max(1, stats.get("buckets", 1)),
-        bucket_nbytes=bucket_nbytes, weight_bytes=weight_bytes, grad_bytes=weight_bytes,
-        state_bytes=state_bytes, host_copy_bytes=host_copy_bytes,
-    )  # fmt: skip
 
 
 class _Clock:
@@ -153,7 +125,7 @@ class AutoFraction:
     def __init__(self, tolerance: float, budgeted: bool, release_grads: bool = False):
         self.tolerance, self.budgeted = tolerance, budgeted
         self._may_hold = not budgeted and not release_grads
-        self.phase = "probe"  # "probe" -> "verify" -> "done"
+        self.phase = "probe"  # "probe" -> "baseline" -> "verify" -> "steady" -> "done"
         self.choice: dict[str, Any] = {}
         self._clock: _Clock | None = None
         self._cur: dict[str, Any] = {}
@@ -161,6 +133,7 @@ class AutoFraction:
         self._samples: list[dict[str, float]] = []
         self.moving = False  # a move asked for by end(), not yet moved() (a caller's cancels us)
         self._then = "verify"  # the phase after that move
+        self._skip = 0  # steps still to pass before the next sample (SETTLE_STEPS, STEADY_AFTER)
         self._model: costmodel.Measurements | None = None  # the probe's, once chosen
         self._stats: dict[str, float] = {}  # the figures of the last step that updated buckets
         self._target = 0.0  # the chosen fraction, while fraction 0 is measured
@@ -235,7 +208,9 @@ class AutoFraction:
             self._stats = dict(stats)  # this step's figures (complete: it was waited for)
         cur["end"] = self._clock.mark()
         prev, self._prev_end = self._prev_end, cur["end"]
-        if prev is not None:
+        if prev is not None and self._skip > 0:  # settling after a move: no sample
+            self._skip -= 1
+        elif prev is not None:
             if not self._samples and placer.pipeline is not None:
                 placer.pipeline.collect_link()  # the link's copies from here on are ours
             self._samples.append(cur | {"prev": prev})
@@ -275,7 +250,7 @@ class AutoFraction:
             if placer.fraction == 0.0:
                 placer.choice = {**(placer.choice or {}), **self.choice, "fraction": 0.0}
                 self.phase, self._samples = "baseline", []
-                self._prev_end = None  # the next window spans the move
+                self._prev_end, self._skip = None, SETTLE_STEPS  # the next window spans the move
             return None
         if error is not None:
             self.choice["kept"] = f"{type(error).__name__}: {error}"[:300]
@@ -287,7 +262,7 @@ class AutoFraction:
         ).step_ms
         placer.choice = {**(placer.choice or {}), **self.choice}
         self.phase, self._samples = "verify", []
-        self._prev_end = None  # the next window spans the move
+        self._prev_end, self._skip = None, SETTLE_STEPS  # the next window spans the move
         return None
 
     def _keep(self, placer: Any, why: str) -> None:
@@ -387,9 +362,11 @@ class AutoFraction:
         from run to run, and the model leaves out the contention between the worker and the
         training thread)."""
         fraction, measured = placer.fraction, timed["period_ms"]
-        self.choice["measured_step_ms"] = measured
-        _log.info("offloadopt: offload_fraction auto: fraction %g measured %.1f ms/step "
-                  "(predicted %.1f)", fraction, measured, self.choice["predicted_step_ms"])  # fmt: skip
+        steady = self.phase == "steady"
+        self.choice["steady_step_ms" if steady else "measured_step_ms"] = measured
+        _log.info("offloadopt: offload_fraction auto: fraction %g measured %.1f ms/step%s "
+                  "(predicted %.1f)", fraction, measured, " (steady)" if steady else "",
+                  self.choice["predicted_step_ms"])  # fmt: skip
         zero = self.choice["measured_step_ms_at_0"] or self.choice["predicted_step_ms_at_0"]
         limit = (1 + self.tolerance) * zero
         corrections = self.choice["corrections"]
@@ -405,9 +382,29 @@ class AutoFraction:
             corrections.append({"fraction": fraction, "measured_step_ms": measured,
                                 "predicted_step_ms": self.choice["predicted_step_ms"]})  # fmt: skip
             return self._want(max(0.0, min(max(fits, hidden), round(fraction - 0.05, 2))), "verify")
+        within = self.budgeted or measured <= limit
+        if not steady and within:  # measured once more, STEADY_AFTER steps on
+            self.phase, self._samples, self._skip = "steady", [], STEADY_AFTER
+            self.choice["within_tolerance"] = True
+            placer.choice = {**(placer.choice or {}), **self.choice}
+            return None
         self.phase = "done"
-        self.choice["within_tolerance"] = self.budgeted or measured <= limit
-        if not self.choice["within_tolerance"]:
+        self.choice["within_tolerance"] = within
+        if steady:
+            self.choice["host_moved"] = not within
+        if not within and steady:
+            self.choice["why"] += (f"; the steady step measured {measured:.1f} ms after the "
+                                   f"choice, above the limit {limit:.1f}")  # fmt: skip
+            warn(
+                f"offload_fraction='auto' kept fraction {fraction:g}, but the host moved: its "
+                f"step measured {self.choice['measured_step_ms']:.1f} ms when chosen and "
+                f"{measured:.1f} ms {STEADY_AFTER + MEASURED_STEPS} steps later, above the "
+                f"limit {limit:.1f} ms ({1 + self.tolerance:g} x fraction 0's {zero:.1f} ms), "
+                f"after {len(corrections)} corrections; give offload_fraction a number, or "
+                "call opt.set_offload_fraction(), to choose yourself (opt.placement_choice "
+                "has the figures)"
+            )
+        elif not within:
             self.choice["why"] += (f"; measured {measured:.1f} ms, above the limit {limit:.1f} "
                                    f"after {len(corrections)} corrections")  # fmt: skip
             # A fresh user's finding: auto ended above its own limit and said nothing.
