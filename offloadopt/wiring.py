@@ -17,9 +17,10 @@ from offloadopt.place.records import ParamRecord
 from offloadopt.relocate import Relocator
 from offloadopt.rules import AdamWRule, Rule
 from offloadopt.shards import check_ddp, check_zero, world_size
+from offloadopt.step.delayed import NextStep
 from offloadopt.step.feed import Feeder
 from offloadopt.step.guards import Guards
-from offloadopt.step.publish import publisher_for
+from offloadopt.step.publish import AtReturn, PerModule, Publisher
 from offloadopt.step.scaling import Scaling
 from offloadopt.step.speculate import Speculation
 from offloadopt.step.start import start_policy
@@ -27,7 +28,7 @@ from offloadopt.step.step import Timeline
 from offloadopt.step.update import Updater
 from offloadopt.warn import warn
 
-__all__ = ["check_and_place", "rule_for", "wire"]
+__all__ = ["check_and_place", "publisher_for", "rule_for", "wire"]
 
 
 def rule_for(rule: Rule, o: Options) -> Rule:
@@ -128,3 +129,16 @@ def check_and_place(opt: Any, o: Options) -> None:
                 "other hook (fp16 compression, PowerSGD, another optimizer's ddp=), or leave "
                 "out ddp= and use overlap='step' or 'delayed'"
             ) from e
+
+
+def publisher_for(
+    options: Options, timeline: Timeline, records: dict, placer: Placer, **kw: Any
+) -> Publisher:
+    """The publish policy of ``options.overlap`` and ``options.wait`` (validated:
+    ``overlap="delayed"`` takes ``wait="step"``), built with :class:`Publisher`'s arguments
+    (``kw``: ``timeout_s``, ``warn_once``)."""
+    if options.overlap == "delayed":
+        return NextStep(timeline, records, placer, **kw)
+    if options.wait == "module":
+        return PerModule(timeline, records, placer, **kw)
+    return AtReturn(timeline, records, placer, **kw)

@@ -34,7 +34,7 @@ micro-steps (``opt.accumulating()``).
   returns. The worker's H2D writes each param's landing buffer (``ParamRecord.landing``), not
   the param, so the next forward and backward read the weights of the step before; the next
   ``step()``, or anything that calls ``synchronize()``, waits for the update and copies the
-  landed weights in on the stream that reads them (publish.py's ``NextStep``), and only then are
+  landed weights in on the stream that reads them (delayed.py's ``NextStep``), and only then are
   the params marked written (the stale-master check must not see our own copy as an edit).
 - A step is consistent or refused: if a backward that started updates fails part-way, or a
   second backward comes before ``step()``, the optimizer refuses ``step()`` and
