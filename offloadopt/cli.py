@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from offloadopt import __version__
-from offloadopt.harness import options
+from offloadopt.harness import bench_options, options
 from offloadopt.harness.checks import RunStopped, UsageError
 
 # name -> (help, add_arguments(parser), the module whose run(args) -> exit status runs it)
@@ -45,12 +45,12 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]] 
     ),
     "bench": (
         "HybridAdamW at several offload fractions beside the anchors: table, JSON and plot",
-        options.add_bench_args,
+        bench_options.add_bench_args,
         "offloadopt.harness.bench",
     ),
     "audit": (
         "every memcpy of a few training iterations: direction, pinned/pageable, bytes, GB/s",
-        options.add_audit_args,
+        bench_options.add_audit_args,
         "offloadopt.harness.audit_job",
     ),
 }

@@ -146,7 +146,8 @@ class HybridOptimizer(Reports, Optimizer):
         before any state changes; phase 2 (the offloaded buckets, on the worker) starts before
         phase 1 (the device-resident params) is launched; phase 3 publishes."""
         t0 = time.perf_counter()
-        self.ensure_placed()  # params built on the meta device, materialized since
+        micro_steps = self._start.take_micro_steps()  # gradient accumulation's: budget, auto
+        self._relocate.ensure_placed(micro_steps)  # meta-device params materialized since
         auto = self._placer.sampling()  # offload_fraction="auto" while it measures, else None
         with signals_deferred(), self._timeline.lock:
             st = self._take_step()  # phase 0: the step begun in backward, or a new one
@@ -163,7 +164,8 @@ class HybridOptimizer(Reports, Optimizer):
                              self.max_grad_norm)  # fmt: skip
             self._relocate.for_auto(auto, auto.end(
                 self._placer, worked=bool(st.prepared), stats=self._feeder.stats, mode=mode,
-                synchronize=self._publish.synchronize, wait_module=self.wait == "module"))  # fmt: skip
+                synchronize=self._publish.synchronize, wait_module=self.wait == "module",
+                micro_steps=micro_steps))  # fmt: skip
 
     def _take_step(self) -> Step:
         """Phase 0: the step that backward's announcements began (its values frozen at the

@@ -109,10 +109,11 @@ class Relocator:
         self.start, self.publisher, self.guards, self.timeline = start, publisher, guards, timeline
 
     # ------------------------------------------------------------------ placed, watched
-    def ensure_placed(self) -> None:
+    def ensure_placed(self, micro_steps: int = 1) -> None:
         """``opt.ensure_placed``: the groups waiting for their meta params placed, and the
-        models given to ``watch()`` meanwhile watched."""
-        if not self.placer.ensure_placed():
+        models given to ``watch()`` meanwhile watched; from ``step()`` with its
+        ``micro_steps`` (gradient accumulation), which a budget's choice there counts."""
+        if not self.placer.ensure_placed(micro_steps):
             return
         later, self.publisher.watch_later = self.publisher.watch_later, []
         for ref in later:

@@ -1,6 +1,7 @@
 """offload_fraction="auto": the first steps are measured at the probe fraction, the cost model
 picks a fraction, the state moves there without loss, and the pick is measured."""
 
+import contextlib
 import time
 import warnings
 
@@ -94,9 +95,13 @@ class _SlowBackward(torch.autograd.Function):
     def forward(ctx, x):
         return x.view_as(x)
 
+    sleep_s = 0.08
+
     @staticmethod
     def backward(ctx, g):
-        time.sleep(0.08)  # releases the GIL, as a GPU's backward leaves the host free
+        time.sleep(
+            _SlowBackward.sleep_s
+        )  # releases the GIL, as a GPU's backward leaves the host free
         return g
 
 
@@ -141,6 +146,60 @@ def test_work_that_hides_behind_backward_is_offloaded_and_work_that_shows_is_not
     else:
         assert choice["fraction"] <= 0.1, choice
     assert choice["measured_step_ms"] < 1.3 * choice["probe_measured_step_ms"] or mode == "backward"
+
+
+def accumulate(net, opt, micro_steps, x):
+    """One optimizer step of ``micro_steps`` forward and backward passes, the non-final ones
+    inside ``opt.accumulating()``."""
+    for micro in range(micro_steps):
+        with opt.accumulating() if micro < micro_steps - 1 else contextlib.nullcontext():
+            net(x).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_auto_counts_the_micro_steps_of_accumulation_for_the_cost_model(monkeypatch):
+    """Issue 47: auto's windows span whole optimizer steps (all their micro-steps), and the cost
+    model is told how many micro-steps that is (backward mode's updates hide behind the last
+    one only). Before, a step of 3 micro-steps was costed as one forward+backward."""
+    monkeypatch.setattr(_SlowBackward, "sleep_s", 0.0)
+    net = _Net()
+    opt = HybridAdamW(net.parameters(), lr=1e-3, min_offload_numel=1, bucket_nbytes=64 * 65 * 4,
+                      offload_fraction="auto", overlap="backward", grads_final=True)  # fmt: skip
+    for _ in range(1 + auto.MEASURED_STEPS):  # the probe: its first step, then the measured ones
+        accumulate(net, opt, 3, torch.randn(8, 64))
+    choice = opt.placement_choice
+    assert choice["measurements"]["micro_steps"] == 3, choice["measurements"]
+    m = costmodel.Measurements(**choice["measurements"])
+    sweep = {f: costmodel.predict(m, f, "backward").step_ms for f in choice["predicted_sweep_ms"]}
+    assert choice["predicted_sweep_ms"] == sweep and m.micro_steps == 3
+
+
+@pytest.mark.slow
+def test_with_accumulation_work_that_hides_behind_a_whole_step_but_not_one_micro_step_shows(
+    monkeypatch,
+):
+    """4 micro-steps of an 30 ms backward each; the worker takes 10 ms per bucket, 60 ms at
+    fraction 1. In backward mode the updates start in the last micro-step's backward: 30 ms of
+    the 60 hide and the rest shows (at fraction 1 the step grows by about a fifth), so auto
+    keeps part of the state on the device. Costed as if the whole step's 120 ms hid the work,
+    it chose fraction 1 and its corrections ended at 0.9, over its limit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as test_work_that_hides_behind_backward_...: one thread each
+    monkeypatch.setattr(_SlowBackward, "sleep_s", 0.03)
+    net = _Net()
+    opt = HybridAdamW(net.parameters(), lr=1e-3, min_offload_numel=1, cpu_threads=1,
+                      bucket_nbytes=64 * 65 * 4, offload_fraction="auto", overlap="backward",
+                      grads_final=True)  # fmt: skip
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.01)
+    try:
+        for _ in range(STEPS):
+            accumulate(net, opt, 4, torch.randn(8, 64, requires_grad=True))
+    finally:
+        torch.set_num_threads(threads)
+    choice = opt.placement_choice
+    assert choice["measurements"]["micro_steps"] == 4
+    assert choice["fraction"] <= 0.75, choice
 
 
 def test_with_a_budget_auto_keeps_the_budgets_choice_and_measures_it():

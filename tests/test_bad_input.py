@@ -100,6 +100,11 @@ CASES = [
     (["train", "--grad-clip", "-1"], "--grad-clip: -1.0 is not a finite number >= 0"),
     (["train", "--grad-clip", "nan"], "--grad-clip: nan is not a finite number >= 0"),
     (["train", "--steps", "-1"], "--steps: -1 is not an integer >= 1"),
+    (["train", "--grad-accum", "0"], "--grad-accum: 0 is not an integer >= 1"),
+    (["train", "--grad-accum", "-2"], "--grad-accum: -2 is not an integer >= 1"),
+    (["train", "--grad-accum", "1.5"], "--grad-accum: '1.5' is not an integer >= 1"),
+    (["train", "--grad-accum", "four"], "--grad-accum: 'four' is not an integer >= 1"),
+    (["train", "--measure-fwd-bwd", "-1"], "--measure-fwd-bwd: -1 is not an integer >= 0"),
     (["train", "--seed", str(2**70)], f"--seed: {2**70} is too large (at most 2**63 - 1)"),
     (["train", "--data", "empty.txt"], "--data: 'empty.txt': empty file (0 bytes)"),
     (["bench", "--data", "/dev/null"], "--data: '/dev/null': empty file (0 bytes)"),
@@ -238,6 +243,10 @@ def test_configs_built_in_python_are_checked_like_the_flags(tmp_path):
         TrainConfig(grad_clip=-1).resolved()
     with pytest.raises(UsageError, match=r"^--steps: 0 is not an integer >= 1$"):
         TrainConfig(steps=0).resolved()  # not "Invalid warmup_steps" (0 // 20 was fine anyway)
+    with pytest.raises(UsageError, match=r"^--grad-accum: 0 is not an integer >= 1$"):
+        TrainConfig(grad_accum=0).resolved()
+    with pytest.raises(UsageError, match=r"^--grad-accum: 2.0 is not an integer >= 1$"):
+        TrainConfig(grad_accum=2.0).resolved()
     with pytest.raises(UsageError, match=r"^--device: 'meta' is not a device"):
         TrainConfig(device="meta").resolved()
     with pytest.raises(UsageError, match=r"^--lr: 'fast' is not a number$"):

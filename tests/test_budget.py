@@ -1,6 +1,7 @@
 """max_gpu_memory=: the fraction is chosen at the first step() from the budget, before any
 optimizer state exists, and the run is then exactly the run at that fraction."""
 
+import contextlib
 import copy
 import math
 import warnings
@@ -292,6 +293,31 @@ def test_with_release_grads_the_offloaded_grads_leave_the_measured_peak():
     # in flight: the largest param's grad and 5 buckets' (fp32 params: as large as the bucket)
     assert b["released_grad_bytes"] == max(0, offloaded_grads - largest - 5 * slot)
     assert b["measured_bytes"] == 8 * n  # weights and every grad, as the first backward held
+
+
+def test_with_accumulation_release_grads_frees_nothing_off_the_budget():
+    """Issue 47: with gradient accumulation every grad stays on the device through the
+    non-final micro-steps (their backward holds them all beside its activations), so
+    release_grads takes nothing off the measured peak: the budget chooses what it chooses with
+    the grads kept. It took the offloaded grads off, and chose a fraction that did not fit."""
+    kw = dict(lr=1e-2, min_offload_numel=1, bucket_nbytes=BUCKET, overlap="backward",
+              grads_final=True, activation_bytes=0)  # fmt: skip
+    budget = budget_for(model(), 0.5)
+    choices = {}
+    for name, extra in (("kept", {}), ("released", dict(release_grads=True))):
+        m = model()
+        opt = HybridAdamW(m.parameters(), max_gpu_memory=budget, **kw, **extra)
+        for micro in range(3):
+            g = torch.Generator().manual_seed(micro)
+            seq = torch.randint(0, CFG.vocab_size, (4, CFG.block_size + 1), generator=g)
+            with opt.accumulating() if micro < 2 else contextlib.nullcontext():
+                m(seq[:, :-1], seq[:, 1:])[1].backward()
+        opt.step()
+        choices[name] = opt.placement_choice
+    kept, released = choices["kept"], choices["released"]
+    assert released["released_grad_bytes"] == 0 and released["micro_steps"] == 3, released
+    assert released["fraction"] == kept["fraction"] > 0
+    assert released["predicted_gpu_bytes"] == kept["predicted_gpu_bytes"] <= budget
 
 
 def test_the_first_step_with_release_grads_drops_offloaded_grads_before_device_state(monkeypatch):

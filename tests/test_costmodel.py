@@ -123,9 +123,26 @@ def test_sizes_stay_exact_for_ints():
     assert parse_bytes(2**53 + 1) == 2**53 + 1
 
 
+def test_with_accumulation_backward_mode_hides_behind_one_micro_step_only():
+    """Issue 47: with gradient accumulation the updates start in the last backward, so the CPU
+    work hides behind one micro-step's backward and the next forward, not the whole step's
+    forward+backward (fwd_bwd_ms spans all its micro-steps). Step and delayed mode keep their
+    forms: the CPU work follows the whole step, or runs beside the next one."""
+    one, four = toy(fwd_bwd_ms=400.0), toy(fwd_bwd_ms=400.0, micro_steps=4)
+    cpu = predict(one, 1.0).cpu_ms  # about 362 ms: hidden behind 400, not behind 100
+    assert predict(one, 1.0, "backward").step_ms == pytest.approx(400.0)
+    assert predict(four, 1.0, "backward").step_ms == pytest.approx(400.0 + cpu - 100.0)
+    for mode in ("step", "delayed"):
+        assert predict(four, 1.0, mode).step_ms == predict(one, 1.0, mode).step_ms
+    # auto's choice follows: behind a whole step nearly everything hides, behind a quarter less
+    assert largest_hidden(one, 0.025).fraction == 1.0
+    assert largest_hidden(four, 0.025).fraction < 0.35
+
+
 @pytest.mark.parametrize("field,value", [("d2h_gbps", 0), ("h2d_gbps", -1.0), ("fwd_bwd_ms", -5),
                                          ("cpu_ns_per_param", float("nan")), ("params", 0),
-                                         ("activation_bytes", -1)])  # fmt: skip
+                                         ("activation_bytes", -1), ("micro_steps", 0),
+                                         ("micro_steps", 1.5)])  # fmt: skip
 def test_bad_measurements_are_named(field, value):
     with pytest.raises(ValueError, match=f"Invalid {field}"):
         toy(**{field: value})

@@ -20,7 +20,11 @@ per-tensor path's calls sent to ``adam_update(use_kernel=False)``.
 
 Usage (GPU host, repo root): python benchmarks/probes/device_pass.py [--out DIR]
 
-Answer: not yet measured on the GPU host (written 2026-12-07, CPU smoke only).
+Answer: the probe itself did not finish in the 100 s it was given on the GPU host (its compiles).
+overlap_bench on the same call (2026-12-06, 0b84c2d, H100): the flat path cut the device
+update's host time from 51.1 to 13.5 ms, but int8's step at fraction 0 stayed at 136.3 ms
+against 137.2 per tensor and 124.7 for fp32: the compiled pass's GPU time bounds it
+(benchmarks/results/2026-12-06-device-flat-h100/README.md).
 """
 
 from __future__ import annotations

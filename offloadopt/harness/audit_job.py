@@ -19,12 +19,12 @@ from typing import Any
 import torch
 
 from offloadopt.harness import anchors, checks, provenance
+from offloadopt.harness.bench_options import (  # noqa: E402, F401 - their old home is here
+    AUDIT_OPTIMIZERS as OPTIMIZERS,
+)
 from offloadopt.harness.checks import UsageError
 from offloadopt.harness.data import get_batch, mock_data
 from offloadopt.harness.gpt import GPT, PRESETS
-from offloadopt.harness.options import (  # noqa: E402, F401 - their old home is here
-    AUDIT_OPTIMIZERS as OPTIMIZERS,
-)
 from offloadopt.harness.options import (
     resolve_device,
 )

@@ -29,11 +29,12 @@ from typing import Any
 import torch
 
 from offloadopt.harness import anchors, checks, models, provenance
+from offloadopt.harness.bench_options import BENCH_FIELD_CHECKS as FIELD_CHECKS  # noqa: F401 - its old home
+from offloadopt.harness.bench_options import BenchConfig
 from offloadopt.harness.checks import UsageError
 from offloadopt.harness.data import get_batch, mock_data
 from offloadopt.harness.distributed import Dist, init_from_env, teardown
-from offloadopt.harness.options import BENCH_FIELD_CHECKS as FIELD_CHECKS  # noqa: F401 - its old home
-from offloadopt.harness.options import BenchConfig, resolve_device
+from offloadopt.harness.options import resolve_device
 from offloadopt.harness.probes import time_compressed_kernel, time_kernel, time_link
 from offloadopt.harness.report import format_table, plot, sweep_summary
 from offloadopt.harness.train import host_rss_nbytes

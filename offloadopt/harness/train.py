@@ -5,14 +5,17 @@ on the CPU for 200 steps (under a minute on 2 quiet cores) and ends with a held-
 below the text's byte unigram entropy (about 2.3 nats against 3.26), the sign that the
 optimizer really trains. It logs through ``logging`` (logger ``offloadopt.train``, to stdout
 by default): per logged step one fixed-width line (loss, held-out loss, step time, tokens/s,
-GPU peak memory, host RSS, optimizer pinned memory); it shows a progress bar on stderr and
-ends with one JSON line on stdout. ``--save`` / ``--resume`` checkpoint and continue a run,
-``--tensorboard DIR`` also writes TensorBoard events.
+model TFLOPS, MFU, GPU peak memory, host RSS, optimizer pinned memory); it shows a progress bar
+on stderr and ends with one JSON line on stdout. ``--grad-accum N`` accumulates N micro-batches
+a step, ``--measure-fwd-bwd K`` times forward+backward alone first; ``--save`` / ``--resume``
+checkpoint and continue a run, ``--tensorboard DIR`` also writes TensorBoard events.
 
 ``make_model_and_optimizer`` and ``train_step`` are the pieces a benchmark reuses.
-The checkpoints (``save_checkpoint``, ``load_checkpoint``) live in ``train_checkpoint.py``, the
-logger and the figures it reports (``host_rss_nbytes``, ``describe_choice``, ``per_rank``) in
-``train_log.py``; both are imported here too, where they were defined before.
+One step over its micro-batches (``train_step``, ``fwd_bwd``) lives in ``train_step.py``, the
+throughput figures (tokens/s, TFLOPS, MFU, the peaks) in ``throughput.py``, the checkpoints
+(``save_checkpoint``, ``load_checkpoint``) in ``train_checkpoint.py``, the logger and the
+figures it reports (``host_rss_nbytes``, ``describe_choice``, ``per_rank``) in
+``train_log.py``; they are imported here too, where some were defined before.
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
-from offloadopt.adamw import HybridAdamW
 from offloadopt.harness import checks
+from offloadopt.harness.build import DTYPES, make_model_and_optimizer  # noqa: F401 - also here
 from offloadopt.harness.data import TokenData, get_batch, mock_data
 from offloadopt.harness.delayed import DelayedSchedule
-from offloadopt.harness.distributed import Dist, init_from_env, shard_fsdp, teardown, wrap_ddp
+from offloadopt.harness.distributed import Dist, init_from_env, teardown
 from offloadopt.harness.gpt import GPT, PRESETS
 
 # the configuration and its options live in options.py (no torch: --help starts at once)
@@ -48,6 +51,7 @@ from offloadopt.harness.options import (  # noqa: E402, F401 - their old home is
     add_train_args,
     config_from_args,
 )
+from offloadopt.harness.throughput import Throughput, matmul_peak, peak_of, time_steps
 from offloadopt.harness.train_checkpoint import (  # noqa: F401 - imported from here too
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
@@ -63,9 +67,8 @@ from offloadopt.harness.train_log import (  # noqa: F401 - imported from here to
     log,
     per_rank,
 )
+from offloadopt.harness.train_step import fwd_bwd, train_step
 from offloadopt.shards import local
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # options.DTYPE_NAMES' dtypes
 
 
 def lr_at(step: int, lr: float, warmup_steps: int, steps: int) -> float:
@@ -74,89 +77,6 @@ def lr_at(step: int, lr: float, warmup_steps: int, steps: int) -> float:
         return lr * step / warmup_steps
     progress = (step - warmup_steps) / max(1, steps - warmup_steps)
     return lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * progress)))
-
-
-def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimizer]:
-    """The preset's model on ``cfg.device`` in ``cfg.dtype`` (seeded init) and its optimizer;
-    with ``cfg.parallel`` the model is sharded by FSDP2 or wrapped in DDP (the process group
-    must exist: :func:`offloadopt.harness.distributed.init_from_env`).
-
-    The model is built directly on the device in its dtype (no fp32 copy, on the host or the
-    device: a 17.5e9-param model in bf16 is 35 GB, in fp32 70). ``cfg`` must be resolved
-    (``TrainConfig.resolved()``).
-    """
-    device = torch.device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(DTYPES[cfg.dtype])  # params are created, and initialised, in it
-    try:
-        with device:
-            model = GPT(PRESETS[cfg.preset])
-    finally:
-        torch.set_default_dtype(default)
-    model.checkpointing = cfg.checkpointing
-    if cfg.parallel == "fsdp":
-        model = shard_fsdp(model)  # every rank built the same weights (the seed); FSDP2 shards them
-    elif cfg.parallel == "ddp":
-        model = wrap_ddp(model)
-    kwargs = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), fused=True, **kwargs)
-    else:
-        chosen = {"max_gpu_memory": cfg.max_gpu_memory} if cfg.max_gpu_memory else {}
-        fraction = cfg.offload_fraction if cfg.offload_fraction == "auto" or not chosen else 1.0
-        if cfg.overlap == "backward":  # clipping through the optimizer, or none
-            clip = (
-                dict(max_grad_norm=cfg.grad_clip) if cfg.grad_clip > 0 else dict(grads_final=True)
-            )
-            clip["release_grads"] = cfg.release_grads
-            if cfg.speculate:
-                clip["speculate"] = True
-        else:
-            clip = {}  # torch's clip_grad_norm_ in train_step
-        if cfg.overlap == "delayed":
-            clip["delay_after"] = cfg.delay_after
-        opt = HybridAdamW(
-            model.named_parameters(),
-            offload_fraction=fraction,
-            **chosen,
-            min_offload_numel=cfg.min_offload_numel,
-            overlap=cfg.overlap,
-            state_dtype=cfg.state_dtype,
-            master_weights=True if cfg.master_weights == "fp32" else cfg.master_weights,
-            **clip,
-            **kwargs,
-        )
-        if cfg.overlap == "delayed":
-            opt.watch(model)  # model.state_dict() sees the weights that match the masters
-    return model, opt
-
-
-def train_step(
-    model: GPT,
-    opt: torch.optim.Optimizer,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    grad_clip: float = 1.0,
-    before_step: DelayedSchedule | None = None,
-) -> torch.Tensor:
-    """One forward, backward, optional grad clipping (torch's, unless the optimizer clips:
-    ``max_grad_norm``), ``opt.step()`` and ``zero_grad``. ``before_step``: its ``publish()``
-    runs just before ``opt.step()`` (:class:`DelayedSchedule`).
-
-    ``x``, ``y``: (batch, seq) int64 on the model's device. Returns the detached 0-dim fp32
-    loss on the device: this function adds no host sync and no device-to-host copy of its own
-    (``.item()`` would show as a pageable D2H copy in a profile); the optimizer may sync.
-    """
-    _, loss = model(x, y)
-    loss.backward()
-    if grad_clip > 0 and getattr(opt, "max_grad_norm", None) is None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # stays on the device
-    if before_step is not None:
-        before_step.publish()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
 
 
 @torch.no_grad()
@@ -215,8 +135,9 @@ def train(cfg: TrainConfig) -> dict:
     bit for bit those of an uninterrupted run. With ``cfg.tensorboard`` the losses, learning
     rate and step times also go to TensorBoard event files there.
 
-    Step times bracket the batch fetch and ``train_step`` with ``torch.cuda.synchronize()`` on
-    CUDA. Memory figures are in GB = 1e9 bytes.
+    Step times bracket the fetch of the step's micro-batches and ``train_step`` with
+    ``torch.cuda.synchronize()`` on CUDA; ``--measure-fwd-bwd`` brackets the same fetch and
+    forward+backward alone the same way. Memory figures are in GB = 1e9 bytes.
     """
     cfg = cfg.resolved()
     ranks = init_from_env(cfg.device) if cfg.parallel != "none" else Dist()
@@ -239,9 +160,11 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
     log.info(f"data: byte unigram entropy {data.entropy_nats:.4f} nats (held-out loss should "
              "end below)")  # fmt: skip
 
+    peak, matmul = peak_of(device), matmul_peak(device)  # before the model: all memory free
     model, opt = make_model_and_optimizer(cfg)
     n_params = getattr(model, "module", model).num_params()  # DDP wraps; FSDP2 does not
-    tokens_per_step = cfg.batch_size * cfg.seq_len  # per rank
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum  # per rank
+    rate = Throughput(n_params, tokens_per_step, peak, matmul)
     on = (
         f"{device}"
         if not ranks.initialized
@@ -267,7 +190,9 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
             and (cfg.state_dtype, cfg.master_weights) != ("fp32", "fp32")
             else ""
         )
-        + f" | batch {cfg.batch_size} x {cfg.seq_len} = {tokens_per_step:,} tokens/step"
+        + f" | batch {cfg.batch_size} x {cfg.seq_len}"
+        + (f" x {cfg.grad_accum} micro-batches" if cfg.grad_accum > 1 else "")
+        + f" = {tokens_per_step:,} tokens/step"
         + (" per rank" if ranks.initialized else "")
         + f" | {cfg.steps} steps, lr {cfg.lr:g}"
         + (" | activation checkpointing" if cfg.checkpointing else "")
@@ -293,6 +218,8 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
         start, first_loss = resume["step"] + 1, resume["first_train_loss"]
         log.info(f"resumed: {cfg.resume} at step {resume['step']}, continuing at step {start}")
         del resume
+    log.info(rate.describe())
+    fwd_bwd_ms = _measure_fwd_bwd(model, opt, data, cfg, device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)  # peak of training, not of building
 
@@ -330,8 +257,9 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
             if cuda:
                 torch.cuda.synchronize(device)  # the timed window starts with an idle GPU
             t0 = time.perf_counter()
-            x, y = get_batch(data, "train", cfg.batch_size, cfg.seq_len, gen, device)
-            loss = train_step(model, opt, x, y, cfg.grad_clip, before_step=schedule)
+            batches = [get_batch(data, "train", cfg.batch_size, cfg.seq_len, gen, device)
+                       for _ in range(cfg.grad_accum)]  # fmt: skip
+            loss = train_step(model, opt, batches, cfg.grad_clip, before_step=schedule)
             if cuda:
                 torch.cuda.synchronize(device)  # the window ends when the step's GPU work is done
             step_ms.append((time.perf_counter() - t0) * 1e3)
@@ -350,7 +278,7 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
                 val = f"{val_loss:6.4f}" if evaluated else f"{'-':>6}"
                 log.info(
                     f"step {step:6d}/{cfg.steps} | loss {train_loss:6.4f} | held-out {val} | "
-                    f"{step_ms[-1]:8.1f} ms | {tokens_per_step / step_ms[-1] * 1e3:10,.0f} tok/s"
+                    f"{step_ms[-1]:8.1f} ms | {rate.columns(step_ms[-1])}"
                     f" | gpu {peak_gpu:6.2f} GB | rss {host_rss_nbytes() / gb:6.2f} GB | "
                     f"pinned {pinned:6.2f} GB"
                 )
@@ -412,6 +340,7 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
         "steps": cfg.steps,
         "batch_size": cfg.batch_size,
         "seq_len": cfg.seq_len,
+        "grad_accum": cfg.grad_accum,
         "lr": cfg.lr,
         "data": data.description,
         "first_train_loss": first_loss,
@@ -420,7 +349,6 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
         "entropy_nats": data.entropy_nats,
         "heldout_below_entropy": bool(val_loss < data.entropy_nats),
         "median_step_ms": median_ms,
-        "tokens_per_s": tokens_per_step / median_ms * 1e3,
         "peak_gpu_gb": torch.cuda.max_memory_allocated(device) / gb if cuda else 0.0,
         "host_rss_gb": host_rss_nbytes() / gb,
         "optimizer_host_gb": getattr(opt, "host_nbytes", 0) / gb,
@@ -430,11 +358,40 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
         "parallel": cfg.parallel,
         "world_size": ranks.world,
     }
-    if ranks.initialized:
-        summary.update(per_rank(opt, summary, ranks, tokens_per_step))
+    if ranks.initialized:  # the job steps at its slowest rank; tokens/s adds up over ranks
+        job = per_rank(opt, summary, ranks, tokens_per_step)
+        slowest = max(r["median_step_ms"] for r in job["ranks"])
+        summary.update(rate.summary(slowest, fwd_bwd_ms), **job)
+    else:
+        summary.update(rate.summary(median_ms, fwd_bwd_ms))
     if hasattr(opt, "close"):
         opt.close()  # the worker thread ends here, not in the interpreter's shutdown
     return summary
+
+
+def _measure_fwd_bwd(model, opt, data: TokenData, cfg: TrainConfig,
+                     device: torch.device) -> float | None:  # fmt: skip
+    """``--measure-fwd-bwd K``: the median ms of K steps' forward+backward alone (``fwd_bwd``:
+    the step's micro-batches, accumulated as ``train_step`` does, grads kept, no optimizer
+    step), after one untimed; None when K is 0. Each window brackets the fetch of the
+    micro-batches too, as the training steps' do. The batches come from a generator of their
+    own and torch's RNG state is restored: the run's batches and losses are those of a run
+    without it."""
+    if not cfg.measure_fwd_bwd:
+        return None
+    gen = torch.Generator().manual_seed((cfg.seed + 3) % 2**63)
+
+    def work() -> None:
+        batches = [get_batch(data, "train", cfg.batch_size, cfg.seq_len, gen, device)
+                   for _ in range(cfg.grad_accum)]  # fmt: skip
+        fwd_bwd(model, opt, batches)
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        work()  # untimed: lazy initialisation, the allocator's first blocks
+        ms = statistics.median(time_steps(cfg.measure_fwd_bwd, work, device))
+    log.info(f"forward+backward alone: {ms:.1f} ms a step (median of {cfg.measure_fwd_bwd}; "
+             f"{cfg.grad_accum} micro-batches, grads kept, no optimizer step)")  # fmt: skip
+    return ms
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,11 +25,12 @@ __all__ += ["load_checkpoint"]
 CHECKPOINT_FORMAT = "offloadopt-train-checkpoint"
 CHECKPOINT_VERSION = 2  # 2: the file ends with its checksum (state/integrity.py); 1 still loads
 # The TrainConfig fields a resumed run may change: where and how often it logs and saves,
-# whether it stops at a NaN loss, and --speculate (its runs are bitwise the runs without it:
-# docs/modes.md). Every other field must be the saved run's (they decide the losses).
+# whether it stops at a NaN loss, --speculate (its runs are bitwise the runs without it:
+# docs/modes.md) and --measure-fwd-bwd (its batches are drawn apart; no step is taken). Every
+# other field must be the saved run's (they decide the losses).
 RESUME_MAY_CHANGE = ("progress", "eval_every", "eval_batches", "log_every", "save",
                      "save_every", "resume", "tensorboard", "checkpoint_format", "speculate",
-                     "stop_on_nonfinite")  # fmt: skip
+                     "stop_on_nonfinite", "measure_fwd_bwd")  # fmt: skip
 
 
 def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: torch.Generator,
@@ -163,6 +164,9 @@ def _checked(ck: Any, cfg: TrainConfig, name: str) -> dict:
         raise UsageError(f"{name} is a checkpoint of preset {saved.get('preset')!r}, not "
                          f"{cfg.preset!r} (--preset)")  # fmt: skip
     ours = asdict(cfg)
+    # a field the saved config lacks came after the checkpoint: its run had the default
+    # (--grad-accum 1 before gradient accumulation existed)
+    saved = {**asdict(TrainConfig()), **saved}
     differ = [f"--{k.replace('_', '-')} {saved.get(k)!r} there, {v!r} here"
               for k, v in ours.items() if k not in RESUME_MAY_CHANGE and saved.get(k) != v]  # fmt: skip
     if differ:

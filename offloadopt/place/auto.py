@@ -13,7 +13,10 @@ itself):
    host clock without CUDA): the window from the end of the previous ``step()`` to the start of
    this one (forward + backward), the device-resident update, and the period from end to end
    (the whole training step). ``opt.stats`` gives the worker's kernel time and the link's bytes
-   and times.
+   and times. With gradient accumulation every window spans the whole optimizer step, all its
+   micro-steps (``step()`` marks it); the micro-steps a step has (the optimizer counts
+   ``opt.accumulating()`` blocks) go to the cost model, whose backward mode hides the CPU work
+   behind one micro-step's backward and forward, not the whole step's.
 2. *Choose*: medians become :class:`costmodel.Measurements` (:func:`measurements`; the
    probe's own period, measured and predicted, is kept beside them). Without a budget the choice
    is :func:`costmodel.largest_hidden` (the largest fraction whose predicted step stays within
@@ -185,7 +188,8 @@ class AutoFraction:
             self._cur[key] = self._clock.mark()
 
     def end(self, placer: Any, *, worked: bool, stats: dict[str, float],
-            synchronize: Callable[[], None], wait_module: bool, mode: str) -> float | None:  # fmt: skip
+            synchronize: Callable[[], None], wait_module: bool, mode: str,
+            micro_steps: int = 1) -> float | None:  # fmt: skip
         """At the end of a successful ``step()``: a sample, and the phase's action once it has
         :data:`MEASURED_STEPS`. Returns the fraction to move to (the step moves the state,
         then calls :meth:`moved`), or None. A step that updated nothing (no grads) is no
@@ -194,7 +198,8 @@ class AutoFraction:
         ``placer``: the Placer (the fraction, records, pipeline; the choice is recorded in
         it); ``stats``: the Feeder's figures of this step; ``synchronize``: the publish
         policy's (every copy of the step waited for); ``wait_module``: ``wait="module"``;
-        ``mode``: :func:`cost_mode` of the options now."""
+        ``mode``: :func:`cost_mode` of the options now; ``micro_steps``: the step's forward
+        and backward passes (gradient accumulation; the optimizer counts them)."""
         if not self._cur:
             return None
         cur, self._cur = self._cur, {}
@@ -206,7 +211,7 @@ class AutoFraction:
             synchronize()
         if stats.get("buckets"):
             self._stats = dict(stats)  # this step's figures (complete: it was waited for)
-        cur["end"] = self._clock.mark()
+        cur["end"], cur["micro_steps"] = self._clock.mark(), micro_steps
         prev, self._prev_end = self._prev_end, cur["end"]
         if prev is not None and self._skip > 0:  # settling after a move: no sample
             self._skip -= 1
@@ -274,7 +279,7 @@ class AutoFraction:
         self._clock = self._prev_end = None
 
     def _timed(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        """Medians of the windows, in ms."""
+        """Medians of the windows, in ms, and of the samples' micro-steps."""
         ms = self._clock.ms
 
         def median(a: str, b: str) -> float:
@@ -282,7 +287,8 @@ class AutoFraction:
             return statistics.median(values) if values else 0.0
 
         return {"fwd_bwd_ms": median("prev", "start"), "period_ms": median("prev", "end"),
-                "device_update_ms": median("dev0", "dev1")}  # fmt: skip
+                "device_update_ms": median("dev0", "dev1"),
+                "micro_steps": round(statistics.median(s["micro_steps"] for s in samples))}  # fmt: skip
 
     def _link(self, placer: Any, synchronize: Callable[[], None]) -> dict[str, float]:
         """The last step's figures, with the link's GPU times and bytes of the copies since
@@ -303,7 +309,8 @@ class AutoFraction:
             m = measurements(fwd_bwd_ms=timed["fwd_bwd_ms"], stats=self._link(placer, synchronize),
                              device_update_ms=timed["device_update_ms"],
                              device_numel=numel[False], offloaded_numel=numel[True],
-                             bucket_nbytes=placer.bucket_nbytes, **sizes)  # fmt: skip
+                             bucket_nbytes=placer.bucket_nbytes, micro_steps=timed["micro_steps"],
+                             **sizes)  # fmt: skip
         except ValueError as e:
             self._keep(placer, str(e))
             return None
@@ -335,10 +342,11 @@ class AutoFraction:
                                   f"fraction 0's {zero.step_ms:.1f} ms (half the tolerance: "
                                   "the rest is room for the host's noise)")  # fmt: skip
         _log.info(
-            "offloadopt: offload_fraction auto: probe %g measured %.1f ms/step (fwd+bwd %.1f ms, "
-            "worker %.3f ns/param, device %.3f ns/param); chose %g, predicted %.1f ms/step "
-            "(fraction 0: %.1f)", probe, timed["period_ms"], m.fwd_bwd_ms, m.cpu_ns_per_param,
-            m.device_ns_per_param, chosen.fraction, chosen.step_ms, zero.step_ms,
+            "offloadopt: offload_fraction auto: probe %g measured %.1f ms/step (fwd+bwd %.1f ms "
+            "over %d micro-steps, worker %.3f ns/param, device %.3f ns/param); chose %g, "
+            "predicted %.1f ms/step (fraction 0: %.1f)", probe, timed["period_ms"], m.fwd_bwd_ms,
+            m.micro_steps, m.cpu_ns_per_param, m.device_ns_per_param, chosen.fraction,
+            chosen.step_ms, zero.step_ms,
         )  # fmt: skip
         self._model, self._mode = m, mode
         self.choice["corrections"] = []

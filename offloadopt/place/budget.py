@@ -167,10 +167,13 @@ def choose(
     }  # fmt: skip
 
 
-def choose_for(placer: Any, group_indices: list[int]) -> dict[str, Any]:
+def choose_for(placer: Any, group_indices: list[int], micro_steps: int = 1) -> dict[str, Any]:
     """The budget's choice for ``placer``'s groups ``group_indices``: what the device holds
     (its peak so far, or weights, grads and ``activation_bytes``), then :func:`choose`'s
-    smallest fraction that fits.
+    smallest fraction that fits. With gradient accumulation (``micro_steps`` > 1, the step
+    that chooses) ``release_grads`` frees nothing off the peak: every grad stays on the device
+    through the non-final micro-steps, whose backward holds them all beside its activations,
+    as the measured first step did.
 
     Raises:
         ValueError: no fraction fits, or the host lacks the memory (both with figures).
@@ -195,16 +198,19 @@ def choose_for(placer: Any, group_indices: list[int]) -> dict[str, Any]:
         measured = counted + (given or 0)
         how = (f"weights and grads {format_bytes(counted)} + activations "
                f"{format_bytes(given or 0)}")  # fmt: skip
-    return choose(
+    choice = choose(
         placer.infos(group_indices), measured, how, placer.sizes["max_gpu_memory"],
         placer.sizes["max_host_memory"], placer.bucket_nbytes, placer.overlap == "delayed",
         lambda f, infos: place(infos, f, placer.min_offload_numel, placer.master_weights,
                                placer.policy),
-        release_grads=placer.releases_early,
+        release_grads=placer.releases_early and micro_steps == 1,
         grads_in_flight=placer.wait == "module" and placer.overlap != "delayed",
         work=(lambda n: device_work_nbytes(n, "cuda")) if cuda else None,
         backups=placer.speculate,
     )  # fmt: skip
+    if micro_steps > 1:
+        choice["micro_steps"] = micro_steps  # what released_grad_bytes 0 follows from
+    return choice
 
 
 def check_added(placer: Any, group_indices: list[int]) -> int:

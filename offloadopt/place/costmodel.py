@@ -14,9 +14,11 @@ The model (tests/test_costmodel.py checks it against the H200 runs recorded in b
 - ``overlap="step"``: forward+backward, then the device work, then the CPU work.
 - ``overlap="backward"`` (grads final, each module waiting for its own params): the CPU work
   hides behind the rest of backward and the next forward, a window of about one
-  forward+backward; what is left shows.
-- ``overlap="delayed"``: the CPU work of one step runs during the next forward and backward;
-  the step is the longer of the two.
+  forward+backward; what is left shows. With gradient accumulation (``micro_steps`` forward
+  and backward passes a step, the first inside ``opt.accumulating()``) the updates start in the
+  last backward only: the window is one micro-step's, ``fwd_bwd_ms / micro_steps``.
+- ``overlap="delayed"``: the CPU work of one step runs during the next forward and backward
+  (all of a step's micro-steps); the step is the longer of the two.
 
 Memory per param, bf16 params with fp32 masters (README, "Memory per parameter"): on the GPU 2
 (weight) + 2 (grad) bytes for every param, 12 (master, ``exp_avg``, ``exp_avg_sq``) for the
@@ -43,7 +45,8 @@ MODES = ("step", "backward", "delayed")
 class Measurements:
     """The inputs, from one run (times in ms or ns, sizes in bytes).
 
-    ``params``: trainable elements; ``fwd_bwd_ms``: forward + backward with nothing offloaded;
+    ``params``: trainable elements; ``fwd_bwd_ms``: forward + backward with nothing offloaded,
+    all of a step's ``micro_steps`` (gradient accumulation: 1 + the non-final ones);
     ``device_ns_per_param``: the device-resident update; ``cpu_ns_per_param``: the worker's
     kernel while copies cross the link; ``d2h_gbps`` / ``h2d_gbps``: the link, GB/s of fp32
     state; ``bucket_overhead_ms``: per bucket above the kernel; ``activation_bytes``: the GPU
@@ -65,8 +68,14 @@ class Measurements:
     # per offloaded param, the host copy of the weights where no fp32 master is in state_bytes
     # (fp32 params, master_weights=False, "bf16-sr"): host bytes only
     host_copy_bytes: int = 0
+    micro_steps: int = 1  # forward+backward passes in fwd_bwd_ms (gradient accumulation)
 
     def __post_init__(self) -> None:
+        steps = self.micro_steps
+        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+            raise ValueError(
+                f"Invalid micro_steps: {self.micro_steps!r} (expected an integer >= 1)"
+            )
         for name in ("params", "bucket_nbytes", "d2h_gbps", "h2d_gbps"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
@@ -116,8 +125,8 @@ def predict(m: Measurements, fraction: float, mode: str = "step") -> Prediction:
     device_ms = (m.params - offloaded) * m.device_ns_per_param * 1e-6
     if mode == "step":
         step = m.fwd_bwd_ms + device_ms + cpu_ms
-    elif mode == "backward":
-        step = m.fwd_bwd_ms + device_ms + max(0.0, cpu_ms - m.fwd_bwd_ms)
+    elif mode == "backward":  # hidden behind the last micro-step's backward and the next forward
+        step = m.fwd_bwd_ms + device_ms + max(0.0, cpu_ms - m.fwd_bwd_ms / m.micro_steps)
     else:
         step = max(m.fwd_bwd_ms + device_ms, cpu_ms)
     gpu = m.params * (m.weight_bytes + m.grad_bytes) + (m.params - offloaded) * m.state_bytes
@@ -264,10 +273,12 @@ def measurements(
     weight_bytes: int = 2,
     state_bytes: int = 12,
     host_copy_bytes: int = 0,
+    micro_steps: int = 1,
 ) -> Measurements:
     """:class:`Measurements` from one placement's figures: the medians of the
     windows (ms), the optimizer's ``stats`` of a step there (the worker's kernel time, its busy
-    time, the buckets, the link's bytes and GPU times) and the elements on each side. The
+    time, the buckets, the link's bytes and GPU times), the elements on each side and the
+    micro-steps a step has (gradient accumulation). The
     per-bucket overhead is the worker's busy time (``worker_ms`` less its waits for D2H and for
     buckets backward had not announced yet, as with ``release_grads``) beyond the kernel, per
     bucket.
@@ -294,5 +305,5 @@ def measurements(
         d2h_gbps=gbps("d2h"), h2d_gbps=gbps("h2d"),
         bucket_overhead_ms=max(0.0, busy_ms - kernel_ms) / max(1, stats.get("buckets", 1)),
         bucket_nbytes=bucket_nbytes, weight_bytes=weight_bytes, grad_bytes=weight_bytes,
-        state_bytes=state_bytes, host_copy_bytes=host_copy_bytes,
+        state_bytes=state_bytes, host_copy_bytes=host_copy_bytes, micro_steps=micro_steps,
     )  # fmt: skip

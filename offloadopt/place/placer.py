@@ -151,9 +151,10 @@ class Placer:
         else:
             self.place(group_indices)
 
-    def ensure_placed(self) -> bool:
+    def ensure_placed(self, micro_steps: int = 1) -> bool:
         """Place the groups waiting for their meta params (``opt.ensure_placed``'s work);
-        returns whether any was placed.
+        returns whether any was placed. ``micro_steps``: the forward and backward passes of
+        the step that places them (gradient accumulation), for max_gpu_memory's choice.
 
         Raises:
             RuntimeError: a param is still on the meta device (named); nothing is placed.
@@ -172,7 +173,7 @@ class Placer:
                         "without it to_empty() makes new params this optimizer does not hold)"
                     )
         if self.budget_pending():  # raises with the figures; nothing is built
-            self.choice = budget.choose_for(self, self.unplaced)
+            self.choice = budget.choose_for(self, self.unplaced, micro_steps)
             self.fraction = self.choice["fraction"]
         pending, self.unplaced = self.unplaced, []
         try:

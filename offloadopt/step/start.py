@@ -70,12 +70,15 @@ class AtStep:
 
     Attributes:
         depth: how many ``opt.accumulating()`` contexts are open.
+        marked: the ``opt.accumulating()`` blocks entered since the last ``step()`` began
+            (:meth:`take_micro_steps`).
     """
 
     hooks = False  # no grad hooks, no DDP comm hook
 
     def __init__(self) -> None:
         self.depth = 0
+        self.marked = 0
         self.grad_hooks: list[GradHooks] = []  # the offloaded params' (FromBackward)
         self.ddp_hook: DDPGrads | None = None  # ddp=: DDP's comm hook (FromBackward)
 
@@ -96,12 +99,22 @@ class AtStep:
         """Mark the backward passes inside as non-final micro-steps of gradient accumulation:
         their grads stay on the device and nothing starts before the final backward (outside
         this context) or ``step()``. Without the marker, ``overlap="backward"`` treats every
-        backward as final (a second backward before ``step()`` is an error)."""
+        backward as final (a second backward before ``step()`` is an error). Each block counts
+        as one non-final micro-step (:meth:`take_micro_steps`)."""
         self.depth += 1
+        self.marked += 1
         try:
             yield
         finally:
             self.depth -= 1
+
+    def take_micro_steps(self) -> int:
+        """At ``step()``: the micro-steps of the step, 1 + the ``accumulating()`` blocks
+        entered since the last (one per non-final micro-step, as the docs write them; one
+        block around several backward passes counts once); the count starts again.
+        ``offload_fraction="auto"`` reads it (place/auto.py: backward mode's window)."""
+        n, self.marked = 1 + self.marked, 0
+        return n
 
 
 class FromBackward(AtStep):

@@ -126,10 +126,10 @@ def test_the_audit_shows_backward_modes_d2h_beside_backward_kernels():
     the bound asks for some, clear of step mode's 0)."""
     import argparse
 
-    from offloadopt.harness import audit_job, options
+    from offloadopt.harness import audit_job, bench_options
 
     p = argparse.ArgumentParser()
-    options.add_audit_args(p)
+    bench_options.add_audit_args(p)
     beside = {}
     for mode in ("step", "backward"):
         args = p.parse_args(["--device", "cuda", "--preset", "gpt2", "--mock-data", "--mode", mode,
