@@ -123,8 +123,11 @@ STATES = {"int8": dict(state_dtype="int8"),
           "sr8": dict(state_dtype="int8", master_weights="bf16-sr")}  # fmt: skip
 
 
-# offload_fraction="auto" needs its probe, move and verify steps before the timed ones.
-AUTO_WARMUP = (3 + auto.CORRECTIONS) * (auto.MEASURED_STEPS + 1)
+# offload_fraction="auto" needs its probe, baseline, verify and steady steps (each correction's
+# too) before the timed ones; after a move, the settling steps are no sample.
+_MOVED = 1 + auto.SETTLE_STEPS + auto.MEASURED_STEPS
+AUTO_WARMUP = (1 + auto.MEASURED_STEPS + _MOVED
+               + (1 + auto.CORRECTIONS) * (_MOVED + auto.STEADY_AFTER + auto.MEASURED_STEPS))  # fmt: skip
 
 
 def configs(quick: bool) -> list[tuple[str, dict]]:

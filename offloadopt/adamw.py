@@ -151,7 +151,10 @@ class HybridAdamW(HybridOptimizer):
             if either check fails, restore that state and update again with the true values
             (bitwise the run without it; offloadopt/step/speculate.py's note, docs/modes.md).
             ``ValueError`` in other modes, without a clip or scaler, or with
-            ``release_grads``. ``opt.speculation`` counts the steps redone.
+            ``release_grads``. ``opt.speculation`` counts the steps redone. GPU memory: at
+            most 8 bytes a step above the same run without it, redone or not (the factors of
+            a passing check; ``opt.speculation["device_extra_peak_nbytes"]`` counts it); the
+            backups are pageable host memory (``backup_nbytes``).
         release_grads: free the device grads of offloaded params as soon as their copy has
             landed on the host (``p.grad`` is then None after ``step()``); needs
             ``overlap="backward"`` with ``grads_final``, ``max_grad_norm`` or ``grad_scaler``.

@@ -33,6 +33,7 @@ class Debug:
         guards: the Guards (offloadopt/step/guards.py): what a step refuses.
         scaling: the Scaling (offloadopt/step/scaling.py): clipping, a GradScaler's inputs.
         timeline: the Timeline (offloadopt/step/step.py): the lock, the steps in time.
+        relocate: the Relocator (offloadopt/relocate.py): every move to another fraction.
         speculation: the Speculation (offloadopt/step/speculate.py), or None without
             ``speculate=True``: backups, validation, rollback (``kernel_backup = False``:
             the copy before the update, not the kernel's).
@@ -47,6 +48,7 @@ class Debug:
         self.guards = opt._guards
         self.scaling = opt._scaling
         self.timeline = opt._timeline
+        self.relocate = opt._relocate
         self.speculation = opt._speculation
 
     @property

@@ -67,7 +67,8 @@ class Options:
     each bucket's update as soon as its grads are complete."""
     speculate: bool = False
     """Backward mode with max_grad_norm or grad_scaler: start updates during backward as if
-    nothing were clipped or skipped; redo them when the check at its end says otherwise."""
+    nothing were clipped or skipped; redo them when the check at its end says otherwise. GPU
+    memory: at most 8 bytes a step above the run without it (backups are pageable host memory)."""
     release_grads: bool = False
     """Free the device grads of offloaded params once their copy lands (backward mode)."""
     ddp: Any = None

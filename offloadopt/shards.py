@@ -229,3 +229,22 @@ def check_zero(overlap: str, param_groups: list[dict], world: int) -> None:
             f"the {world} ranks would train on different weights and checkpoint them; "
             "use overlap='step' under ZeRO"
         )
+
+
+def refuse_sharded(sharded: list[torch.Tensor], moments: str, master_sr: bool) -> None:
+    """Compressed optimizer state (``state_dtype``, ``master_weights='bf16-sr'``) is refused
+    with FSDP2 (DTensor) params (``sharded``): its per-block scales are not laid out like the
+    params' shards.
+
+    Raises:
+        NotImplementedError: ``sharded`` is not empty (counted).
+    """
+    if sharded:
+        given = [f"state_dtype={moments!r}"] if moments != "fp32" else []
+        given += ["master_weights='bf16-sr'"] if master_sr else []
+        raise NotImplementedError(
+            f"compressed optimizer state ({', '.join(given)}) with "
+            f"FSDP2 (DTensor) params is not supported yet ({len(sharded)} here): its "
+            "per-block scales are not laid out like the params' shards; use "
+            "state_dtype='fp32' and master_weights=True with FSDP2"
+        )

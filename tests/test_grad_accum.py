@@ -277,7 +277,8 @@ def test_measuring_forward_and_backward_changes_no_loss(overlap):
 def test_auto_measures_whole_steps_with_accumulation_and_released_grads():
     """--offload-fraction auto with --grad-accum and --release-grads: the choice's windows span
     the whole optimizer step (both micro-batches), and the cost model knows there are 2."""
-    out = train.train(TrainConfig(**dict(KW, steps=12, grad_accum=2), offload_fraction="auto",
+    # auto measures its choice at the 16th step (probe, baseline, verify)
+    out = train.train(TrainConfig(**dict(KW, steps=18, grad_accum=2), offload_fraction="auto",
                                   overlap="backward", release_grads=True, grad_clip=0.0))  # fmt: skip
     choice = out["placement_choice"]
     assert choice["set_by"] == "auto" and choice["measurements"]["micro_steps"] == 2, choice

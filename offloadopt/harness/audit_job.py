@@ -155,7 +155,8 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
     report = a.report
     spec = getattr(opt, "speculation", None)  # speculate=True: the audited iterations' counts
     if spec is not None:
-        spec = {k: v - counted.get(k, 0) if k != "backup_nbytes" else v for k, v in spec.items()}
+        kept = ("backup_nbytes", "device_extra_peak_nbytes")  # held or peaked: not counted
+        spec = {k: v - counted.get(k, 0) if k not in kept else v for k, v in spec.items()}
     mode = f", {args.mode} mode" if args.optimizer == "hybrid" else ""
     print(f"memcpy audit: {args.optimizer} (fraction {args.offload_fraction}{mode}), preset "
           f"{args.preset}, {args.steps} iteration(s) after {args.warmup} warm-up, {device}")  # fmt: skip

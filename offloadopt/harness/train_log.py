@@ -97,6 +97,9 @@ def describe_choice(choice: dict) -> str:
                  f"{choice['predicted_step_ms']:.1f} ms/step (fraction 0: "
                  f"{choice['predicted_step_ms_at_0']:.1f})")  # fmt: skip
         line += f", measured {measured:.1f}" if measured is not None else ", measuring"
+        if choice.get("steady_step_ms") is not None:
+            line += f", steady {choice['steady_step_ms']:.1f}"
+            line += " (the host moved)" if choice.get("host_moved") else ""
         moves = choice.get("corrections") or []
         if moves:
             line += " | corrected from " + ", ".join(

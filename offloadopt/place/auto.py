@@ -2,7 +2,9 @@
 model (offloadopt/place/costmodel.py), move to the one it picks, then measure that.
 
 Timeline (each phase is :data:`MEASURED_STEPS` steps; the optimizer calls :meth:`begin`,
-:meth:`mark` and :meth:`end` from ``step()``):
+:meth:`mark` and :meth:`end` from ``step()``, and :meth:`moved` after a move ``end`` asked
+for; auto reads the Placer it is handed and records its choice there, and never moves state
+itself):
 
 1. *Probe*: the optimizer is placed at :data:`PROBE_FRACTION` (or, with ``max_gpu_memory``, at
    the budget's choice, made at the first ``step()``); ``overlap="backward"``'s updates wait
@@ -20,7 +22,8 @@ Timeline (each phase is :data:`MEASURED_STEPS` steps; the optimizer calls :meth:
    is :func:`costmodel.largest_hidden` (the largest fraction whose predicted step stays within
    ``1 + tolerance * CHOICE_MARGIN`` of fraction 0's: half the tolerance); with a budget it stays the budget's (the smallest
    fraction that fits, which is also the fastest that fits: the predicted step grows with the
-   fraction). ``opt.set_offload_fraction`` moves the state, losslessly.
+   fraction). :meth:`AutoFraction.end` returns the fraction; the step moves the state there,
+   losslessly (offloadopt/relocate.py), and tells it (:meth:`AutoFraction.moved`).
 3. *Baseline* (without a budget): the state moves to fraction 0 and fraction 0's period is
    measured (the model's prediction of it was 3-6% high on the H200, which let a choice end at
    1.08-1.12x the real fraction 0's step). If fraction 0 does not fit (out of memory) or cannot
@@ -29,6 +32,12 @@ Timeline (each phase is :data:`MEASURED_STEPS` steps; the optimizer calls :meth:
    the prediction. Without a budget, a period above ``1 + tolerance`` times fraction 0's
    (measured in the baseline; else predicted) moves the state down to the fraction the model, corrected by that error, keeps within it, and that
    one is verified in turn (:data:`CORRECTIONS` times at most; ``choice["corrections"]``).
+   After each move (the baseline's and the choice's alike) the step whose window spans it and
+   :data:`SETTLE_STEPS` more are no sample: both are timed in their steady state.
+5. *Steady*: :data:`STEADY_AFTER` steps after a choice within the limit, its period is measured
+   once more (``choice["steady_step_ms"]``). Above the limit it is corrected as in 4 while
+   corrections are left; otherwise a warning says that the host moved, and
+   ``choice["host_moved"]`` is True (False when the steady state held).
 
 ``opt.placement_choice`` holds the choice, its inputs and the predicted and measured step
 times (milliseconds); logger ``offloadopt`` says the same in two lines. When no choice can be
@@ -43,18 +52,39 @@ import dataclasses
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from offloadopt.place import costmodel, report
+from offloadopt.place.costmodel import cost_mode, measurements  # auto's inputs, re-exported
 from offloadopt.warn import warn
 
-__all__ = ["AutoFraction", "PROBE_FRACTION", "MEASURED_STEPS", "CORRECTIONS", "measurements"]
+__all__ = [
+    "AutoFraction",
+    "PROBE_FRACTION",
+    "MEASURED_STEPS",
+    "CORRECTIONS",
+    "SETTLE_STEPS",
+    "STEADY_AFTER",
+    "cost_mode",
+    "measurements",
+]
 
 PROBE_FRACTION = 0.5  # both sides hold state, so both kernels' speeds are measured
 MEASURED_STEPS = 3  # steps per phase (medians)
 CORRECTIONS = 2  # verified periods above the limit that move the fraction down
+# Steps after a move that are no sample (besides the first, whose window spans the move): the
+# allocator's new blocks, the old placement's pinned frees and the worker's pages settle there,
+# for fraction 0's baseline and the chosen fraction alike, so both are timed in the steady
+# state a user then gets. On the H200 (issue 46) a choice verified right after its move
+# measured 123.2 ms against fraction 0's 120.5, and stepped 135.6 ms from then on.
+SETTLE_STEPS = 2
+# Steps after a verified choice before it is measured once more (the steady state): a period
+# there above the limit moves the fraction down while corrections are left, or says that the
+# host moved (a warning, ``placement_choice["host_moved"]``).
+STEADY_AFTER = 6
 # The choice aims at this share of the tolerance; the rest is room for what the probe cannot
 # see: the steps' spread on a shared host (+-10% step to step on the GPU host) and, in backward
 # mode, the grad hooks' hand-off inside backward (the probe holds the updates for step()). On
@@ -62,63 +92,7 @@ CORRECTIONS = 2  # verified periods above the limit that move the fraction down
 # step (benchmarks/RESULTS.md, auto).
 CHOICE_MARGIN = 0.5
 SMALLEST_SIDE = 0.05  # the probe's device share below which its update is not timed
-_NO_LINK_GBPS = 1e3  # without CUDA the "link" is a memcpy the worker's time already holds
 _log = logging.getLogger("offloadopt")
-
-
-def cost_mode(overlap: str, grads_final: bool, max_grad_norm: float | None) -> str:
-    """The cost model's mode for these options: backward mode whose updates wait for
-    ``step()`` (no ``grads_final``, no ``max_grad_norm``) costs what step mode does."""
-    if overlap == "backward" and not (grads_final or max_grad_norm is not None):
-        return "step"
-    return overlap
-
-
-def measurements(
-    *,
-    fwd_bwd_ms: float,
-    device_update_ms: float,
-    stats: dict[str, float],
-    device_numel: int,
-    offloaded_numel: int,
-    bucket_nbytes: int,
-    weight_bytes: int = 2,
-    state_bytes: int = 12,
-    host_copy_bytes: int = 0,
-    micro_steps: int = 1,
-) -> costmodel.Measurements:
-    """:class:`costmodel.Measurements` from one placement's figures: the medians of the
-    windows (ms), the optimizer's ``stats`` of a step there (the worker's kernel time, its busy
-    time, the buckets, the link's bytes and GPU times), the elements on each side and the
-    micro-steps a step has (gradient accumulation). The
-    per-bucket overhead is the worker's busy time (``worker_ms`` less its waits for D2H and for
-    buckets backward had not announced yet, as with ``release_grads``) beyond the kernel, per
-    bucket.
-
-    Raises:
-        ValueError: no offloaded elements (nothing to measure the worker on), or a figure the
-            cost model refuses (named).
-    """
-    if offloaded_numel <= 0:
-        raise ValueError("offload_fraction='auto': no param is offloaded at the probe fraction")
-
-    def gbps(key: str) -> float:
-        ms, nbytes = stats.get(f"{key}_ms", 0.0), stats.get(f"{key}_nbytes", 0.0)
-        return nbytes / (ms * 1e6) if ms > 0 and nbytes > 0 else _NO_LINK_GBPS
-
-    kernel_ms = stats.get("cpu_update_ms", 0.0)
-    waits_ms = stats.get("d2h_wait_ms", 0.0) + stats.get("feed_wait_ms", 0.0)
-    busy_ms = stats.get("worker_ms", 0.0) - waits_ms
-    return costmodel.Measurements(
-        params=device_numel + offloaded_numel,
-        fwd_bwd_ms=max(fwd_bwd_ms, 0.0),
-        device_ns_per_param=device_update_ms * 1e6 / device_numel if device_numel else 0.0,
-        cpu_ns_per_param=kernel_ms * 1e6 / offloaded_numel,
-        d2h_gbps=gbps("d2h"), h2d_gbps=gbps("h2d"),
-        bucket_overhead_ms=max(0.0, busy_ms - kernel_ms) / max(1, stats.get("buckets", 1)),
-        bucket_nbytes=bucket_nbytes, weight_bytes=weight_bytes, grad_bytes=weight_bytes,
-        state_bytes=state_bytes, host_copy_bytes=host_copy_bytes, micro_steps=micro_steps,
-    )  # fmt: skip
 
 
 class _Clock:
@@ -154,13 +128,15 @@ class AutoFraction:
     def __init__(self, tolerance: float, budgeted: bool, release_grads: bool = False):
         self.tolerance, self.budgeted = tolerance, budgeted
         self._may_hold = not budgeted and not release_grads
-        self.phase = "probe"  # "probe" -> "verify" -> "done"
+        self.phase = "probe"  # "probe" -> "baseline" -> "verify" -> "steady" -> "done"
         self.choice: dict[str, Any] = {}
         self._clock: _Clock | None = None
         self._cur: dict[str, Any] = {}
         self._prev_end: Any = None
         self._samples: list[dict[str, float]] = []
-        self.moving = False  # our own set_offload_fraction call (the caller's cancels us)
+        self.moving = False  # a move asked for by end(), not yet moved() (a caller's cancels us)
+        self._then = "verify"  # the phase after that move
+        self._skip = 0  # steps still to pass before the next sample (SETTLE_STEPS, STEADY_AFTER)
         self._model: costmodel.Measurements | None = None  # the probe's, once chosen
         self._stats: dict[str, float] = {}  # the figures of the last step that updated buckets
         self._target = 0.0  # the chosen fraction, while fraction 0 is measured
@@ -178,6 +154,20 @@ class AutoFraction:
         a budget (its choice needs no times) or ``release_grads`` (held grads would exceed
         the memory it counted)."""
         return self.phase == "probe" and self._may_hold
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        """offload_fraction="auto" chooses a share of every param: a group that forces its
+        placement (``"offload": True`` or ``False``) would not move with it.
+
+        Raises:
+            ValueError: such a group, without a budget (whose choice it keeps).
+        """
+        if not self.budgeted and group.get("offload") is not None:
+            raise ValueError(
+                f"a param group with 'offload': {group['offload']!r} and "
+                "offload_fraction='auto': the cost model predicts a share of every param, and "
+                "this group's stays where it is forced; give a number, or drop the key"
+            )
 
     def cancel(self, why: str) -> None:
         """Stop (the caller placed the params itself); ``placement_choice`` says why."""
@@ -197,50 +187,95 @@ class AutoFraction:
         if self._cur:
             self._cur[key] = self._clock.mark()
 
-    def end(self, opt, worked: bool = True, micro_steps: int = 1) -> None:
+    def end(self, placer: Any, *, worked: bool, stats: dict[str, float],
+            synchronize: Callable[[], None], wait_module: bool, mode: str,
+            micro_steps: int = 1) -> float | None:  # fmt: skip
         """At the end of a successful ``step()``: a sample, and the phase's action once it has
-        :data:`MEASURED_STEPS`. A step that updated nothing (no grads) is no sample, and the
-        window of the next one runs from the last step that did. ``micro_steps``: the step's
-        forward and backward passes (gradient accumulation; the optimizer counts them)."""
+        :data:`MEASURED_STEPS`. Returns the fraction to move to (the step moves the state,
+        then calls :meth:`moved`), or None. A step that updated nothing (no grads) is no
+        sample, and the window of the next one runs from the last step that did.
+
+        ``placer``: the Placer (the fraction, records, pipeline; the choice is recorded in
+        it); ``stats``: the Feeder's figures of this step; ``synchronize``: the publish
+        policy's (every copy of the step waited for); ``wait_module``: ``wait="module"``;
+        ``mode``: :func:`cost_mode` of the options now; ``micro_steps``: the step's forward
+        and backward passes (gradient accumulation; the optimizer counts them)."""
         if not self._cur:
-            return
+            return None
         cur, self._cur = self._cur, {}
         if not worked:
-            return
-        if self.phase == "probe" and opt.wait == "module":
+            return None
+        if self.phase == "probe" and wait_module:
             # The next forward must not wait for this step's copies inside the window that
             # measures forward+backward: the probe waits for them here, as wait="step" would.
-            opt.synchronize()
-        if opt._feeder.stats.get("buckets"):
-            self._stats = dict(
-                opt._feeder.stats
-            )  # this step's figures (complete: it was waited for)
+            synchronize()
+        if stats.get("buckets"):
+            self._stats = dict(stats)  # this step's figures (complete: it was waited for)
         cur["end"], cur["micro_steps"] = self._clock.mark(), micro_steps
         prev, self._prev_end = self._prev_end, cur["end"]
-        if prev is not None:
-            if not self._samples and opt._placer.pipeline is not None:
-                opt._placer.pipeline.collect_link()  # the link's copies from here on are ours
+        if prev is not None and self._skip > 0:  # settling after a move: no sample
+            self._skip -= 1
+        elif prev is not None:
+            if not self._samples and placer.pipeline is not None:
+                placer.pipeline.collect_link()  # the link's copies from here on are ours
             self._samples.append(cur | {"prev": prev})
         if len(self._samples) < MEASURED_STEPS:
-            return
+            return None
         samples, self._samples = self._timed(self._samples), []
         if self.phase == "probe":
-            self._choose(opt, samples)
-        elif self.phase == "baseline":
+            return self._choose(placer, samples, synchronize, mode)
+        if self.phase == "baseline":
             self.choice["measured_step_ms_at_0"] = samples["period_ms"]
             _log.info("offloadopt: offload_fraction auto: fraction 0 measured %.1f ms/step "
                       "(predicted %.1f)", samples["period_ms"],
                       self.choice["predicted_step_ms_at_0"])  # fmt: skip
-            self._move(opt, self._target)
-        else:
-            self._verified(opt, samples)
+            return self._want(self._target, "verify")
+        return self._verified(placer, samples)
 
-    def _keep(self, opt, why: str) -> None:
+    def _want(self, fraction: float, then: str) -> float:
+        """Ask the step to move the state to ``fraction``; :meth:`moved` follows, and then
+        phase ``then`` (``"baseline"``: fraction 0 measured, ``"verify"``)."""
+        self.moving, self._then = True, then
+        return fraction
+
+    def moved(self, placer: Any, error: BaseException | None) -> float | None:
+        """The step moved the state as :meth:`end` asked (``error``: the move failed, and the
+        old placement stays: out of memory, or a RuntimeError). Also called when Ctrl-C
+        reaches its handler at the end of the move (interrupts.signals_deferred): the choice
+        records where the state is, and the next steps measure it. Returns a further
+        fraction to move to (fraction 0 could not be placed: straight to the target), or
+        None."""
+        self.moving = False
+        if self._then == "baseline":
+            if error is not None:
+                self.choice["baseline_skipped"] = f"{type(error).__name__}: {error}"[:300]
+                _log.warning("offloadopt: offload_fraction auto: fraction 0 not measured: %s",
+                             error)  # fmt: skip
+                return self._want(self._target, "verify")
+            if placer.fraction == 0.0:
+                placer.choice = {**(placer.choice or {}), **self.choice, "fraction": 0.0}
+                self.phase, self._samples = "baseline", []
+                self._prev_end, self._skip = None, SETTLE_STEPS  # the next window spans the move
+            return None
+        if error is not None:
+            self.choice["kept"] = f"{type(error).__name__}: {error}"[:300]
+            _log.warning("offloadopt: offload_fraction auto: kept %g: %s", placer.fraction,
+                         error)  # fmt: skip
+        self.choice["fraction"] = placer.fraction
+        self.choice["predicted_step_ms"] = costmodel.predict(
+            self._model, placer.fraction, self._mode
+        ).step_ms
+        placer.choice = {**(placer.choice or {}), **self.choice}
+        self.phase, self._samples = "verify", []
+        self._prev_end, self._skip = None, SETTLE_STEPS  # the next window spans the move
+        return None
+
+    def _keep(self, placer: Any, why: str) -> None:
         """No choice can be made: the placement stays, and ``placement_choice`` says why."""
         self.phase = "done"
-        self.choice = {"fraction": opt.offload_fraction, "set_by": "auto", "kept": why}
-        opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
-        _log.info("offloadopt: offload_fraction auto: kept %g (%s)", opt.offload_fraction, why)
+        self.choice = {"fraction": placer.fraction, "set_by": "auto", "kept": why}
+        placer.choice = {**(placer.choice or {}), **self.choice}
+        _log.info("offloadopt: offload_fraction auto: kept %g (%s)", placer.fraction, why)
         self._clock = self._prev_end = None
 
     def _timed(self, samples: list[dict[str, Any]]) -> dict[str, float]:
@@ -255,36 +290,35 @@ class AutoFraction:
                 "device_update_ms": median("dev0", "dev1"),
                 "micro_steps": round(statistics.median(s["micro_steps"] for s in samples))}  # fmt: skip
 
-    def _link(self, opt) -> dict[str, float]:
+    def _link(self, placer: Any, synchronize: Callable[[], None]) -> dict[str, float]:
         """The last step's figures, with the link's GPU times and bytes of the copies since
         the first sample (``opt.stats`` sums times over every step not yet read)."""
         stats = dict(self._stats)
-        if opt._placer.pipeline is not None:
-            opt.synchronize()  # every copy of the measured steps has run
-            for key, (ms, nbytes) in opt._placer.pipeline.collect_link().items():
+        if placer.pipeline is not None:
+            synchronize()  # every copy of the measured steps has run
+            for key, (ms, nbytes) in placer.pipeline.collect_link().items():
                 stats[key], stats[key.replace("_ms", "_nbytes")] = ms, nbytes
         return stats
 
-    def _choose(self, opt, timed: dict[str, float]) -> None:
-        mode = cost_mode(opt.overlap, opt.grads_final or opt.grad_scaler is not None,
-                         opt.max_grad_norm)  # fmt: skip
-        probe = opt.offload_fraction
-        numel = report.numel_by_side(opt._records)
-        sizes = report.bytes_per_param(opt.param_groups, opt.rule, opt.master_weights)
+    def _choose(self, placer: Any, timed: dict[str, float], synchronize: Callable[[], None],
+                mode: str) -> float | None:  # fmt: skip
+        probe = placer.fraction
+        numel = report.numel_by_side(placer.records)
+        sizes = report.bytes_per_param(placer.param_groups, placer.rule, placer.master_weights)
         try:
-            m = measurements(fwd_bwd_ms=timed["fwd_bwd_ms"], stats=self._link(opt),
+            m = measurements(fwd_bwd_ms=timed["fwd_bwd_ms"], stats=self._link(placer, synchronize),
                              device_update_ms=timed["device_update_ms"],
                              device_numel=numel[False], offloaded_numel=numel[True],
-                             bucket_nbytes=opt.bucket_nbytes, micro_steps=timed["micro_steps"],
+                             bucket_nbytes=placer.bucket_nbytes, micro_steps=timed["micro_steps"],
                              **sizes)  # fmt: skip
         except ValueError as e:
-            self._keep(opt, str(e))
-            return
+            self._keep(placer, str(e))
+            return None
         if numel[False] < SMALLEST_SIDE * (numel[False] + numel[True]) and not self.budgeted:
-            self._keep(opt, f"offload_fraction='auto': {numel[False]:,} of "
+            self._keep(placer, f"offload_fraction='auto': {numel[False]:,} of "
                        f"{numel[False] + numel[True]:,} trainable elements are on the device "
                        "at the probe, too few to time its update")  # fmt: skip
-            return
+            return None
         zero = costmodel.predict(m, 0.0, mode)
         if self.budgeted:
             chosen = costmodel.predict(m, probe, mode)
@@ -318,55 +352,16 @@ class AutoFraction:
         self.choice["corrections"] = []
         self.choice["measured_step_ms_at_0"] = None
         if self.budgeted or probe == 0.0 or chosen.fraction == 0.0:
-            self._move(opt, chosen.fraction)
-        else:
-            self._baseline(opt, chosen.fraction)
+            return self._want(chosen.fraction, "verify")
+        return self._baseline(chosen.fraction)
 
-    def _baseline(self, opt, target: float) -> None:
-        """Move to fraction 0 and measure it, then to ``target`` (:meth:`end`); where fraction
-        0 cannot be placed, straight to ``target``, verified against the prediction."""
+    def _baseline(self, target: float) -> float:
+        """Fraction 0 is measured first, then the state moves to ``target`` (where fraction 0
+        cannot be placed, straight there, verified against the prediction: :meth:`moved`)."""
         self._target = target
-        try:
-            self.moving = True
-            opt.set_offload_fraction(0.0)
-        except (torch.OutOfMemoryError, RuntimeError) as e:  # the old placement stays
-            self.moving = False
-            self.choice["baseline_skipped"] = f"{type(e).__name__}: {e}"[:300]
-            _log.warning("offloadopt: offload_fraction auto: fraction 0 not measured: %s", e)
-            self._move(opt, target)
-        finally:
-            # Also when Ctrl-C reaches its handler at the end of the move (signals_deferred):
-            # the choice records where the state is, and the next steps measure it.
-            self.moving = False
-            if opt.offload_fraction == 0.0:
-                opt.placement_choice = {**(opt.placement_choice or {}), **self.choice,
-                                        "fraction": 0.0}  # fmt: skip
-                self.phase, self._samples = "baseline", []
-                self._prev_end = None  # the next window spans the move
+        return self._want(0.0, "baseline")
 
-    def _move(self, opt, fraction: float) -> None:
-        """Place at ``fraction`` (a failure keeps the placement, and says so), then verify."""
-        try:
-            if fraction != opt.offload_fraction:
-                self.moving = True
-                opt.set_offload_fraction(fraction)
-        except (torch.OutOfMemoryError, RuntimeError) as e:  # the old placement stays
-            self.choice["kept"] = f"{type(e).__name__}: {e}"[:300]
-            _log.warning("offloadopt: offload_fraction auto: kept %g: %s",
-                         opt.offload_fraction, e)  # fmt: skip
-        finally:
-            # Also when Ctrl-C reaches its handler at the end of the move (signals_deferred):
-            # the choice records where the state is, and the next steps verify it.
-            self.moving = False
-            self.choice["fraction"] = opt.offload_fraction
-            self.choice["predicted_step_ms"] = costmodel.predict(
-                self._model, opt.offload_fraction, self._mode
-            ).step_ms
-            opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
-            self.phase, self._samples = "verify", []
-            self._prev_end = None  # the next window spans the move
-
-    def _verified(self, opt, timed: dict[str, float]) -> None:
+    def _verified(self, placer: Any, timed: dict[str, float]) -> float | None:
         """The period at the placed fraction, measured. Without a budget, a period above the
         limit (``1 + tolerance`` times fraction 0's prediction) moves down: to the largest
         fraction whose prediction, raised by the error just measured, stays within it, but at
@@ -374,10 +369,12 @@ class AutoFraction:
         (unless 0.05 down is lower); at most :data:`CORRECTIONS` times (the CPU's speed varies
         from run to run, and the model leaves out the contention between the worker and the
         training thread)."""
-        fraction, measured = opt.offload_fraction, timed["period_ms"]
-        self.choice["measured_step_ms"] = measured
-        _log.info("offloadopt: offload_fraction auto: fraction %g measured %.1f ms/step "
-                  "(predicted %.1f)", fraction, measured, self.choice["predicted_step_ms"])  # fmt: skip
+        fraction, measured = placer.fraction, timed["period_ms"]
+        steady = self.phase == "steady"
+        self.choice["steady_step_ms" if steady else "measured_step_ms"] = measured
+        _log.info("offloadopt: offload_fraction auto: fraction %g measured %.1f ms/step%s "
+                  "(predicted %.1f)", fraction, measured, " (steady)" if steady else "",
+                  self.choice["predicted_step_ms"])  # fmt: skip
         zero = self.choice["measured_step_ms_at_0"] or self.choice["predicted_step_ms_at_0"]
         limit = (1 + self.tolerance) * zero
         corrections = self.choice["corrections"]
@@ -392,11 +389,30 @@ class AutoFraction:
             hidden = max(f for f in step if step[f] <= self.choice["predicted_step_ms_at_0"])
             corrections.append({"fraction": fraction, "measured_step_ms": measured,
                                 "predicted_step_ms": self.choice["predicted_step_ms"]})  # fmt: skip
-            self._move(opt, max(0.0, min(max(fits, hidden), round(fraction - 0.05, 2))))
-            return
+            return self._want(max(0.0, min(max(fits, hidden), round(fraction - 0.05, 2))), "verify")
+        within = self.budgeted or measured <= limit
+        if not steady and within:  # measured once more, STEADY_AFTER steps on
+            self.phase, self._samples, self._skip = "steady", [], STEADY_AFTER
+            self.choice["within_tolerance"] = True
+            placer.choice = {**(placer.choice or {}), **self.choice}
+            return None
         self.phase = "done"
-        self.choice["within_tolerance"] = self.budgeted or measured <= limit
-        if not self.choice["within_tolerance"]:
+        self.choice["within_tolerance"] = within
+        if steady:
+            self.choice["host_moved"] = not within
+        if not within and steady:
+            self.choice["why"] += (f"; the steady step measured {measured:.1f} ms after the "
+                                   f"choice, above the limit {limit:.1f}")  # fmt: skip
+            warn(
+                f"offload_fraction='auto' kept fraction {fraction:g}, but the host moved: its "
+                f"step measured {self.choice['measured_step_ms']:.1f} ms when chosen and "
+                f"{measured:.1f} ms {STEADY_AFTER + MEASURED_STEPS} steps later, above the "
+                f"limit {limit:.1f} ms ({1 + self.tolerance:g} x fraction 0's {zero:.1f} ms), "
+                f"after {len(corrections)} corrections; give offload_fraction a number, or "
+                "call opt.set_offload_fraction(), to choose yourself (opt.placement_choice "
+                "has the figures)"
+            )
+        elif not within:
             self.choice["why"] += (f"; measured {measured:.1f} ms, above the limit {limit:.1f} "
                                    f"after {len(corrections)} corrections")  # fmt: skip
             # A fresh user's finding: auto ended above its own limit and said nothing.
@@ -410,5 +426,6 @@ class AutoFraction:
                 "offload_fraction a number, or call opt.set_offload_fraction(), to choose "
                 "yourself (opt.placement_choice has the figures)"
             )
-        opt.placement_choice = {**(opt.placement_choice or {}), **self.choice}
+        placer.choice = {**(placer.choice or {}), **self.choice}
         self._clock = self._prev_end = None
+        return None

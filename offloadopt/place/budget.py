@@ -1,6 +1,7 @@
 """A GPU memory budget (``max_gpu_memory=``): the smallest offload fraction whose device bytes
-fit, checked against the host's memory. Pure arithmetic over a placement function; the
-optimizer measures what the device holds and applies the choice (optim.py)."""
+fit, checked against the host's memory. :func:`choose` is pure arithmetic over a placement
+function; :func:`choose_for` measures what the device holds for a Placer (which applies the
+choice), and :func:`check_added` checks a group added after it."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from offloadopt.kernels.adam import device_work_nbytes
 from offloadopt.link.transfer import SLOTS
 from offloadopt.place.costmodel import format_bytes, parse_bytes
-from offloadopt.place.placement import ParamInfo, Placement
+from offloadopt.place.placement import ParamInfo, Placement, place
+from offloadopt.shards import local
 
-__all__ = ["sizes", "mem_available", "choose", "IN_FLIGHT_BUCKETS"]
+__all__ = ["sizes", "mem_available", "choose", "choose_for", "check_added", "IN_FLIGHT_BUCKETS"]
 
 # release_grads: buckets whose grads may still be on the device at once: SLOTS fed and waiting
 # for a slot (backpressure, start.FromBackward.on_grad), SLOTS in the staging slots, one filling.
@@ -160,3 +165,79 @@ def choose(
         "measured": how, "predicted_gpu_bytes": need, "host_bytes": host,
         "host_available_bytes": available, "released_grad_bytes": released,
     }  # fmt: skip
+
+
+def choose_for(placer: Any, group_indices: list[int], micro_steps: int = 1) -> dict[str, Any]:
+    """The budget's choice for ``placer``'s groups ``group_indices``: what the device holds
+    (its peak so far, or weights, grads and ``activation_bytes``), then :func:`choose`'s
+    smallest fraction that fits. With gradient accumulation (``micro_steps`` > 1, the step
+    that chooses) ``release_grads`` frees nothing off the peak: every grad stays on the device
+    through the non-final micro-steps, whose backward holds them all beside its activations,
+    as the measured first step did.
+
+    Raises:
+        ValueError: no fraction fits, or the host lacks the memory (both with figures).
+    """
+    tensors = [p for gi in group_indices for p in placer.param_groups[gi]["params"]]
+    cuda = {local(p).device for p in tensors if local(p).device.type == "cuda"}
+    given = placer.sizes["activation_bytes"]
+    if given is None and cuda:
+        measured = sum(torch.cuda.max_memory_allocated(d) for d in cuda)
+        how = "the device's peak so far (weights, grads, forward and backward)"
+        if not any(p.grad is not None for p in tensors):
+            placer.warn_once("budget-before-backward",
+                             "max_gpu_memory: placing before any backward ran, so the "
+                             "activations are not in the measured peak; pass "
+                             "activation_bytes= or call step() first")  # fmt: skip
+    else:
+        if given is None and not any(p.grad is not None for p in tensors):
+            placer.warn_once("budget-before-backward",
+                             "max_gpu_memory: placing before any backward ran and without "
+                             "activation_bytes=, so activations count as 0")  # fmt: skip
+        counted = weights_and_grads_nbytes(tensors)
+        measured = counted + (given or 0)
+        how = (f"weights and grads {format_bytes(counted)} + activations "
+               f"{format_bytes(given or 0)}")  # fmt: skip
+    choice = choose(
+        placer.infos(group_indices), measured, how, placer.sizes["max_gpu_memory"],
+        placer.sizes["max_host_memory"], placer.bucket_nbytes, placer.overlap == "delayed",
+        lambda f, infos: place(infos, f, placer.min_offload_numel, placer.master_weights,
+                               placer.policy),
+        release_grads=placer.releases_early and micro_steps == 1,
+        grads_in_flight=placer.wait == "module" and placer.overlap != "delayed",
+        work=(lambda n: device_work_nbytes(n, "cuda")) if cuda else None,
+        backups=placer.speculate,
+    )  # fmt: skip
+    if micro_steps > 1:
+        choice["micro_steps"] = micro_steps  # what released_grad_bytes 0 follows from
+    return choice
+
+
+def check_added(placer: Any, group_indices: list[int]) -> int:
+    """After the budget's choice, a group added later is placed at the chosen fraction: the
+    device bytes it adds (weights, grads, the state left on the device) must still fit.
+    Returns the predicted device bytes with it.
+
+    Raises:
+        ValueError: the budget would be exceeded (with figures); the group is not added.
+    """
+    infos = placer.infos(group_indices)
+    tensors = [p for gi in group_indices for p in placer.param_groups[gi]["params"]]
+    pls = place(infos, placer.fraction, placer.min_offload_numel, placer.master_weights,
+                placer.policy)  # fmt: skip
+    added = weights_and_grads_nbytes(tensors)
+    added += sum(pl.state_nbytes for pl in pls if not pl.offloaded and pl.reason != "frozen")
+    need = placer.choice["predicted_gpu_bytes"] + added
+    if need > placer.choice["max_gpu_memory"]:
+        raise ValueError(
+            f"add_param_group: at the chosen offload fraction {placer.fraction:g} the "
+            f"new group adds {format_bytes(added)} on the device, {format_bytes(need)} in "
+            f"all, over max_gpu_memory={format_bytes(placer.choice['max_gpu_memory'])}; call "
+            "opt.set_offload_fraction(...) for more offload first"
+        )
+    return need
+
+
+def weights_and_grads_nbytes(tensors: list[torch.Tensor]) -> int:
+    """Device bytes of these params (this rank's shards) and of the grads of trainable ones."""
+    return sum(local(p).nbytes * (2 if p.requires_grad else 1) for p in tensors)

@@ -35,6 +35,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["Measurements", "Prediction", "predict", "smallest_fitting", "largest_hidden",
+           "cost_mode", "measurements",
            "parse_bytes", "format_bytes"]  # fmt: skip
 
 MODES = ("step", "backward", "delayed")
@@ -247,3 +248,62 @@ def format_bytes(nbytes: float) -> str:
         if abs(nbytes) >= decimal:
             return f"{nbytes / decimal:.2f} {unit}B ({nbytes / binary:.2f} {unit}iB)"
     return f"{nbytes / 1e3:.2f} KB ({nbytes / 2**10:.2f} KiB)"
+
+
+# The measured inputs of offload_fraction="auto" (offloadopt/place/auto.py).
+_NO_LINK_GBPS = 1e3  # without CUDA the "link" is a memcpy the worker's time already holds
+
+
+def cost_mode(overlap: str, grads_final: bool, max_grad_norm: float | None) -> str:
+    """The cost model's mode for these options: backward mode whose updates wait for
+    ``step()`` (no ``grads_final``, no ``max_grad_norm``) costs what step mode does."""
+    if overlap == "backward" and not (grads_final or max_grad_norm is not None):
+        return "step"
+    return overlap
+
+
+def measurements(
+    *,
+    fwd_bwd_ms: float,
+    device_update_ms: float,
+    stats: dict[str, float],
+    device_numel: int,
+    offloaded_numel: int,
+    bucket_nbytes: int,
+    weight_bytes: int = 2,
+    state_bytes: int = 12,
+    host_copy_bytes: int = 0,
+    micro_steps: int = 1,
+) -> Measurements:
+    """:class:`Measurements` from one placement's figures: the medians of the
+    windows (ms), the optimizer's ``stats`` of a step there (the worker's kernel time, its busy
+    time, the buckets, the link's bytes and GPU times), the elements on each side and the
+    micro-steps a step has (gradient accumulation). The
+    per-bucket overhead is the worker's busy time (``worker_ms`` less its waits for D2H and for
+    buckets backward had not announced yet, as with ``release_grads``) beyond the kernel, per
+    bucket.
+
+    Raises:
+        ValueError: no offloaded elements (nothing to measure the worker on), or a figure the
+            cost model refuses (named).
+    """
+    if offloaded_numel <= 0:
+        raise ValueError("offload_fraction='auto': no param is offloaded at the probe fraction")
+
+    def gbps(key: str) -> float:
+        ms, nbytes = stats.get(f"{key}_ms", 0.0), stats.get(f"{key}_nbytes", 0.0)
+        return nbytes / (ms * 1e6) if ms > 0 and nbytes > 0 else _NO_LINK_GBPS
+
+    kernel_ms = stats.get("cpu_update_ms", 0.0)
+    waits_ms = stats.get("d2h_wait_ms", 0.0) + stats.get("feed_wait_ms", 0.0)
+    busy_ms = stats.get("worker_ms", 0.0) - waits_ms
+    return Measurements(
+        params=device_numel + offloaded_numel,
+        fwd_bwd_ms=max(fwd_bwd_ms, 0.0),
+        device_ns_per_param=device_update_ms * 1e6 / device_numel if device_numel else 0.0,
+        cpu_ns_per_param=kernel_ms * 1e6 / offloaded_numel,
+        d2h_gbps=gbps("d2h"), h2d_gbps=gbps("h2d"),
+        bucket_overhead_ms=max(0.0, busy_ms - kernel_ms) / max(1, stats.get("buckets", 1)),
+        bucket_nbytes=bucket_nbytes, weight_bytes=weight_bytes, grad_bytes=weight_bytes,
+        state_bytes=state_bytes, host_copy_bytes=host_copy_bytes, micro_steps=micro_steps,
+    )  # fmt: skip

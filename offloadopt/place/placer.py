@@ -3,19 +3,19 @@ holds. It owns the placement (one :class:`~offloadopt.place.records.ParamRecord`
 host arenas and their buckets, the pipeline (staging and the CPU worker), the offload fraction
 and what chose it (a number, a ``max_gpu_memory`` budget, ``offload_fraction="auto"``), and the
 groups still waiting for their meta-device params. The pure policy it applies is
-offloadopt/place/placement.py; moving state between placements losslessly is the optimizer's
-``set_offload_fraction`` (it owns ``opt.state``), which calls :meth:`Placer.replace`."""
+offloadopt/place/placement.py; moving state between placements losslessly is
+offloadopt/relocate.py's (it is handed ``opt.state``), which calls :meth:`Placer.replace`."""
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import replace as dc_replace
 from typing import Any
 
 import torch
 
-from offloadopt.kernels.adam import device_work_nbytes
 from offloadopt.link.layout import CUT_ALIGN, Arena, Bucket, build_arenas
 from offloadopt.link.pipeline import Pipeline
 from offloadopt.link.transfer import Transfer
@@ -23,7 +23,6 @@ from offloadopt.link.worker import plan_cpus, start_worker
 from offloadopt.options import Options
 from offloadopt.place import budget
 from offloadopt.place.auto import PROBE_FRACTION, AutoFraction
-from offloadopt.place.costmodel import format_bytes
 from offloadopt.place.placement import (
     ParamInfo,
     Placement,
@@ -34,7 +33,7 @@ from offloadopt.place.placement import (
 from offloadopt.place.records import ParamRecord
 from offloadopt.place.report import check_pinned
 from offloadopt.rules import BLOCK, Rule
-from offloadopt.shards import check_setup, is_dtensor, local
+from offloadopt.shards import check_setup, is_dtensor, local, refuse_sharded
 
 __all__ = ["BUCKET_NBYTES", "Placer"]
 
@@ -63,8 +62,6 @@ class Placer:
         records: the param -> record dict this placer fills (the optimizer's, kept for life).
         ddp: whether a DDP model announces grads (``ddp=``), for the setup checks.
         warn_once: ``warn_once(key, message)``, the optimizer's one warning per key.
-        on_offloaded: called with the params of each new arena after it is placed (the
-            optimizer registers their grad hooks there).
 
     Attributes:
         fraction: the offload fraction in force (``opt.offload_fraction``).
@@ -86,7 +83,6 @@ class Placer:
         records: dict[torch.Tensor, ParamRecord],
         ddp: bool,
         warn_once: Callable[[str, str], None],
-        on_offloaded: Callable[[list[torch.Tensor]], None],
     ):
         o = options
         self.param_groups = param_groups
@@ -96,7 +92,7 @@ class Placer:
         self.records = records
         self.ddp = ddp
         self.warn_once = warn_once
-        self.on_offloaded = on_offloaded
+        self.on_offloaded: Callable[[], Callable | None] = lambda: _no_hooks
         self.policy = o.placement_policy
         self.min_offload_numel = o.min_offload_numel
         self.master_weights = o.master_weights is True  # fp32 masters ("bf16-sr": none)
@@ -128,16 +124,19 @@ class Placer:
         self.pipeline: Pipeline | None = None
         self.unplaced: list[int] = []
 
+    def hooks_to(self, hook: Callable[[list[torch.Tensor]], None]) -> None:
+        """``hook(params)`` is called with the params of each new arena once it is placed (the
+        start policy's ``hook``: their grad hooks). The start policy holds this placer, so its
+        bound method is held weakly: no cycle between owners, whose memory (the state, the
+        arenas) would then wait for Python's gc once the optimizer is dropped."""
+        self.on_offloaded = weakref.WeakMethod(hook)
+
     # ------------------------------------------------------------------ when to place
     def check_auto_group(self, group: dict[str, Any]) -> None:
-        """offload_fraction="auto" chooses a share of every param: a group that forces its
-        placement (``"offload": True`` or ``False``) would not move with it."""
-        if self.auto is not None and not self.auto.budgeted and group.get("offload") is not None:
-            raise ValueError(
-                f"a param group with 'offload': {group['offload']!r} and "
-                "offload_fraction='auto': the cost model predicts a share of every param, and "
-                "this group's stays where it is forced; give a number, or drop the key"
-            )
+        """offload_fraction="auto": a group that forces its placement is refused
+        (:meth:`AutoFraction.check_group`)."""
+        if self.auto is not None:
+            self.auto.check_group(group)
 
     def budget_pending(self) -> bool:
         """Whether max_gpu_memory's choice is still to be made (at the first step())."""
@@ -174,7 +173,8 @@ class Placer:
                         "without it to_empty() makes new params this optimizer does not hold)"
                     )
         if self.budget_pending():  # raises with the figures; nothing is built
-            self.choose_fraction(self.unplaced, micro_steps)
+            self.choice = budget.choose_for(self, self.unplaced, micro_steps)
+            self.fraction = self.choice["fraction"]
         pending, self.unplaced = self.unplaced, []
         try:
             self.place(pending)
@@ -193,121 +193,13 @@ class Placer:
 
     # ------------------------------------------------------------------ the budget
     def check_budget_for(self, group_indices: list[int]) -> None:
-        """max_gpu_memory after its choice: a group added later is placed at the chosen
-        fraction, and the device bytes it adds (weights, grads, the state left on the device)
-        must still fit the budget.
+        """max_gpu_memory after its choice: a group added later must still fit
+        (:func:`budget.check_added`).
 
         Raises:
             ValueError: the budget would be exceeded (with figures); the group is not added.
         """
-        infos = self.infos(group_indices)
-        tensors = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
-        pls = place(infos, self.fraction, self.min_offload_numel, self.master_weights,
-                    self.policy)  # fmt: skip
-        added = weights_and_grads_nbytes(tensors)
-        added += sum(pl.state_nbytes for pl in pls if not pl.offloaded and pl.reason != "frozen")
-        need = self.choice["predicted_gpu_bytes"] + added
-        if need > self.choice["max_gpu_memory"]:
-            raise ValueError(
-                f"add_param_group: at the chosen offload fraction {self.fraction:g} the "
-                f"new group adds {format_bytes(added)} on the device, {format_bytes(need)} in "
-                f"all, over max_gpu_memory={format_bytes(self.choice['max_gpu_memory'])}; call "
-                "opt.set_offload_fraction(...) for more offload first"
-            )
-        self.choice["predicted_gpu_bytes"] = need
-
-    def choose_fraction(self, group_indices: list[int], micro_steps: int = 1) -> None:
-        """max_gpu_memory: measure what the device holds, then let :func:`budget.choose`
-        take the smallest fraction that fits (see there). With gradient accumulation
-        (``micro_steps`` > 1, the step that chooses) ``release_grads`` frees nothing off the
-        peak: every grad stays on the device through the non-final micro-steps, whose
-        backward holds them all beside its activations, as the measured first step did.
-
-        Raises:
-            ValueError: no fraction fits, or the host lacks the memory (both with figures).
-        """
-        tensors = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
-        cuda = {local(p).device for p in tensors if local(p).device.type == "cuda"}
-        given = self.sizes["activation_bytes"]
-        if given is None and cuda:
-            measured = sum(torch.cuda.max_memory_allocated(d) for d in cuda)
-            how = "the device's peak so far (weights, grads, forward and backward)"
-            if not any(p.grad is not None for p in tensors):
-                self.warn_once("budget-before-backward",
-                               "max_gpu_memory: placing before any backward ran, so the "
-                               "activations are not in the measured peak; pass "
-                               "activation_bytes= or call step() first")  # fmt: skip
-        else:
-            if given is None and not any(p.grad is not None for p in tensors):
-                self.warn_once("budget-before-backward",
-                               "max_gpu_memory: placing before any backward ran and without "
-                               "activation_bytes=, so activations count as 0")  # fmt: skip
-            counted = weights_and_grads_nbytes(tensors)
-            measured = counted + (given or 0)
-            how = (f"weights and grads {format_bytes(counted)} + activations "
-                   f"{format_bytes(given or 0)}")  # fmt: skip
-        self.choice = budget.choose(
-            self.infos(group_indices), measured, how, self.sizes["max_gpu_memory"],
-            self.sizes["max_host_memory"], self.bucket_nbytes, self.overlap == "delayed",
-            lambda f, infos: place(infos, f, self.min_offload_numel, self.master_weights,
-                                   self.policy),
-            release_grads=self.releases_early and micro_steps == 1,
-            grads_in_flight=self.wait == "module" and self.overlap != "delayed",
-            work=(lambda n: device_work_nbytes(n, "cuda")) if cuda else None,
-            backups=self.speculate,
-        )  # fmt: skip
-        if micro_steps > 1:
-            self.choice["micro_steps"] = micro_steps  # what released_grad_bytes 0 follows from
-        self.fraction = self.choice["fraction"]
-
-    def choice_replaced(self) -> str | None:
-        """What a caller's fraction replaces, in words: a ``max_gpu_memory`` budget (chosen
-        or not yet), or ``offload_fraction="auto"`` still measuring; None when neither (or
-        when a caller's fraction replaced it already)."""
-        chooser = (self.choice or {}).get("set_by", "")
-        if chooser.startswith("set_offload_fraction"):
-            return None
-        nbytes = self.sizes["max_gpu_memory"]
-        if nbytes is not None:
-            when = "its choice" if self.choice is not None else "before its choice"
-            return f"max_gpu_memory={format_bytes(nbytes)} ({when})"
-        if self.auto is not None and self.auto.active:
-            return "offload_fraction='auto' before its choice"
-        return None
-
-    def drop_budget(self, fraction: float, replaced: str | None) -> None:
-        """The caller's fraction instead of the budget's choice still pending."""
-        if self.auto is not None:
-            self.auto.cancel(f"set_offload_fraction({fraction!r}) by the caller")
-        self.sizes["max_gpu_memory"] = None
-        self.fraction = fraction
-        self.choice = {"fraction": fraction, "set_by": "set_offload_fraction",
-                       "replaced": replaced}  # fmt: skip
-
-    def caller_chose(self, fraction: float, replaced: str | None) -> None:
-        """After a caller's ``set_offload_fraction``: from here the fraction is theirs, and
-        :attr:`choice` says what it replaced."""
-        if self.auto is not None:
-            self.auto.cancel(f"set_offload_fraction({fraction!r}) by the caller")
-        if self.choice is not None:
-            was_budget = "max_gpu_memory" in self.choice
-            self.choice = {
-                "fraction": fraction, "replaced": self.choice,
-                "set_by": "set_offload_fraction" + (" (the budget is not checked)" if was_budget else ""),
-            }  # fmt: skip
-        elif replaced is not None:  # auto still measuring: no choice to keep
-            self.choice = {"fraction": fraction, "replaced": replaced,
-                           "set_by": "set_offload_fraction"}  # fmt: skip
-
-    def say_replaced(self, fraction: float, replaced: str | None) -> None:
-        """Once a caller's fraction is placed, a warning (once) of what it replaced: a
-        budget or auto dropped without a word was a fresh user's finding."""
-        if replaced is not None:
-            self.warn_once(
-                "fraction-replaces-choice",
-                f"set_offload_fraction({fraction:g}) replaces {replaced}: the fraction is "
-                "now yours and no budget is checked again (placement_choice says so)",
-            )
+        self.choice["predicted_gpu_bytes"] = budget.check_added(self, group_indices)
 
     def keys_changed(self) -> bool:
         """Whether a group's values now need other state keys than its params were placed with."""
@@ -364,20 +256,9 @@ class Placer:
         check_setup([(self.param_name(self.param_groups[gi], gi, i), p) for gi in group_indices
                      for i, p in enumerate(self.param_groups[gi]["params"])],
                     self.overlap, ddp=self.ddp)  # fmt: skip
-        if self.rule.compressed:
-            sharded = [p for gi in group_indices for p in self.param_groups[gi]["params"]
-                       if is_dtensor(p)]  # fmt: skip
-            if sharded:
-                given = (
-                    [f"state_dtype={self.rule.moments!r}"] if self.rule.moments != "fp32" else []
-                )
-                given += ["master_weights='bf16-sr'"] if self.rule.master_sr else []
-                raise NotImplementedError(
-                    f"compressed optimizer state ({', '.join(given)}) with "
-                    f"FSDP2 (DTensor) params is not supported yet ({len(sharded)} here): its "
-                    "per-block scales are not laid out like the params' shards; use "
-                    "state_dtype='fp32' and master_weights=True with FSDP2"
-                )
+        if self.rule.compressed:  # per-block scales are not laid out like FSDP2's shards
+            refuse_sharded([p for gi in group_indices for p in self.param_groups[gi]["params"]
+                            if is_dtensor(p)], self.rule.moments, self.rule.master_sr)  # fmt: skip
         keys = {gi: self.rule.state_keys_for(self.param_groups[gi]) for gi in group_indices}
         infos = self.infos(group_indices)
         tensors = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
@@ -452,7 +333,7 @@ class Placer:
                 rec = self.records[b.arena.params[seg.k]]
                 if not rec.buckets or rec.buckets[-1] is not b:
                     rec.buckets.append(b)
-        self.on_offloaded([p for a in arenas for p in a.params])
+        self.on_offloaded()([p for a in arenas for p in a.params])
         odd = [pl.name for pl in placements if pl.reason == "non-contiguous"]
         if odd and self.fraction > 0:
             self.warn_once(
@@ -564,6 +445,5 @@ class Placer:
             self.pipeline.close()
 
 
-def weights_and_grads_nbytes(tensors: list[torch.Tensor]) -> int:
-    """Device bytes of these params (this rank's shards) and of the grads of trainable ones."""
-    return sum(local(p).nbytes * (2 if p.requires_grad else 1) for p in tensors)
+def _no_hooks(params: list[torch.Tensor]) -> None:
+    """Before the start policy is wired: nothing listens to the placed params."""

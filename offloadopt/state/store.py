@@ -138,6 +138,9 @@ class OptimizerState(defaultdict):
 
     def __init__(self, owner: Any):
         super().__init__()
+        # The one reach up that remains: opt.state is torch's surface, and an assignment into
+        # it waits for the optimizer's update in flight and makes buffers with its Updater;
+        # held weakly, as the optimizer holds this dict.
         self._owner = weakref.ref(owner)
 
     def _settle(self) -> None:

@@ -21,7 +21,7 @@ from offloadopt.rules import Hyper, Rule
 from offloadopt.shards import local
 from offloadopt.state.store import OptimizerState
 from offloadopt.step.guards import Guards, _norms
-from offloadopt.step.step import Phase, Step, Timeline
+from offloadopt.step.step import Phase, Step, Timeline, begin_step, steps_taken
 from offloadopt.step.update import Updater
 
 __all__ = ["Feeder"]
@@ -39,6 +39,7 @@ class Feeder:
         state: ``opt.state``. rule: the update rule.
         release_grads: drop each offloaded grad once its D2H landed (``release_grads=``).
         module_order: feed in the order the next forward reads (``wait="module"``).
+        delay_after: ``overlap="delayed"``'s synchronous steps first (None: not delayed).
         timeout_s: the longest wait for the worker, in seconds.
 
     Attributes:
@@ -57,6 +58,7 @@ class Feeder:
         *,
         release_grads: bool,
         module_order: bool,
+        delay_after: int | None,
         timeout_s: float,
     ):
         self.timeline, self.placer, self.updater = timeline, placer, updater
@@ -64,9 +66,22 @@ class Feeder:
         self.state, self.rule = state, rule
         self.records = placer.records
         self.release_grads, self.module_order = release_grads, module_order
+        self.delay_after = delay_after
         self.pin_memory = placer.pin_memory
         self.timeout_s = timeout_s
         self.stats: dict[str, float] = {}
+        publisher.ends(self.finish)  # the publisher ends a step once its copies are waited for
+
+    def begin(self, may_place_again: bool = False) -> Step | None:
+        """A new step once the step before is over (the publish policy's ``before_step``):
+        step/step.py's ``begin_step``; None: "place again" (``may_place_again``, from
+        ``step()`` only: a group's values need new state keys)."""
+        self.publisher.before_step()
+        st = begin_step(self.placer.param_groups, self.rule, self.placer, may_place_again)
+        if st is not None and self.delay_after is not None:
+            taken = steps_taken(self.state, self.records, self.delay_after)
+            st.delayed = taken >= self.delay_after
+        return st
 
     def update(self, st: Step, with_grad: list[torch.Tensor], auto: Any, t0: float) -> dict:
         """``step()``'s phases 2 and 1: feed every offloaded bucket with a grad not fed during

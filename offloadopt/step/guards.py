@@ -7,12 +7,13 @@ checks."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
+from offloadopt.place.placer import Placer
 from offloadopt.place.records import ParamRecord
 from offloadopt.shards import is_dtensor, local
+from offloadopt.step.scaling import Scaling
 from offloadopt.step.step import Step, Timeline, stop_run
 
 __all__ = ["Guards"]
@@ -31,26 +32,23 @@ class Guards:
             names, ``offloaded``, buckets).
         timeline: the optimizer's :class:`offloadopt.step.step.Timeline`: ``refuse(why)``; its
             ``name`` (the optimizer's class) for messages.
-        grad_scaler: ``grad_scaler()``: the attached ``torch.amp.GradScaler`` or None (a hint
-            in one message).
+        scaling: the optimizer's :class:`~offloadopt.step.scaling.Scaling` (its attached
+            ``grad_scaler``, a hint in one message).
         warn_once: ``warn_once(key, message)``: warns once per ``key`` for the optimizer.
-        closed: ``closed()``: whether ``opt.close()`` was called.
-        pipeline: ``pipeline()``: the optimizer's :class:`offloadopt.link.pipeline.Pipeline`,
-            or None before the first offloaded bucket (its worker's liveness).
+        placer: the :class:`~offloadopt.place.placer.Placer` (its ``pipeline``, None before
+            the first offloaded bucket: its worker's liveness).
 
     Owns nothing but the checks; a refusal that follows updates already started marks the
     timeline refused (``refuse(why)``) before it raises.
     """
 
     def __init__(self, records: dict[torch.Tensor, ParamRecord], timeline: Timeline,
-                 grad_scaler: Callable[[], Any], warn_once: Callable[[str, str], None],
-                 closed: Callable[[], bool], pipeline: Callable[[], Any]):  # fmt: skip
+                 scaling: Scaling, warn_once: Callable[[str, str], None], placer: Placer):  # fmt: skip
         self.records = records
         self.timeline = timeline
-        self.grad_scaler = grad_scaler
+        self.scaling = scaling
         self.warn_once = warn_once
-        self.closed = closed
-        self.pipeline = pipeline
+        self.placer = placer
 
     def grads_to_update(self, st: Step, timeout_s: float) -> list[torch.Tensor]:
         """The params whose grad ``step()`` updates now (those with a grad not fed during
@@ -129,7 +127,7 @@ class Guards:
             if p not in same:
                 self.timeline.refuse(f"the grad of {records[p].name} changed after its update")
                 hint = ("with grad_scaler= attached, leave out scaler.unscale_(opt) and "
-                        "clip with max_grad_norm=" if self.grad_scaler() is not None else
+                        "clip with max_grad_norm=" if self.scaling.grad_scaler is not None else
                         "clip or scale through the optimizer: max_grad_norm=, grad_scaler=, "
                         "or leave grads_final and speculate False; a grad hook that edits the "
                         "grad must be registered before the optimizer is built")  # fmt: skip
@@ -191,8 +189,8 @@ class Guards:
     def check_worker(self) -> None:
         """Raises:
         RuntimeError: the optimizer is closed (or its CPU worker stopped)."""
-        pipeline = self.pipeline()
-        if self.closed() or (pipeline is not None and not pipeline.worker.alive):
+        pipeline = self.placer.pipeline
+        if self.timeline.closed or (pipeline is not None and not pipeline.worker.alive):
             raise RuntimeError(
                 f"{self.timeline.name} is closed (opt.close() was called; its CPU worker is "
                 "stopped): build a new optimizer and load this one's state_dict() to go on"

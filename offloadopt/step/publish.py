@@ -1,10 +1,10 @@
 """WHEN the new weights are visible: the publish policy, chosen once from the options
-(:func:`publisher_for`). It owns the waits for a step's copies back (``synchronize()``, a
+(offloadopt/wiring.py's ``publisher_for``). It owns the waits for a step's copies back (``synchronize()``, a
 module's forward pre-hook, a read of ``opt.state``), the models given to ``watch()`` and their
 module waits, the end of ``step()`` once its buckets are queued, and the delayed update's
 publication (start.py's note has the rules): :class:`AtReturn` (``wait="step"``), at the return
 of ``step()``; :class:`PerModule` (``wait="module"``), in each watched module's forward
-pre-hook; :class:`NextStep` (``overlap="delayed"``), at the next ``step()``.
+pre-hook; ``NextStep`` (``overlap="delayed"``, step/delayed.py), at the next ``step()``.
 
 Three small subclasses rather than one class with a mode field: what differs between the modes
 is a handful of decisions (what ``step()`` does once its buckets are queued, what the next
@@ -17,27 +17,21 @@ own (``Step.delayed``: ``delay_after`` makes a delayed run's first steps synchro
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from offloadopt.interrupts import signals_deferred
-from offloadopt.link.pipeline import Pipeline
 from offloadopt.link.worker import WaitTimeout
+from offloadopt.place.placer import Placer
 from offloadopt.place.records import ParamRecord
 from offloadopt.shards import local
 from offloadopt.step.hooks import ModuleWaits
 from offloadopt.step.step import Phase, Step, Timeline
-from offloadopt.warn import warn
 
-if TYPE_CHECKING:
-    from offloadopt.options import Options
-
-__all__ = ["Publisher", "AtReturn", "PerModule", "NextStep", "publisher_for"]
+__all__ = ["Publisher", "AtReturn", "PerModule"]
 
 
 class Publisher:
@@ -51,15 +45,13 @@ class Publisher:
         records: param -> its :class:`~offloadopt.place.records.ParamRecord` (the optimizer's
             own dict, emptied and refilled in place): which buckets hold a param, its landing
             buffer, its name for messages, its written marks.
-        pipeline: a zero-argument callable returning the optimizer's
-            :class:`~offloadopt.link.pipeline.Pipeline`, or None before the first offloaded
-            bucket is placed (read only while a step is in flight, when it exists).
+        placer: the :class:`~offloadopt.place.placer.Placer`: its ``pipeline`` (None before
+            the first offloaded bucket is placed; read only while a step is in flight, when it
+            exists).
         timeout_s: the longest wait for the worker, in seconds (``TimeoutError`` past it).
-        finish: ``finish(st, streams)`` ends a step whose copies are all waited for (its
-            params marked written, its figures made the optimizer's ``stats``).
         warn_once: ``warn_once(key, message)`` warns once per optimizer for each ``key``.
-        closed: a zero-argument callable, whether ``close()`` was called (a closed optimizer's
-            update in flight may be waited for from any thread).
+        (``timeline.closed``: a closed optimizer's update in flight may be waited for from
+        any thread.)
 
     Owns: ``module_waits`` (the :class:`~offloadopt.step.hooks.ModuleWaits` of each watched
     model; ``close()`` and re-placement take them off), ``watched`` (weak references to the
@@ -72,24 +64,32 @@ class Publisher:
         self,
         timeline: Timeline,
         records: dict[torch.Tensor, ParamRecord],
-        pipeline: Callable[[], Pipeline | None],
+        placer: Placer,
         *,
         timeout_s: float,
-        finish: Callable[[Step, dict], None],
         warn_once: Callable[[str, str], None],
-        closed: Callable[[], bool],
     ):
         self.timeline = timeline
         self.records = records
-        self.pipeline = pipeline
+        self.placer = placer
         self.timeout_s = timeout_s
-        self.finish = finish
+        self._finish: Callable[[], Callable[[Step, dict], None] | None] = lambda: None
         self.warn_once = warn_once
-        self.closed = closed
         self.module_waits: list[ModuleWaits] = []
         self.unwaited = False  # a forward ran past its waits (PerModule.before_step)
         self.watched: list = []  # weak references to the models given to watch()
         self.watch_later: list = []  # watch() before a budget's choice: registered after it
+
+    def finish(self, st: Step, streams: dict) -> None:
+        """End a step whose copies are all waited for (its params marked written, its
+        figures made the optimizer's ``stats``): the Feeder's ``finish`` (:meth:`ends`)."""
+        self._finish()(st, streams)
+
+    def ends(self, finish: Callable[[Step, dict], None]) -> None:
+        """``finish``: the Feeder's bound ``finish``, which the Feeder hands over as it is
+        built. Held weakly: the Feeder holds this publisher, and a cycle between owners would
+        keep a dropped optimizer's memory (its state, through the Updater) until Python's gc."""
+        self._finish = weakref.WeakMethod(finish)
 
     # ------------------------------------------------------------------ step()'s ends
     def before_step(self) -> None:
@@ -172,7 +172,7 @@ class Publisher:
                 self.publish_after_failure(st, streams)
             raise
         finally:
-            self.pipeline().publish(streams, st.run)  # (I4) whatever landed is waited for
+            self.placer.pipeline.publish(streams, st.run)  # (I4) whatever landed is waited for
         self.publish(st, streams)
         self.finish(st, streams)
         edited = [p for ref, version, p in st.lent
@@ -235,7 +235,7 @@ class Publisher:
             if b in st.waited:
                 continue
             st.run.wait_h2d_queued(b, self.timeout_s)  # its event exists from here on
-            tr = self.pipeline().transfers[b.arena.device]
+            tr = self.placer.pipeline.transfers[b.arena.device]
             if tr.cuda:
                 # (I4) what runs next on these streams reads the params only after their H2D.
                 torch.cuda.current_stream(b.arena.device).wait_event(tr.h2d_done[b])
@@ -321,141 +321,3 @@ class PerModule(Publisher):
                 "the next forward wait for the weights being copied back; call "
                 "opt.watch(model), or opt.synchronize() before the next forward",
             )
-
-
-class NextStep(Publisher):
-    """``overlap="delayed"`` (the delayed parameter update): the worker's H2D writes each
-    param's landing buffer (``ParamRecord.landing``), not the param, so the next forward and
-    backward read the weights of the step before; the next ``step()``, or anything that calls
-    ``synchronize()``, waits for the update and copies the landed weights in on the stream
-    that reads them (:meth:`publish_delayed`). The steps before ``delay_after`` are not delayed
-    (``Step.delayed`` is False): published when ``step()`` returns, as :class:`AtReturn`."""
-
-    def after_step(self, st: Step, streams: dict[torch.device, Any]) -> None:
-        super().after_step(st, streams)
-        if not st.delayed:
-            self.synchronize()
-
-    def before_zero_grad(self, set_to_none: bool) -> None:
-        """No wait: the update already took the offloaded params' grads."""
-
-    def refuse_other_thread(self) -> None:
-        """With ``overlap="delayed"`` only the thread that called ``step()`` publishes the update
-        in flight (a fresh user's finding: a second thread's ``state_dict()`` or
-        ``set_offload_fraction()`` copied the weights in while the training thread's forward
-        read them: autograd's in-place error, or NaN weights).
-
-        Raises:
-            RuntimeError: called from another thread while a delayed update is in flight.
-        """
-        st = self.timeline.inflight
-        if st is None or not st.delayed or self.closed() or threading.get_ident() == st.thread:
-            return
-        raise RuntimeError(
-            "overlap='delayed': the update in flight is copied into the params by the "
-            "thread that called step(), between its steps; this call came from another "
-            "thread, where the copy would race with that thread's forward and backward. "
-            "Call state_dict(), load_state_dict(), set_offload_fraction(), "
-            "opt.synchronize() or model.state_dict() of a watched model from the training "
-            "thread"
-        )
-
-    def wait_update(self) -> None:
-        """Wait until the update in flight has written the host state (a read of
-        ``opt.state``). Delayed, its weights are not copied in: reading must not end the
-        staleness; otherwise this is :meth:`synchronize`.
-
-        Raises:
-            WorkerError, TimeoutError: as ``synchronize()`` (which then handles the failure).
-        """
-        st = self.timeline.inflight
-        if st is not None and st.delayed:
-            try:
-                st.run.wait(self.timeout_s)
-                return
-            except BaseException:  # noqa: BLE001 - synchronize() raises it, marking the step
-                pass
-        self.synchronize()
-
-    def publish(self, st: Step, streams: dict) -> None:
-        if st.delayed:
-            self.publish_delayed(st, streams)
-
-    @torch.no_grad()
-    def publish_delayed(self, st: Step, streams) -> None:
-        """Copy the landed new weights into the params, on the stream that reads them (after
-        its wait on their H2D, in synchronize). A param written outside the optimizer since
-        the update started keeps that write: the next step refreshes its master from it (the
-        outside write wins, as in every mode), with a warning."""
-        by_device: dict[torch.device, tuple[list, list]] = {}
-        kept = []
-        for p in st.versions:
-            rec = self.records[p]
-            if rec.landing is None:
-                continue
-            if rec.is_stale(p):
-                kept.append(rec.name)
-                continue
-            params, landed = by_device.setdefault(p.device, ([], []))
-            params.append(p)
-            landed.append(rec.landing)
-        for device, (params, landed) in by_device.items():
-            stream = streams.get(device)
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                torch._foreach_copy_([local(p) for p in params], landed)
-            for p in params:
-                self.records[p].mark_written(p)
-        if kept:
-            warn(
-                f"{len(kept)} params were written or moved outside the optimizer while their "
-                f"delayed update was in flight (e.g. {', '.join(kept[:3])}): they keep that "
-                "write, not the update (a framework moving the model at the end of training: "
-                "call opt.synchronize() before it)"
-            )
-
-    def publish_after_failure(self, st: Step, streams) -> None:
-        """A delayed step whose run failed (the worker stopped): the buckets whose update
-        completed publish their weights (:meth:`publish_completed`)."""
-        if st.delayed and st.run is not None and st.run.job.done.wait(self.timeout_s):
-            self.pipeline().publish(streams, st.run)
-            self.publish_completed(st, streams)
-
-    @torch.no_grad()
-    def publish_completed(self, st: Step, streams) -> None:
-        """A delayed step whose run failed: copy in the new weights of the buckets whose
-        update completed (their fed segments), so that those params' weights agree with
-        their masters and moments, as in the other modes, where each bucket's H2D writes its
-        params; the others keep theirs. Without it, after ``discard_failed_step()`` the
-        updated params trained on from masters their weights did not show, and a checkpoint
-        paired the old fp32 weights with the new moments (found by tests/long/faults.py)."""
-        with st.run._cond:
-            completed = [st.fed[b] for b in st.run.h2d_queued if b in st.fed]
-        fresh: dict = {}  # param -> whether it takes the landed weights (checked before any copy)
-        for work in completed:
-            for n in work.idx:
-                seg = work.bucket.segments[n]
-                p = work.bucket.arena.params[seg.k]
-                rec = self.records[p]
-                if p not in fresh:  # an outside write wins, as in publish_delayed
-                    fresh[p] = rec.landing is not None and not rec.is_stale(p)
-                if not fresh[p]:
-                    continue
-                stream = streams.get(p.device)
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    local(p).view(-1)[seg.lo : seg.hi].copy_(rec.landing.view(-1)[seg.lo : seg.hi])
-        for p, ok in fresh.items():
-            if ok:
-                self.records[p].mark_written(p)
-
-
-def publisher_for(
-    options: Options, timeline: Timeline, records: dict, pipeline: Callable, **kw: Any
-) -> Publisher:
-    """The publish policy of ``options.overlap`` and ``options.wait`` (validated:
-    ``overlap="delayed"`` takes ``wait="step"``), built with :class:`Publisher`'s arguments
-    (``kw``: ``timeout_s``, ``finish``, ``warn_once``, ``closed``)."""
-    if options.overlap == "delayed":
-        return NextStep(timeline, records, pipeline, **kw)
-    if options.wait == "module":
-        return PerModule(timeline, records, pipeline, **kw)
-    return AtReturn(timeline, records, pipeline, **kw)

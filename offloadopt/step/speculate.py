@@ -40,24 +40,41 @@ for its end, and are validated there.
   the speculative one. A checkpoint cannot hold unvalidated state: ``state_dict()`` refuses a
   step whose updates started and did not end.
 - The device grads must outlive validation (a redo copies them again): ``release_grads`` is
-  refused with ``speculate``. Under DDP (``ddp=``: buckets speculate once their all-reduce is
+  refused with ``speculate``.
+- GPU memory: speculation adds none beyond the run without it (the same options), but the
+  factors of a check that passes: at most :data:`DEVICE_BOUND_NBYTES` per step (two 0-dim
+  fp32 tensors, a GradScaler's inverse scale and found_inf of 0). The backups are pageable
+  host memory (``backup_nbytes``); a redo feeds the same grads through the same staging slots;
+  a step's grads are freed when it ends, as without speculation. A speculative step once held
+  itself in a reference cycle (its buckets' ``before`` closed over the step), so an ended step
+  kept its grads, and a dropped optimizer its whole state (the Updater, through the worker's
+  run), until Python's gc ran: on the GPU host a run peaked 18.8 GB above the same run without
+  speculation (issue 46; the next call, whose gc came earlier, did not). :meth:`Speculation.
+  device_extra_nbytes` counts what speculation holds on the device now (the factors, and the
+  grads of ended speculative steps still alive); ``opt.speculation["device_extra_peak_nbytes"]``
+  its peak, checked at each speculative step's start and end (tests/test_speculate.py). Under DDP (``ddp=``: buckets speculate once their all-reduce is
   done) and FSDP2 (after each reduce-scatter) the norm and found_inf are global, so every rank
   makes the same decision at the end of backward.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 from offloadopt.link.layout import Bucket
 from offloadopt.link.pipeline import BucketWork
+from offloadopt.place.placer import Placer
 from offloadopt.step.amp import AmpInputs, inverse
 from offloadopt.step.scaling import Scaling
-from offloadopt.step.step import Step
+from offloadopt.step.step import Phase, Step
 
-__all__ = ["Speculation"]
+__all__ = ["DEVICE_BOUND_NBYTES", "Speculation"]
+
+# The documented bound on speculation's extra device memory: the factors of one step (above)
+DEVICE_BOUND_NBYTES = 8
 
 
 class Speculation:
@@ -66,9 +83,8 @@ class Speculation:
     Args:
         scaling: the optimizer's :class:`~offloadopt.step.scaling.Scaling` (the clip and the
             attached GradScaler).
-        transfers: ``transfers()`` gives the pipeline's Transfer per device (I3's waits).
-        buckets: ``buckets()`` gives the current buckets (a new placement's drop the old
-            ones' backups).
+        placer: the :class:`~offloadopt.place.placer.Placer`: its ``transfers()`` (I3's
+            waits) and its current ``buckets`` (a new placement's drop the old ones' backups).
         timeout_s: the longest wait for the worker, in seconds.
         in_kernel: ``in_kernel(bucket)``: whether the bucket's update copies its pre-step state
             out itself (``Updater.backs_up_in_kernel``); None: never.
@@ -84,16 +100,48 @@ class Speculation:
             not finite or 0 (an inf or NaN grad without a GradScaler) counts as a clip.
     """
 
-    def __init__(self, scaling: Scaling, transfers, buckets, timeout_s: float, in_kernel=None):
-        self.scaling, self.transfers, self.timeout_s = scaling, transfers, timeout_s
+    def __init__(self, scaling: Scaling, placer: Placer, timeout_s: float, in_kernel=None):
+        self.scaling, self.placer, self.timeout_s = scaling, placer, timeout_s
         self.in_kernel = in_kernel or (lambda b: False)
         # False: always the copy before the update (benchmarks/overlap_bench.py's "copybk")
         self.kernel_backup = True
-        self.buckets = buckets
         self.backups: dict[Bucket, list[torch.Tensor]] = {}  # per bucket: its ranges' copies
         self.counts = dict(
             steps=0, buckets=0, redone_clip=0, redone_inf=0, redone_buckets=0, discarded=0
         )
+        self.steps: list[weakref.ref] = []  # the speculative steps, weakly: ended ones must die
+        self.device_extra_peak_nbytes = 0  # device_extra_nbytes' peak, at each step's ends
+
+    def device_extra_nbytes(self) -> int:
+        """Device bytes held because of speculation now: the factors of the steps still alive
+        (``st.speculative``) and what ended speculative steps still hold on the device (their
+        buckets' grad views not yet dropped, their grads' norms; none should be alive, see
+        the note: an ended step alive also holds, through its run, the Updater and its state).
+        Host tensors (the backups) are not counted; on the CPU path the params' device is the
+        CPU, and the grads count as device bytes there too."""
+        seen: set[int] = set()
+        total = 0
+        alive = [st for st in (ref() for ref in self.steps) if st is not None]
+        self.steps = [weakref.ref(st) for st in alive]
+        for st in alive:
+            scale, amp = st.speculative  # made here: the inverse scale, found_inf's zero
+            made = (*(scale if isinstance(scale, tuple) else (scale,)), amp and amp.found_inf)
+            tensors = [t for t in made if isinstance(t, torch.Tensor)]
+            if st.phase is Phase.PUBLISHED:  # ended: whatever it still holds is extra
+                tensors += [g for w in st.fed.values() for g in w.grads]
+                tensors += list(st.fingerprints.values())
+            for t in tensors:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+        return total
+
+    def account(self) -> int:
+        """:meth:`device_extra_nbytes` now, its peak kept; returns it."""
+        now = self.device_extra_nbytes()
+        self.device_extra_peak_nbytes = max(self.device_extra_peak_nbytes, now)
+        return now
 
     @property
     def backup_nbytes(self) -> int:
@@ -109,7 +157,7 @@ class Speculation:
             return st.speculative[0]
         # set_offload_fraction made new buckets: drop the old ones' backups. list(): with
         # wait="module" the worker may still be adding the last step's (one atomic copy)
-        current = set(self.buckets())
+        current = set(self.placer.buckets)
         self.backups = {b: v for b, v in list(self.backups.items()) if b in current}
         grad_scale = self.scaling.attached_scale()
         scale = amp = None
@@ -123,6 +171,8 @@ class Speculation:
         st.amp = amp
         st.speculative = (scale, amp)
         self.counts["steps"] += 1
+        self.steps.append(weakref.ref(st))
+        self.account()  # the steps before have ended: none should hold anything
         return scale
 
     def saver(self, st: Step):
@@ -130,9 +180,11 @@ class Speculation:
         bucket in ``st.backed_up`` (per step: a bucket of an earlier step that the worker
         reached after that step's validation must not count for a later one)."""
 
+        backed_up = st.backed_up  # not st: the step's BucketWorks hold this closure
+
         def before(work: BucketWork) -> None:
             self.save(work)
-            st.backed_up.add(work.bucket)
+            backed_up.add(work.bucket)
 
         return before
 
@@ -172,6 +224,7 @@ class Speculation:
             TimeoutError, WorkerError: waiting for the speculative updates.
         """
         works = [w for w in st.fed.values() if w.before is not None]
+        self.account()  # this step's factors, and any ended step still alive
         if not works:
             return None
         reason = None
@@ -189,7 +242,7 @@ class Speculation:
         # (at fraction 0.2 on the GPU host the worker trails backward by a third of its work)
         run.abort()
         run.wait(self.timeout_s)  # every speculative update taken is done, its H2D queued
-        transfers = self.transfers()
+        transfers = self.placer.transfers()
         undone = 0
         for w in works:
             if w.bucket in st.backed_up:  # its update ran (the run is done)
@@ -220,7 +273,7 @@ class Speculation:
 
         if st.speculative is None:
             return 0
-        transfers = self.transfers()
+        transfers = self.placer.transfers()
         done = [b for b in st.fed if b in st.backed_up]
         for b in done:
             transfers[b.arena.device].wait_h2d_done(b, self.timeout_s)  # (I3)

@@ -34,7 +34,7 @@ micro-steps (``opt.accumulating()``).
   returns. The worker's H2D writes each param's landing buffer (``ParamRecord.landing``), not
   the param, so the next forward and backward read the weights of the step before; the next
   ``step()``, or anything that calls ``synchronize()``, waits for the update and copies the
-  landed weights in on the stream that reads them (publish.py's ``NextStep``), and only then are
+  landed weights in on the stream that reads them (delayed.py's ``NextStep``), and only then are
   the params marked written (the stale-master check must not see our own copy as an edit).
 - A step is consistent or refused: if a backward that started updates fails part-way, or a
   second backward comes before ``step()``, the optimizer refuses ``step()`` and
@@ -44,7 +44,7 @@ micro-steps (``opt.accumulating()``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -125,10 +125,9 @@ class FromBackward(AtStep):
     Args:
         timeline: the optimizer's Timeline (its lock and the step being fed).
         placer: the Placer (records, buckets in forward order, auto's probe).
-        feeder: the Feeder that queues complete buckets and releases landed grads.
+        feeder: the Feeder that begins the step at its first announcement, queues complete
+            buckets and releases landed grads.
         scaling: the Scaling that decides a clip or a GradScaler's inputs at backward's end.
-        begin: ``begin()`` makes the step at its first announcement (the optimizer's
-            ``_begin``, through a weak reference: no cycle to the optimizer).
         grads_final, release_grads: the options of those names.
         ddp: whether DDP's comm hook announces grads (``ddp=``).
         timeout_s: the longest wait for the worker, in seconds.
@@ -145,7 +144,6 @@ class FromBackward(AtStep):
         placer: Placer,
         feeder: Feeder,
         scaling: Scaling,
-        begin: Callable[[], Step],
         *,
         grads_final: bool,
         release_grads: bool,
@@ -156,7 +154,6 @@ class FromBackward(AtStep):
         super().__init__()
         self.speculation = speculation
         self.timeline, self.placer, self.feeder, self.scaling = timeline, placer, feeder, scaling
-        self.begin = begin
         self.grads_final, self.release_grads = grads_final, release_grads
         self.ddp, self.timeout_s = ddp, timeout_s
         self.reductions: list = []  # ddp=: this backward's all-reduce futures
@@ -206,7 +203,7 @@ class FromBackward(AtStep):
                 self.timeline.current = st = None
             if st is None:
                 self.check_single_process()
-                st = self.timeline.current = self.begin()
+                st = self.timeline.current = self.feeder.begin()
                 st.task_id = task
             if self.ddp:
                 return  # DDP's all-reduce of its bucket announces it (hooks.DDPGrads)
@@ -232,7 +229,7 @@ class FromBackward(AtStep):
         with self.timeline.lock:
             st = self.timeline.current
             if st is None:  # before this backward's first grad hook (a small first bucket)
-                st = self.timeline.current = self.begin()
+                st = self.timeline.current = self.feeder.begin()
                 st.task_id = _PENDING
             # A param DDP reduced without a grad of its own (unused this step, with
             # find_unused_parameters=True) keeps grad None: it is not announced, as in torch.

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +97,7 @@ class Timeline:
         self.inflight_streams: dict = {}  # the streams that read the in-flight step's weights
         self.broken: str | None = None  # why the optimizer refuses to step
         self.partial = True  # with broken: some params may hold the failed step's update
+        self.closed = False  # opt.close() was called: nothing steps again
 
     def refuse(self, why: str, partial: bool = True) -> None:
         """From now on ``step()`` and ``state_dict()`` are refused, naming ``why``;
@@ -171,20 +171,17 @@ _STATS = (
 
 
 def begin_step(
-    param_groups: list[dict[str, Any]],
-    rule: Rule,
-    placer: Placer,
-    replace: Callable[[], bool] | None = None,
-) -> Step:
+    param_groups: list[dict[str, Any]], rule: Rule, placer: Placer, may_place_again: bool = False
+) -> Step | None:
     """A new :class:`Step`: every group's hyperparameters frozen and validated, each param's
     group found by identity (a param put into a group by hand gets its record here).
 
-    ``replace`` (from ``step()``, never from a backward's hooks): called when a group's values
+    ``may_place_again`` (from ``step()``, never from a backward's hooks): when a group's values
     now need other state keys than its params were placed with (SGD's ``momentum_buffer``:
-    ``OneCycleLR(cycle_momentum=True)`` on a group built with ``momentum=0``); it places the
-    params again and returns True while no param has state (torch's SGD then starts its
-    buffers at this step, and so does this), else False. Without it, or when it returns
-    False, the change is an error naming the param.
+    ``OneCycleLR(cycle_momentum=True)`` on a group built with ``momentum=0``), return None:
+    "place again" (the caller does it while no param has state, as torch's SGD then starts
+    its buffers at this step, and begins again). Otherwise the change is an error naming the
+    param.
 
     Raises:
         TypeError, ValueError: a group's value is invalid (named with the group's index), or
@@ -203,8 +200,8 @@ def begin_step(
         for i, p in enumerate(group["params"]):
             rec = placer.records.get(p)
             if rec is not None and rec.state_keys != keys:
-                if replace is not None and replace():
-                    return begin_step(param_groups, rule, placer)
+                if may_place_again:
+                    return None  # place again
                 raise ValueError(
                     f"param group {gi}: {rec.name} keeps state {list(rec.state_keys)} since "
                     f"it was placed, the group's values now need {list(keys)} (momentum "

@@ -5,6 +5,7 @@ import torch
 
 from offloadopt import HybridAdamW
 from offloadopt.harness.gpt import GPT, GPTConfig
+from offloadopt.place import auto
 
 CFG = GPTConfig(n_layer=4, n_head=4, n_embd=512, vocab_size=1024, block_size=256)
 BUCKET = 2**22
@@ -91,7 +92,8 @@ def test_auto_measures_on_the_compute_stream_and_moves_there():
     m = GPT(CFG).cuda().bfloat16()
     opt = HybridAdamW(m.parameters(), bucket_nbytes=BUCKET, offload_fraction="auto",
                       overlap="backward", grads_final=True)  # fmt: skip
-    for seed in range(12):
+    moved = 1 + auto.SETTLE_STEPS + auto.MEASURED_STEPS  # a move, its settling, the samples
+    for seed in range(1 + auto.MEASURED_STEPS + 2 * moved):  # probe, baseline, the choice
         step(m, opt, seed)
     choice = opt.placement_choice
     meas = choice["measurements"]

@@ -1,0 +1,133 @@
+"""The optimizer's checkpoints: ``state_dict()`` and the load path (``load_state_dict``, and
+what ``load_streamed`` shares with it), as functions of the optimizer that
+:class:`offloadopt.optim.HybridOptimizer`'s methods call (their docstrings are the contract).
+The pure formats are offloadopt/state/checkpoint.py; streamed checkpoints
+offloadopt/state/streamed.py and streamed_load.py."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from torch.optim import Optimizer
+
+from offloadopt.interrupts import signals_deferred
+from offloadopt.shards import local, local_state
+from offloadopt.state import checkpoint
+
+__all__ = ["load_state_dict", "load_validated", "prepare_load", "snapshot_source", "state_dict"]
+
+
+def state_dict(opt: Any) -> dict[str, Any]:
+    """``opt.state_dict()``: a snapshot in the rule's torch layout (the method's docstring)."""
+    if not opt._placer.budget_pending():  # a budget waits for the first step(): no state yet
+        opt.ensure_placed()
+    if opt.overlap == "delayed" and not opt._publish.module_waits and opt._timeline.inflight is not None:  # fmt: skip
+        opt._warn_once(
+            "delayed-unwatched",
+            "overlap='delayed' without opt.watch(model): a model.state_dict() taken before "
+            "this call holds weights one step older than these masters, and a resume from "
+            "the pair loses that step's update (fp32 params cannot even tell)",
+        )
+    sd = checkpoint.pack(snapshot_source(opt), on_device=opt._snapshot_on_device)
+    sd = checkpoint.export_moments(sd, opt.rule)  # fp32 under torch's keys
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return checkpoint.wrap_shards(checkpoint.drop_placement(sd), params)
+
+
+def snapshot_source(opt: Any) -> dict[str, Any]:
+    """torch's ``state_dict()`` layout over the live state tensors, once every update has
+    landed (``state_dict()`` copies it; ``save_streamed`` writes it as it is)."""
+    opt.synchronize()
+    opt._guards.check_snapshot()
+    return Optimizer.state_dict(opt)
+
+
+def refuse_dict_hooks(verb: str, what: str, instead: str, *registries) -> None:
+    """ValueError when any of ``registries`` (torch's hook dicts) holds a hook: a streamed
+    checkpoint never holds the whole dict such a hook edits, and skipping it silently
+    would save or load something else than the hook's owner expects."""
+    n = sum(len(r) for r in registries)
+    if n:
+        raise ValueError(
+            f"{verb}: {n} {what} registered on this optimizer; a streamed "
+            f"checkpoint never holds the whole dict they edit, so they cannot run: use "
+            f"{instead} with torch.save/torch.load, or remove the hooks"
+        )
+
+
+def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
+    """``opt.load_state_dict(state_dict)`` (the method's docstring): its pre-hooks, then
+    :func:`load_validated`."""
+    prepare_load(opt)
+    sd = dict(state_dict) if isinstance(state_dict, dict) else state_dict
+    for hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        result = hook(opt, sd)
+        if result is not None:
+            sd = result
+    load_validated(opt, sd)
+
+
+def prepare_load(opt: Any) -> None:
+    """What every load does before its checks (``load_state_dict``, ``load_streamed``):
+    place the groups (meta-device params materialized since), refuse a load mid-step, let
+    the updates in flight land (a failed one is what a load repairs)."""
+    opt.ensure_placed()
+    opt._publish.refuse_other_thread()  # not swallowed below: it is no failed step
+    opt._guards.check_load()  # a step in progress since backward: refused, unchanged
+    try:
+        opt.synchronize()
+    except Exception:  # noqa: BLE001 - a failed step is what a load repairs
+        pass
+
+
+def load_validated(opt: Any, sd: Any, before: Callable[[], None] | None = None,
+                   real_entry: Callable[[int, dict], dict] | None = None,
+                   check: Callable[[], None] | None = None) -> None:  # fmt: skip
+    """Validate ``sd`` whole, then copy it in (``load_state_dict``'s work after its
+    pre-hooks). ``check``: run after the validation, before anything changes (a streamed
+    load verifies its files there; its ValueError changes nothing); ``before``: run once
+    everything is validated, before the first copy (a streamed load reads the model's
+    weights there); ``real_entry(index, entry)``: the entry with its tensors' values,
+    where ``sd`` holds only their shapes (a streamed load,
+    offloadopt/state/streamed_load.py). A ValueError after the first copy is raised as a
+    RuntimeError: a ValueError means nothing was changed."""
+    groups, placer, timeline = opt.param_groups, opt._placer, opt._timeline
+    specs = [[(placer.record(p, g, gi, i).name, tuple(local(p).shape))
+              for i, p in enumerate(g["params"])] for gi, g in enumerate(groups)]  # fmt: skip
+    sd = local_state(sd, groups, lambda p: placer.records[p].name)
+    saved_groups, saved_state = checkpoint.validate(sd, opt.rule, specs)
+    if check is not None:
+        check()
+    # Copied in place entry by entry: a Ctrl-C (or SIGTERM) waits until every entry is in
+    # (torch swaps its state in at once); any other failure part-way leaves the optimizer
+    # refusing step() and state_dict() until a load succeeds (tests/test_state_contract.py).
+    with signals_deferred():
+        try:
+            timeline.discard(opt.timeout_s)  # the bucket in hand lands first
+            opt._scaling.pending_clip = None
+            if before is not None:
+                before()
+            for g, s in zip(groups, saved_groups, strict=True):
+                g.update(checkpoint.merge_group(g, s, opt.rule))
+            if placer.keys_changed():  # a checkpoint of SGD with momentum into one built without
+                opt._relocate.for_new_keys()  # (a fresh user's finding: its buffers were dropped)
+            ignored_masters = opt._updater.load_state(groups, saved_state, real_entry)
+        except BaseException as e:
+            timeline.refuse("load_state_dict() failed part-way")
+            if isinstance(e, ValueError):  # found after copies began: not "nothing changed"
+                raise RuntimeError(f"the load failed part-way, after its checks: {e}; some "
+                                   "state was copied in, and the optimizer refuses step() "
+                                   "until a load succeeds") from e  # fmt: skip
+            raise
+    for hook in opt._optimizer_load_state_dict_post_hooks.values():
+        hook(opt)
+    if ignored_masters:
+        warnings.warn(
+            "the state dict carries fp32 masters for params that keep none here (fp32 "
+            "params, master_weights=False, or master_weights='bf16-sr', whose bf16 weight "
+            "is the master): they were ignored, and the state takes the params' dtype",
+            stacklevel=3,
+        )
+    placer.check_pinned()
