@@ -418,11 +418,6 @@ def test_speculation_holds_no_device_memory_beyond_its_bound(factors, scaler):
     assert 0 <= counts["device_extra_peak_nbytes"] <= DEVICE_BOUND_NBYTES, counts
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "since the device-flat merge, Updater and its DeviceUpdate hold each other (DeviceUpdate "
-    "gets the bound Updater.apply, offloadopt/step/update.py), so every dropped optimizer keeps "
-    "its state until Python's gc, speculative or not; apply uses only the rule, so a function "
-    "of the rule breaks the cycle. Remove this marker with that fix"))  # fmt: skip
 def test_a_dropped_speculative_optimizer_frees_its_state_at_once():
     """Without Python's gc: the device-resident state of a dropped speculative optimizer (the
     next run's memory, in a benchmark that builds one optimizer per run) is freed when the

@@ -5,6 +5,7 @@ saved entry), stale masters refreshed, the offloaded ``step`` advanced."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +86,20 @@ def _backup_views(b, backup: list[torch.Tensor], columns: list[list[torch.Tensor
     return out
 
 
+def apply_rule(rule, hyper: Hyper, weights, grads, states, steps, *, host: bool, first: bool,
+               amp, where, out=None) -> None:  # fmt: skip
+    """``rule`` over lists of same-device tensors (:meth:`offloadopt.rules.Rule.update`'s
+    arguments): torch's fused kernel, or under a compressed representation offloadopt's own
+    (:func:`offloadopt.kernels.adam.adam_update`; ``where``: per tensor its param's rounding
+    seed and its first element within the param; ``out``: None, or per tensor a bf16 view where
+    the new weights go, rounded to nearest even)."""
+    if rule.compressed:
+        adam_update(rule, hyper, weights, grads, states, steps, host=host, amp=amp, where=where,
+                    weights_out=out)  # fmt: skip
+    else:
+        rule.update(hyper, weights, grads, states, steps, host=host, first=first, amp=amp)
+
+
 class Updater:
     """Applies the update rule and makes the state it reads.
 
@@ -129,7 +144,9 @@ class Updater:
         self.timeout_s = timeout_s
         self.warn_once = warn_once
         self.flat = DeviceFlat(rule, records, state, master_weights=master_weights)
-        self.device = DeviceUpdate(rule, records, state, self.flat, self.apply,
+        # the rule alone, not self.apply: a bound method would make the two hold each other,
+        # and a dropped optimizer's state would wait for the garbage collector
+        self.device = DeviceUpdate(rule, records, state, self.flat, functools.partial(apply_rule, rule),
                                    bucket_nbytes=bucket_nbytes)  # fmt: skip
 
     def update_bucket(self, work: BucketWork, grads: list[torch.Tensor]) -> None:
@@ -184,16 +201,9 @@ class Updater:
 
     def apply(self, hyper: Hyper, weights, grads, states, steps, *, host: bool, first: bool,
               amp, where, out=None) -> None:  # fmt: skip
-        """The rule over lists of same-device tensors (:meth:`offloadopt.rules.Rule.update`'s
-        arguments): torch's fused kernel, or under a compressed representation offloadopt's
-        own (:func:`offloadopt.kernels.adam.adam_update`; ``where``: per tensor its param's
-        rounding seed and its first element within the param; ``out``: None, or per tensor a
-        bf16 view where the new weights go, rounded to nearest even)."""
-        if self.rule.compressed:
-            adam_update(self.rule, hyper, weights, grads, states, steps, host=host, amp=amp,
-                        where=where, weights_out=out)  # fmt: skip
-        else:
-            self.rule.update(hyper, weights, grads, states, steps, host=host, first=first, amp=amp)
+        """:func:`apply_rule` with this updater's rule."""
+        apply_rule(self.rule, hyper, weights, grads, states, steps, host=host, first=first,
+                   amp=amp, where=where, out=out)  # fmt: skip
 
     def device_update(self, hyper: Hyper, params: list[torch.Tensor], scale, first=False,
                       amp=None) -> None:  # fmt: skip
