@@ -100,6 +100,21 @@ def positive_int(value: Any) -> int:
     return _int(value, 1)
 
 
+# micro-batches a step: 65,536 x one sequence of 1,024 tokens is 67M tokens a step, beyond any
+# batch in use; a larger count is a typo that would build the model and run without end
+MAX_GRAD_ACCUM = 2**16
+
+
+def grad_accum(value: Any) -> int:
+    """Micro-batches per optimizer step: an integer in [1, 65,536]."""
+    n = _int(value, 1)
+    if n > MAX_GRAD_ACCUM:
+        raise UsageError(
+            f"{_shown(value)} is too large (at most {MAX_GRAD_ACCUM:,} micro-batches a step)"
+        )
+    return n
+
+
 def nonneg_int(value: Any) -> int:
     """An integer in [0, 2**63 - 1]: warm-up steps, ``min_offload_numel``."""
     return _int(value, 0)

@@ -303,7 +303,7 @@ FIELD_CHECKS = {
     "delay_after": checks.nonneg_int,
     "steps": checks.positive_int,
     "batch_size": checks.positive_int,
-    "grad_accum": checks.positive_int,
+    "grad_accum": checks.grad_accum,
     "seq_len": checks.positive_int,
     "lr": checks.nonneg_float,
     "warmup_steps": checks.nonneg_int,
