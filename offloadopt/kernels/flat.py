@@ -25,8 +25,8 @@ from offloadopt.kernels.reference import (
     DRAW_MOMENTS,
     M32,
     M64,
-    RECOMPILE_LIMIT,
     _flat_core,
+    compiled_call,
 )
 
 __all__ = ["core_into", "key_table", "signed64"]
@@ -89,26 +89,11 @@ def _core_into(p, g, m, m_sc, v, v_sc, w_out, fl_b, it_b, first_b, **kw) -> None
         v_sc.copy_(sv)
 
 
-_COMPILED = None
-
-
 def core_into(*args, compiled: bool, **kwargs) -> None:
-    """:func:`_core_into` (its arguments), eager or under ``torch.compile`` (dynamic shapes:
-    one graph for any pass length; the writes fused into the pass's kernels instead of
-    copies of its results), built once per process on first use."""
+    """:func:`_core_into` (its arguments), eager or under ``torch.compile``
+    (:func:`~offloadopt.kernels.reference.compiled_call`: one graph for any pass length; the
+    writes fused into the pass's kernels instead of copies of its results)."""
     if not compiled:
         _core_into(*args, **kwargs)
         return
-    import torch._dynamo  # noqa: F401 - torch.compile's config
-
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(_core_into, dynamic=True, fullgraph=True)
-    name = (
-        "recompile_limit"
-        if hasattr(torch._dynamo.config, "recompile_limit")
-        else "cache_size_limit"
-    )
-    limit = max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT)
-    with torch._dynamo.config.patch({name: limit}):
-        _COMPILED(*args, **kwargs)
+    compiled_call(_core_into, *args, **kwargs)

@@ -487,21 +487,22 @@ def _flat_core(p_in, g_in, m_in, m_sc, v_in, v_sc, fl_b, it_b, first_b, *, wd_fa
     return p_out, w_out, m_out, v_out, sm, sv
 
 
-_COMPILED = None
+_COMPILED: dict = {}
 # One graph per mode (moments, master dtype, weight decay on/off, maximize, a loss scale, the
 # group's betas and eps): more than torch's default of 8 for one code object when a process
 # runs several optimizers or modes (the tests do).
 RECOMPILE_LIMIT = 64
 
 
-def _compiled_core(*args, **kwargs):
-    """:func:`_flat_core` under ``torch.compile`` (dynamic shapes: one graph for any numel),
-    built once per process on first use."""
+def compiled_call(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` under ``torch.compile`` (dynamic shapes: one graph for any
+    numel; fullgraph), compiled once per process and function on first use, with the recompile
+    limit raised to :data:`RECOMPILE_LIMIT`."""
     import torch._dynamo  # noqa: F401 - torch.compile's config
 
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(_flat_core, dynamic=True, fullgraph=True)
+    compiled = _COMPILED.get(fn)
+    if compiled is None:
+        compiled = _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
     name = (
         "recompile_limit"
         if hasattr(torch._dynamo.config, "recompile_limit")
@@ -509,4 +510,9 @@ def _compiled_core(*args, **kwargs):
     )
     limit = max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT)
     with torch._dynamo.config.patch({name: limit}):
-        return _COMPILED(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+
+def _compiled_core(*args, **kwargs):
+    """:func:`_flat_core` under :func:`compiled_call`."""
+    return compiled_call(_flat_core, *args, **kwargs)
