@@ -333,6 +333,26 @@ def test_the_compiled_pass_lands_near_the_eager_one(master_bf16, moments, wout):
     assert not torch.equal(b[0][-1], make_mode(SIZES, 4, master_bf16, moments)[0][-1])
 
 
+@pytest.mark.slow
+def test_the_compiled_pass_decays_by_a_factor_of_zero():
+    """lr x weight_decay = 1: AdamW's decoupled decay multiplies the weights by 0 before the
+    update. The compiled pass took the factor as ``wd_factor or 1.0``, so a factor of 0 left
+    the weights undecayed; the eager pass decayed them."""
+    import functools
+
+    a = make_mode(SIZES, 4, False, 2)
+    b = clone_all(a)
+    kw = call_kwargs(2, False, **{**HYPER[0], "weight_decay": 2.0})
+    compiled = functools.partial(reference.adam_step_flat, compiled=True)
+    kcall(reference.adam_step_flat, *a[:4], sms=a[4], svs=a[5], wout=[], lr=0.5, **kw)
+    kcall(compiled, *b[:4], sms=b[4], svs=b[5], wout=[], lr=0.5, **kw)
+    # at lr 0.5 the weights are the update alone (about lr in size), so the two passes'
+    # rounding differs by more than assert_near_eager's tolerance for lr 1e-3; undecayed,
+    # they differed by the old weights (11x here)
+    for x, y in zip(a[0], b[0], strict=True):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)
+
+
 def test_the_device_step_setting_is_read_from_the_environment(monkeypatch):
     monkeypatch.delenv("OFFLOADOPT_DEVICE_STEP", raising=False)
     assert adam.compile_device_step(torch.device("cuda", 0))

@@ -398,7 +398,8 @@ def adam_step_flat(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_av
     if compiled:
         # the per-call scalars as tensors: a new lr (a scheduler) or loss scale must not
         # recompile the pass
-        sc = torch.tensor([wd_factor or 1.0, gs or 1.0], dtype=torch.float32)
+        sc = torch.tensor([1.0 if wd_factor is None else wd_factor, 1.0 if gs is None else gs],
+                          dtype=torch.float32)  # fmt: skip
         sc = (
             sc.pin_memory().to(device, non_blocking=True)
             if device.type == "cuda"

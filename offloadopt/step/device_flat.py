@@ -382,8 +382,8 @@ class DeviceFlat:
         gsf = None if grad_scale is None else _f32(grad_scale)
         compiled = compile_device_step(fs.device)
         if compiled:  # tensors: a new lr or loss scale must not recompile the pass
-            fs.sc[0].fill_(wd_factor or 1.0)  # (the `or` as adam_step_flat has it)
-            fs.sc[1].fill_(gsf or 1.0)
+            fs.sc[0].fill_(1.0 if wd_factor is None else wd_factor)  # 0 when lr x wd = 1
+            fs.sc[1].fill_(1.0 if gsf is None else gsf)
             wd_factor = None if wd_factor is None else fs.sc[0]
             gsf = None if gsf is None else fs.sc[1]
         kw = dict(wd_factor=wd_factor, grad_scale=gsf, k=_consts(beta1, beta2, wd, eps),
