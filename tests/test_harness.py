@@ -267,7 +267,8 @@ def test_main_job_says_why_a_gpu_budget_cannot_be_met():
 
 
 @pytest.mark.parametrize(
-    "name", ["gpt-9b", "gpt-13b", "gpt-17.5b", "gpt-18b", "gpt-25b", "gpt-30b", "gpt-32b"]
+    "name", ["gpt-9b", "gpt-13b", "gpt-17.5b", "gpt-18b", "gpt-25b", "gpt-30b", "gpt-32b",
+             "gpt-40b"]
 )
 @pytest.mark.slow
 def test_the_width_4096_presets_count_their_params(name):
@@ -295,6 +296,7 @@ def test_the_largest_preset_is_over_17_5e9_params():
     assert 25e9 <= PRESETS["gpt-25b"].num_params() < 25.5e9
     assert 30e9 <= PRESETS["gpt-30b"].num_params() < 30.5e9
     assert PRESETS["gpt-32b"].num_params() == pytest.approx(32.22e9, rel=1e-3)
+    assert 40e9 <= PRESETS["gpt-40b"].num_params() < 40.5e9
 
 
 def test_the_model_is_built_in_its_dtype_never_in_fp32_first(monkeypatch):

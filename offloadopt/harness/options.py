@@ -62,6 +62,7 @@ RUN_DEFAULTS: dict[str, tuple[int, float]] = {
     "gpt-25b": (1, 2e-6),
     "gpt-30b": (1, 2e-6),
     "gpt-32b": (1, 2e-6),
+    "gpt-40b": (1, 2e-6),
 }
 
 

@@ -49,6 +49,9 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt-25b": GPTConfig(n_layer=125, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
     "gpt-30b": GPTConfig(n_layer=150, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
     "gpt-32b": GPTConfig(n_layer=160, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
+    # Past 40e9: bf16-sr masters and int8 moments with both memories nearly full on one H200
+    # + 128 GiB (docs/modes.md's table: about 42e9 at fraction 0.70 at most)
+    "gpt-40b": GPTConfig(n_layer=199, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
 }
 
 
