@@ -367,3 +367,24 @@ def test_main_job_backward_mode_clips_through_the_optimizer(monkeypatch):
 def test_main_job_refuses_options_that_cannot_combine(capsys, args, message):
     assert main(["train", "--steps", "1", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_model_or_budget_larger_than_the_gpu_is_refused_before_the_build():
+    # on an H100 (85.0 GB) `--max-gpu-memory 140GB` was taken without a word, and gpt-40b
+    # built for a minute before it ran out of memory
+    from offloadopt.harness.build import check_fits_device
+    from offloadopt.harness.checks import UsageError
+    from offloadopt.harness.options import TrainConfig
+
+    gpu, h100, gib48 = torch.device("cuda"), 85_031_714_816, 48 * 2**30
+    big = TrainConfig(preset="gpt-40b", device="cuda", dtype="bf16")
+    with pytest.raises(UsageError, match=r"gpt-40b: its weights alone are 80\.16 GB .* in bf16, "
+                                         r"more than cuda holds \(51\.54 GB"):
+        check_fits_device(big, gpu, total=gib48)
+    check_fits_device(big, gpu, total=h100)  # the weights fit; the budget decides the rest
+    over = TrainConfig(preset="gpt-40b", device="cuda", dtype="bf16", max_gpu_memory="140GB")
+    with pytest.raises(UsageError, match=r"--max-gpu-memory 140GB: more than cuda holds "
+                                         r"\(85\.03 GB"):
+        check_fits_device(over, gpu, total=h100)
+    check_fits_device(over, gpu, total=150_000_000_000)
+    check_fits_device(over, torch.device("cpu"), total=1)  # no such limit off the GPU

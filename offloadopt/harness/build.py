@@ -6,11 +6,13 @@ from __future__ import annotations
 import torch
 
 from offloadopt.adamw import HybridAdamW
+from offloadopt.harness.checks import UsageError
 from offloadopt.harness.distributed import shard_fsdp, wrap_ddp
 from offloadopt.harness.gpt import GPT, PRESETS
 from offloadopt.harness.options import TrainConfig
+from offloadopt.place.costmodel import format_bytes, parse_bytes
 
-__all__ = ["DTYPES", "make_model_and_optimizer"]
+__all__ = ["DTYPES", "check_fits_device", "make_model_and_optimizer"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # options.DTYPE_NAMES' dtypes
 
@@ -25,6 +27,7 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
     (``TrainConfig.resolved()``).
     """
     device = torch.device(cfg.device)
+    check_fits_device(cfg, device)
     torch.manual_seed(cfg.seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[cfg.dtype])  # params are created, and initialised, in it
@@ -69,3 +72,28 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
         if cfg.overlap == "delayed":
             opt.watch(model)  # model.state_dict() sees the weights that match the masters
     return model, opt
+
+
+def check_fits_device(cfg: TrainConfig, device: torch.device, total: int | None = None) -> None:
+    """Before the model is built on a GPU: its weights alone, and ``--max-gpu-memory``, must
+    not exceed what the GPU holds (``total``: its bytes, default torch's figure for
+    ``device``); otherwise the build runs out of memory after minutes, or the budget cannot be
+    kept. Raises UsageError with the figures."""
+    if device.type != "cuda" or (total is None and not torch.cuda.is_available()):
+        return
+    if total is None:
+        props = torch.cuda.get_device_properties(device)
+        total, name = props.total_memory, f"{device} ({props.name})"
+    else:
+        name = str(device)
+    weights = PRESETS[cfg.preset].num_params() * DTYPES[cfg.dtype].itemsize
+    if weights > total:
+        raise UsageError(
+            f"--preset {cfg.preset}: its weights alone are {format_bytes(weights)} in "
+            f"{cfg.dtype}, more than {name} holds ({format_bytes(total)}); a smaller preset, "
+            "or a GPU with more memory"
+        )
+    if cfg.max_gpu_memory and parse_bytes(cfg.max_gpu_memory) > total:
+        raise UsageError(
+            f"--max-gpu-memory {cfg.max_gpu_memory}: more than {name} holds ({format_bytes(total)})"
+        )

@@ -176,10 +176,16 @@ def choose_for(placer: Any, group_indices: list[int], micro_steps: int = 1) -> d
     as the measured first step did.
 
     Raises:
-        ValueError: no fraction fits, or the host lacks the memory (both with figures).
+        ValueError: no fraction fits, the host lacks the memory (both with figures), or the
+            budget is more than a GPU of the params holds.
     """
     tensors = [p for gi in group_indices for p in placer.param_groups[gi]["params"]]
     cuda = {local(p).device for p in tensors if local(p).device.type == "cuda"}
+    for d in cuda:  # a budget the GPU cannot hold is never met: the allocator fails first
+        total = torch.cuda.get_device_properties(d).total_memory
+        if placer.sizes["max_gpu_memory"] > total:
+            raise ValueError(f"max_gpu_memory={format_bytes(placer.sizes['max_gpu_memory'])} "
+                             f"is more than {d} holds ({format_bytes(total)})")  # fmt: skip
     given = placer.sizes["activation_bytes"]
     if given is None and cuda:
         measured = sum(torch.cuda.max_memory_allocated(d) for d in cuda)

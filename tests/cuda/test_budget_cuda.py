@@ -107,3 +107,17 @@ def test_auto_measures_on_the_compute_stream_and_moves_there():
     assert 1 < meas["d2h_gbps"] < 1000 and 1 < meas["h2d_gbps"] < 1000  # measured, not assumed
     assert opt.offload_fraction == choice["fraction"] and choice["measured_step_ms"] > 0
     opt.close()
+
+
+def test_a_budget_above_what_the_gpu_holds_is_refused_at_the_first_step():
+    # HybridAdamW(max_gpu_memory="140GB") on an H100 (85 GB) was taken: the allocator fails
+    # before such a budget is ever reached
+    import pytest
+
+    m = GPT(CFG).cuda().bfloat16()
+    total = torch.cuda.get_device_properties(0).total_memory
+    opt = HybridAdamW(m.parameters(), max_gpu_memory=total + 10**9, bucket_nbytes=BUCKET)
+    with pytest.raises(ValueError, match=r"max_gpu_memory=.* is more than cuda:0 holds"):
+        step(m, opt, 0)
+    assert not opt.state  # refused before any state was made
+    opt.close()
