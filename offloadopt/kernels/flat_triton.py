@@ -275,12 +275,15 @@ def _flat_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, w_ptr, fl_ptr, it_p
     else:  # formats.encode_m / _encode_y and _flat_core's non-finite blocks
         um = m.to(tl.uint32, bitcast=True)
         uy = y.to(tl.uint32, bitcast=True)
-        bad_m = tl.max(((um & 0x7F800000) == 0x7F800000).to(tl.int32), axis=1)
-        bad_y = tl.max(((uy & 0x7F800000) == 0x7F800000).to(tl.int32), axis=1)
-        bad = (bad_m | bad_y) != 0
+        # tl.reduce with Triton's own max: tl.max is jitted once, at triton's import, compiled
+        # or interpreted (TRITON_INTERPRET then), so it cannot serve both; the interpreter
+        # knows _elementwise_max (numpy's max) and the compiler takes it as any combine
+        bad_m = ((um & 0x7F800000) == 0x7F800000).to(tl.int32)
+        bad_y = ((uy & 0x7F800000) == 0x7F800000).to(tl.int32)
+        bad = tl.reduce(bad_m | bad_y, 1, tl.standard._elementwise_max) != 0
         am = tl.abs(m)
-        sm = tl.max(am, axis=1)
-        sv = tl.max(y, axis=1)
+        sm = tl.reduce(am, 1, tl.standard._elementwise_max)  # a NaN's block: NaN scales below
+        sv = tl.reduce(y, 1, tl.standard._elementwise_max)
         inv_m = tl.div_rn(1.0, tl.where(sm > 0, sm, 1.0))  # 1 / scale, 1 where not > 0
         inv_v = tl.div_rn(1.0, tl.where(sv > 0, sv, 1.0))
         t = (am * inv_m[:, None]).to(tl.uint32, bitcast=True)
