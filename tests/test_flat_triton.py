@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from offloadopt.kernels import flat, flat_triton, reference
+from offloadopt.kernels import flat, flat_triton, reference, torch_forms
 from offloadopt.kernels.formats import BLOCK, encode_m, encode_v, nblocks
 
 tl = pytest.importorskip("triton.language")
@@ -218,13 +218,13 @@ def test_available_needs_the_interpreter_off_cuda(monkeypatch):
 def test_the_forms_found_are_torchs():
     """On this CPU's build the vectorized kernels fuse (AVX2/AVX-512, NEON) or do not
     (ATEN_CPU_CAPABILITY=default): the forms found reproduce torch's ops on fresh values."""
-    forms = flat_triton.torch_forms(torch.device("cpu"), reference._f32(0.1), reference._f32(0.05))
+    forms = torch_forms.torch_forms(torch.device("cpu"), reference._f32(0.1), reference._f32(0.05))
     gen = torch.Generator().manual_seed(5)
     s, e, g, b = (torch.randn(4096, generator=gen) for _ in range(4))
     w, c = reference._f32(0.1), reference._f32(0.05)
-    lerp = flat_triton._fma32(w, e - s, s) if forms["LERP"] == 0 else s + w * (e - s)
+    lerp = torch_forms._fma32(w, e - s, s) if forms["LERP"] == 0 else s + w * (e - s)
     assert torch.equal(torch.lerp(s, e, w), lerp)
-    v = flat_triton._fma32(c * g, g, b) if forms["V_FORM"] == 1 else b + c * g * g
+    v = torch_forms._fma32(c * g, g, b) if forms["V_FORM"] == 1 else b + c * g * g
     assert forms["V_FORM"] in (0, 1) and torch.equal(b.addcmul(g, g, value=c), v)
     assert forms["GS_RECIP"] == 0  # the CPU divides
 
@@ -324,8 +324,8 @@ def test_unfused_cpu_kernels_give_the_unfused_forms(tmp_path):
     code = (
         "import test_flat_triton as t, torch\n"
         "torch.Tensor.sqrt = t._sqrt_rn\n"
-        "from offloadopt.kernels import flat_triton as ft\n"
-        "print(ft.torch_forms(torch.device('cpu'), 0.1, 0.001))\n"
+        "from offloadopt.kernels.torch_forms import torch_forms\n"
+        "print(torch_forms(torch.device('cpu'), 0.1, 0.001))\n"
         "for mo, ma in [(2, 'fp32+w'), (1, 'bf16-sr'), (0, 'fp32')]:\n"
         "    a, b = t.both(t.make(mo, ma), t.kwargs(mo, ma, decoupled=False), passes=2)\n"
         "    t.same(a, b, f'{mo} {ma}')\n"

@@ -17,29 +17,30 @@ bf16-sr                                     bf16 (stochastic)    8 + 6          
 bf16-sr                                     fp32                 12 + 10         22
 ==========================================  ===================  ==============  ======
 
-Bits: the eager pass's (torch ops on the same device), bit for bit. The ops are the same
-correctly rounded fp32 operations in the same order, launched with ``enable_fp_fusion=False``
-(no multiply-add the eager pass does not do); where torch's kernels fuse (its CPU build's
-vectorized lerp, ``add(alpha=)`` and addcmul; CUDA's lerp and addcmul) or divide by a host
-scalar through its reciprocal (CUDA), :func:`torch_forms` finds which form torch computes on
-the device, once per process, and the kernel computes that form (``tl.fma``, IEEE ``div_rn``
-and ``sqrt_rn``). The hash and the int8 codes are integer ops (uint32 wraps as the reference's
-``& 0xFFFFFFFF``). A NaN's sign and payload are the hardware's: a NaN master can differ from
-the eager pass's NaN there (tests/test_flat_triton.py compares NaNs as NaNs, every other bit
-exactly). GB/s on the GPU host: benchmarks/probes/device_pass.py (not yet measured).
+Bits: the eager pass's on the same device, every one (NaNs included: tests/test_flat_triton.py
+under Triton's CPU interpreter, tests/cuda/test_device_flat_cuda.py on the GPU). The kernel does
+the same correctly rounded fp32 operations in the same order (IEEE ``div_rn`` and ``sqrt_rn``),
+compiled with ``enable_fp_fusion=False`` so that no multiply and add fuse unless torch fuses them
+too; where torch's kernels fuse or take a reciprocal, the kernel computes the form that
+:func:`offloadopt.kernels.torch_forms.torch_forms` found torch to compute on the device. The
+hash and the int8 codes are integer ops (uint32 wraps as the reference's ``& 0xFFFFFFFF``).
+One exception, on the CPU only: torch's fp32 ``sqrt`` there is one ulp off in about 1 element
+in 6 (MKL's vectorized sqrt), the kernel's is exact (as torch's on CUDA), so the interpreter's
+bits are those of the eager pass with an exact sqrt. GB/s on the GPU host:
+benchmarks/probes/device_pass.py (not yet measured).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from fractions import Fraction
 
-import numpy as np
 import torch
 
 from offloadopt.kernels.formats import BLOCK
+from offloadopt.kernels.torch_forms import torch_forms
 
-__all__ = ["available", "torch_forms", "triton_into"]
+__all__ = ["available", "triton_into"]
 
 BLOCKS_PER_PROGRAM = 4  # blocks of BLOCK elements per program (a power of 2)
 NUM_WARPS = 4
@@ -63,65 +64,6 @@ def available(device: torch.device) -> bool:
     if device.type != "cuda" or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
-def _fma32(a, b, c) -> torch.Tensor:
-    """``a * b + c`` rounded once to fp32 (fp32 values, tensors or floats; exact, in fractions:
-    the nearest of three neighbours, ties to even)."""
-    a, b, c = torch.broadcast_tensors(*(torch.as_tensor(t, dtype=torch.float32) for t in (a, b, c)))
-    out = []
-    for x, y, z in zip(a.tolist(), b.tolist(), c.tolist(), strict=True):
-        exact = Fraction(x) * Fraction(y) + Fraction(z)
-        f = np.float32(float(exact))
-        near = (np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf)))
-        out.append(
-            min(near, key=lambda u: (abs(Fraction(float(u)) - exact), int(u.view(np.int32)) & 1))
-        )
-    return torch.tensor(np.array(out, dtype=np.float32))
-
-
-_FORMS: dict = {}
-
-
-def torch_forms(device: torch.device, w: float, c: float) -> dict[str, int]:
-    """How torch computes the eager pass's fusable steps on ``device`` (lerp weight ``w`` =
-    1 - beta1, addcmul value ``c`` = 1 - beta2), found once per process by running them on 512
-    values and comparing with each candidate computed exactly on the host: ``LERP`` (0:
-    ``fma(e - s, w, s)``, 1: ``s + w * (e - s)``; 2, 3: those of a weight >= 0.5, ``e + (w - 1)
-    * (e - s)``), ``L2_FMA`` (``g.add(p, alpha=wd)`` as ``fma(p, wd, g)``), ``V_FORM`` (addcmul
-    ``b + c*g*g``: 0 ``b + (c*g)*g``, 1 ``fma(c*g, g, b)``, 2 ``fma(g*g, c, b)``, 3 ``b +
-    c*(g*g)``, 4 ``fma(g, g, b)``), ``GS_RECIP`` (a tensor divided by a host scalar as a product
-    with its fp32 reciprocal) and ``BF16_NAN`` (the bf16 bits of NaNs cast, -1: sign and payload
-    kept). Raises RuntimeError where none matches."""
-    key = (device.type, w, c)
-    if key in _FORMS:
-        return _FORMS[key]
-    gen = torch.Generator().manual_seed(0)
-    x, y, z = (torch.randn(512, generator=gen) for _ in range(3))
-    w, c, a = (float(np.float32(u)) for u in (w, c, 0.1))  # the fp32 values torch computes with
-    s, b, q = x * abs(w), z * c, y * a  # a sum's two terms of one size: its forms differ often
-
-    def pick(fn, args: tuple, cands: list[torch.Tensor], what: str) -> int:
-        got = fn(*(t.to(device) for t in args)).cpu().view(torch.int32)
-        for i, cand in enumerate(cands):
-            if torch.equal(got, cand.view(torch.int32)):
-                return i
-        raise RuntimeError(f"flat_triton: torch's {what} on {device} matches no known form")
-
-    d, small = y - s, abs(w) < 0.5
-    lerp = [_fma32(w, d, s), s + w * d] if small else [_fma32(w - 1, d, y), y + (w - 1) * d]
-    l2 = [_fma32(x, a, q), q + x * a]
-    vf = [b + c * y * y, _fma32(c * y, y, b), _fma32(c, y * y, b), b + c * (y * y), _fma32(y, y, b)]
-    nan = torch.tensor([0x7FC00000, -0x400000, 0x7FA12345], dtype=torch.int32).view(torch.float32)
-    nan = {int(u) & 0xFFFF for u in nan.to(device).to(torch.bfloat16).cpu().view(torch.int16)}
-    forms = _FORMS[key] = dict(
-        LERP=pick(lambda s, e: torch.lerp(s, e, w), (s, y), lerp, "lerp") + (0 if small else 2),
-        L2_FMA=pick(lambda g, p: g.add(p, alpha=a), (q, x), l2, "add(alpha=)") == 0,
-        V_FORM=pick(lambda b, g: b.addcmul(g, g, value=c), (b, y), vf, "addcmul"),
-        GS_RECIP=pick(lambda g: g / 3.0, (y,), [y / torch.tensor(3.0), y * (1 / 3.0)], "div"),
-        BF16_NAN=nan.pop() if len(nan) == 1 else -1,
-    )
-    return forms
 
 
 # The kernel and its helpers, plain functions here: _kernel() gives them a namespace of their
@@ -257,11 +199,7 @@ def _flat_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, w_ptr, fl_ptr, it_p
         if W_OUT:  # round to nearest even; a NaN as torch casts it on this device
             u = p.to(tl.uint32, bitcast=True)
             w = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-            nan = (u & 0x7FFFFFFF) > 0x7F800000
-            if BF16_NAN >= 0:
-                w = tl.where(nan, BF16_NAN, w)
-            else:
-                w = tl.where(nan, (u >> 16) | 0x40, w)
+            w = tl.where((u & 0x7FFFFFFF) > 0x7F800000, BF16_NAN, w)
             tl.store(w_ptr + offs, w.to(tl.int16), mask=mask)
     if MOMENTS == 0:
         tl.store(m_ptr + offs, m, mask=mask)
@@ -339,10 +277,6 @@ def _scalar(x) -> tuple[int, object]:
     return 1, float(x)
 
 
-def _bits16(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
 def triton_into(p, g, m, m_sc, v, v_sc, w_out, fl_b, it_b, first_b, *, wd_factor, grad_scale,
                 k, maximize, decoupled, moments, bf16_master, cuda_div, compressed,
                 weights_out=None) -> None:  # fmt: skip
@@ -354,11 +288,11 @@ def triton_into(p, g, m, m_sc, v, v_sc, w_out, fl_b, it_b, first_b, *, wd_factor
     Raises ValueError for buffers of other sizes or dtypes."""
     blocks = fl_b.shape[0]
     n = blocks * BLOCK
-    if weights_out is not None and bool(weights_out) != (w_out is not None):
-        raise ValueError(f"triton_into: weights_out={weights_out} but w_out is {w_out is not None}")
-    if (p.dtype == torch.bfloat16) != bool(bf16_master) or moments not in (0, 1, 2):
-        raise ValueError(f"triton_into: {p.dtype} master with bf16_master={bf16_master}, "
-                         f"moments={moments}")  # fmt: skip
+    if (weights_out is not None and bool(weights_out) != (w_out is not None)) or (
+        p.dtype == torch.bfloat16) != bool(bf16_master) or moments not in (0, 1, 2):  # fmt: skip
+        raise ValueError(f"triton_into: a {p.dtype} master with bf16_master={bf16_master}, "
+                         f"moments={moments}, weights_out={weights_out} and w_out "
+                         f"{'given' if w_out is not None else 'None'}")  # fmt: skip
     for name, t in (("p", p), ("g", g), ("m", m), ("v", v), ("w_out", w_out)):
         if t is not None and (t.numel() != n or not t.is_contiguous()):
             raise ValueError(f"triton_into: {name} has {t.numel()} elements (contiguous: "
@@ -374,13 +308,18 @@ def triton_into(p, g, m, m_sc, v, v_sc, w_out, fl_b, it_b, first_b, *, wd_factor
     interpret = _interpreting()
     grid = ((blocks + BLOCKS_PER_PROGRAM - 1) // BLOCKS_PER_PROGRAM,)
     launch = {} if interpret else dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
-    _kernel(interpret)[grid](
-        _bits16(p), _bits16(g), _bits16(m), m_sc if moments == 2 else m, _bits16(v),
-        v_sc if moments == 2 else v, p if w_out is None else _bits16(w_out), fl_b,
-        it_b, first_b if draws else fl_b, wdf, gs, blocks, fl_b.stride(0), fl_b.stride(1),
-        it_b.stride(0), it_b.stride(1), w_lerp, beta2, c_v, eps, wd,
-        P_BF16=bool(bf16_master), G_BF16=g.dtype == torch.bfloat16, MOMENTS=moments,
-        W_OUT=w_out is not None, MAXIMIZE=bool(maximize), WD=wd_mode, WDF=wdf_mode, GS=gs_mode,
-        COMPRESSED=bool(compressed), CUDA_DIV=bool(cuda_div), **forms,
-        BPP=BLOCKS_PER_PROGRAM, BLOCK=BLOCK, **launch,
-    )  # fmt: skip
+    on = torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext()
+    w = p if w_out is None else w_out
+    p, g, m, v, w = (
+        t.view(torch.int16) if t.dtype == torch.bfloat16 else t for t in (p, g, m, v, w)
+    )
+    with on:  # triton launches on the current device
+        _kernel(interpret)[grid](
+            p, g, m, m_sc if moments == 2 else m, v, v_sc if moments == 2 else v, w, fl_b, it_b,
+            first_b if draws else fl_b, wdf, gs, blocks, fl_b.stride(0), fl_b.stride(1),
+            it_b.stride(0), it_b.stride(1), w_lerp, beta2, c_v, eps, wd,
+            P_BF16=bool(bf16_master), G_BF16=g.dtype == torch.int16, MOMENTS=moments,
+            W_OUT=w_out is not None, MAXIMIZE=bool(maximize), WD=wd_mode, WDF=wdf_mode,
+            GS=gs_mode, COMPRESSED=bool(compressed), CUDA_DIV=bool(cuda_div), **forms,
+            BPP=BLOCKS_PER_PROGRAM, BLOCK=BLOCK, **launch,
+        )  # fmt: skip
