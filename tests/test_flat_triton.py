@@ -229,6 +229,24 @@ def test_the_forms_found_are_torchs():
     assert forms["GS_RECIP"] == 0  # the CPU divides
 
 
+def test_an_unknown_form_warns_and_takes_the_nearest(monkeypatch):
+    """A torch whose lerp matches no candidate (here: one value nudged by an ulp) does not
+    stop the step: the nearest form, and a warning that the bits may differ by a rounding."""
+    w, c = reference._f32(0.2), reference._f32(0.01)
+    want = torch_forms.torch_forms(torch.device("cpu"), w, c)
+    monkeypatch.setattr(torch_forms, "_FORMS", {})
+    lerp = torch.lerp
+
+    def nudged(s, e, weight):
+        out = lerp(s, e, weight)
+        out[7] = out[7].nextafter(torch.tensor(float("inf")))
+        return out
+
+    monkeypatch.setattr(torch, "lerp", nudged)
+    with pytest.warns(RuntimeWarning, match="lerp matches no known form .1 of 512 values"):
+        assert torch_forms.torch_forms(torch.device("cpu"), w, c) == want
+
+
 def run_optimizer(monkeypatch, how: str, setting: str, **kw):
     import test_device_flat as tdf
 
