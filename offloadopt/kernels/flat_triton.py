@@ -51,19 +51,26 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+_AVAILABLE: dict = {}
+
+
 def available(device: torch.device) -> bool:
     """Whether :func:`triton_into` can run on ``device``: triton is importable and the device
     is an NVIDIA GPU of compute capability 8.0 or more, or ``TRITON_INTERPRET=1`` (Triton's
-    CPU interpreter: the tests)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    if _interpreting():
-        return True
-    if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    CPU interpreter: the tests). Found once per device (and interpreter setting)."""
+    key = (str(device), _interpreting())
+    if key not in _AVAILABLE:
+        try:
+            import triton  # noqa: F401
+
+            _AVAILABLE[key] = key[1] or (
+                device.type == "cuda"
+                and torch.version.hip is None
+                and torch.cuda.get_device_capability(device) >= (8, 0)
+            )
+        except ImportError:
+            _AVAILABLE[key] = False
+    return _AVAILABLE[key]
 
 
 # The kernel and its helpers, plain functions here: _kernel() gives them a namespace of their
