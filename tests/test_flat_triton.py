@@ -17,7 +17,8 @@ import torch
 from offloadopt.kernels import flat, flat_triton, reference, torch_forms
 from offloadopt.kernels.formats import BLOCK, encode_m, encode_v, nblocks
 
-tl = pytest.importorskip("triton.language")
+pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 _TORCH_SQRT = torch.Tensor.sqrt
 _FMA_ONCE: list[bool] = []
