@@ -319,7 +319,8 @@ def test_off_the_cpu_by_default_and_switched_off_by_the_environment(monkeypatch)
 def test_the_gpu_probe_runs_at_a_tiny_size_on_the_cpu(tmp_path):
     """benchmarks/probes/device_pass.py as the GPU host runs it, at the tiny preset on the CPU
     (a program: no test imports a benchmark): every row timed, the flat row bitwise the
-    per-tensor one."""
+    per-tensor one, the pass alone with its bytes per element (int8, fp32 masters: 16, and
+    per block a row of step scalars and two scales read and written)."""
     import json
     import subprocess
     import sys
@@ -331,9 +332,13 @@ def test_the_gpu_probe_runs_at_a_tiny_size_on_the_cpu(tmp_path):
     r = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True,
                        timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = json.loads((tmp_path / "device_pass.json").read_text())["rows"]
+    out = json.loads((tmp_path / "device_pass.json").read_text())
+    rows = out["rows"]
     assert [row["row"] for row in rows] == ["torch fused AdamW, fp32 state",
                                             "HybridAdamW, fp32 state", "int8: per tensor",
-                                            "int8: flat"]  # fmt: skip
+                                            "int8: flat, eager"]  # fmt: skip
     assert rows[-1]["bitwise"] is True and all(row["ms"] > 0 for row in rows)
+    passes = out["passes"]  # one pass timed alone, beside a triad
+    assert [p["row"] for p in passes] == ["triad a = b + s*c, fp32", "int8 pass, eager"]
+    assert passes[1]["bytes_per_elem"] == 16 + 24 / 256 and all(p["gbps"] > 0 for p in passes)
     assert "reproduce: python benchmarks/probes/device_pass.py --preset tiny" in r.stdout

@@ -354,14 +354,34 @@ def test_the_compiled_pass_decays_by_a_factor_of_zero():
 
 
 def test_the_device_step_setting_is_read_from_the_environment(monkeypatch):
+    """OFFLOADOPT_DEVICE_STEP: the flat buffers' pass (device_step_mode) and the per-tensor
+    path (compile_device_step); by default Triton's kernel on CUDA where it can run, else the
+    compiled pass; a bad value is refused by both."""
+    from offloadopt.kernels import flat_triton
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     monkeypatch.delenv("OFFLOADOPT_DEVICE_STEP", raising=False)
-    assert adam.compile_device_step(torch.device("cuda", 0))
-    assert not adam.compile_device_step(torch.device("cpu"))
+    for can in (True, False):
+        monkeypatch.setattr(flat_triton, "available", lambda device, can=can: can)
+        assert adam.device_step_mode(cuda) == ("triton" if can else "compiled")
+        assert adam.device_step_mode(cpu) == "eager"
+    assert adam.compile_device_step(cuda)
+    assert not adam.compile_device_step(cpu)
+    monkeypatch.setenv("OFFLOADOPT_DEVICE_STEP", "compiled")
+    assert adam.device_step_mode(cuda) == "compiled" and adam.device_step_mode(cpu) == "eager"
+    monkeypatch.setenv("OFFLOADOPT_DEVICE_STEP", "triton")
+    with pytest.raises(RuntimeError, match="triton cannot run on cuda:0"):
+        adam.device_step_mode(cuda)
+    assert adam.compile_device_step(cuda)  # the per-tensor path: compiled
+    monkeypatch.setattr(flat_triton, "available", lambda device: True)
+    assert adam.device_step_mode(cuda) == adam.device_step_mode(cpu) == "triton"
     monkeypatch.setenv("OFFLOADOPT_DEVICE_STEP", "eager")
-    assert not adam.compile_device_step(torch.device("cuda", 0))
+    assert adam.device_step_mode(cuda) == "eager"
+    assert not adam.compile_device_step(cuda)
     monkeypatch.setenv("OFFLOADOPT_DEVICE_STEP", "fast")
-    with pytest.raises(ValueError, match="OFFLOADOPT_DEVICE_STEP='fast'"):
-        adam.compile_device_step(torch.device("cuda", 0))
+    for fn in (adam.compile_device_step, adam.device_step_mode):
+        with pytest.raises(ValueError, match="OFFLOADOPT_DEVICE_STEP='fast'; expected 'triton'"):
+            fn(cuda)
 
 
 def test_mastered_params_update_in_one_call_with_bf16_grads_and_weights_out(monkeypatch):

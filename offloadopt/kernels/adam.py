@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["adam_update", "device_step", "device_work_nbytes", "hyper_floats", "MOMENT_CODES"]
+__all__ = [
+    "adam_update",
+    "device_step",
+    "device_step_mode",
+    "device_work_nbytes",
+    "hyper_floats",
+    "MOMENT_CODES",
+]
 
 MOMENT_CODES = {"fp32": 0, "bf16": 1, "int8": 2}  # the kernel's ``moments`` argument
 # Elements per flat pass of the device path (reference.adam_step_flat): its temporaries are
@@ -46,20 +53,56 @@ def device_work_nbytes(numel: int, device_type: str) -> int:
 # The device path on CUDA runs the flat pass's elementwise part under torch.compile
 # (reference.adam_step_flat(compiled=True)): the eager pass took about 60 ms of H200 time per
 # step for GPT-2 124M's int8 state, memory-bound on int64 temporaries
-# (benchmarks/results/2026-12-03-compressed-h200/notes.md). OFFLOADOPT_DEVICE_STEP=eager
-# keeps the eager pass (bitwise the per-tensor reference).
+# (benchmarks/results/2026-12-03-compressed-h200/notes.md). The flat buffers' pass
+# (step/device_flat.py) runs one Triton kernel instead where triton can run
+# (kernels/flat_triton.py: the compiled pass cost about 20 ms more GPU time per step than
+# torch's fused fp32 AdamW for GPT-2 1.5B on an H100, moving fewer bytes).
+# OFFLOADOPT_DEVICE_STEP=eager keeps the eager pass (bitwise the per-tensor reference).
 COMPILE_ON = ("cuda",)
+DEVICE_STEPS = ("triton", "compiled", "eager")
+
+
+def device_step_mode(device: torch.device) -> str:
+    """How the flat buffers' pass runs on ``device`` (``kernels.flat.core_into``'s ``how``):
+    ``OFFLOADOPT_DEVICE_STEP`` if set, one of :data:`DEVICE_STEPS`; by default on CUDA
+    ``"triton"`` where :func:`offloadopt.kernels.flat_triton.available`, else ``"compiled"``.
+    Off CUDA ``"eager"``, unless ``"triton"`` is asked for and can run there (Triton's
+    interpreter: the tests). Raises ValueError for another value, RuntimeError for
+    ``"triton"`` on a CUDA device where triton cannot run."""
+    import os
+
+    from offloadopt.kernels import flat_triton
+
+    mode = os.environ.get("OFFLOADOPT_DEVICE_STEP")
+    if mode is not None and mode not in DEVICE_STEPS:
+        raise ValueError(
+            f"OFFLOADOPT_DEVICE_STEP={mode!r}; expected 'triton', 'compiled' or 'eager'"
+        )
+    on_cuda = device.type in COMPILE_ON
+    if mode is None:
+        return ("triton" if flat_triton.available(device) else "compiled") if on_cuda else "eager"
+    if mode == "triton" and not flat_triton.available(device):
+        if on_cuda:
+            raise RuntimeError(
+                f"OFFLOADOPT_DEVICE_STEP='triton', but triton cannot run on {device} (not "
+                "installed, or a GPU below compute capability 8.0)"
+            )
+        return "eager"
+    return mode if on_cuda or mode == "triton" else "eager"
 
 
 def compile_device_step(device: torch.device) -> bool:
-    """Whether :func:`device_step` compiles its pass on ``device``: on CUDA unless the
-    environment says ``OFFLOADOPT_DEVICE_STEP=eager``. Raises ValueError for another value."""
+    """Whether :func:`device_step` (the per-tensor path) compiles its pass on ``device``: on
+    CUDA unless ``OFFLOADOPT_DEVICE_STEP=eager`` (``"triton"`` is the flat buffers' pass
+    only). Raises ValueError for a value not in :data:`DEVICE_STEPS`."""
     import os
 
     mode = os.environ.get("OFFLOADOPT_DEVICE_STEP", "compiled")
-    if mode not in ("compiled", "eager"):
-        raise ValueError(f"OFFLOADOPT_DEVICE_STEP={mode!r}; expected 'compiled' or 'eager'")
-    return mode == "compiled" and device.type in COMPILE_ON
+    if mode not in DEVICE_STEPS:
+        raise ValueError(
+            f"OFFLOADOPT_DEVICE_STEP={mode!r}; expected 'triton', 'compiled' or 'eager'"
+        )
+    return mode != "eager" and device.type in COMPILE_ON
 
 
 def _flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -13,7 +13,8 @@ the eager pass gives the bits of ``adam_step_flat``'s eager pass.
 Bytes per element of one pass, fp32 master, int8 moments, bf16 grads and weights out: read
 4 + 2 + 1 + 1, write 4 + 1 + 1 + 2 (16, plus two fp32 scales per 256 elements); bf16-sr
 master, int8 moments: read 2 + 2 + 1 + 1, write 2 + 1 + 1 (10). GB/s on the GPU host:
-benchmarks/probes/device_pass.py (not yet measured).
+benchmarks/probes/device_pass.py (not yet measured). On CUDA a pass runs as one Triton kernel
+(``kernels/flat_triton.py``) by default, the eager pass's bits.
 """
 
 from __future__ import annotations
@@ -89,11 +90,20 @@ def _core_into(p, g, m, m_sc, v, v_sc, w_out, fl_b, it_b, first_b, **kw) -> None
         v_sc.copy_(sv)
 
 
-def core_into(*args, compiled: bool, **kwargs) -> None:
-    """:func:`_core_into` (its arguments), eager or under ``torch.compile``
+def core_into(*args, how: str = "eager", **kwargs) -> None:
+    """:func:`_core_into` (its arguments) as ``how`` says (``kernels.adam.device_step_mode``):
+    ``"eager"``, torch ops; ``"compiled"``, under ``torch.compile``
     (:func:`~offloadopt.kernels.reference.compiled_call`: one graph for any pass length; the
-    writes fused into the pass's kernels instead of copies of its results)."""
-    if not compiled:
+    writes fused into the pass's kernels instead of copies of its results); ``"triton"``, one
+    hand-written kernel (:func:`offloadopt.kernels.flat_triton.triton_into`: the eager pass's
+    bits). Raises ValueError for another ``how``."""
+    if how == "eager":
         _core_into(*args, **kwargs)
-        return
-    compiled_call(_core_into, *args, **kwargs)
+    elif how == "compiled":
+        compiled_call(_core_into, *args, **kwargs)
+    elif how == "triton":
+        from offloadopt.kernels.flat_triton import triton_into
+
+        triton_into(*args, **kwargs)
+    else:
+        raise ValueError(f"core_into: how={how!r}; expected 'eager', 'compiled' or 'triton'")

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from offloadopt.kernels.adam import FLAT_NUMEL, MOMENT_CODES, compile_device_step, hyper_floats
+from offloadopt.kernels.adam import FLAT_NUMEL, MOMENT_CODES, device_step_mode, hyper_floats
 from offloadopt.kernels.flat import core_into, key_table, signed64
 from offloadopt.kernels.formats import BLOCK, nblocks
 from offloadopt.kernels.reference import _consts, _f32, _step_scalars
@@ -380,8 +380,8 @@ class DeviceFlat:
             fs.it_keys.copy_(keys.index_select(0, fs.member_of_block()))
         wd_factor = _f32(1 - lr * wd) if wd != 0 and self.rule.decoupled else None
         gsf = None if grad_scale is None else _f32(grad_scale)
-        compiled = compile_device_step(fs.device)
-        if compiled:  # tensors: a new lr or loss scale must not recompile the pass
+        how = device_step_mode(fs.device)  # "eager", "compiled" or "triton"
+        if how != "eager":  # tensors: a new lr or loss scale must not recompile the pass
             fs.sc[0].fill_(1.0 if wd_factor is None else wd_factor)  # 0 when lr x wd = 1
             fs.sc[1].fill_(1.0 if gsf is None else gsf)
             wd_factor = None if wd_factor is None else fs.sc[0]
@@ -409,8 +409,7 @@ class DeviceFlat:
                     g.mul_(f)
                 w_out = None  # the weights are then the masters' downcast, as there
             fl = ps.fl if uniform else fs.fl_all[ps.blocks[0] : ps.blocks[1]]
-            core_into(p_in, g, m, m_sc, v, v_sc, w_out, fl, ps.it, ps.first_b, compiled=compiled,
-                      **kw)  # fmt: skip
+            core_into(p_in, g, m, m_sc, v, v_sc, w_out, fl, ps.it, ps.first_b, how=how, **kw)
             if fs.mastered and w_out is None:
                 torch._foreach_copy_(params, ps.masters)
             else:
