@@ -21,18 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from offloadopt.kernels.reference import (
-    DRAW_MASTER,
-    DRAW_MOMENTS,
-    M32,
-    M64,
-    _flat_core,
-    compiled_call,
-)
+from offloadopt.kernels.reference import _flat_core, compiled_call
+from offloadopt.kernels.rounding import DRAW_MASTER, DRAW_MOMENTS, M32, M64
 
 __all__ = ["core_into", "key_table", "signed64"]
 
-_GOLDEN = 0x9E3779B97F4A7C15  # reference.sr_key's constants: splitmix64's increment,
+_GOLDEN = 0x9E3779B97F4A7C15  # rounding.sr_key's constants: splitmix64's increment,
 _MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # and its finalizer's multipliers
 
 
@@ -49,7 +43,7 @@ def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
 
 def key_table(salts: torch.Tensor, step: float | list[float]) -> torch.Tensor:
     """``(n, 4)`` int64 on ``salts``' device: per salt (``(n,)`` int64, :func:`signed64` of
-    each param's salt) the 32-bit halves ``lo, hi`` of ``reference.sr_key(salt, step, draw)``
+    each param's salt) the 32-bit halves ``lo, hi`` of ``rounding.sr_key(salt, step, draw)``
     for the master's draw, then the moments'; ``step``: one for all, or one per salt. Integer
     ops only (int64 adds and multiplies wrap mod 2^64), so the keys are those of the host's
     ``sr_key`` bit for bit; about 20 launches over ``n`` elements, no host sync (a list of

@@ -84,7 +84,7 @@ def _as_f32(x, BF16: tl.constexpr):
 
 
 def _sr_bits(counter, key_lo, key_hi):
-    """reference._sr_bits_halves in uint32 (which wraps mod 2^32)."""
+    """rounding._sr_bits_halves in uint32 (which wraps mod 2^32)."""
     hi = (counter >> 32).to(tl.uint32) * 0x9E3779B9 + key_hi.to(tl.uint32)
     x = counter.to(tl.uint32) ^ key_lo.to(tl.uint32) ^ hi
     x = x ^ (x >> 16)
@@ -95,7 +95,7 @@ def _sr_bits(counter, key_lo, key_hi):
 
 
 def _round_sr(x, r):
-    """reference.round_bf16_sr: the bf16 bits as int16 (no overflow: finite bits + 0xFFFF <
+    """rounding.round_bf16_sr: the bf16 bits as int16 (no overflow: finite bits + 0xFFFF <
     2^32)."""
     u = x.to(tl.uint32, bitcast=True)
     nonfinite = (u & 0x7F800000) == 0x7F800000
