@@ -267,8 +267,8 @@ def test_main_job_says_why_a_gpu_budget_cannot_be_met():
 
 
 @pytest.mark.parametrize(
-    "name", ["gpt-9b", "gpt-13b", "gpt-17.5b", "gpt-18b", "gpt-25b", "gpt-30b", "gpt-32b",
-             "gpt-40b"]
+    "name",
+    ["gpt-9b", "gpt-13b", "gpt-17.5b", "gpt-18b", "gpt-25b", "gpt-30b", "gpt-32b", "gpt-40b"],
 )
 @pytest.mark.slow
 def test_the_width_4096_presets_count_their_params(name):
@@ -378,13 +378,19 @@ def test_a_model_or_budget_larger_than_the_gpu_is_refused_before_the_build():
 
     gpu, h100, gib48 = torch.device("cuda"), 85_031_714_816, 48 * 2**30
     big = TrainConfig(preset="gpt-40b", device="cuda", dtype="bf16")
-    with pytest.raises(UsageError, match=r"gpt-40b: its weights alone are 80\.16 GB .* in bf16, "
-                                         r"more than cuda holds \(51\.54 GB"):
+    with pytest.raises(
+        UsageError,
+        match=r"gpt-40b: its weights alone are 80\.16 GB .* in bf16, "
+        r"more than cuda holds \(51\.54 GB",
+    ):
         check_fits_device(big, gpu, total=gib48)
     check_fits_device(big, gpu, total=h100)  # the weights fit; the budget decides the rest
     over = TrainConfig(preset="gpt-40b", device="cuda", dtype="bf16", max_gpu_memory="140GB")
-    with pytest.raises(UsageError, match=r"--max-gpu-memory 140GB: more than cuda holds "
-                                         r"\(85\.03 GB"):
+    with pytest.raises(
+        UsageError,
+        match=r"--max-gpu-memory 140GB: more than cuda holds "
+        r"\(85\.03 GB",
+    ):
         check_fits_device(over, gpu, total=h100)
     check_fits_device(over, gpu, total=150_000_000_000)
     check_fits_device(over, torch.device("cpu"), total=1)  # no such limit off the GPU
