@@ -201,6 +201,15 @@ def validate(
                     f"saved param group {gi} has {flag}={s[flag]!r}, which Hybrid{rule.name} "
                     "does not support"
                 )
+        # every hyperparameter but maximize (newer than some torch versions' state dicts):
+        # a missing one means another optimizer's state dict (SGD's has no betas)
+        missing = [k for k in rule.hyper_defaults if k != "maximize" and k not in s]
+        if missing:
+            raise ValueError(
+                f"saved param group {gi} has no {', '.join(map(repr, missing))}: not a state "
+                f"dict of Hybrid{rule.name} or torch.optim.{rule.name} (its keys: "
+                f"{sorted(k for k in s if k != 'params')})"
+            )
         values = {k: s.get(k, v) for k, v in rule.hyper_defaults.items()}
         try:
             rule.validate(values)
