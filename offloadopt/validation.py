@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from offloadopt.kernels.adam import device_step_env
 from offloadopt.options import Options
 from offloadopt.rules import MOMENTS, Rule
 from offloadopt.warn import warn
@@ -111,7 +112,8 @@ def validate_options(
     ignored, but checked as torch checks it; the others are refused).
 
     Raises:
-        ValueError: a bad value, named in the message.
+        ValueError: a bad value, named in the message (the environment's
+            ``OFFLOADOPT_DEVICE_STEP`` too).
         TypeError: an object of the wrong kind (``grad_scaler``, ``ddp``, ``lr``).
         NotImplementedError: ``amsgrad``, ``capturable`` or ``differentiable`` set.
     """
@@ -122,6 +124,7 @@ def validate_options(
     tensor_hyper_flags(hyper, foreach=foreach, capturable=capturable)
     rule.validate(hyper)
     tensor_betas(hyper)
+    device_step_env()  # a bad OFFLOADOPT_DEVICE_STEP fails here, on any device
 
     def number(x) -> bool:  # numpy's scalars too (numbers.Real), not a bool or a tensor
         return isinstance(x, numbers.Real) and not isinstance(x, bool)

@@ -461,3 +461,28 @@ def test_sigterm_stops_train_as_ctrl_c_does_and_keeps_its_log(tmp_path):
     assert err.strip().endswith("offloadopt: terminated (SIGTERM)")
     steps = steps_logged()
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
+
+
+def test_save_never_replaces_a_file_that_is_no_checkpoint(tmp_path):
+    # a new user's finding: --save over the --data file, or over any text file, replaced it
+    # with a checkpoint and exited 0
+    text = tmp_path / "d.txt"
+    text.write_bytes(b"some training text " * 200)
+    want = text.read_bytes()
+    line = one_error_line(["train", "--steps", "3", "--data", str(text), "--save", str(text)])
+    assert line == f"--save {text} is the --data file; give another name"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    line = one_error_line(["train", "--steps", "3", "--save", str(notes)])
+    assert line == (f"--save {notes}: a file that is not a checkpoint is there, and a save "
+                    "would replace it; give another name, or move it away")  # fmt: skip
+    assert text.read_bytes() == want and notes.read_text() == "mine"
+
+
+def test_a_model_or_batch_larger_than_the_host_is_refused_before_the_build():
+    # gpt-40b on the CPU built for 78 s until the kernel's OOM killer ended it (status 137);
+    # a batch of 1e8 sequences failed in the allocator with status 1
+    line = one_error_line(["train", "--preset", "gpt-40b", "--device", "cpu", "--steps", "1"])
+    assert line.startswith("--preset gpt-40b: its weights alone are 160.32 GB"), line
+    line = one_error_line(["train", "--steps", "2", "--batch-size", "100000000"])
+    assert line.startswith("--batch-size 100000000: one micro-batch's logits alone are"), line

@@ -413,3 +413,14 @@ def test_mastered_params_update_in_one_call_with_bf16_grads_and_weights_out(monk
     assert len(seen) > 4 * groups and all(d == {torch.float32} for _, d, _ in seen)
     for p, q in zip(one, chunked, strict=True):
         same_bits(p.detach(), q.detach(), "one call vs chunked")
+
+
+def test_a_bad_device_step_is_refused_at_construction_on_any_device(monkeypatch):
+    # a new user's finding: OFFLOADOPT_DEVICE_STEP=bogus was ignored on the CPU (and on CUDA
+    # surfaced only at the first step)
+    from offloadopt import HybridAdamW
+
+    monkeypatch.setenv("OFFLOADOPT_DEVICE_STEP", "bogus")
+    p = torch.nn.Parameter(torch.zeros(8))
+    with pytest.raises(ValueError, match="OFFLOADOPT_DEVICE_STEP='bogus'; expected 'triton', "):
+        HybridAdamW([p], state_dtype="int8")

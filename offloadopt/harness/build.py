@@ -10,6 +10,7 @@ from offloadopt.harness.checks import UsageError
 from offloadopt.harness.distributed import shard_fsdp, wrap_ddp
 from offloadopt.harness.gpt import GPT, PRESETS
 from offloadopt.harness.options import TrainConfig
+from offloadopt.place.budget import mem_available
 from offloadopt.place.costmodel import format_bytes, parse_bytes
 
 __all__ = ["DTYPES", "check_fits_device", "make_model_and_optimizer"]
@@ -75,25 +76,39 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
 
 
 def check_fits_device(cfg: TrainConfig, device: torch.device, total: int | None = None) -> None:
-    """Before the model is built on a GPU: its weights alone, and ``--max-gpu-memory``, must
-    not exceed what the GPU holds (``total``: its bytes, default torch's figure for
-    ``device``); otherwise the build runs out of memory after minutes, or the budget cannot be
-    kept. Raises UsageError with the figures."""
-    if device.type != "cuda" or (total is None and not torch.cuda.is_available()):
-        return
-    if total is None:
+    """Before the model is built: its weights alone, and the logits of one micro-batch (fp32,
+    batch x sequence x vocabulary: a lower bound of the activations), must fit the device
+    (``total``: its bytes; default: a GPU's memory, or on the CPU the host's MemAvailable),
+    and ``--max-gpu-memory`` must not exceed a GPU's memory; otherwise the build or the first
+    step runs out of memory after minutes (on the CPU the kernel's OOM killer ends it), or
+    the budget cannot be kept. Raises UsageError with the figures."""
+    if total is not None:
+        name = str(device)
+    elif device.type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device)
         total, name = props.total_memory, f"{device} ({props.name})"
+    elif device.type == "cpu" and mem_available() is not None:
+        total, name = mem_available(), "the host (its MemAvailable)"
     else:
-        name = str(device)
-    weights = PRESETS[cfg.preset].num_params() * DTYPES[cfg.dtype].itemsize
+        return
+    pc = PRESETS[cfg.preset]
+    weights = pc.num_params() * DTYPES[cfg.dtype].itemsize
     if weights > total:
         raise UsageError(
             f"--preset {cfg.preset}: its weights alone are {format_bytes(weights)} in "
             f"{cfg.dtype}, more than {name} holds ({format_bytes(total)}); a smaller preset, "
-            "or a GPU with more memory"
+            f"or {'a GPU' if device.type == 'cuda' else 'a machine'} with more memory"
         )
-    if cfg.max_gpu_memory and parse_bytes(cfg.max_gpu_memory) > total:
+    seq, batch = cfg.seq_len or pc.block_size, cfg.batch_size or 1  # (resolved: both set)
+    logits = batch * seq * pc.vocab_size * 4
+    if logits > total:
+        raise UsageError(
+            f"--batch-size {batch}: one micro-batch's logits alone are "
+            f"{format_bytes(logits)} ({batch} x {seq} tokens x {pc.vocab_size} "
+            f"in fp32), more than {name} holds ({format_bytes(total)}); a smaller batch "
+            "(--grad-accum keeps the tokens per step)"
+        )
+    if device.type == "cuda" and cfg.max_gpu_memory and parse_bytes(cfg.max_gpu_memory) > total:
         raise UsageError(
             f"--max-gpu-memory {cfg.max_gpu_memory}: more than {name} holds ({format_bytes(total)})"
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import zipfile
 from dataclasses import dataclass, replace
 
 from offloadopt.harness import checks
@@ -275,6 +276,18 @@ class TrainConfig:
                 f"--save {cfg.save} is a file; --checkpoint-format streamed writes a folder and "
                 "does not replace a file (give another name)"
             )
+        if cfg.save is not None and os.path.isfile(cfg.save):
+            if (
+                cfg.data is not None
+                and os.path.exists(cfg.data)
+                and os.path.samefile(cfg.save, cfg.data)
+            ):
+                raise UsageError(f"--save {cfg.save} is the --data file; give another name")
+            if not zipfile.is_zipfile(cfg.save):  # what torch.save writes
+                raise UsageError(
+                    f"--save {cfg.save}: a file that is not a checkpoint is there, and a save "
+                    "would replace it; give another name, or move it away"
+                )
         for flag, value in (("--save", cfg.save), ("--resume", cfg.resume)):
             if value is not None and cfg.parallel != "none":
                 raise UsageError(

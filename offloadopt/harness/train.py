@@ -33,7 +33,11 @@ import torch
 from tqdm import tqdm
 
 from offloadopt.harness import checks
-from offloadopt.harness.build import DTYPES, make_model_and_optimizer  # noqa: F401 - also here
+from offloadopt.harness.build import (  # noqa: F401 - also here
+    DTYPES,
+    check_fits_device,
+    make_model_and_optimizer,
+)
 from offloadopt.harness.data import TokenData, get_batch, mock_data
 from offloadopt.harness.delayed import DelayedSchedule
 from offloadopt.harness.distributed import Dist, init_from_env, teardown
@@ -150,6 +154,7 @@ def train(cfg: TrainConfig) -> dict:
 def _train(cfg: TrainConfig, ranks: Dist) -> dict:
     device = torch.device(cfg.device)
     cuda = device.type == "cuda"
+    check_fits_device(cfg, device)  # the weights and a micro-batch's logits fit, at all
     # the checkpoint and the data before the model: bad input fails in a second, not after a build
     resume = load_checkpoint(cfg.resume, cfg) if cfg.resume is not None else None
     if cfg.mock_data:

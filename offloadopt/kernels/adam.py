@@ -62,6 +62,20 @@ COMPILE_ON = ("cuda",)
 DEVICE_STEPS = ("triton", "compiled", "eager")
 
 
+def device_step_env() -> str | None:
+    """``OFFLOADOPT_DEVICE_STEP``: None where unset, else one of :data:`DEVICE_STEPS`. Raises
+    ValueError for another value (HybridAdamW's constructor asks, so a bad one fails there on
+    any device, not at a CUDA step or never)."""
+    import os
+
+    mode = os.environ.get("OFFLOADOPT_DEVICE_STEP")
+    if mode is not None and mode not in DEVICE_STEPS:
+        raise ValueError(
+            f"OFFLOADOPT_DEVICE_STEP={mode!r}; expected 'triton', 'compiled' or 'eager'"
+        )
+    return mode
+
+
 def device_step_mode(device: torch.device) -> str:
     """How the flat buffers' pass runs on ``device`` (``kernels.flat.core_into``'s ``how``):
     ``OFFLOADOPT_DEVICE_STEP`` if set, one of :data:`DEVICE_STEPS`; by default on CUDA
@@ -69,15 +83,9 @@ def device_step_mode(device: torch.device) -> str:
     Off CUDA ``"eager"``, unless ``"triton"`` is asked for and can run there (Triton's
     interpreter: the tests). Raises ValueError for another value, RuntimeError for
     ``"triton"`` on a CUDA device where triton cannot run."""
-    import os
-
     from offloadopt.kernels import flat_triton
 
-    mode = os.environ.get("OFFLOADOPT_DEVICE_STEP")
-    if mode is not None and mode not in DEVICE_STEPS:
-        raise ValueError(
-            f"OFFLOADOPT_DEVICE_STEP={mode!r}; expected 'triton', 'compiled' or 'eager'"
-        )
+    mode = device_step_env()
     on_cuda = device.type in COMPILE_ON
     if mode is None:
         return ("triton" if flat_triton.available(device) else "compiled") if on_cuda else "eager"
@@ -95,14 +103,7 @@ def compile_device_step(device: torch.device) -> bool:
     """Whether :func:`device_step` (the per-tensor path) compiles its pass on ``device``: on
     CUDA unless ``OFFLOADOPT_DEVICE_STEP=eager`` (``"triton"`` is the flat buffers' pass
     only). Raises ValueError for a value not in :data:`DEVICE_STEPS`."""
-    import os
-
-    mode = os.environ.get("OFFLOADOPT_DEVICE_STEP", "compiled")
-    if mode not in DEVICE_STEPS:
-        raise ValueError(
-            f"OFFLOADOPT_DEVICE_STEP={mode!r}; expected 'triton', 'compiled' or 'eager'"
-        )
-    return mode != "eager" and device.type in COMPILE_ON
+    return device_step_env() != "eager" and device.type in COMPILE_ON
 
 
 def _flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
