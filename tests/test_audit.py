@@ -479,6 +479,8 @@ def test_the_audit_counts_speculative_and_redone_updates(capsys):
     out = capsys.readouterr().out
     summary = json.loads(out.strip().splitlines()[-1])
     spec = summary["speculation"]
-    assert spec["steps"] == 2 and spec["buckets"] >= 2, spec  # the audited ones, not warm-up's
+    # the audited ones, not warm-up's; after a redo the next step is held back (speculate.py)
+    assert spec["steps"] + spec["held_back"] == 2 and spec["steps"] >= 1, spec
+    assert spec["buckets"] >= 1, spec
     assert spec["redone_clip"] + spec["redone_inf"] <= 2 and spec["backup_nbytes"] > 0
     assert "speculative updates:" in out

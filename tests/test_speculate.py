@@ -9,6 +9,15 @@ import torch
 from oracle import assert_bitwise
 
 from offloadopt import HybridAdam, HybridAdamW, HybridSGD, kernels
+from offloadopt.step.speculate import Speculation
+
+
+@pytest.fixture(autouse=True)
+def every_step_speculates(monkeypatch):
+    """These tests check the speculative path on steps that clip in a row: no back-off
+    (test_after_redos_the_next_steps_are_held_back_then_speculate_again checks it)."""
+    monkeypatch.setattr(Speculation, "MAX_HOLD", 0)
+
 
 INIT_SCALE = 2.0**12
 
@@ -443,3 +452,21 @@ def test_a_dropped_speculative_optimizer_frees_its_state_at_once():
         assert ref() is None and state() is None
     finally:
         gc.enable()
+
+
+def test_after_redos_the_next_steps_are_held_back_then_speculate_again(monkeypatch):
+    """While every step clips, each speculative step is redone: its updates made twice, its
+    backups written (on the GPU host 1.48x the step without speculation). After a redo the
+    next step does not speculate, after another the next 2, then 4 (up to MAX_HOLD); a step
+    that stands ends the back-off. The bits are the non-speculative run's either way."""
+    monkeypatch.setattr(Speculation, "MAX_HOLD", 4)
+    factors = [100] * 12 + [1] * 4
+    want = run(False, steps=len(factors), factors=factors)
+    got = run(True, steps=len(factors), factors=factors)
+    assert_bitwise(got[0], want[0], "params")
+    assert_bitwise(got[1], want[1], "state")
+    counts = got[3]
+    # steps 0 (redone), 1 held, 2 (redone), 3-4 held, 5 (redone), 6-9 held, 10 (redone),
+    # 11 held (4 left: the clipping ends), 12-14 held, 15 speculates and stands
+    assert counts["redone_clip"] == 4 and counts["held_back"] == 11, counts
+    assert counts["steps"] == 5, counts

@@ -96,7 +96,8 @@ class Speculation:
             found_inf was set), ``redone_buckets`` (bucket updates undone by those steps; a
             bucket fed speculatively that the worker had not started is dropped instead, and
             counts nowhere), ``discarded`` (steps rolled back by ``discard_failed_step()``,
-            their bucket updates counted in ``buckets``). A step whose clip coefficient is
+            their bucket updates counted in ``buckets``), ``held_back`` (steps that did not
+            speculate after redos: :meth:`wants`). A step whose clip coefficient is
             not finite or 0 (an inf or NaN grad without a GradScaler) counts as a clip.
     """
 
@@ -107,8 +108,11 @@ class Speculation:
         self.kernel_backup = True
         self.backups: dict[Bucket, list[torch.Tensor]] = {}  # per bucket: its ranges' copies
         self.counts = dict(
-            steps=0, buckets=0, redone_clip=0, redone_inf=0, redone_buckets=0, discarded=0
-        )
+            steps=0, buckets=0, redone_clip=0, redone_inf=0, redone_buckets=0, discarded=0,
+            held_back=0,
+        )  # fmt: skip
+        self.hold_len = 0  # the back-off after redos in a row: 1, 2, 4, ... MAX_HOLD steps
+        self.hold_left = 0  # steps still held back
         self.steps: list[weakref.ref] = []  # the speculative steps, weakly: ended ones must die
         self.device_extra_peak_nbytes = 0  # device_extra_nbytes' peak, at each step's ends
 
@@ -147,6 +151,29 @@ class Speculation:
     def backup_nbytes(self) -> int:
         """Host bytes held by the backups (pageable)."""
         return sum(t.numel() * t.element_size() for ts in list(self.backups.values()) for t in ts)
+
+    # The most steps held back after redos in a row (0: every step speculates). A redone step
+    # costs more than one that never speculated (its updates made twice, its backups written),
+    # and while the norm stays over max_grad_norm every speculative step is redone: on the GPU
+    # host, GPT-2 1.5B clipped at 1.0 (norm 11.7) stepped 1.48x slower at fraction 0.1 with
+    # speculation than without (benchmarks/results/2026-12-06-triton-device-pass-h100).
+    MAX_HOLD = 8
+
+    def wants(self, st: Step) -> bool:
+        """Whether ``st`` speculates: decided once per step. After a redo the next step does
+        not, then after another redo in a row the next 2, 4, ... up to :attr:`MAX_HOLD` steps;
+        a speculative step that stands ends the back-off. Held back, a step runs the
+        non-speculative path (the same bits either way)."""
+        if st.speculates is None:
+            st.speculates = self.hold_left <= 0
+            if not st.speculates:
+                self.hold_left -= 1
+                self.counts["held_back"] += 1
+        return st.speculates
+
+    def _redone(self) -> None:
+        self.hold_len = min(max(1, 2 * self.hold_len), self.MAX_HOLD) if self.MAX_HOLD else 0
+        self.hold_left = self.hold_len
 
     def factors(self, st: Step) -> Any:
         """The clip factors of ``st``'s speculative feeds (``BucketWork.scale``), and its
@@ -236,7 +263,9 @@ class Speculation:
                 reason = "clip"
         if reason is None:
             self.counts["buckets"] += len(works)  # every one runs (or has run)
+            self.hold_len = 0
             return None
+        self._redone()
         run = st.run
         # the buckets the worker has not taken yet are dropped: never updated, nothing to undo
         # (at fraction 0.2 on the GPU host the worker trails backward by a third of its work)

@@ -247,6 +247,8 @@ class FromBackward(AtStep):
         at_end = self.scaling.starts_at_end()
         if self.speculation is None and (at_end or not self.grads_final):
             return
+        if at_end and not self.speculation.wants(st):
+            return  # held back after redos: every bucket is fed at the end of backward
         items = [(b, _announced_idx(st, b)) for b in buckets
                  if b not in st.fed and all(q in st.announced for q in b.params)]  # fmt: skip
         if at_end:

@@ -67,6 +67,7 @@ class Step:
     amp: AmpInputs | None = None  # a GradScaler's scale and found_inf (offloadopt/step/amp.py)
     # speculate=True: (clip factors, GradScaler inputs) of this step's speculative feeds
     speculative: tuple | None = None
+    speculates: bool | None = None  # speculate=True: whether this step does (Speculation.wants)
     created: set[torch.Tensor] = field(default_factory=set)  # state made by this step
     backed_up: set = field(default_factory=set)  # speculate: buckets whose update began
     waited: set[Bucket] = field(default_factory=set)  # wait="module": buckets waited for

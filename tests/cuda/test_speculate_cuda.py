@@ -9,6 +9,15 @@ import pytest
 import torch
 
 from offloadopt import HybridAdamW
+from offloadopt.step.speculate import Speculation
+
+
+@pytest.fixture(autouse=True)
+def every_step_speculates(monkeypatch):
+    """These tests check the speculative path on steps that clip in a row: no back-off
+    (test_after_redos_the_next_steps_are_held_back_then_speculate_again checks it)."""
+    monkeypatch.setattr(Speculation, "MAX_HOLD", 0)
+
 
 BAD = {3: float("inf"), 5: float("nan")}  # step -> the value one element of a grad gets
 FACTORS = [1, 1000, 1, 1, 1000, 1000, 1, 1]  # the loss's factor: 1000 makes the clip bite
