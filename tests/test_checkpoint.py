@@ -217,6 +217,15 @@ def _bad_dicts(sd):
     )
     yield "in no saved param group", edit(lambda d: d["state"].__setitem__(99, d["state"][first]))
     yield "'state' and 'param_groups'", {"state": {}}
+    # another optimizer's: torch.optim.SGD's groups (lr 5.0, momentum, no betas or eps) were
+    # taken, the moments dropped, and the next step moved every weight by 5 (a new user's find)
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=5.0, momentum=0.9)
+    sgd_keys = {k: v for k, v in sgd.state_dict()["param_groups"][0].items() if k != "params"}
+
+    def as_sgd(d):
+        d["param_groups"] = [{"params": g["params"], **sgd_keys} for g in d["param_groups"]]
+
+    yield "group 0 has no 'betas', 'eps': not a state dict of HybridAdamW", edit(as_sgd)
 
 
 def test_a_bad_state_dict_raises_and_leaves_the_optimizer_unchanged():
