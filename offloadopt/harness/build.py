@@ -25,10 +25,10 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
 
     The model is built directly on the device in its dtype (no fp32 copy, on the host or the
     device: a 17.5e9-param model in bf16 is 35 GB, in fp32 70). ``cfg`` must be resolved
-    (``TrainConfig.resolved()``).
+    (``TrainConfig.resolved()``); that the model fits is :func:`check_fits_device`'s, which
+    ``train`` runs before it loads the data.
     """
     device = torch.device(cfg.device)
-    check_fits_device(cfg, device)
     torch.manual_seed(cfg.seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[cfg.dtype])  # params are created, and initialised, in it
