@@ -135,7 +135,7 @@ def test_link_times_hold_few_events_however_long_nothing_reads_them():
     # A review's finding: every bucket's copies added two CUDA events per direction to a list
     # that only opt.stats emptied; a run that never read stats grew it by ~370 events a step
     # (GPT-2 1.5B, backward mode). Completed pairs are now folded into sums as they come.
-    from offloadopt.link.transfer import FOLD_AT, LinkTimes
+    from offloadopt.link.times import FOLD_AT, LinkTimes
 
     clock = [0.0]
     times = LinkTimes()

@@ -284,7 +284,7 @@ def test_the_copies_events_stay_few_when_stats_is_never_read():
     """A review's finding: each bucket's copies kept two CUDA timing events per direction
     until ``opt.stats`` was read; 60 steps of 32 buckets without a read held 7,680. The
     completed ones are now folded into sums as they come (tests/test_transfer.py)."""
-    from offloadopt.link.transfer import FOLD_AT
+    from offloadopt.link.times import FOLD_AT
 
     model = big_cheap_model()
     opt = HybridAdamW(model.parameters(), offload_fraction=1.0, bucket_nbytes=8 * 2**20)
