@@ -76,7 +76,9 @@ def derived(name: str, known: dict[str, dict]) -> dict:
     (HybridAdamW of the baseline package ``offloadopt_base`` under ``--baseline-dir``),
     ``int8`` / ``sr8`` (compressed state: :data:`STATES`), ``spec`` (``speculate=True``),
     ``maxnormN`` (``max_grad_norm=N``), ``copybk`` (with ``spec``: the backup as a copy before
-    the update, not the CPU kernel's, as before 2026-12-04), ``pertensor`` (the device-resident
+    the update, not the CPU kernel's, as before 2026-12-04), ``nohold`` (with ``spec``: every
+    step speculates, none held back after a redo or a clipped step: a redo forced while the
+    norm is over the limit), ``pertensor`` (the device-resident
     compressed update per tensor, ``OFFLOADOPT_DEVICE_FLAT=0``, as before the flat buffers of
     2026-12-07), e.g. "backward f0.2 threads8 switch1"; "backward f0 int8" is issue 46's
     fraction 0 in backward mode. Raises ValueError for a name that is none of these."""
@@ -103,6 +105,8 @@ def derived(name: str, known: dict[str, dict]) -> dict:
         return {**derived(base, known), "speculate": True}
     if base and last == "copybk":  # speculation's backup copied before the update
         return {**derived(base, known), "copy_backup": True}
+    if base and last == "nohold":  # every step speculates (no holding back: MAX_HOLD 0)
+        return {**derived(base, known), "no_hold": True}
     if base and last == "pertensor":  # the device update per tensor (before 2026-12-07)
         return {**derived(base, known), "per_tensor": True}
     for prefix, key, unit in (("threads", "cpu_threads", 1), ("bucket", "bucket_nbytes", 2**20),
@@ -114,7 +118,7 @@ def derived(name: str, known: dict[str, dict]) -> dict:
                 raise ValueError(f"--only: {name!r}: {last!r} needs a number above 0")
             return {**derived(base, known), key: value}
     raise ValueError(f"--only: {name!r} is no configuration, nor one followed by variant words "
-                     "(threadsN, bucketN, switchN, maxnormN, fifo, perseg, base, int8, sr8, spec, copybk, pertensor); --help lists the names")  # fmt: skip
+                     "(threadsN, bucketN, switchN, maxnormN, fifo, perseg, base, int8, sr8, spec, copybk, nohold, pertensor); --help lists the names")  # fmt: skip
 
 
 # Variant words for compressed optimizer state: "int8" (int8 moments, fp32 masters) and "sr8"
@@ -188,7 +192,7 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
     if cfg.pop("base", False):
         hybrid = importlib.import_module("offloadopt_base").HybridAdamW
     move_at, move_to = cfg.pop("move_at", None), cfg.pop("move_to", None)
-    copy_backup = cfg.pop("copy_backup", False)
+    copy_backup, no_hold = cfg.pop("copy_backup", False), cfg.pop("no_hold", False)
     if fraction == "auto" or move_at is not None:
         warmup = max(warmup, AUTO_WARMUP)
     t = time.perf_counter()
@@ -198,6 +202,8 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
         opt = hybrid(model.parameters(), lr=lr, weight_decay=0.1, offload_fraction=fraction, **cfg)  # fmt: skip
         if copy_backup:
             opt.debug.speculation.kernel_backup = False
+        if no_hold:
+            opt.debug.speculation.MAX_HOLD = 0
         if cfg.get("wait") == "module":
             opt.watch(model)
     build_s = time.perf_counter() - t

@@ -28,7 +28,7 @@ VARIANTS = ["f0", "backward f0.2", "backward f1", "delayed f1",
             "backward f0.2 threads8 switch0.5 fifo perseg", "delayed f1 bucket256",
             "backward f1 base", "backward f0.4 clip int8", "delayed f1 sr8",
             "backward f0.1 clip spec maxnorm100 copybk", "backward f0 int8",
-            "backward f0 sr8 pertensor"]  # fmt: skip
+            "backward f0 sr8 pertensor", "backward f0.3 clip spec nohold"]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -57,6 +57,8 @@ def test_overlap_bench_variants_add_options_to_a_known_configuration(usage):
     assert got["backward f0.1 clip spec maxnorm100 copybk"] == {
         **CLIPPED, "fraction": 0.1, "speculate": True, "max_grad_norm": 100.0,
         "copy_backup": True}  # fmt: skip
+    assert got["backward f0.3 clip spec nohold"] == {
+        **CLIPPED, "fraction": 0.3, "speculate": True, "no_hold": True}  # fmt: skip
     # no number: not a variant; an unknown name: none (usage errors, below, name them)
     assert usage["overlap_bench.py", "--only nonsense f9 threads4"][0] == 2
     assert "'nonsense f9'" in usage["overlap_bench.py", "--only nonsense f9 threads4"][1]

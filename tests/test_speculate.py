@@ -14,9 +14,12 @@ from offloadopt.step.speculate import Speculation
 
 @pytest.fixture(autouse=True)
 def every_step_speculates(monkeypatch):
-    """These tests check the speculative path on steps that clip in a row: no back-off
-    (test_after_redos_the_next_steps_are_held_back_then_speculate_again checks it)."""
+    """These tests check the speculative path on steps that clip in a row: no back-off and
+    no holding back after a step that clipped (test_after_redos_the_next_steps_are_held_back_
+    then_speculate_again and test_after_a_step_that_clipped_the_next_does_not_speculate check
+    them)."""
     monkeypatch.setattr(Speculation, "MAX_HOLD", 0)
+    monkeypatch.setattr(Speculation, "FOLLOW_CLIP", False)
 
 
 INIT_SCALE = 2.0**12
@@ -470,3 +473,22 @@ def test_after_redos_the_next_steps_are_held_back_then_speculate_again(monkeypat
     # 11 held (4 left: the clipping ends), 12-14 held, 15 speculates and stands
     assert counts["redone_clip"] == 4 and counts["held_back"] == 11, counts
     assert counts["steps"] == 5, counts
+
+
+def test_after_a_step_that_clipped_the_next_does_not_speculate(monkeypatch):
+    """Grad norms change slowly: after a step that clipped the next would clip too and be
+    redone, so it does not speculate (FOLLOW_CLIP); the first step whose coefficient is 1.0
+    lets the next one speculate again. Held-back steps' coefficients are read without a
+    sync. The bits are the non-speculative run's."""
+    monkeypatch.setattr(Speculation, "MAX_HOLD", 8)
+    monkeypatch.setattr(Speculation, "FOLLOW_CLIP", True)
+    factors = [100] * 6 + [1] * 4
+    want = run(False, steps=len(factors), factors=factors)
+    got = run(True, steps=len(factors), factors=factors)
+    assert_bitwise(got[0], want[0], "params")
+    assert_bitwise(got[1], want[1], "state")
+    counts = got[3]
+    # step 0 speculates and is redone; 1-5 clip and 6 follows a step that clipped: held;
+    # 6 does not clip, so 7, 8 and 9 speculate and stand
+    assert counts["redone_clip"] == 1 and counts["held_back"] == 6, counts
+    assert counts["steps"] == 4, counts

@@ -97,7 +97,7 @@ class Speculation:
             bucket fed speculatively that the worker had not started is dropped instead, and
             counts nowhere), ``discarded`` (steps rolled back by ``discard_failed_step()``,
             their bucket updates counted in ``buckets``), ``held_back`` (steps that did not
-            speculate after redos: :meth:`wants`). A step whose clip coefficient is
+            speculate: after redos, or after a step that clipped; :meth:`wants`). A step whose clip coefficient is
             not finite or 0 (an inf or NaN grad without a GradScaler) counts as a clip.
     """
 
@@ -113,6 +113,10 @@ class Speculation:
         )  # fmt: skip
         self.hold_len = 0  # the back-off after redos in a row: 1, 2, 4, ... MAX_HOLD steps
         self.hold_left = 0  # steps still held back
+        self.clipped = False  # the last step whose coefficient is known clipped (wants)
+        self._coef_host: torch.Tensor | None = None  # observe's copy of the coefficient
+        self._coef_landed: Any = None  # its copy's CUDA event (None: on the CPU, done)
+        self._coef_pending = False  # a copy queued and not read yet
         self.steps: list[weakref.ref] = []  # the speculative steps, weakly: ended ones must die
         self.device_extra_peak_nbytes = 0  # device_extra_nbytes' peak, at each step's ends
 
@@ -158,18 +162,55 @@ class Speculation:
     # host, GPT-2 1.5B clipped at 1.0 (norm 11.7) stepped 1.48x slower at fraction 0.1 with
     # speculation than without (benchmarks/results/2026-12-06-triton-device-pass-h100).
     MAX_HOLD = 8
+    # Whether a step after one that clipped is held back: grad norms change slowly, so while
+    # they stay over max_grad_norm the next step would clip too and be redone. Every step's
+    # clip coefficient is known at its end of backward (a held-back step's is copied to the
+    # host without a sync there, :meth:`observe`), so following it costs no probing step.
+    FOLLOW_CLIP = True
 
     def wants(self, st: Step) -> bool:
-        """Whether ``st`` speculates: decided once per step. After a redo the next step does
-        not, then after another redo in a row the next 2, 4, ... up to :attr:`MAX_HOLD` steps;
-        a speculative step that stands ends the back-off. Held back, a step runs the
-        non-speculative path (the same bits either way)."""
+        """Whether ``st`` speculates: decided once per step. Not when the last step clipped
+        (:attr:`FOLLOW_CLIP`: its coefficient, copied to the host at its end of backward);
+        and after a redo the next step does not either, after another redo
+        in a row the next 2, 4, ... up to :attr:`MAX_HOLD` steps; a speculative step that
+        stands ends the back-off. Held back, a step runs the non-speculative path (the same
+        bits either way)."""
         if st.speculates is None:
-            st.speculates = self.hold_left <= 0
+            st.speculates = self.hold_left <= 0 and not self._last_clipped()
             if not st.speculates:
-                self.hold_left -= 1
+                self.hold_left = max(0, self.hold_left - 1)
                 self.counts["held_back"] += 1
         return st.speculates
+
+    def observe(self, st: Step) -> None:
+        """At the end of backward of a step that made no speculative update, once its clip
+        coefficient is decided: queue its copy to the host (no sync), which the next
+        :meth:`wants` reads."""
+        coef = st.scale[-1] if isinstance(st.scale, tuple) else st.scale
+        if not (self.FOLLOW_CLIP and self.MAX_HOLD) or not isinstance(coef, torch.Tensor):
+            return
+        if self._coef_host is None:
+            self._coef_host = torch.empty((), dtype=torch.float32, pin_memory=coef.is_cuda)
+        self._coef_host.copy_(coef, non_blocking=True)
+        self._coef_landed = None
+        if coef.is_cuda:
+            self._coef_landed = torch.cuda.Event()
+            self._coef_landed.record()
+        self._coef_pending = True
+
+    def _last_clipped(self) -> bool:
+        """Whether the last step whose coefficient is known clipped (:attr:`FOLLOW_CLIP`)."""
+        if not (self.FOLLOW_CLIP and self.MAX_HOLD):
+            return False
+        if self._coef_pending:
+            # Its copy was queued at the last end of backward, after the norm: long done by
+            # this backward's first complete bucket. Waiting for that event (not the stream)
+            # keeps the decision the same on every rank and in every run.
+            if self._coef_landed is not None:
+                self._coef_landed.synchronize()
+            self._coef_pending = False
+            self.clipped = not float(self._coef_host) == 1.0  # NaN too
+        return self.clipped
 
     def _redone(self) -> None:
         self.hold_len = min(max(1, 2 * self.hold_len), self.MAX_HOLD) if self.MAX_HOLD else 0
@@ -261,6 +302,8 @@ class Speculation:
             coef = st.scale[-1] if isinstance(st.scale, tuple) else st.scale
             if coef is not None and not float(coef) == 1.0:  # NaN too
                 reason = "clip"
+        self._coef_pending = False  # this step's coefficient is the last one known
+        self.clipped = reason == "clip"
         if reason is None:
             self.counts["buckets"] += len(works)  # every one runs (or has run)
             self.hold_len = 0

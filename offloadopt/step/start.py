@@ -248,7 +248,7 @@ class FromBackward(AtStep):
         if self.speculation is None and (at_end or not self.grads_final):
             return
         if at_end and not self.speculation.wants(st):
-            return  # held back after redos: every bucket is fed at the end of backward
+            return  # held back: every bucket is fed at the end of backward
         items = [(b, _announced_idx(st, b)) for b in buckets
                  if b not in st.fed and all(q in st.announced for q in b.params)]  # fmt: skip
         if at_end:
@@ -295,6 +295,8 @@ class FromBackward(AtStep):
                 if self.speculation is not None and st.run is not None:
                     # the speculative updates stand, or are undone to be fed again below
                     self.speculation.validate(st)
+                elif self.speculation is not None:
+                    self.speculation.observe(st)  # whether it clipped, for the next step
             elif not self.grads_final and self.speculation is None:
                 return
             items = [(b, _announced_idx(st, b)) for b in self.placer.forward_order()

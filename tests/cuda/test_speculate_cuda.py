@@ -14,8 +14,9 @@ from offloadopt.step.speculate import Speculation
 
 @pytest.fixture(autouse=True)
 def every_step_speculates(monkeypatch):
-    """These tests check the speculative path on steps that clip in a row: no back-off
-    (test_after_redos_the_next_steps_are_held_back_then_speculate_again checks it)."""
+    """These tests check the speculative path on steps that clip in a row: no back-off, no
+    holding back after a step that clipped (MAX_HOLD 0 turns both off; tests/test_speculate.py
+    checks them on the CPU, test_a_step_after_one_that_clipped_is_held_back_on_the_gpu here)."""
     monkeypatch.setattr(Speculation, "MAX_HOLD", 0)
 
 
@@ -90,3 +91,17 @@ def test_speculative_runs_are_bitwise_the_non_speculative_ones_on_the_gpu(
     if scaler:
         assert counts["redone_inf"] == 2, counts
     print(f"{dtype} {state_dtype} scaler {scaler}: {counts}")
+
+
+def test_a_step_after_one_that_clipped_is_held_back_on_the_gpu(monkeypatch):
+    """FOLLOW_CLIP on CUDA: a held-back step's clip coefficient reaches the host by a copy
+    without a sync (an event), read by the next step; FACTORS clip at steps 1, 4 and 5, so
+    steps 2, 5 and 6 follow a step that clipped (step 1 speculates, is redone, and starts a
+    back-off that step 2 also serves). The bits are the non-speculative run's."""
+    monkeypatch.setattr(Speculation, "MAX_HOLD", 8)
+    want, _ = run(False, torch.float32, False, "fp32")
+    got, counts = run(True, torch.float32, False, "fp32")
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert counts["held_back"] >= 2 and counts["redone_clip"] <= 2, counts
+    print(f"follow clip: {counts}")
