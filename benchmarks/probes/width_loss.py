@@ -88,10 +88,10 @@ def run(name: str, args, data, init: list[torch.Tensor]) -> list[dict]:
             torch.cuda.synchronize()
         ms = (time.perf_counter() - t) * 1e3
         with torch.no_grad():
-            diffs = [(p.float() - w.float()).abs() for p, w in zip(params, init, strict=True)]
-            most = max(float(d.max()) for d in diffs)
-            mean = sum(float(d.sum()) for d in diffs)
-            del diffs
+            most = mean = 0.0
+            for p, w in zip(params, init, strict=True):
+                d = (p.float() - w.float()).abs()
+                most, mean = max(most, float(d.max())), mean + float(d.sum())
             mean /= sum(p.numel() for p in params)
         rows.append(dict(step=step, loss=total, max_change=most, mean_change=mean, ms=ms))
         print(f"{name:>15} step {step:3d} loss {total:8.4f} max|dw| {most:.3e} "
