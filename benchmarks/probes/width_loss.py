@@ -7,7 +7,8 @@ model is that sensitive or some path moves weights far more than lr.
 One process, one model shape (width 4096 like the presets, ``--layers`` blocks, byte vocabulary,
 bf16 params), the same init and the same batches of real text for every configuration:
 
-- ``ref``: offload fraction 0, fp32 state and fp32 masters (torch's fused AdamW on the GPU);
+- ``fp32``: fp32 weights, offload fraction 0 (torch's fused AdamW: the dynamics without
+  bf16); ``ref``: bf16 weights, fraction 0, fp32 state and fp32 masters;
 - the configurations of ``--configs`` (name=options, see CONFIGS): fraction 1 with fp32 state,
   with bf16-sr + int8 in step and delayed mode, fraction 0 with bf16-sr + int8 (the device pass).
 
@@ -35,6 +36,7 @@ from offloadopt.harness.presets import GPTConfig
 from offloadopt.harness.train import lr_at
 
 CONFIGS = {
+    "fp32": dict(offload_fraction=0.0, dtype=torch.float32),  # fp32 weights: AdamW's own steps
     "ref": dict(offload_fraction=0.0),
     "f1": dict(offload_fraction=1.0),
     "f1-sr8": dict(offload_fraction=1.0, state_dtype="int8", master_weights="bf16-sr"),
@@ -46,10 +48,10 @@ CONFIGS = {
 }
 
 
-def model_of(layers: int, width: int, device: str) -> GPT:
+def model_of(layers: int, width: int, device: str, dtype=torch.bfloat16) -> GPT:
     torch.manual_seed(0)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             return GPT(GPTConfig(n_layer=layers, n_head=max(1, width // 128), n_embd=width,
@@ -59,10 +61,11 @@ def model_of(layers: int, width: int, device: str) -> GPT:
 
 
 def run(name: str, args, data, init: list[torch.Tensor]) -> list[dict]:
-    model = model_of(args.layers, args.width, args.device)
-    model.checkpointing = True
     opts = dict(CONFIGS[name])
-    if opts.get("master_weights") is None:
+    dtype = opts.pop("dtype", torch.bfloat16)
+    model = model_of(args.layers, args.width, args.device, dtype)
+    model.checkpointing = True
+    if opts.get("master_weights") is None and dtype == torch.bfloat16:
         opts["master_weights"] = True
     opt = HybridAdamW(model.named_parameters(), lr=args.lr, betas=(0.9, 0.95),
                       weight_decay=0.1, **opts)  # fmt: skip
