@@ -268,7 +268,17 @@ struct Kern {
       return;
     }
     const F minv = V::setf(b.minv), yinv = V::setf(b.yinv);
-    // four vectors at a time (AVX2 packs their bytes in four instructions, not eight)
+    if (!std::isfinite(b.minv) || !std::isfinite(b.yinv)) {
+      // a scale below 2^-128 (1/scale is inf): t is inf or NaN and a code's value past 8 bits,
+      // kept to its low 8 bits as formats.py does (st_u8 truncates; AVX2's packs saturate)
+      for (int k = 0; k < BLOCK; k += W) {
+        V::st_u8(Ms + k, m_code(V::ldf(b.m + k), minv));
+        V::st_u8(Vs + k, v_code(V::ldf(b.y + k), yinv));
+      }
+      return;
+    }
+    // four vectors at a time (AVX2 packs their bytes in four instructions, not eight); t <= 1
+    // here, so every code fits 8 bits
     for (int k = 0; k < BLOCK; k += 4 * W) {
       I cm[4], cv[4];
       for (int u = 0; u < 4; ++u) {
