@@ -641,3 +641,33 @@ def test_an_isa_the_cpu_does_not_run_is_refused(mod):
     with pytest.raises(ValueError, match="'avx1024' is not run by this CPU; it runs: "):
         mod.set_isa("avx1024")
     assert mod.isa() == mod.isas()[0]
+
+
+def test_int8_codes_of_a_block_below_2_to_the_minus_128_keep_their_low_8_bits(mod):
+    """A block whose absmax is below 2^-128 has 1/scale = inf, so t is inf (or NaN) and a code's
+    value passes 8 bits: every ISA keeps its low 8 bits, as formats.py does (AVX2's saturating
+    byte packs once gave 0xFF there)."""
+    n = 512
+    gen = torch.Generator().manual_seed(5)
+    g = (torch.rand(n, generator=gen) + 0.5) * torch.randn(n, generator=gen).sign()
+    g[:256] *= 1e-39  # bf16 denormals, none zero: the first block's new exp_avg is below 2^-128
+    g = g.to(torch.bfloat16)
+    results = []
+    try:
+        for isa in mod.isas():
+            mod.set_isa(isa)
+            x = [torch.ones(n)], [g.clone()], [torch.zeros(n, dtype=torch.uint8)], [torch.zeros(n, dtype=torch.uint8)]
+            sm, sv = [torch.zeros(2)], [torch.zeros(2)]
+            kcall(mod.adam_step, *x, sms=sm, svs=sv, moments=2, weight_decay=0.0)
+            results.append((x[2][0], x[3][0], sm[0], sv[0]))
+    finally:
+        mod.set_isa(mod.isas()[0])
+    ref = [torch.ones(n)], [g.clone()], [torch.zeros(n, dtype=torch.uint8)], [torch.zeros(n, dtype=torch.uint8)]
+    rsm, rsv = [torch.zeros(2)], [torch.zeros(2)]
+    kcall(reference.adam_step, *ref, sms=rsm, svs=rsv, moments=2, weight_decay=0.0)
+    assert 0 < rsm[0][0].item() < 2.0**-128
+    assert int(ref[2][0][:256].max()) > 0  # codes past 8 bits were cut, not all zero
+    for isa, (cm, cv, sm, sv) in zip(mod.isas(), results, strict=True):
+        assert torch.equal(cm, ref[2][0]), isa
+        assert torch.equal(cv, ref[3][0]), isa
+        assert torch.equal(sm, rsm[0]) and torch.equal(sv, rsv[0]), isa

@@ -94,17 +94,47 @@ struct Kern {
     return V::sel(V::isnan(x), V::seti(0x7FC0u), out);
   }
 
+  // int8: the moments of the 2W elements at Ms, Vs (formats.py: m = +-scale * 2^(e-15) *
+  // (1 + f/8), v = (scale * 2^(e-15) * (1 + f/16))^2). A code's value is a bf16 pattern (m:
+  // sign << 15 | (mag + 112 << 3) << 4, v: (code + 112 << 4) << 3; 0 for a zero magnitude),
+  // built in 16-bit lanes, 2W at a time. FINITE (the block's exp_avg scale): the sign goes
+  // into the pattern (scale * -x == -(scale * x) unless the product is NaN); otherwise it is
+  // flipped after the product, as formats.decode_m does (a NaN's sign then matches).
+  template <bool FINITE>
+  static inline void decode(const Ctx& c, const uint8_t* Ms, const uint8_t* Vs, F* m0, F* v0) {
+    using H = typename V::H;
+    if constexpr (FINITE) {
+      const H x = V::template sll16<4>(V::ld_s8h(Ms));  // sign in bits 15..11, mag << 4
+      const H b = V::addnz16(V::and16(x, V::set16(0x87F0)), V::and16(x, V::set16(0x07F0)), V::set16(112u << 7));
+      m0[0] = V::mul(c.m_scale, V::flt(V::hi16_lo(b)));
+      m0[1] = V::mul(c.m_scale, V::flt(V::hi16_hi(b)));
+    } else {
+      for (int h = 0; h < 2; ++h) {
+        const I cm = V::ld_u8(Ms + h * W), mag = V::band(cm, V::seti(0x7Fu));
+        const I mbits = V::keep_nonzero(mag, V::template sll<20>(V::add(mag, V::seti(112u << 3))));
+        const I msign = V::band(V::template sll<24>(cm), V::seti(0x80000000u));
+        m0[h] = V::flt(V::bxor(V::bits(V::mul(c.m_scale, V::flt(mbits))), msign));
+      }
+    }
+    const H cv = V::ld_u8h(Vs);
+    const H b = V::addnz16(V::template sll16<3>(cv), cv, V::set16(112u << 7));
+    const F s0 = V::mul(c.v_scale, V::flt(V::hi16_lo(b))), s1 = V::mul(c.v_scale, V::flt(V::hi16_hi(b)));
+    v0[0] = V::mul(s0, s0);
+    v0[1] = V::mul(s1, s1);
+  }
+
   // One vector of W elements at P, G, Ms, Vs (and Wo). TAIL: lanes in `tail` use torch's
   // scalar-tail form of exp_avg_sq (all-fp32 mode only; see the note in adam_cpu.cpp). int8:
-  // the new m and y = sqrt(v) go to mb, yb and their magnitudes' bits into mabs, yabs; the
-  // codes are written by `encode` once the block's scales are known. PLAIN: the common
+  // m0, v0 are the decoded moments (`decode`); the new m and y = sqrt(v) go to mb, yb and their
+  // magnitudes' bits into mabs, yabs; the codes are written by `encode` once the block's
+  // scales are known. PLAIN: the common
   // case, decided once per span (`plain`): no grad_scale, no maximize, no Adam-style weight
   // decay, no counter wrap; AdamW's decay is a multiplication by 1 - lr*wd (exactly 1.0
   // without weight decay: p * 1 == p), so the loop has no branch.
   template <bool TAIL, bool PLAIN>
   static inline void one(Ctx& c, MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo, float* mb, float* yb,
-                         I& mabs, I& yabs, typename V::M tail) {
-    F p, g, m0, v0;
+                         I& mabs, I& yabs, typename V::M tail, F m0 = F(), F v0 = F()) {
+    F p, g;
     if constexpr (MK == Master::Bf16Sr) p = V::ld_bf16(P); else p = V::ldf(P);
     if constexpr (GBF16) g = V::ld_bf16(G); else g = V::ldf(G);
     if (PLAIN) {
@@ -121,14 +151,6 @@ struct Kern {
     } else if constexpr (SK == Moments::Bf16Sr) {
       m0 = V::ld_bf16(Ms);
       v0 = V::ld_bf16(Vs);
-    } else {  // int8 codes (formats.py): m = +-scale * 2^(e-15) * (1 + f/8); v = (scale * 2^(e-15) * (1 + f/16))^2
-      const I cm = V::ld_u8(Ms), mag = V::band(cm, V::seti(0x7Fu));
-      const I mbits = V::keep_nonzero(mag, V::template sll<20>(V::add(mag, V::seti(112u << 3))));
-      const I msign = V::band(V::template sll<24>(cm), V::seti(0x80000000u));
-      m0 = V::flt(V::bxor(V::bits(V::mul(c.m_scale, V::flt(mbits))), msign));
-      const I cv = V::ld_u8(Vs);
-      const F s = V::mul(c.v_scale, V::flt(V::keep_nonzero(cv, V::template sll<19>(V::add(cv, V::seti(112u << 4))))));
-      v0 = V::mul(s, s);
     }
     const F m = V::fma(c.lerp, V::sub(g, m0), c.lerp_small ? m0 : g);
     const F cg = V::mul(c.c2, g);
@@ -192,15 +214,31 @@ struct Kern {
     bool bad = false;               // inf or NaN in the block: codes 0
   };
 
+  template <bool PLAIN, bool FINITE>
+  static inline void update_loop(Ctx& c, MT* P, const GT* G, uint8_t* Ms, uint8_t* Vs, uint16_t* Wo, Pending& out,
+                                 I& mabs, I& yabs) {
+    static_assert(BLOCK % (2 * W) == 0, "decode takes 2W codes at a time");
+    for (int k = 0; k < BLOCK; k += 2 * W) {
+      F m0[2], v0[2];
+      decode<FINITE>(c, Ms + k, Vs + k, m0, v0);
+      for (int h = 0; h < 2; ++h) {
+        const int j = k + h * W;
+        one<false, PLAIN>(c, P + j, G + j, Ms + j, Vs + j, WOUT ? Wo + j : nullptr, out.m + j, out.y + j, mabs, yabs,
+                          V::lanes_from(W), m0[h], v0[h]);
+      }
+    }
+  }
+
   template <bool PLAIN>
   static void update_block(Ctx& c, MT* P, const GT* G, uint8_t* Ms, uint8_t* Vs, uint16_t* Wo, float* msc,
                            float* vsc, Pending& out) {
     c.m_scale = V::setf(*msc);
     c.v_scale = V::setf(*vsc);
     I mabs = V::seti(0u), yabs = V::seti(0u);
-    for (int k = 0; k < BLOCK; k += W)
-      one<false, PLAIN>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, out.m + k, out.y + k, mabs, yabs,
-                        V::lanes_from(W));
+    if (std::isfinite(*msc))
+      update_loop<PLAIN, true>(c, P, G, Ms, Vs, Wo, out, mabs, yabs);
+    else
+      update_loop<PLAIN, false>(c, P, G, Ms, Vs, Wo, out, mabs, yabs);
     const uint32_t ma = V::hmaxu(mabs), ya = V::hmaxu(yabs);
     out.Ms = Ms;
     out.Vs = Vs;
@@ -230,7 +268,17 @@ struct Kern {
       return;
     }
     const F minv = V::setf(b.minv), yinv = V::setf(b.yinv);
-    // four vectors at a time (AVX2 packs their bytes in four instructions, not eight)
+    if (!std::isfinite(b.minv) || !std::isfinite(b.yinv)) {
+      // a scale below 2^-128 (1/scale is inf): t is inf or NaN and a code's value past 8 bits,
+      // kept to its low 8 bits as formats.py does (st_u8 truncates; AVX2's packs saturate)
+      for (int k = 0; k < BLOCK; k += W) {
+        V::st_u8(Ms + k, m_code(V::ldf(b.m + k), minv));
+        V::st_u8(Vs + k, v_code(V::ldf(b.y + k), yinv));
+      }
+      return;
+    }
+    // four vectors at a time (AVX2 packs their bytes in four instructions, not eight); t <= 1
+    // here, so every code fits 8 bits
     for (int k = 0; k < BLOCK; k += 4 * W) {
       I cm[4], cv[4];
       for (int u = 0; u < 4; ++u) {

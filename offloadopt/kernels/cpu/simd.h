@@ -18,6 +18,10 @@
 //
 // Names: F a vector of fp32, I of uint32, M a lane mask. sel(m, a, b): a where m, else b.
 // ld_bf16 widens bf16 to fp32 (exact); st_u16 / st_u8 store the low 16 / 8 bits of each lane.
+// H: 2W uint16 lanes in one register (int8 codes as bf16 patterns, half the ops of 32-bit
+// lanes). ld_s8h / ld_u8h load 2W bytes sign / zero extended, in an order of the ISA's own that
+// hi16_lo / hi16_hi undo: they give elements 0..W-1 / W..2W-1, each in the high 16 bits of a
+// 32-bit lane (low bits 0). addnz16(x, t, c): x + c where t != 0 (t in 0..0x7FFF), else x.
 
 #if defined(OO_SIMD_AVX512)
 
@@ -73,6 +77,18 @@ struct V {
   static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) { st_u8(p, a); st_u8(p + 16, b); st_u8(p + 32, c); st_u8(p + 48, d); }
   static inline uint32_t hmaxu(I a) { return _mm512_reduce_max_epu32(a); }
   static inline M lanes_from(int k) { return (M)(k >= W ? 0 : (0xFFFFu << k)); }  // lanes >= k
+  // 16-bit lanes: the qwords permuted so that unpacklo / unpackhi (within 128-bit lanes)
+  // give elements 0..15 / 16..31
+  using H = __m512i;
+  static inline H h_order(__m512i x) { return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), x); }
+  static inline H ld_s8h(const uint8_t* p) { return h_order(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p))); }
+  static inline H ld_u8h(const uint8_t* p) { return h_order(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p))); }
+  static inline H set16(uint16_t x) { return _mm512_set1_epi16((short)x); }
+  static inline H and16(H a, H b) { return _mm512_and_si512(a, b); }
+  template <int S> static inline H sll16(H a) { return _mm512_slli_epi16(a, S); }
+  static inline H addnz16(H x, H t, H c) { return _mm512_mask_add_epi16(x, _mm512_test_epi16_mask(t, t), x, c); }
+  static inline I hi16_lo(H h) { return _mm512_unpacklo_epi16(_mm512_setzero_si512(), h); }
+  static inline I hi16_hi(H h) { return _mm512_unpackhi_epi16(_mm512_setzero_si512(), h); }
 };
 
 #elif defined(OO_SIMD_AVX2)
@@ -150,6 +166,17 @@ struct V {
     return (uint32_t)_mm_cvtsi128_si32(x);
   }
   static inline M lanes_from(int k) { return _mm256_cmpgt_epi32(iota(), _mm256_set1_epi32(k - 1)); }
+  // 16-bit lanes: qwords 1 and 2 swapped so that unpacklo / unpackhi (within 128-bit lanes)
+  // give elements 0..7 / 8..15
+  using H = __m256i;
+  static inline H ld_s8h(const uint8_t* p) { return _mm256_permute4x64_epi64(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)), 0xD8); }
+  static inline H ld_u8h(const uint8_t* p) { return _mm256_permute4x64_epi64(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), 0xD8); }
+  static inline H set16(uint16_t x) { return _mm256_set1_epi16((short)x); }
+  static inline H and16(H a, H b) { return _mm256_and_si256(a, b); }
+  template <int S> static inline H sll16(H a) { return _mm256_slli_epi16(a, S); }
+  static inline H addnz16(H x, H t, H c) { return _mm256_add_epi16(x, _mm256_sign_epi16(c, t)); }  // sign: c, 0 where t == 0
+  static inline I hi16_lo(H h) { return _mm256_unpacklo_epi16(_mm256_setzero_si256(), h); }
+  static inline I hi16_hi(H h) { return _mm256_unpackhi_epi16(_mm256_setzero_si256(), h); }
 };
 
 #elif defined(OO_SIMD_GENERIC)
@@ -203,6 +230,15 @@ struct V {
   static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) { st_u8(p, a); st_u8(p + 8, b); st_u8(p + 16, c); st_u8(p + 24, d); }
   static inline uint32_t hmaxu(I a) { uint32_t r = 0; OO_LANES(r = a.v[l] > r ? a.v[l] : r) return r; }
   static inline M lanes_from(int k) { I r; OO_LANES(r.v[l] = l >= k ? ~0u : 0u) return r; }
+  struct H { uint16_t v[16]; };
+  static inline H ld_s8h(const uint8_t* p) { H r; for (int l = 0; l < 16; ++l) r.v[l] = (uint16_t)(int16_t)(int8_t)p[l]; return r; }
+  static inline H ld_u8h(const uint8_t* p) { H r; for (int l = 0; l < 16; ++l) r.v[l] = p[l]; return r; }
+  static inline H set16(uint16_t x) { H r; for (int l = 0; l < 16; ++l) r.v[l] = x; return r; }
+  static inline H and16(H a, H b) { for (int l = 0; l < 16; ++l) a.v[l] &= b.v[l]; return a; }
+  template <int S> static inline H sll16(H a) { for (int l = 0; l < 16; ++l) a.v[l] = (uint16_t)(a.v[l] << S); return a; }
+  static inline H addnz16(H x, H t, H c) { for (int l = 0; l < 16; ++l) x.v[l] = (uint16_t)(x.v[l] + (t.v[l] ? c.v[l] : 0)); return x; }
+  static inline I hi16_lo(H h) { I r; OO_LANES(r.v[l] = (uint32_t)h.v[l] << 16) return r; }
+  static inline I hi16_hi(H h) { I r; OO_LANES(r.v[l] = (uint32_t)h.v[8 + l] << 16) return r; }
 #undef OO_LANES
 };
 
