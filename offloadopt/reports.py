@@ -115,7 +115,7 @@ class Reports:
         grads and state before the update), ``h2d_ms`` and ``d2h_ms`` (GPU time of the copies
         and casts on the side streams, summed over every step since ``stats`` was last read),
         ``d2h_nbytes`` / ``h2d_nbytes`` (bytes over the
-        link), ``step_ms`` (host wall time of ``step()``), ``worker_ms`` (the worker's wall time from
+        link; 0 without CUDA, where the copies are host to host, as the times are 0), ``step_ms`` (host wall time of ``step()``), ``worker_ms`` (the worker's wall time from
         the first bucket's arrival to the last H2D queued, its D2H waits included),
         ``buckets`` (offloaded buckets updated; 0, and ``worker_ms`` 0, when none was),
         ``redone_buckets`` (``speculate=True``, a step whose speculative updates were undone

@@ -2,6 +2,7 @@
 picks a fraction, the state moves there without loss, and the pick is measured."""
 
 import contextlib
+import re
 import time
 import warnings
 
@@ -489,6 +490,46 @@ def test_a_group_that_forces_its_placement_is_refused_with_auto():
     with pytest.raises(ValueError, match="'offload': False and offload_fraction='auto'"):
         opt.add_param_group({"params": list(m.parameters())[:2], "offload": False})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("steps", [auto.MEASURED_STEPS, auto.MEASURED_STEPS + 2,
+                                   1 + auto.MEASURED_STEPS + _MOVED + 1], ids=["probe", "baseline", "verify"])  # fmt: skip
+def test_a_run_closed_before_the_choice_says_which_fraction_it_left(steps):
+    """A new user's finding: offload_fraction='auto' over 3 steps reported 0.5, the probe's
+    start, unmeasured, and said nothing (placement_choice None). Closed in the probe (or while
+    fraction 0 is timed, not its choice), it now says so; closed after the choice, nothing."""
+    from offloadopt.harness.train import TrainConfig
+    from offloadopt.harness.train import train as train_job
+
+    m = model()
+    # auto_tolerance 10: a choice above 0, so fraction 0 is timed as a baseline
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**14,
+                      offload_fraction="auto", auto_tolerance=10.0)  # fmt: skip
+    train(m, opt, steps=steps)
+    phase, before = opt.debug.auto.phase, opt.placement_choice
+    if phase == "verify":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.close()
+        assert opt.placement_choice == before and "kept" not in before
+        return
+    assert phase == {auto.MEASURED_STEPS: "probe"}.get(steps, "baseline")
+    want = ("the probe's starting 0.5, unmeasured (a choice takes 4 steps" if phase == "probe"
+            else "0, timed as the baseline, not the choice")  # fmt: skip
+    with pytest.warns(UserWarning, match=r"^offload_fraction='auto' chose no fraction: the "
+                      rf"optimizer was closed and the fraction in force is {re.escape(want)}"):  # fmt: skip
+        opt.close()
+    choice = opt.placement_choice
+    assert choice["unmeasured"] is True and choice["fraction"] == opt.offload_fraction
+    assert choice["set_by"] == "auto" and want in choice["kept"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.close()  # said once
+    if phase == "probe":  # the main job's summary says it too
+        with pytest.warns(UserWarning, match="chose no fraction"):
+            summary = train_job(TrainConfig(steps=steps, batch_size=2, seq_len=16, eval_batches=1,
+                                            progress=False, offload_fraction="auto"))  # fmt: skip
+        assert summary["offload_fraction"] == 0.5 and summary["placement_choice"]["unmeasured"]
 
 
 def test_a_fraction_set_while_auto_measures_ends_it_and_says_so():

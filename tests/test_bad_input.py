@@ -268,8 +268,21 @@ def test_train_combinations_are_refused_before_the_data_is_loaded(monkeypatch):
     monkeypatch.setattr(checks, "text_data", mock.Mock(side_effect=boom))
     monkeypatch.setattr(train, "mock_data", mock.Mock(side_effect=boom))
     for argv in (["--offload-fraction", "auto", "--overlap", "delayed"],
-                 ["--warmup-steps", "11", "--steps", "10", "--mock-data"]):  # fmt: skip
+                 ["--warmup-steps", "11", "--steps", "10", "--mock-data"],
+                 ["--max-gpu-memory", "10GB"]):  # fmt: skip
         assert one_error_line(["train", *argv]).startswith(argv[0])
+
+
+@pytest.mark.parametrize("fraction", [[], ["--offload-fraction", "auto"]], ids=str)
+def test_a_gpu_budget_on_a_run_without_a_gpu_is_refused(fraction):
+    """A new user's finding: ``train --max-gpu-memory 10GB`` without a GPU was taken without a
+    word: the CPU stood in for the GPU, and the budget chose a fraction that moved the state
+    from host memory to host memory (and logged a "device" prediction)."""
+    why = "--device cpu" if torch.cuda.is_available() else "torch sees no CUDA device here"
+    assert one_error_line(["train", "--max-gpu-memory", "10GB", *fraction]) == (
+        f"--max-gpu-memory 10.00 GB (9.31 GiB): a budget of GPU memory, and this run has no GPU "
+        f"({why}); leave it out, or run on a GPU with --device cuda"
+    )
 
 
 def test_a_value_that_starts_like_a_negative_number_is_the_options_value(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """The harness: GPT-2 model, byte data, the training loop and the ``train`` command (CPU, fast)."""
 
+import dataclasses
 import json
 import math
 
@@ -239,9 +240,22 @@ def test_cli_errors_are_one_line_not_tracebacks(capsys):
     assert err == "offloadopt: error: --data: '/nonexistent/file.txt': no such file\n"
 
 
-def test_main_job_takes_a_gpu_budget_and_reports_the_choice(capsys):
+def cpu_stands_in_for_the_gpu(monkeypatch) -> None:
+    """train takes --max-gpu-memory on this CPU-only run, the CPU standing in for the GPU as in
+    the library's budget tests (a user's run without a GPU refuses it: check_fits_device)."""
+    from offloadopt.harness import build
+    from offloadopt.harness import train as train_module
+
+    def fits(cfg, device, total=None):
+        build.check_fits_device(dataclasses.replace(cfg, max_gpu_memory=None), device, total)
+
+    monkeypatch.setattr(train_module, "check_fits_device", fits)
+
+
+def test_main_job_takes_a_gpu_budget_and_reports_the_choice(capsys, monkeypatch):
     from offloadopt.harness.train import TrainConfig, train
 
+    cpu_stands_in_for_the_gpu(monkeypatch)
     summary = train(TrainConfig(steps=2, eval_every=2, eval_batches=1, progress=False,
                                 max_gpu_memory=20 * 10**6))  # fmt: skip
     # 20 MB holds the tiny model's weights, grads and state: nothing needs to move
@@ -251,14 +265,14 @@ def test_main_job_takes_a_gpu_budget_and_reports_the_choice(capsys):
 
 
 @pytest.mark.slow
-def test_main_job_says_why_a_gpu_budget_cannot_be_met():
+def test_main_job_says_why_a_gpu_budget_cannot_be_met(capsys, monkeypatch):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "offloadopt", "train", "--max-gpu-memory", "8MB",
-                        "--steps", "1", "--no-progress"], capture_output=True, text=True,
-                       timeout=120)  # fmt: skip
-    assert r.returncode == 1 and "cannot be met: the fewest device bytes" in r.stderr
+    with monkeypatch.context() as patched:
+        cpu_stands_in_for_the_gpu(patched)
+        assert main(["train", "--max-gpu-memory", "8MB", "--steps", "1", "--no-progress"]) == 1
+    assert "cannot be met: the fewest device bytes" in capsys.readouterr().err
     r = subprocess.run([sys.executable, "-m", "offloadopt", "train", "--max-gpu-memory", "lots"],
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 2 and "--max-gpu-memory: Invalid size: 'lots'" in r.stderr
@@ -409,4 +423,7 @@ def test_a_model_or_budget_larger_than_the_gpu_is_refused_before_the_build():
         check_fits_device(huge, cpu, total=host)
     check_fits_device(TrainConfig(preset="tiny", dtype="fp32", batch_size=64), cpu, total=host)
     budget = TrainConfig(preset="tiny", dtype="fp32", max_gpu_memory="140GB")
-    check_fits_device(budget, cpu, total=host)  # a budget on the CPU path: not the host's
+    # a budget on the CPU path is no budget of the host's memory: a run without a GPU refuses it
+    with pytest.raises(UsageError, match=r"^--max-gpu-memory 140\.00 GB .*: a budget of GPU memory, "
+                       r"and this run has no GPU"):  # fmt: skip
+        check_fits_device(budget, cpu, total=host)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from offloadopt import HybridAdamW
+from offloadopt.link import transfer
 from offloadopt.place import placer
 
 MODES = {
@@ -33,15 +34,37 @@ def batch(step):
     return torch.randn(16, 64, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
 
 
+def copied(monkeypatch) -> dict[str, int]:
+    """The bytes the transfers' copies move each way, summed as they start (``opt.stats``
+    counts bytes over a link: none without CUDA, where the copies are host to host): each
+    copy's elements in the dtype its slot holds (``slot.link``, set by the D2H; an H2D reads
+    it where the slot holds the new weights, else the master)."""
+    seen = {"d2h": 0, "h2d": 0}
+    start_d2h, start_h2d = transfer.Transfer.start_d2h, transfer.Transfer.start_h2d
+
+    def d2h(self, b, idx, grads, slot, *args, **kwargs):
+        done = start_d2h(self, b, idx, grads, slot, *args, **kwargs)
+        seen["d2h"] += b.link_nbytes(slot.link)
+        return done
+
+    def h2d(self, b, idx, slot, *args, **kwargs):
+        seen["h2d"] += b.link_nbytes(slot.link if slot.holds_weights(b) else b.arena.dtype)
+        return start_h2d(self, b, idx, slot, *args, **kwargs)
+
+    monkeypatch.setattr(transfer.Transfer, "start_d2h", d2h)
+    monkeypatch.setattr(transfer.Transfer, "start_h2d", h2d)
+    return seen
+
+
 def train(link: bool, monkeypatch, steps=5, scaler=None, inf_at=(), **kw):
     monkeypatch.setattr(placer, "BF16_LINK", link)
+    seen = copied(monkeypatch)
     m = model()
     kw.setdefault("state_dtype", "int8")
     opt = HybridAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=1.0,
                       min_offload_numel=1, **kw)  # fmt: skip
     if kw.get("overlap") == "delayed":
         opt.watch(m)
-    nbytes = []
     for step in range(steps):
         loss = m(batch(step)).float().pow(2).mean()
         if scaler is None:
@@ -56,8 +79,9 @@ def train(link: bool, monkeypatch, steps=5, scaler=None, inf_at=(), **kw):
             scaler.step(opt)
             scaler.update()
         opt.zero_grad()
-        nbytes.append((opt.stats.get("d2h_nbytes", 0), opt.stats.get("h2d_nbytes", 0)))
+        assert opt.stats.get("d2h_nbytes", 0) == opt.stats.get("h2d_nbytes", 0) == 0  # no link
     opt.synchronize()
+    nbytes = (seen["d2h"], seen["h2d"])  # every copy of the run has started
     weights = [p.detach().clone() for p in m.parameters()]
     state = [{k: v.clone() for k, v in opt.state[p].items()} for p in m.parameters()]
     arenas = [(a.dtype, a.link_dtype) for a in opt.arenas]
@@ -84,14 +108,13 @@ def test_bf16_over_the_link_gives_the_bits_of_fp32_over_it(mode, monkeypatch):
     assert arenas and all(a == (torch.float32, torch.bfloat16) for a in arenas)
     assert all(a == (torch.float32, torch.float32) for a in plain)
     params = sum(p.numel() for p in model().parameters())
-    # delayed: the first step() only launches (its figures come with the next)
-    for (d2h, h2d), (d2h0, h2d0) in list(zip(n1, n0, strict=True))[1:]:
-        # fp32 both ways (elements: the params, each starting at a 256-element block)
-        assert d2h0 == h2d0 and 4 * params <= d2h0 < 4 * (params + 256 * 6)
-        if mode == "clipped":  # grads multiplied on the device in fp32: fp32 as before
-            assert (d2h, h2d) == (d2h0, h2d0)
-        else:
-            assert (d2h, h2d) == (d2h0 // 2, h2d0 // 2)
+    (d2h, h2d), (d2h0, h2d0) = n1, n0
+    # fp32 both ways, 5 steps (elements: the params, each starting at a 256-element block)
+    assert d2h0 == h2d0 and 5 * 4 * params <= d2h0 < 5 * 4 * (params + 256 * 6)
+    if mode == "clipped":  # grads multiplied on the device in fp32: fp32 as before
+        assert (d2h, h2d) == (d2h0, h2d0)
+    else:
+        assert (d2h, h2d) == (d2h0 // 2, h2d0 // 2)
 
 
 def test_a_skipped_step_leaves_the_weights_and_is_the_same_bits(monkeypatch):

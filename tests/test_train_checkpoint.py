@@ -297,6 +297,26 @@ def test_a_64_byte_overwrite_in_a_checkpoint_stops_resume_with_one_line(tmp_path
     assert os.path.basename(target) in captured.err
 
 
+@pytest.mark.parametrize("flags", [[], ["--lr", "0.5"], ["--optimizer", "adamw"]], ids=str)
+def test_a_damaged_streamed_checkpoint_says_so_before_any_other_refusal(tmp_path, capsys,
+                                                                        flags):  # fmt: skip
+    """A new user's finding: a streamed checkpoint of the run's last step, one part damaged,
+    resumed: "nothing left" (or "other settings", "only --optimizer hybrid"), not the damage
+    (the index alone was verified before those refusals). A damaged --save file says so
+    first; so does a folder now."""
+    ck = str(tmp_path / "run")
+    argv = [*ARGS, "--steps", str(N), "--eval-every", str(N)]
+    assert _run(capsys, [*argv, "--save", ck, "--checkpoint-format", "streamed"])[0] == 0
+    part = max((os.path.join(ck, f) for f in os.listdir(ck) if f.startswith("part-")),
+               key=os.path.getsize)  # fmt: skip
+    with open(part, "r+b") as f:
+        f.seek(os.path.getsize(part) // 2)
+        f.write(bytes(range(64)))
+    message = _error(capsys, [*argv, *flags, "--resume", ck])
+    assert message.startswith(f"--resume: load_streamed: {os.path.basename(part)} of {ck!r} "
+                              "is damaged: its bytes do not match the checksum"), message  # fmt: skip
+
+
 def test_a_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch):
     """Issue 44: a run trained from step 50 to 200 on a NaN loss and exited 0. Now it stops at
     the first NaN loss (one line naming the step, status 1), and before saving weights that

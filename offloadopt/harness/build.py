@@ -81,7 +81,17 @@ def check_fits_device(cfg: TrainConfig, device: torch.device, total: int | None 
     (``total``: its bytes; default: a GPU's memory, or on the CPU the host's MemAvailable),
     and ``--max-gpu-memory`` must not exceed a GPU's memory; otherwise the build or the first
     step runs out of memory after minutes (on the CPU the kernel's OOM killer ends it), or
-    the budget cannot be kept. Raises UsageError with the figures."""
+    the budget cannot be kept. A ``--max-gpu-memory`` on a run without a GPU is refused: no
+    GPU memory to budget (the CPU would stand in for the device, as in the tests, and the
+    budget would choose a fraction that moves state from host memory to host memory). Raises
+    UsageError with the figures."""
+    if cfg.max_gpu_memory is not None and device.type != "cuda":
+        why = "--device cpu" if torch.cuda.is_available() else "torch sees no CUDA device here"
+        raise UsageError(
+            f"--max-gpu-memory {format_bytes(parse_bytes(cfg.max_gpu_memory))}: a budget of GPU "
+            f"memory, and this run has no GPU ({why}); leave it out, or run on a GPU with "
+            "--device cuda"
+        )
     if total is not None:
         name = str(device)
     elif device.type == "cuda" and torch.cuda.is_available():

@@ -371,6 +371,9 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
         summary.update(rate.summary(median_ms, fwd_bwd_ms))
     if hasattr(opt, "close"):
         opt.close()  # the worker thread ends here, not in the interpreter's shutdown
+        # a run too short for --offload-fraction auto's choice: close() says so (a warning and
+        # placement_choice["kept"]), and the summary with it
+        summary["placement_choice"] = opt.placement_choice
     return summary
 
 

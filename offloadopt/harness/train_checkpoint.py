@@ -102,7 +102,8 @@ def load_checkpoint(path: str, cfg: TrainConfig) -> dict:
 
     Raises ``UsageError`` naming ``--resume`` and the file: not a checkpoint of this command
     (unreadable, another kind of file), one of another preset or with other settings (each
-    differing ``--flag`` with both values), or one already at ``cfg.steps``.
+    differing ``--flag`` with both values), or one already at ``cfg.steps``. A damaged
+    checkpoint is refused as damaged (the file and what failed) before any of those.
     """
     name = f"--resume: {path!r}"
     from offloadopt.state.streamed import read_extra
@@ -115,12 +116,28 @@ def load_checkpoint(path: str, cfg: TrainConfig) -> dict:
             raise UsageError(f"{name}: {e}") from None
         if isinstance(ck, dict):
             ck = {**ck, "streamed": True}
-        if cfg.optimizer != "hybrid":
-            raise UsageError(f"{name} is a streamed checkpoint, which only --optimizer hybrid "
-                             "reads")  # fmt: skip
-    else:
-        ck = _load_file(path, name)
-    return _checked(ck, cfg, name)
+        try:
+            if cfg.optimizer != "hybrid":
+                raise UsageError(f"{name} is a streamed checkpoint, which only --optimizer "
+                                 "hybrid reads")  # fmt: skip
+            return _checked(ck, cfg, name)
+        except UsageError:
+            # read_extra verified the index alone (the parts are verified as the run loads
+            # them): a damaged part says so before any other refusal, as a damaged file does
+            _verify_streamed(path)
+            raise
+    return _checked(_load_file(path, name), cfg, name)
+
+
+def _verify_streamed(path: str) -> None:
+    """Raises UsageError where a part of the streamed checkpoint at ``path`` is missing or
+    damaged (the message the run's load gives for it: names the file and what failed)."""
+    from offloadopt.state import streamed_load
+
+    try:
+        streamed_load.verify(path)
+    except ValueError as e:
+        raise UsageError(f"--resume: {e}") from None
 
 
 def _load_file(path: str, name: str) -> Any:

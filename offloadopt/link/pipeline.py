@@ -277,7 +277,9 @@ class StepRun:
                     if keeps:
                         tr.ring.release(slot)
                 stats["launch_ms"] += (time.perf_counter() - t) * 1e3
-                stats["h2d_nbytes"] += work.bucket.link_nbytes(slot.link or work.bucket.arena.dtype)
+                if tr.cuda:  # without CUDA the copies are host to host: no link
+                    link = slot.link or work.bucket.arena.dtype
+                    stats["h2d_nbytes"] += work.bucket.link_nbytes(link)
                 stats["buckets"] += 1
                 stats["worker_ms"] = (time.perf_counter() - started) * 1e3
                 with self._cond:
@@ -325,7 +327,8 @@ class Pipeline:
         except BaseException:
             tr.ring.release(slot)
             raise
-        stats["d2h_nbytes"] += b.link_nbytes(slot.link)
+        if tr.cuda:  # without CUDA the copies are host to host: no link
+            stats["d2h_nbytes"] += b.link_nbytes(slot.link)
         return tr, slot, d2h_done
 
     def _update(self, work: BucketWork, tr: Transfer, slot: Slot, d2h_done, update, stats) -> None:

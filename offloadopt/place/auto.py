@@ -42,8 +42,9 @@ itself):
 ``opt.placement_choice`` holds the choice, its inputs and the predicted and measured step
 times (milliseconds); logger ``offloadopt`` says the same in two lines. When no choice can be
 made (nothing offloaded at the probe, or too few elements left on the device to time its
-update) the placement stays and ``placement_choice["kept"]`` says why. A step that updates
-nothing is no sample.
+update) the placement stays and ``placement_choice["kept"]`` says why; an optimizer closed
+before the choice (a run too short) also says so in a warning (:meth:`AutoFraction.closed`). A
+step that updates nothing is no sample.
 """
 
 from __future__ import annotations
@@ -269,6 +270,22 @@ class AutoFraction:
         self.phase, self._samples = "verify", []
         self._prev_end, self._skip = None, SETTLE_STEPS  # the next window spans the move
         return None
+
+    def closed(self, placer: Any) -> None:
+        """The optimizer is closed (its run ended) after a step, before a choice (the probe,
+        :data:`MEASURED_STEPS` + 1 steps) or while fraction 0 is timed (the baseline): the
+        fraction in force is none auto chose. A warning and ``placement_choice`` say so
+        (``"kept"``, ``"unmeasured": True``). A budget's probe keeps the budget's choice."""
+        if self._clock is None or self.phase not in ("probe", "baseline") or self.budgeted:
+            return
+        what = (f"the probe's starting {placer.fraction:g}, unmeasured (a choice takes "
+                f"{MEASURED_STEPS + 1} steps; the first is not timed)" if self.phase == "probe"
+                else f"0, timed as the baseline, not the choice {self._target:g}")  # fmt: skip
+        self._keep(placer, f"closed before its choice: the fraction in force is {what}")
+        placer.choice["unmeasured"] = True
+        warn(f"offload_fraction='auto' chose no fraction: the optimizer was closed and the "
+             f"fraction in force is {what}; give offload_fraction a number for a run this "
+             "short (opt.placement_choice says so too)")  # fmt: skip
 
     def _keep(self, placer: Any, why: str) -> None:
         """No choice can be made: the placement stays, and ``placement_choice`` says why."""

@@ -440,7 +440,9 @@ class Placer:
         check_pinned(self.arenas, self.transfers(), self.pin_memory)
 
     def close(self) -> None:
-        """Stop the worker and unpin the staging (idempotent)."""
+        """Stop the worker and unpin the staging (idempotent); auto says what it leaves."""
+        if self.auto is not None:
+            self.auto.closed(self)
         if self.pipeline is not None:
             self.pipeline.close()
 

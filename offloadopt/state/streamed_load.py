@@ -30,7 +30,7 @@ from offloadopt.state.streamed import _MODEL, _STATE, locate, read_index
 
 HybridOptimizer = Any  # offloadopt/optim.py's (not imported: the layers import downwards)
 
-__all__ = ["load"]
+__all__ = ["load", "verify"]
 
 _PARTLY = (
     "the load stopped part-way after the whole checkpoint was verified: the model's tensors "
@@ -61,8 +61,9 @@ def _check_items(tensors: Any, names: list[str], items: dict, file: str) -> str 
     return None
 
 
-def _verify_parts(path: str, index: dict, by_part: dict[int, list[str]]) -> None:
-    """Step 1 for the part files (see the module docstring).
+def _verify_parts(path: str, index: dict, by_part: dict[int, list[str]],
+                  who: str = "load_streamed") -> None:  # fmt: skip
+    """Step 1 for the part files (see the module docstring); ``who`` names the caller.
 
     Raises:
         ValueError: the first part that is missing, of another size, damaged or mixed up,
@@ -73,7 +74,7 @@ def _verify_parts(path: str, index: dict, by_part: dict[int, list[str]]) -> None
     fix = "; nothing was changed: restore the folder from a copy, or load an earlier checkpoint"
     missing = [n for n in by_part if not os.path.isfile(_part_file(path, n))]
     if missing:
-        raise ValueError(f"load_streamed: {path!r} lacks part files {missing[:5]} that its index "
+        raise ValueError(f"{who}: {path!r} lacks part files {missing[:5]} that its index "
                          f"names: an incomplete copy{fix}")  # fmt: skip
     if sizes is not None:
         wrong = [(n, os.path.getsize(_part_file(path, n)), sizes[n]) for n in by_part]
@@ -81,11 +82,11 @@ def _verify_parts(path: str, index: dict, by_part: dict[int, list[str]]) -> None
         if wrong:
             n, have, want = wrong[0]
             more = f" ({len(wrong)} parts differ)" if len(wrong) > 1 else ""
-            raise ValueError(f"load_streamed: part-{n:05d}.pt of {path!r} has {have} bytes, "
+            raise ValueError(f"{who}: part-{n:05d}.pt of {path!r} has {have} bytes, "
                              f"{want} when saved: a truncated or damaged copy{more}{fix}")  # fmt: skip
     for n, names in sorted(by_part.items()):
         file = _part_file(path, n)
-        what = f"load_streamed: part-{n:05d}.pt of {path!r}"
+        what = f"{who}: part-{n:05d}.pt of {path!r}"
         try:
             if sums is not None:
                 integrity.verify(file, what, expect=sums[n])
@@ -98,7 +99,26 @@ def _verify_parts(path: str, index: dict, by_part: dict[int, list[str]]) -> None
         problem = _check_items(tensors, names, items, file)
         del tensors  # unmapped before the next part
         if problem:
-            raise ValueError(f"load_streamed: {problem}{fix}")
+            raise ValueError(f"{who}: {problem}{fix}")
+
+
+def verify(path: str, who: str = "load_streamed") -> None:
+    """Step 1 for the files alone, without an optimizer: the index of the checkpoint at
+    ``path`` and every part file it names (present, of the recorded size, matching its
+    checksum, holding its items). For a caller that refuses the checkpoint for another reason
+    (``offloadopt train --resume`` of one at the last step): a damaged checkpoint must say so
+    first. Reads every part once; ``who`` names the caller in the messages.
+
+    Raises:
+        ValueError: ``path`` is no streamed checkpoint, or a file of it is missing or damaged
+            (names the file and what failed).
+    """
+    path = locate(path, who)
+    index = read_index(path, who)
+    by_part: dict[int, list[str]] = {}
+    for name, (number, _, _) in index["items"].items():
+        by_part.setdefault(number, []).append(name)
+    _verify_parts(path, index, by_part, who)
 
 
 class _Parts:
