@@ -656,13 +656,23 @@ def test_int8_codes_of_a_block_below_2_to_the_minus_128_keep_their_low_8_bits(mo
     try:
         for isa in mod.isas():
             mod.set_isa(isa)
-            x = [torch.ones(n)], [g.clone()], [torch.zeros(n, dtype=torch.uint8)], [torch.zeros(n, dtype=torch.uint8)]
+            x = (
+                [torch.ones(n)],
+                [g.clone()],
+                [torch.zeros(n, dtype=torch.uint8)],
+                [torch.zeros(n, dtype=torch.uint8)],
+            )
             sm, sv = [torch.zeros(2)], [torch.zeros(2)]
             kcall(mod.adam_step, *x, sms=sm, svs=sv, moments=2, weight_decay=0.0)
             results.append((x[2][0], x[3][0], sm[0], sv[0]))
     finally:
         mod.set_isa(mod.isas()[0])
-    ref = [torch.ones(n)], [g.clone()], [torch.zeros(n, dtype=torch.uint8)], [torch.zeros(n, dtype=torch.uint8)]
+    ref = (
+        [torch.ones(n)],
+        [g.clone()],
+        [torch.zeros(n, dtype=torch.uint8)],
+        [torch.zeros(n, dtype=torch.uint8)],
+    )
     rsm, rsv = [torch.zeros(2)], [torch.zeros(2)]
     kcall(reference.adam_step, *ref, sms=rsm, svs=rsv, moments=2, weight_decay=0.0)
     assert 0 < rsm[0][0].item() < 2.0**-128
