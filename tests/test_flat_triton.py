@@ -193,6 +193,7 @@ def test_non_finite_and_zero_blocks_as_the_eager_pass(master):
     for sc in (a[3], a[5]):
         assert sc[[0, 3]].isnan().all() and not sc[[1, 2, 4]].isnan().any()
         assert sc[2] == 0
+    assert a[3][4] == 0 and not a[2][4 * BLOCK : 5 * BLOCK].any()  # subnormal m: flushed
     for codes in (a[2], a[4]):
         assert not codes[: BLOCK * 1].any() and not codes[3 * BLOCK : 4 * BLOCK].any()
     same(a, b, f"non-finite and zero blocks, {master}")

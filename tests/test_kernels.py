@@ -643,10 +643,10 @@ def test_an_isa_the_cpu_does_not_run_is_refused(mod):
     assert mod.isa() == mod.isas()[0]
 
 
-def test_int8_codes_of_a_block_below_2_to_the_minus_128_keep_their_low_8_bits(mod):
-    """A block whose absmax is below 2^-128 has 1/scale = inf, so t is inf (or NaN) and a code's
-    value passes 8 bits: every ISA keeps its low 8 bits, as formats.py does (AVX2's saturating
-    byte packs once gave 0xFF there)."""
+def test_int8_a_block_whose_new_exp_avg_is_subnormal_is_a_zero_block_on_every_isa(mod):
+    """A block whose new exp_avg absmax is below 2^-126 (1/scale would be inf, t inf or NaN and
+    a code's value past 8 bits: AVX2's saturating byte packs once gave 0xFF there, the other
+    ISAs the low 8 bits) is a zero block on every ISA, as formats.py's: scale 0, codes 0."""
     n = 512
     gen = torch.Generator().manual_seed(5)
     g = (torch.rand(n, generator=gen) + 0.5) * torch.randn(n, generator=gen).sign()
@@ -675,9 +675,33 @@ def test_int8_codes_of_a_block_below_2_to_the_minus_128_keep_their_low_8_bits(mo
     )
     rsm, rsv = [torch.zeros(2)], [torch.zeros(2)]
     kcall(reference.adam_step, *ref, sms=rsm, svs=rsv, moments=2, weight_decay=0.0)
-    assert 0 < rsm[0][0].item() < 2.0**-128
-    assert int(ref[2][0][:256].max()) > 0  # codes past 8 bits were cut, not all zero
+    assert rsm[0][0].item() == 0 and not ref[2][0][:256].any() and rsm[0][1].item() > 0
     for isa, (cm, cv, sm, sv) in zip(mod.isas(), results, strict=True):
         assert torch.equal(cm, ref[2][0]), isa
         assert torch.equal(cv, ref[3][0]), isa
         assert torch.equal(sm, rsm[0]) and torch.equal(sv, rsv[0]), isa
+
+
+def test_a_block_of_subnormal_moments_is_flushed_not_coded_from_an_infinite_reciprocal(mod):
+    """A new user's finding: every |m| of a block below 2^-128 made 1 / scale inf, so each
+    nonzero m decoded as +-scale and each zero as 1.5 x scale (the code of t = 0 x inf, NaN).
+    Such a block is a zero block (scale 0, codes 0), in the torch form and the kernel alike,
+    with flush-to-zero on or off."""
+    m = torch.full((300,), 1e-40)
+    m[::3], m[1::3], m[256:] = 0.0, -3e-41, 1e-3  # the second block normal
+    codes, scales = formats.encode_m(m)
+    assert scales[0] == 0 and not codes[:256].any() and scales[1] > 0
+    assert torch.equal(formats.decode_m(codes, scales)[:256], torch.zeros(256))
+    for flush in (False, True):
+        got = []
+        for fn in (mod.adam_step, reference.adam_step):
+            p, g = torch.ones(300), torch.zeros(300)
+            cm, sm = formats.encode_m(m * 2.0**100)  # normal: the step's decay makes it tiny
+            cv, sv = formats.encode_v(torch.full((300,), 1e-6))
+            sm = sm * 2.0**-100
+            kcall(fn, [p], [g], [cm], [cv], sms=[sm], svs=[sv], moments=2, weight_decay=0.0,
+                  flush_denormal=flush)  # fmt: skip
+            got.append((cm, sm, cv, sv))
+        for x, y in zip(*got, strict=True):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), flush
+        assert got[0][1][0] == 0 and not got[0][0][:256].any(), flush

@@ -228,7 +228,9 @@ def _flat_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, w_ptr, fl_ptr, it_p
         bad = tl.reduce(bad_m | bad_y, 1, tl.standard._elementwise_max) != 0
         am = tl.abs(m)
         sm = tl.reduce(am, 1, tl.standard._elementwise_max)  # a NaN's block: NaN scales below
+        sm = tl.where(sm < 1.1754943508222875e-38, 0.0, sm)  # subnormal: flushed (formats.py)
         sv = tl.reduce(y, 1, tl.standard._elementwise_max)
+        sv = tl.where(sv < 1.1754943508222875e-38, 0.0, sv)
         inv_m = tl.div_rn(1.0, tl.where(sm > 0, sm, 1.0))  # 1 / scale, 1 where not > 0
         inv_v = tl.div_rn(1.0, tl.where(sv > 0, sv, 1.0))
         t = (am * inv_m[:, None]).to(tl.uint32, bitcast=True)

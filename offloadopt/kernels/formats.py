@@ -23,7 +23,9 @@ only for ``v == 0``: a nonzero y below the smallest value 2^-14 takes the smalle
 m/eps). Decode: ``v = (scale_v * value(code))^2``. Worst-case relative error of y for t in
 [2^-14, 1]: 1/32 (so about 1/16 on v).
 
-Blocks: a block whose absmax is 0 has scale 0 and all codes 0. A block holding a non-finite m
+Blocks: a block whose absmax is 0 has scale 0 and all codes 0; so has a block whose absmax is
+subnormal (below 2^-126, where ``1 / scale`` overflows to inf), its values flushed to zero as
+the CPU worker's flush-to-zero flushes them. A block holding a non-finite m
 or v (inf or NaN; also sqrt of a negative v) gets the scale NaN for both moments and all codes
 0, so the problem shows (every decoded value is NaN) instead of hiding. The element of largest
 magnitude decodes to exactly its block's scale (t = 1 is a code value). Encoding uses bit
@@ -40,6 +42,7 @@ BLOCK = 256
 _M_EXP_BIAS = 112  # fp32 exponent 127 - 15
 _SMALLEST = 0x38800000  # 2^-14 (fp32 bits)
 _HALF_SMALLEST = 0x38000000  # 2^-15
+_FLT_MIN = 2.0**-126  # the smallest normal fp32: a smaller block absmax flushes the block
 
 
 def nblocks(n: int) -> int:
@@ -91,6 +94,7 @@ def _scaled(blocks: torch.Tensor, magnitude: torch.Tensor) -> tuple[torch.Tensor
     """``(magnitude / its block's absmax, the absmax (the scale), whether the block holds a
     non-finite value)`` for ``blocks`` (nblocks, BLOCK) and their magnitudes, fp32."""
     scale = magnitude.amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
+    scale = torch.where(scale < _FLT_MIN, 0.0, scale)  # subnormal: flushed (1 / scale is inf)
     bad = ~torch.isfinite(blocks).all(dim=1)
     inv = torch.where(scale > 0, 1.0 / scale, torch.ones_like(scale))
     return magnitude * inv[:, None], scale, bad

@@ -248,10 +248,12 @@ struct Kern {
       *vsc = NAN;
       return;
     }
-    const float ms = u2f(ma), ys = u2f(ya);
+    // a subnormal absmax (below 2^-126, where 1/scale overflows to inf): a zero block, its
+    // values flushed as flush-to-zero flushes them (formats.py)
+    const float ms = ma < 0x00800000u ? 0.f : u2f(ma), ys = ya < 0x00800000u ? 0.f : u2f(ya);
     *msc = ms;
     *vsc = ys;
-    // t = |m| * (1/scale): one division a block (a zero block: scale 0, t = 0, codes 0)
+    // t = |m| * (1/scale): one division a block (a zero block: scale 0, t = |m| < 2^-126, codes 0)
     out.minv = ms == 0.f ? 1.f : 1.f / ms;
     out.yinv = ys == 0.f ? 1.f : 1.f / ys;
   }
@@ -268,17 +270,8 @@ struct Kern {
       return;
     }
     const F minv = V::setf(b.minv), yinv = V::setf(b.yinv);
-    if (!std::isfinite(b.minv) || !std::isfinite(b.yinv)) {
-      // a scale below 2^-128 (1/scale is inf): t is inf or NaN and a code's value past 8 bits,
-      // kept to its low 8 bits as formats.py does (st_u8 truncates; AVX2's packs saturate)
-      for (int k = 0; k < BLOCK; k += W) {
-        V::st_u8(Ms + k, m_code(V::ldf(b.m + k), minv));
-        V::st_u8(Vs + k, v_code(V::ldf(b.y + k), yinv));
-      }
-      return;
-    }
     // four vectors at a time (AVX2 packs their bytes in four instructions, not eight); t <= 1
-    // here, so every code fits 8 bits
+    // (a finite 1/scale: the scale is 0 or normal), so every code fits 8 bits
     for (int k = 0; k < BLOCK; k += 4 * W) {
       I cm[4], cv[4];
       for (int u = 0; u < 4; ++u) {
