@@ -193,7 +193,7 @@ class TrainConfig:
                 "--offload-fraction auto with --overlap delayed: the fraction decides which "
                 "params train on weights one step old, so one chosen from timings would make "
                 "the results depend on them; give a number (1.0 is the delayed update's usual "
-                "one), or a --max-gpu-memory budget"
+                "one), or, on a GPU, a --max-gpu-memory budget"
             )
         d = TrainConfig()
         for flag, value, default in (
