@@ -124,7 +124,7 @@ CASES = [
     (["train", "--offload-fraction", "auto", "--overlap", "delayed"],
      "--offload-fraction auto with --overlap delayed: the fraction decides which params train on "
      "weights one step old, so one chosen from timings would make the results depend on them; "
-     "give a number (1.0 is the delayed update's usual one), or a --max-gpu-memory budget"),
+     "give a number (1.0 is the delayed update's usual one), or, on a GPU, a --max-gpu-memory budget"),
     (["train", "--warmup-steps", "50", "--steps", "10"],
      "--warmup-steps: 50 is more than --steps 10 (the warm-up would never reach the peak --lr)"),
     (["audit", "--trace", "x.txt"],
