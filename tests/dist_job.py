@@ -153,6 +153,8 @@ def run_fsdp(rank: int, world: int, arg: str) -> dict:
     for name, (make, clip, shard) in runs.items():
         model = fresh("fsdp", **shard)
         opt = DelayedTorch(model) if make is None else make(model.parameters())
+        if name.endswith("_spec"):  # every step speculates: no holding back after a clip
+            opt.debug.speculation.MAX_HOLD = 0
         if "module" in name:
             opt.watch(model)
             out[f"{name}.hooks"] = opt.debug.publisher.module_waits[
@@ -238,6 +240,8 @@ def run_ddp(rank: int, world: int, arg: str) -> dict:
     for name, (make, clip, accumulate) in views.items():
         model = fresh("ddp_view")
         opt = make(model)
+        if name.endswith("_spec"):  # every step speculates: no holding back after a clip
+            opt.debug.speculation.MAX_HOLD = 0
         train(model, opt, rank, clip=clip, accumulate=accumulate)
         out[name] = whole(model)
         if name.startswith("bwd"):
