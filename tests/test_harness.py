@@ -422,6 +422,19 @@ def test_a_model_or_budget_larger_than_the_gpu_is_refused_before_the_build():
     ):
         check_fits_device(huge, cpu, total=host)
     check_fits_device(TrainConfig(preset="tiny", dtype="fp32", batch_size=64), cpu, total=host)
+    # gpt2-xl's fp32 weights (6.2 GB) fit 22 GB free, its weights, grads and AdamW state (16
+    # bytes a param, 24.9 GB) do not: the OOM killer ended the run, with no error (a new
+    # user's find); int8 moments (10 bytes a param) fit
+    xl, free = TrainConfig(preset="gpt2-xl", dtype="fp32", batch_size=1), 22 * 10**9
+    with pytest.raises(
+        UsageError,
+        match=r"gpt2-xl: its weights, grads and optimizer state are about 24\.92 GB .*, 16 "
+        r"bytes a param in fp32 with --optimizer hybrid: more than cpu holds \(22\.00 GB",
+    ):
+        check_fits_device(xl, cpu, total=free)
+    check_fits_device(dataclasses.replace(xl, state_dtype="int8"), cpu, total=free)
+    with pytest.raises(UsageError, match=r", 16 bytes a param in fp32 with --optimizer adamw: "):
+        check_fits_device(dataclasses.replace(xl, optimizer="adamw"), cpu, total=free)
     budget = TrainConfig(preset="tiny", dtype="fp32", max_gpu_memory="140GB")
     # a budget on the CPU path is no budget of the host's memory: a run without a GPU refuses it
     with pytest.raises(UsageError, match=r"^--max-gpu-memory 140\.00 GB .*: a budget of GPU memory, "

@@ -75,8 +75,21 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
     return model, opt
 
 
+def host_bytes_per_param(cfg: TrainConfig) -> int:
+    """A run's bytes per param in one memory: its weights and grads in ``cfg.dtype``, and the
+    optimizer's state (torch's AdamW: two moments in that dtype; HybridAdamW: fp32 masters of
+    non-fp32 params unless bf16-sr, and two moments in ``--state-dtype``). Activations and
+    staging are not counted: a lower bound."""
+    size = DTYPES[cfg.dtype].itemsize
+    if cfg.optimizer == "adamw":
+        return 4 * size
+    master = 4 if cfg.dtype != "fp32" and cfg.master_weights == "fp32" else 0
+    return 2 * size + master + {"fp32": 8, "bf16": 4, "int8": 2}[cfg.state_dtype]
+
+
 def check_fits_device(cfg: TrainConfig, device: torch.device, total: int | None = None) -> None:
-    """Before the model is built: its weights alone, and the logits of one micro-batch (fp32,
+    """Before the model is built: its weights alone (on the CPU, with its grads and optimizer
+    state: :func:`host_bytes_per_param`), and the logits of one micro-batch (fp32,
     batch x sequence x vocabulary: a lower bound of the activations), must fit the device
     (``total``: its bytes; default: a GPU's memory, or on the CPU the host's MemAvailable),
     and ``--max-gpu-memory`` must not exceed a GPU's memory; otherwise the build or the first
@@ -109,6 +122,16 @@ def check_fits_device(cfg: TrainConfig, device: torch.device, total: int | None 
             f"{cfg.dtype}, more than {name} holds ({format_bytes(total)}); a smaller preset, "
             f"or {'a GPU' if device.type == 'cuda' else 'a machine'} with more memory"
         )
+    if device.type == "cpu":  # the host holds everything: weights, grads and the state too
+        per = host_bytes_per_param(cfg)
+        if pc.num_params() * per > total:
+            raise UsageError(
+                f"--preset {cfg.preset}: its weights, grads and optimizer state are about "
+                f"{format_bytes(pc.num_params() * per)}, {per} bytes a param in {cfg.dtype} "
+                f"with --optimizer {cfg.optimizer}: more than {name} holds "
+                f"({format_bytes(total)}); a smaller preset, compressed state "
+                "(--state-dtype int8), or a machine with more memory"
+            )
     seq, batch = cfg.seq_len or pc.block_size, cfg.batch_size or 1  # (resolved: both set)
     logits = batch * seq * pc.vocab_size * 4
     if logits > total:
