@@ -109,7 +109,11 @@ CASES = [
     (["train", "--measure-fwd-bwd", "-1"], "--measure-fwd-bwd: -1 is not an integer >= 0"),
     (["train", "--seed", str(2**70)], f"--seed: {2**70} is too large (at most 2**63 - 1)"),
     (["train", "--data", "empty.txt"], "--data: 'empty.txt': empty file (0 bytes)"),
-    (["bench", "--data", "/dev/null"], "--data: '/dev/null': empty file (0 bytes)"),
+    (["bench", "--data", "/dev/null"],
+     "--data: '/dev/null' is no regular file (a device, a pipe or a socket): give a file"),
+    # /dev/zero was read until the OOM killer ended the run (a new user's find)
+    (["train", "--data", "/dev/zero"],
+     "--data: '/dev/zero' is no regular file (a device, a pipe or a socket): give a file"),
     (["train", "--data", "small.txt"],
      "--data: 'small.txt': 200 bytes give a held-out split of 20 tokens, fewer than --seq-len + 1 "
      "= 129 (use at least 1,290 bytes of text, or a smaller --seq-len)"),

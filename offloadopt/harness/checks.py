@@ -229,12 +229,16 @@ def out_dir(value: Any) -> str:
 
 
 def input_file(value: Any) -> str:
-    """A file to read: it exists and is not a folder (its content is checked by its reader)."""
+    """A file to read: it exists and is a regular file, not a folder, a device or a pipe (its
+    content is checked by its reader)."""
     path = _path(value)
     if not path.exists():
         raise UsageError(f"{str(path)!r}: no such file")
     if path.is_dir():
         raise UsageError(f"{str(path)!r} is a folder, not a file")
+    if not path.is_file():  # /dev/zero was read until the OOM killer came; a pipe would hang
+        raise UsageError(f"{str(path)!r} is no regular file (a device, a pipe or a socket): "
+                         "give a file")  # fmt: skip
     if not os.access(path, os.R_OK):
         raise UsageError(f"{str(path)!r}: cannot read it (permission denied)")
     return str(path)
