@@ -356,3 +356,34 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, capsys
     assert main([*ARGS, "--no-stop-on-nonfinite"]) == 0
     out = capsys.readouterr().out
     assert f"step {N + 1:6d}/{2 * N} | loss    nan" in out and f"step {2 * N:6d}/" in out
+
+
+@pytest.mark.parametrize("fmt", ["file", "streamed"])
+def test_resume_knows_the_data_by_its_bytes_not_its_path(tmp_path, capsys, monkeypatch, fmt):
+    """A new user's finds: the same text under another path was refused ("--data 'a.txt'
+    there, '/.../a.txt' here"), and a file rewritten under the same path resumed and trained on
+    other bytes. The checkpoint holds the data's sha256: the same bytes by any path resume bit
+    for bit, other bytes are refused, naming both."""
+    from offloadopt.harness.data import default_text
+
+    text = default_text()[:200_000]
+    (tmp_path / "a.txt").write_bytes(text)
+    monkeypatch.chdir(tmp_path)
+    argv = [*ARGS, "--data", "a.txt"]
+    status, whole, _ = _run(capsys, argv)
+    assert status == 0
+    ck = str(tmp_path / "ck")
+    real_get_batch = _interrupt_at_step(monkeypatch, N + 1)
+    status, first, _ = _run(capsys, [*argv, "--save", ck, "--save-every", "1",
+                                     "--checkpoint-format", fmt])  # fmt: skip
+    monkeypatch.setattr(train, "get_batch", real_get_batch)
+    assert status == 130
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_bytes(text)
+    other = [*ARGS, "--data", str(tmp_path / "sub" / "b.txt")]
+    status, rest, _ = _run(capsys, [*other, "--resume", ck])
+    assert status == 0 and {**first, **rest} == whole
+    (tmp_path / "a.txt").write_bytes(text.replace(b"e", b"f"))  # same path, other bytes
+    assert main([*argv, "--resume", ck]) == 2
+    err = capsys.readouterr().err
+    assert "was saved training on other data: --data 'a.txt' there (sha256 " in err, err

@@ -12,7 +12,9 @@ tokens keep the loss at ln(vocab_size) whatever the optimizer does.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,22 @@ def default_text() -> bytes:
     from pydoc_data import topics
 
     return "".join(topics.topics[k] for k in sorted(topics.topics)).encode("utf-8")
+
+
+_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime) -> text_digest's answer
+
+
+def text_digest(path: str | None) -> str:
+    """The sha256 of the bytes :func:`load_text` trains on (the pydoc topics when ``path`` is
+    None): a resumed run's data is the saved run's by its bytes, not by its path. Kept per
+    file and modification time, so a run saving often reads its data file once."""
+    if path is None:
+        return hashlib.sha256(default_text()).hexdigest()
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return _DIGESTS[key]
 
 
 def byte_entropy_nats(data: bytes | torch.Tensor) -> float:

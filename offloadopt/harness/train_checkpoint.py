@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from offloadopt.harness.checks import UsageError
+from offloadopt.harness.data import text_digest
 from offloadopt.harness.options import TrainConfig
 from offloadopt.state import integrity
 from offloadopt.state.integrity import fsync_save
@@ -62,6 +63,7 @@ def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: tor
         "first_train_loss": first_loss,
         "delayed_weights": dict(delayed_weights or {}),
         "torch": str(torch.__version__),
+        "data_sha256": text_digest(cfg.data),  # the data by its bytes (_checked)
     }
     if cfg.checkpoint_format == "streamed":
         return opt.save_streamed(path, model=model, extra=payload)
@@ -184,8 +186,19 @@ def _checked(ck: Any, cfg: TrainConfig, name: str) -> dict:
     # a field the saved config lacks came after the checkpoint: its run had the default
     # (--grad-accum 1 before gradient accumulation existed)
     saved = {**asdict(TrainConfig()), **saved}
+    may_change = RESUME_MAY_CHANGE
+    digest = ck.get("data_sha256")
+    if digest is not None:  # the data by its bytes: the same file by another path resumes,
+        may_change += ("data",)  # a file changed under the same path does not
+        here = text_digest(cfg.data)
+        if here != digest:
+            raise UsageError(
+                f"{name} was saved training on other data: --data {saved.get('data')!r} there "
+                f"(sha256 {digest[:16]}...), {cfg.data!r} here (sha256 {here[:16]}...); a "
+                "resumed run must read the same bytes to continue its losses exactly"
+            )
     differ = [f"--{k.replace('_', '-')} {saved.get(k)!r} there, {v!r} here"
-              for k, v in ours.items() if k not in RESUME_MAY_CHANGE and saved.get(k) != v]  # fmt: skip
+              for k, v in ours.items() if k not in may_change and saved.get(k) != v]  # fmt: skip
     if differ:
         raise UsageError(f"{name} was saved with other settings: {'; '.join(differ)} (a resumed "
                          "run takes the saved run's, to continue its losses exactly)")  # fmt: skip
