@@ -337,7 +337,12 @@ def test_a_choice_left_above_the_limit_warns_with_what_was_kept(monkeypatch):
     fraction kept, the measured step and the limit. (Forced here: the model picks fraction 1
     whatever it predicts, each bucket costs 2 ms, and no correction is allowed; no baseline,
     as in the test above.)"""
-    monkeypatch.setattr(auto.AutoFraction, "_baseline", lambda self, f: self._want(f, "verify"))
+
+    def baseline(self, f):  # fraction 0 "measured" at half its prediction: the limit's base
+        self.choice["measured_step_ms_at_0"] = 0.5 * self.choice["predicted_step_ms_at_0"]
+        return self._want(f, "verify")
+
+    monkeypatch.setattr(auto.AutoFraction, "_baseline", baseline)
     monkeypatch.setattr(auto.costmodel, "largest_hidden",
                         lambda m, tol, mode: costmodel.predict(m, 1.0, mode))  # fmt: skip
     monkeypatch.setattr(auto, "CORRECTIONS", 0)
@@ -349,6 +354,13 @@ def test_a_choice_left_above_the_limit_warns_with_what_was_kept(monkeypatch):
         train(m, opt)
     assert opt.placement_choice["within_tolerance"] is False
     assert [w.filename for w in caught if "auto" in str(w.message)] == [__file__]
+    # the limit and the figure it is made from agree (the warning gave the prediction beside
+    # a limit made from the measured fraction 0: "limit 1.2 ms (1.05 x ... predicted 1.3 ms)")
+    text = next(str(w.message) for w in caught if "auto" in str(w.message))
+    limit, factor, zero = re.search(r"limit ([\d.]+) ms \(([\d.]+) x fraction 0's ([\d.]+) ms\)",
+                                    text).groups()  # fmt: skip
+    assert abs(float(limit) - float(factor) * float(zero)) <= 0.06 * float(factor), text
+    assert float(zero) == round(opt.placement_choice["measured_step_ms_at_0"], 1), text
 
 
 def test_the_probe_times_the_device_update_alone_then_overlaps_it_again(monkeypatch):

@@ -437,7 +437,7 @@ class AutoFraction:
             warn(
                 f"offload_fraction='auto' kept fraction {fraction:g}: its step measured "
                 f"{measured:.1f} ms, above the limit {limit:.1f} ms ({1 + self.tolerance:g} x "
-                f"fraction 0's predicted {self.choice['predicted_step_ms_at_0']:.1f} ms) after "
+                f"fraction 0's {zero:.1f} ms) after "
                 f"{len(corrections)} corrections. The host's speed moved between the probe "
                 f"(measured {probe[0]:.1f} ms, predicted {probe[1]:.1f}) and these steps; give "
                 "offload_fraction a number, or call opt.set_offload_fraction(), to choose "
