@@ -199,11 +199,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``--help`` returns 0, Ctrl-C 130, SIGTERM 143 (raised as :class:`Terminated`, a
     ``KeyboardInterrupt``, so the same clean-up runs).
     """
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse's exit: --help (0) or a usage error (2)
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
+    except KeyboardInterrupt:  # Ctrl-C while the options are checked (a new user's find:
+        print("offloadopt: interrupted", file=sys.stderr)  # a 53-line traceback)
+        return 130
     previous = None  # SIGTERM's handler, when this replaced the default (main thread only)
     if (
         threading.current_thread() is threading.main_thread()

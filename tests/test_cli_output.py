@@ -83,3 +83,17 @@ def test_a_bench_on_the_cpu_says_what_it_measures_and_where_it_ran(capsys, tmp_p
 
 def test_the_commit_is_none_outside_a_checkout(tmp_path):
     assert provenance.commit(tmp_path) is None
+
+
+def test_ctrl_c_while_the_options_are_checked_is_one_line_and_130(capsys, monkeypatch):
+    """A new user's find: Ctrl-C in the first second (argparse checking the options, which
+    imports torch) printed a 53-line KeyboardInterrupt traceback instead of the one line and
+    status 130 that an interrupt later in the run gives."""
+    import argparse
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", interrupted)
+    assert main(["train", "--steps", "2"]) == 130
+    assert capsys.readouterr().err == "offloadopt: interrupted\n"
