@@ -106,6 +106,9 @@ CASES = [
     (["train", "--grad-accum", "four"], "--grad-accum: 'four' is not an integer >= 1"),
     (["train", "--grad-accum", "1000000"],
      "--grad-accum: '1000000' is too large (at most 65,536 micro-batches a step)"),
+    # 10**11 was taken, and the first evaluation never ended (a new user's find)
+    (["train", "--eval-batches", "100000000000"],
+     "--eval-batches: '100000000000' is too large (at most 65,536 batches an evaluation)"),
     (["train", "--measure-fwd-bwd", "-1"], "--measure-fwd-bwd: -1 is not an integer >= 0"),
     (["train", "--seed", str(2**70)], f"--seed: {2**70} is too large (at most 2**63 - 1)"),
     (["train", "--data", "empty.txt"], "--data: 'empty.txt': empty file (0 bytes)"),

@@ -102,6 +102,7 @@ def positive_int(value: Any) -> int:
 
 # micro-batches a step: 65,536 x one sequence of 1,024 tokens is 67M tokens a step, beyond any
 # batch in use; a larger count is a typo that would build the model and run without end
+MAX_EVAL_BATCHES = 2**16  # --eval-batches: the same bound as --grad-accum
 MAX_GRAD_ACCUM = 2**16
 
 
@@ -111,6 +112,17 @@ def grad_accum(value: Any) -> int:
     if n > MAX_GRAD_ACCUM:
         raise UsageError(
             f"{_shown(value)} is too large (at most {MAX_GRAD_ACCUM:,} micro-batches a step)"
+        )
+    return n
+
+
+def eval_batches(value: Any) -> int:
+    """Batches per held-out evaluation: an integer in [1, 65,536] (10**11 was taken, and the
+    first evaluation never ended)."""
+    n = _int(value, 1)
+    if n > MAX_EVAL_BATCHES:
+        raise UsageError(
+            f"{_shown(value)} is too large (at most {MAX_EVAL_BATCHES:,} batches an evaluation)"
         )
     return n
 

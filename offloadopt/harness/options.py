@@ -326,7 +326,7 @@ FIELD_CHECKS = {
     "seed": checks.seed,
     "data": checks.input_file,
     "eval_every": checks.positive_int,
-    "eval_batches": checks.positive_int,
+    "eval_batches": checks.eval_batches,
     "log_every": checks.positive_int,
     "save": checks.checkpoint_path,
     "save_every": checks.nonneg_int,
