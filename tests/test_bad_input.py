@@ -125,6 +125,8 @@ CASES = [
     (["bench", "--out", "afile"], "--out: 'afile' exists and is not a folder"),
     (["bench", "--out", "afile/sub"], "--out: 'afile/sub': 'afile' is not a folder"),
     (["audit", "--trace", "emptydir"], "--trace: 'emptydir' is a folder, not a file name"),
+    (["train", "--save", "emptydir"],
+     "--save emptydir is an empty folder; --checkpoint-format file writes one file (give a file name, or --checkpoint-format streamed)"),
     (["audit", "--trace", "fulldir"], "--trace: 'fulldir' is a folder, not a file name"),
     (["train", "--device", "cuda:99"],
      NO_CUDA if not torch.cuda.is_available() else f"torch sees {torch.cuda.device_count()}"),

@@ -109,7 +109,7 @@ def test_checkpoint_format_refusals_name_the_values(tmp_path, capsys):
         ([*ARGS, "--optimizer", "adamw", "--save", str(tmp_path / "a"), "--checkpoint-format",
           "streamed"], "only HybridAdamW"),
         ([*ARGS, "--resume", str(folder)], "no streamed checkpoint"),
-        ([*ARGS, "--save", str(folder)], "is a folder"),
+        ([*ARGS, "--save", str(folder)], "is an empty folder; --checkpoint-format file writes"),
         # accepted silently before: the format of nothing
         ([*ARGS, "--checkpoint-format", "streamed"], "needs --save PATH"),
     ]  # fmt: skip
@@ -387,3 +387,14 @@ def test_resume_knows_the_data_by_its_bytes_not_its_path(tmp_path, capsys, monke
     assert main([*argv, "--resume", ck]) == 2
     err = capsys.readouterr().err
     assert "was saved training on other data: --data 'a.txt' there (sha256 " in err, err
+
+
+def test_a_streamed_checkpoint_goes_into_an_empty_folder(tmp_path, capsys):
+    """A new user's find: --checkpoint-format streamed refused an empty folder ("is a folder,
+    not a file name"), which save_streamed takes (docs/checkpoints.md)."""
+    from offloadopt.state.streamed import read_extra
+
+    empty = tmp_path / "ck"
+    empty.mkdir()
+    status, _, _ = _run(capsys, [*ARGS, "--save", str(empty), "--checkpoint-format", "streamed"])
+    assert status == 0 and read_extra(str(empty))["step"] == 2 * N

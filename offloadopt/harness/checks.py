@@ -268,10 +268,12 @@ def output_file(value: Any) -> str:
 
 
 def checkpoint_path(value: Any) -> str:
-    """Where ``--save`` writes: a file name (:func:`output_file`), or an existing streamed
-    checkpoint folder (one with an ``index.pt``, which the next save replaces whole)."""
+    """Where ``--save`` writes: a file name (:func:`output_file`), an existing streamed
+    checkpoint folder (one with an ``index.pt``, which the next save replaces whole), or an
+    empty folder (a streamed checkpoint goes there: ``save_streamed`` takes one; the file
+    format refuses it in ``TrainConfig``'s checks, which know the format)."""
     path = _path(value)
-    if path.is_dir() and (path / "index.pt").is_file():
+    if path.is_dir() and ((path / "index.pt").is_file() or not any(path.iterdir())):
         _writable_folder(path.parent, repr(str(path)))
         return str(path)
     return output_file(value)

@@ -263,9 +263,10 @@ class TrainConfig:
                 "writes streamed checkpoints; use --checkpoint-format file"
             )
         if cfg.save is not None and os.path.isdir(cfg.save) and cfg.checkpoint_format != "streamed":
+            what = "a streamed checkpoint folder" if os.listdir(cfg.save) else "an empty folder"
             raise UsageError(
-                f"--save {cfg.save} is a streamed checkpoint folder; --checkpoint-format file "
-                "writes one file (give a file name, or --checkpoint-format streamed)"
+                f"--save {cfg.save} is {what}; --checkpoint-format file writes one file (give a "
+                "file name, or --checkpoint-format streamed)"
             )
         if (
             cfg.save is not None
