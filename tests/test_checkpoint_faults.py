@@ -398,3 +398,19 @@ def test_checkpoints_of_an_offloadopt_before_checksums_still_load_with_one_warni
     with pytest.raises(checks.UsageError, match="is damaged: a version 2 checkpoint ends with"):
         load_checkpoint(file, cfg)
     opt.close()
+
+
+def test_a_byte_of_the_checksum_itself_damaged_is_named_so(tmp_path):
+    """A new user's find: a flipped byte inside the stored checksum was printed raw as the
+    digest "written" (``xxh3_64 45fa2aaacdcfae"4 written``); it now says the checksum at the
+    file's end is no digest."""
+    path = tmp_path / "x.pt"
+    integrity.fsync_save({"w": torch.arange(10.0)}, str(path))
+    algorithm, stored, computed = integrity.checksum_of(str(path))
+    assert algorithm == integrity.ALGORITHM and stored == computed
+    data = bytearray(path.read_bytes())
+    data[data.rindex(stored.encode()) + 14] = ord('"')
+    path.write_bytes(bytes(data))
+    with pytest.raises(integrity.Damaged, match="the checksum written at its end at save is no "
+                       "xxh3_64 digest .*; its bytes cannot be verified"):  # fmt: skip
+        integrity.verify(str(path), "x.pt")

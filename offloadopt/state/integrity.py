@@ -160,6 +160,11 @@ def checksum_of(path: str) -> tuple[str, str, str] | None:
             return algorithm, stored, f"{h.intdigest():016x}"
 
 
+def _is_digest(text: str) -> bool:
+    """Whether ``text`` reads as a digest this module writes: 16 lowercase hex digits."""
+    return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
+
+
 def verify(path: str, what: str, expect: str | None = None, required: bool = True) -> bool:
     """Check the file ``path`` (``what`` names it in messages) against the checksum at its
     end, and against ``expect`` (the digest another file recorded for it) when given.
@@ -182,6 +187,9 @@ def verify(path: str, what: str, expect: str | None = None, required: bool = Tru
     if algorithm != ALGORITHM:
         raise Damaged(f"{what} is damaged or of a newer offloadopt: its checksum is "
                       f"{algorithm!r}, this offloadopt computes {ALGORITHM!r}")  # fmt: skip
+    if computed != stored and not _is_digest(stored):  # a byte of the checksum itself hit
+        raise Damaged(f"{what} is damaged: the checksum written at its end at save is no "
+                      f"{ALGORITHM} digest ({stored!r}); its bytes cannot be verified")  # fmt: skip
     if computed != stored:
         raise Damaged(f"{what} is damaged: its bytes do not match the checksum written with "
                       f"them at save ({ALGORITHM} {stored} written, {computed} now)")  # fmt: skip
