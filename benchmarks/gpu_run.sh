@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|spec|spec3|spec4|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|spec|spec3|spec4|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|kernelab|hold|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -194,6 +194,23 @@ for part in "${@:-all}"; do
       --release-grads --grad-clip 0 --offload-fraction auto --max-gpu-memory "${LARGEST_BUDGET:-140GB}" ${LARGEST_EXTRA:-} \
       --steps 20 --warmup-steps 10 --eval-every 10 --eval-batches 2 --log-every 1 --no-progress \
       2>&1 | tee "$OUT/largest.log" | grep -v '^{' | tail -26
+  fi
+  if [[ $part == kernelab ]]; then
+    # issue 43: the CPU kernel before and after a change, side by side on one host, twice
+    # interleaved; KERNEL_BASE holds the old package, made here with
+    #   mkdir -p .kbase && git archive <commit> offloadopt | tar -x -C .kbase   (and carried)
+    for r in 1 2; do for v in base new; do
+      if [[ $v == base ]]; then pp=$PWD/${KERNEL_BASE:-.kbase}; kd=/tmp/kbase; else pp=$PWD; kd=/tmp/knew; fi
+      echo "== $v round $r" | tee -a "$OUT/kernelab.txt"
+      PYTHONPATH=$pp OFFLOADOPT_KERNEL_DIR=$kd timeout 150 python3 benchmarks/cpu_kernel.py --repeats 3 \
+        --modes "fp32m int8 state" "bf16m int8 state" 2>&1 | tee -a "$OUT/kernelab.txt" | tail -4
+    done; done
+  fi
+  if [[ $part == hold ]]; then
+    # issue 46: speculation's held-back steps (FOLLOW_CLIP) against the clipped path, interleaved
+    timeout 300 python3 benchmarks/overlap_bench.py --out "$OUT/hold" --warmup 3 --steps 6 --no-probe --no-memory \
+      --only f0 "backward f0.1 clip" "backward f0.1 clip spec" "backward f0.2 clip" "backward f0.2 clip spec" \
+      "backward f0.2 clip spec maxnorm100" "backward f0.2 clip" "backward f0.2 clip spec" 2>&1 | tee "$OUT/hold.log" | grep " step "
   fi
   if [[ $part == largest0 ]]; then
     # issue 14: the largest GPT at fraction 0 (every state on the GPU), for the table
