@@ -171,10 +171,10 @@ class Speculation:
     def wants(self, st: Step) -> bool:
         """Whether ``st`` speculates: decided once per step. Not when the last step clipped
         (:attr:`FOLLOW_CLIP`: its coefficient, copied to the host at its end of backward, if
-        it has landed; else the one before); and after a redo the next step does not either, after another redo
-        in a row the next 2, 4, ... up to :attr:`MAX_HOLD` steps; a speculative step that
-        stands ends the back-off. Held back, a step runs the non-speculative path (the same
-        bits either way)."""
+        it has landed; else the one before). After a redo the next step does not either,
+        after another redo in a row the next 2, 4, ... up to :attr:`MAX_HOLD` steps; a
+        speculative step that stands ends the back-off. Held back, a step runs the
+        non-speculative path (the same bits either way)."""
         if st.speculates is None:
             st.speculates = self.hold_left <= 0 and not self._last_clipped()
             if not st.speculates:
@@ -205,9 +205,9 @@ class Speculation:
         # Its copy was queued at the last end of backward, after the norm. Not waited for:
         # the training thread may run ahead of the GPU by more than a step's forward, and a
         # wait here would take that lead away in every backward (on the GPU host, held-back
-        # steps at fraction 0.2 took 7-15% longer than the clipped path while it waited). Not
-        # landed yet: the last coefficient read stands. The decision changes no bits, so
-        # ranks that decide differently still agree.
+        # steps at fraction 0.2 took 7-15% longer than the clipped path with such a wait; the
+        # query was not measured there yet). Not landed yet: the last coefficient read
+        # stands. The decision changes no bits, so ranks that decide differently still agree.
         if self._coef_pending and (self._coef_landed is None or self._coef_landed.query()):
             self._coef_pending = False
             self.clipped = not float(self._coef_host) == 1.0  # NaN too
