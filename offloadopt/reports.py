@@ -137,7 +137,7 @@ class Reports:
         speculatively), ``redone_clip`` / ``redone_inf`` (steps undone and made again because
         the clip coefficient was below 1.0 / found_inf was set), ``redone_buckets``,
         ``discarded`` (steps rolled back by :meth:`discard_failed_step`), ``held_back``
-        (steps that did not speculate because the steps before were redone), and
+        (steps that did not speculate: after redos, or after a step that clipped), and
         ``backup_nbytes`` (pageable host bytes of the pre-step copies, kept between steps),
         ``device_extra_peak_nbytes`` (the most device bytes speculation held beyond the run
         without it, measured at each speculative step's start and end; documented bound:

@@ -457,18 +457,23 @@ def test_a_dropped_speculative_optimizer_frees_its_state_at_once():
         gc.enable()
 
 
+def held_run(factors: list[int]) -> dict:
+    """The speculative run of ``factors`` (a step each), checked bitwise against the run
+    without speculation; returns its speculation counts."""
+    want = run(False, steps=len(factors), factors=factors)
+    got = run(True, steps=len(factors), factors=factors)
+    assert_bitwise(got[0], want[0], "params")
+    assert_bitwise(got[1], want[1], "state")
+    return got[3]
+
+
 def test_after_redos_the_next_steps_are_held_back_then_speculate_again(monkeypatch):
     """While every step clips, each speculative step is redone: its updates made twice, its
     backups written (on the GPU host 1.48x the step without speculation). After a redo the
     next step does not speculate, after another the next 2, then 4 (up to MAX_HOLD); a step
     that stands ends the back-off. The bits are the non-speculative run's either way."""
     monkeypatch.setattr(Speculation, "MAX_HOLD", 4)
-    factors = [100] * 12 + [1] * 4
-    want = run(False, steps=len(factors), factors=factors)
-    got = run(True, steps=len(factors), factors=factors)
-    assert_bitwise(got[0], want[0], "params")
-    assert_bitwise(got[1], want[1], "state")
-    counts = got[3]
+    counts = held_run([100] * 12 + [1] * 4)
     # steps 0 (redone), 1 held, 2 (redone), 3-4 held, 5 (redone), 6-9 held, 10 (redone),
     # 11 held (4 left: the clipping ends), 12-14 held, 15 speculates and stands
     assert counts["redone_clip"] == 4 and counts["held_back"] == 11, counts
@@ -482,12 +487,7 @@ def test_after_a_step_that_clipped_the_next_does_not_speculate(monkeypatch):
     sync. The bits are the non-speculative run's."""
     monkeypatch.setattr(Speculation, "MAX_HOLD", 8)
     monkeypatch.setattr(Speculation, "FOLLOW_CLIP", True)
-    factors = [100] * 6 + [1] * 4
-    want = run(False, steps=len(factors), factors=factors)
-    got = run(True, steps=len(factors), factors=factors)
-    assert_bitwise(got[0], want[0], "params")
-    assert_bitwise(got[1], want[1], "state")
-    counts = got[3]
+    counts = held_run([100] * 6 + [1] * 4)
     # step 0 speculates and is redone; 1-5 clip and 6 follows a step that clipped: held;
     # 6 does not clip, so 7, 8 and 9 speculate and stand
     assert counts["redone_clip"] == 1 and counts["held_back"] == 6, counts

@@ -110,8 +110,8 @@ def check_fits_device(cfg: TrainConfig, device: torch.device, total: int | None 
     elif device.type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device)
         total, name = props.total_memory, f"{device} ({props.name})"
-    elif device.type == "cpu" and mem_available() is not None:
-        total, name = mem_available(), "the host (its MemAvailable)"
+    elif device.type == "cpu" and (total := mem_available()) is not None:
+        name = "the host (its MemAvailable)"
     else:
         return
     pc = PRESETS[cfg.preset]

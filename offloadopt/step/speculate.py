@@ -97,8 +97,9 @@ class Speculation:
             bucket fed speculatively that the worker had not started is dropped instead, and
             counts nowhere), ``discarded`` (steps rolled back by ``discard_failed_step()``,
             their bucket updates counted in ``buckets``), ``held_back`` (steps that did not
-            speculate: after redos, or after a step that clipped; :meth:`wants`). A step whose clip coefficient is
-            not finite or 0 (an inf or NaN grad without a GradScaler) counts as a clip.
+            speculate: after redos, or after a step that clipped; :meth:`wants`). A step
+            whose clip coefficient is not finite or 0 (an inf or NaN grad without a
+            GradScaler) counts as a clip.
     """
 
     def __init__(self, scaling: Scaling, placer: Placer, timeout_s: float, in_kernel=None):
@@ -186,7 +187,7 @@ class Speculation:
         """At the end of backward of a step that made no speculative update, once its clip
         coefficient is decided: queue its copy to the host (no sync), which the next
         :meth:`wants` reads once it has landed."""
-        coef = st.scale[-1] if isinstance(st.scale, tuple) else st.scale
+        coef = _coefficient(st)
         if not (self.FOLLOW_CLIP and self.MAX_HOLD) or not isinstance(coef, torch.Tensor):
             return
         if self._coef_host is None:
@@ -300,7 +301,7 @@ class Speculation:
         if st.amp is not None and st.amp.found_inf is not None and float(st.amp.found_inf) != 0:
             reason = "inf"
         elif self.scaling.max_grad_norm is not None:
-            coef = st.scale[-1] if isinstance(st.scale, tuple) else st.scale
+            coef = _coefficient(st)
             if coef is not None and not float(coef) == 1.0:  # NaN too
                 reason = "clip"
         self._coef_pending = False  # this step's coefficient is the last one known
@@ -373,3 +374,9 @@ class Speculation:
     def _ranges(b: Bucket) -> list[torch.Tensor]:
         """``b``'s range of the arena's master, then of each state buffer (arena order)."""
         return [b.range_of(flat) for flat in (b.arena.master, *b.arena.states.values())]
+
+
+def _coefficient(st: Step) -> Any:
+    """``st``'s clip coefficient (the last of its clip factors, after a GradScaler's inverse
+    scale), or None without ``max_grad_norm``."""
+    return st.scale[-1] if isinstance(st.scale, tuple) else st.scale
