@@ -4,10 +4,12 @@
 // simd.h and after the ISA-free declarations (Job, Coefs, Master, Moments, BLOCK) of
 // adam_cpu.cpp. Its one export is `pick`, the span function of a mode.
 //
-// A span is a run of whole 256-element blocks of one tensor (the last may be short). Full
-// vectors go through `Kern::one`; a tensor's ragged end (fewer than W elements, or a short
-// int8 block) is copied into zero-padded local arrays, run through the same `one`, and copied
-// back: the lanes are independent, so the bits do not depend on where a vector starts.
+// A span is a run of whole 256-element blocks of one tensor (the last may be short). The
+// compressed modes go 2W elements at a time through `Kern::pair`, in simd.h's paired order; the
+// all-fp32 mode (torch's) one vector at a time through `Kern::one`, in element order. A
+// tensor's ragged end (fewer than 2W or W elements, or a short int8 block) is copied into
+// zero-padded local arrays, run through the same function, and copied back: the lanes are
+// independent, so the bits do not depend on where a vector starts or on the lanes' order.
 
 template <Master MK, bool GBF16, Moments SK, bool WOUT>
 struct Kern {
@@ -27,8 +29,9 @@ struct Kern {
     F m_scale, v_scale;  // int8: the block's scales
     I gsign;             // maximize: the sign bit to flip in g
     bool has_gs, maximize, adamw, l2, lerp_small;
-    // stochastic rounding: lo32 of each lane's counter, and the keys (sr_key in adam_cpu.cpp)
-    I lo, lo_first, key[2], key_wrapped[2];
+    // stochastic rounding: lo32 of each lane's counter (a pair's two vectors), and the keys
+    // (sr_key in adam_cpu.cpp)
+    I lo[2], lo_first, key[2], key_wrapped[2];
     bool wraps;  // lo32 of the counter wraps inside this span (hi32 steps up by one)
     // weights_out (write-only) written with streaming stores when aligned for them: the lines
     // are not read first (2 bytes an element, not 4)
@@ -56,10 +59,13 @@ struct Kern {
     c.lerp_small = k.lerp_small;
     const uint64_t base = (uint64_t)(J.offsets[i] + j0);
     const uint32_t lo0 = (uint32_t)base, hi0 = (uint32_t)(base >> 32);
-    c.lo = V::add(V::seti(lo0), V::iota());
+    V::iota2(c.lo[0], c.lo[1]);
+    c.lo[0] = V::add(V::seti(lo0), c.lo[0]);
+    c.lo[1] = V::add(V::seti(lo0), c.lo[1]);
     c.lo_first = V::seti(lo0);
     c.wraps = (uint64_t)lo0 + (uint64_t)len > 0x100000000ULL;
-    c.wo_stream = WOUT && reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(J.wo[i]) + j0) % V::kStreamAlign == 0;
+    c.wo_stream = WOUT && reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(J.wo[i]) + j0) %
+                              (kParity ? V::kStreamAlign : V::kStreamAlign2) == 0;
     for (int d = 0; d < 2; ++d) {
       c.key[d] = V::seti(draw_key(k.key[d], hi0));
       c.key_wrapped[d] = V::seti(draw_key(k.key[d], hi0 + 1));
@@ -67,12 +73,12 @@ struct Kern {
     return c;
   }
 
-  // 32 random bits per lane of draw d (0: master, 1: moments)
+  // 32 random bits per lane of draw d (0: master, 1: moments); lo: the lanes' counters
   template <bool PLAIN>
-  static inline I draw(const Ctx& c, int d) {
+  static inline I draw(const Ctx& c, I lo, int d) {
     I key = c.key[d];
-    if (!PLAIN && c.wraps) key = V::sel(V::lt_u(c.lo, c.lo_first), c.key_wrapped[d], key);
-    I x = V::bxor(c.lo, key);
+    if (!PLAIN && c.wraps) key = V::sel(V::lt_u(lo, c.lo_first), c.key_wrapped[d], key);
+    I x = V::bxor(lo, key);
     x = V::bxor(x, V::template srl<16>(x));
     x = V::mullo(x, V::seti(0x7FEB352Du));
     x = V::bxor(x, V::template srl<15>(x));
@@ -94,10 +100,10 @@ struct Kern {
     return V::sel(V::isnan(x), V::seti(0x7FC0u), out);
   }
 
-  // int8: the moments of the 2W elements at Ms, Vs (formats.py: m = +-scale * 2^(e-15) *
-  // (1 + f/8), v = (scale * 2^(e-15) * (1 + f/16))^2). A code's value is a bf16 pattern (m:
-  // sign << 15 | (mag + 112 << 3) << 4, v: (code + 112 << 4) << 3; 0 for a zero magnitude),
-  // built in 16-bit lanes, 2W at a time. FINITE (the block's exp_avg scale): the sign goes
+  // int8: the moments of the 2W elements at Ms, Vs, in the paired order (formats.py: m = +-scale
+  // * 2^(e-15) * (1 + f/8), v = (scale * 2^(e-15) * (1 + f/16))^2). A code's value is a bf16
+  // pattern (m: sign << 15 | (mag + 112 << 3) << 4, v: (code + 112 << 4) << 3; 0 for a zero
+  // magnitude), built in 16-bit lanes, 2W at a time. FINITE (the block's exp_avg scale): the sign goes
   // into the pattern (scale * -x == -(scale * x) unless the product is NaN); otherwise it is
   // flipped after the product, as formats.decode_m does (a NaN's sign then matches).
   template <bool FINITE>
@@ -109,8 +115,9 @@ struct Kern {
       m0[0] = V::mul(c.m_scale, V::flt(V::hi16_lo(b)));
       m0[1] = V::mul(c.m_scale, V::flt(V::hi16_hi(b)));
     } else {
+      const H cmh = V::ld_u8h(Ms);
       for (int h = 0; h < 2; ++h) {
-        const I cm = V::ld_u8(Ms + h * W), mag = V::band(cm, V::seti(0x7Fu));
+        const I cm = V::template srl<16>(h ? V::hi16_hi(cmh) : V::hi16_lo(cmh)), mag = V::band(cm, V::seti(0x7Fu));
         const I mbits = V::keep_nonzero(mag, V::template sll<20>(V::add(mag, V::seti(112u << 3))));
         const I msign = V::band(V::template sll<24>(cm), V::seti(0x80000000u));
         m0[h] = V::flt(V::bxor(V::bits(V::mul(c.m_scale, V::flt(mbits))), msign));
@@ -123,20 +130,14 @@ struct Kern {
     v0[1] = V::mul(s1, s1);
   }
 
-  // One vector of W elements at P, G, Ms, Vs (and Wo). TAIL: lanes in `tail` use torch's
-  // scalar-tail form of exp_avg_sq (all-fp32 mode only; see the note in adam_cpu.cpp). int8:
-  // m0, v0 are the decoded moments (`decode`); the new m and y = sqrt(v) go to mb, yb and their
-  // magnitudes' bits into mabs, yabs; the codes are written by `encode` once the block's
-  // scales are known. PLAIN: the common
-  // case, decided once per span (`plain`): no grad_scale, no maximize, no Adam-style weight
-  // decay, no counter wrap; AdamW's decay is a multiplication by 1 - lr*wd (exactly 1.0
-  // without weight decay: p * 1 == p), so the loop has no branch.
+  // The update of W lanes: p (the master), g, m0, v0 in; the new master pn, m, v and y = sqrt(v)
+  // out. TAIL: lanes in `tail` use torch's scalar-tail form of exp_avg_sq (all-fp32 mode only;
+  // see the note below). PLAIN: the common case, decided once per span (`plain`): no
+  // grad_scale, no maximize, no Adam-style weight decay, no counter wrap; AdamW's decay is a
+  // multiplication by 1 - lr*wd (exactly 1.0 without weight decay: p * 1 == p), so the loop has
+  // no branch.
   template <bool TAIL, bool PLAIN>
-  static inline void one(Ctx& c, MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo, float* mb, float* yb,
-                         I& mabs, I& yabs, typename V::M tail, F m0 = F(), F v0 = F()) {
-    F p, g;
-    if constexpr (MK == Master::Bf16Sr) p = V::ld_bf16(P); else p = V::ldf(P);
-    if constexpr (GBF16) g = V::ld_bf16(G); else g = V::ldf(G);
+  static inline void math(const Ctx& c, F p, F g, F m0, F v0, typename V::M tail, F& pn, F& m, F& v, F& y) {
     if (PLAIN) {
       p = V::mul(p, c.decay);
     } else {
@@ -145,14 +146,7 @@ struct Kern {
       if (c.adamw) p = V::mul(p, c.decay);
       if (c.l2) g = V::fma(p, c.wd, g);
     }
-    if constexpr (SK == Moments::Fp32) {
-      m0 = V::ldf(Ms);
-      v0 = V::ldf(Vs);
-    } else if constexpr (SK == Moments::Bf16Sr) {
-      m0 = V::ld_bf16(Ms);
-      v0 = V::ld_bf16(Vs);
-    }
-    const F m = V::fma(c.lerp, V::sub(g, m0), c.lerp_small ? m0 : g);
+    m = V::fma(c.lerp, V::sub(g, m0), c.lerp_small ? m0 : g);
     const F cg = V::mul(c.c2, g);
     // Note [torch parity]: torch._fused_adam(w)_ (fp32 everything) reproduced bit for bit,
     // found element by element against torch 2.13.0+cpu (AVX512, GCC build). Its vector loop is
@@ -165,39 +159,88 @@ struct Kern {
     // numel - numel % 8 on (Job::tail_start) take that form, the TAIL lanes here; with AVX2
     // (vec_size 8) the rule is the same (inferred: no AVX2-only host was measured); vec_size
     // 4 (no AVX) is not matched. Compressed modes use the vector forms everywhere.
-    F v = V::fma(cg, g, V::mul(v0, c.b2));
+    v = V::fma(cg, g, V::mul(v0, c.b2));
     if constexpr (TAIL) v = V::sel(tail, V::fma(v0, c.b2, V::mul(cg, g)), v);
-    const F y = V::sqrt(v);
+    y = V::sqrt(v);
     // all-fp32: torch's p + (-step_size * m) / (sqrt(v) / sqrt(bc2) + eps), two divisions;
     // compressed: the same with sqrt(bc2) folded into the step and eps, one division
     const F denom = kParity ? V::add(V::div(y, c.bc2s), c.eps) : V::add(y, c.eps);
-    const F pn = V::add(p, V::div(V::mul(c.neg_step, m), denom));
+    pn = V::add(p, V::div(V::mul(c.neg_step, m), denom));
+  }
+
+  // The all-fp32 mode (torch's): one vector of W elements at P, G, Ms, Vs (and Wo), in
+  // element order.
+  template <bool TAIL, bool PLAIN>
+  static inline void one(Ctx& c, MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo, typename V::M tail) {
+    static_assert(kParity, "the compressed modes go through pair");
+    F g;
+    if constexpr (GBF16) g = V::ld_bf16(G); else g = V::ldf(G);
+    F pn, m, v, y;
+    math<TAIL, PLAIN>(c, V::ldf(P), g, V::ldf(Ms), V::ldf(Vs), tail, pn, m, v, y);
+    V::stf(P, pn);
+    if constexpr (WOUT) {
+      if (c.wo_stream)
+        V::st_u16_stream(Wo, round_ne(pn));
+      else
+        V::st_u16(Wo, round_ne(pn));
+    }
+    V::stf(Ms, m);
+    V::stf(Vs, v);
+  }
+
+  // a pair (2W elements, simd.h's paired order) of bf16 or fp32 values
+  static inline void ld2(const uint16_t* p, F x[2]) { V::ld2_bf16(p, x[0], x[1]); }
+  static inline void ld2(const float* p, F x[2]) { V::ld2f(p, x[0], x[1]); }
+
+  // The compressed modes: 2W elements at P, G, Ms, Vs (and Wo), in the paired order. int8: m0,
+  // v0 are the decoded moments (`decode`); the new m and y = sqrt(v) go to mb, yb (the pair's
+  // two vectors one after the other) and their magnitudes' bits into mabs, yabs; the codes are
+  // written by `encode` once the block's scales are known.
+  template <bool PLAIN>
+  static inline void pair(Ctx& c, MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo, float* mb, float* yb,
+                          I& mabs, I& yabs, F m0[2], F v0[2]) {
+    static_assert(!kParity, "the all-fp32 mode goes through one");
+    F p[2], g[2], pn[2], m[2], v[2], y[2];
+    ld2(P, p);
+    ld2(G, g);
+    if constexpr (SK != Moments::Int8Block) {
+      ld2(Ms, m0);
+      ld2(Vs, v0);
+    }
+    for (int h = 0; h < 2; ++h)
+      math<false, PLAIN>(c, p[h], g[h], m0[h], v0[h], V::lanes_from(W), pn[h], m[h], v[h], y[h]);
     if constexpr (MK == Master::Bf16Sr) {
-      V::st_u16(P, round_sr(pn, V::band(draw<PLAIN>(c, 0), V::seti(0xFFFFu))));
+      const I lo16 = V::seti(0xFFFFu);
+      V::st2_u16(P, round_sr(pn[0], V::band(draw<PLAIN>(c, c.lo[0], 0), lo16)),
+                 round_sr(pn[1], V::band(draw<PLAIN>(c, c.lo[1], 0), lo16)));
     } else {
-      V::stf(P, pn);
+      V::st2f(P, pn[0], pn[1]);
       if constexpr (WOUT) {
         if (c.wo_stream)
-          V::st_u16_stream(Wo, round_ne(pn));
+          V::st2_u16_stream(Wo, round_ne(pn[0]), round_ne(pn[1]));
         else
-          V::st_u16(Wo, round_ne(pn));
+          V::st2_u16(Wo, round_ne(pn[0]), round_ne(pn[1]));
       }
     }
     if constexpr (SK == Moments::Fp32) {
-      V::stf(Ms, m);
-      V::stf(Vs, v);
+      V::st2f(Ms, m[0], m[1]);
+      V::st2f(Vs, v[0], v[1]);
     } else if constexpr (SK == Moments::Bf16Sr) {
-      const I r = draw<PLAIN>(c, 1);  // low half: exp_avg, high half: exp_avg_sq
-      V::st_u16(Ms, round_sr(m, V::band(r, V::seti(0xFFFFu))));
-      V::st_u16(Vs, round_sr(v, V::template srl<16>(r)));
+      // low half: exp_avg, high half: exp_avg_sq
+      const I r0 = draw<PLAIN>(c, c.lo[0], 1), r1 = draw<PLAIN>(c, c.lo[1], 1), lo16 = V::seti(0xFFFFu);
+      V::st2_u16(Ms, round_sr(m[0], V::band(r0, lo16)), round_sr(m[1], V::band(r1, lo16)));
+      V::st2_u16(Vs, round_sr(v[0], V::template srl<16>(r0)), round_sr(v[1], V::template srl<16>(r1)));
     } else {
-      V::stf(mb, m);
-      V::stf(yb, y);
-      mabs = V::maxu(mabs, V::band(V::bits(m), V::seti(0x7FFFFFFFu)));
-      yabs = V::maxu(yabs, V::bits(y));  // y = sqrt(v): +0, positive or NaN (a NaN's sign set
-                                         // is still above inf's bits as an unsigned number)
+      for (int h = 0; h < 2; ++h) {
+        V::stf(mb + h * W, m[h]);
+        V::stf(yb + h * W, y[h]);
+        mabs = V::maxu(mabs, V::band(V::bits(m[h]), V::seti(0x7FFFFFFFu)));
+        yabs = V::maxu(yabs, V::bits(y[h]));  // y = sqrt(v): +0, positive or NaN (a NaN's sign
+                                              // set is still above inf's bits as unsigned)
+      }
     }
-    c.lo = V::add(c.lo, V::seti((uint32_t)W));
+    c.lo[0] = V::add(c.lo[0], V::seti((uint32_t)(2 * W)));
+    c.lo[1] = V::add(c.lo[1], V::seti((uint32_t)(2 * W)));
   }
 
   // int8 works a block in two passes: `update_block` updates it and keeps the fresh m and y =
@@ -221,11 +264,7 @@ struct Kern {
     for (int k = 0; k < BLOCK; k += 2 * W) {
       F m0[2], v0[2];
       decode<FINITE>(c, Ms + k, Vs + k, m0, v0);
-      for (int h = 0; h < 2; ++h) {
-        const int j = k + h * W;
-        one<false, PLAIN>(c, P + j, G + j, Ms + j, Vs + j, WOUT ? Wo + j : nullptr, out.m + j, out.y + j, mabs, yabs,
-                          V::lanes_from(W), m0[h], v0[h]);
-      }
+      pair<PLAIN>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, out.m + k, out.y + k, mabs, yabs, m0, v0);
     }
   }
 
@@ -270,7 +309,7 @@ struct Kern {
       return;
     }
     const F minv = V::setf(b.minv), yinv = V::setf(b.yinv);
-    // four vectors at a time (AVX2 packs their bytes in four instructions, not eight); t <= 1
+    // two pairs at a time (their bytes pack in four instructions, not eight); t <= 1
     // (a finite 1/scale: the scale is 0 or normal), so every code fits 8 bits
     for (int k = 0; k < BLOCK; k += 4 * W) {
       I cm[4], cv[4];
@@ -326,23 +365,29 @@ struct Kern {
     if constexpr (WOUT) std::memcpy(Wo, w, len * 2);
   }
 
-  // The last len (< W) elements of a tensor, as one zero-padded vector; lanes >= tail_from
-  // take the scalar-tail form (all-fp32 mode).
-  static void short_vector(Ctx& c, MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo, int len, int tail_from) {
-    alignas(64) MT p[W] = {};
-    alignas(64) GT g[W] = {};
-    alignas(64) ST m[W] = {}, v[W] = {};
-    alignas(64) uint16_t w[W];
+  // The last len (< N: W for the all-fp32 mode, 2W for the others) elements of a tensor, as
+  // zero-padded local arrays; all-fp32: lanes >= tail_from take the scalar-tail form.
+  template <int N>
+  static void short_run(Ctx& c, MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo, int len, int tail_from) {
+    alignas(64) MT p[N] = {};
+    alignas(64) GT g[N] = {};
+    alignas(64) ST m[N] = {}, v[N] = {};
+    alignas(64) uint16_t w[N];
     std::memcpy(p, P, len * sizeof(MT));
     std::memcpy(g, G, len * sizeof(GT));
     std::memcpy(m, Ms, len * sizeof(ST));
     std::memcpy(v, Vs, len * sizeof(ST));
-    I unused = V::seti(0u);
     c.wo_stream = false;  // the local copy is read back at once (and this is the span's end)
-    if (kParity && tail_from < W)
-      one<kParity, false>(c, p, g, m, v, w, nullptr, nullptr, unused, unused, V::lanes_from(tail_from));
-    else
-      one<false, false>(c, p, g, m, v, w, nullptr, nullptr, unused, unused, V::lanes_from(W));
+    if constexpr (kParity) {
+      if (tail_from < W)
+        one<true, false>(c, p, g, m, v, w, V::lanes_from(tail_from));
+      else
+        one<false, false>(c, p, g, m, v, w, V::lanes_from(W));
+    } else {
+      I unused = V::seti(0u);
+      F m0[2], v0[2];
+      pair<false>(c, p, g, m, v, w, nullptr, nullptr, unused, unused, m0, v0);
+    }
     std::memcpy(P, p, len * sizeof(MT));
     std::memcpy(Ms, m, len * sizeof(ST));
     std::memcpy(Vs, v, len * sizeof(ST));
@@ -383,17 +428,23 @@ struct Kern {
       }
       encode(pending[(n + 1) & 1]);
       encode(pending[n & 1]);
-    } else {
-      I unused = V::seti(0u);
+    } else if constexpr (kParity) {
       int64_t k = 0;
       for (; k + W <= len; k += W)
-        one<false, PLAIN>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, nullptr, nullptr, unused,
-                          unused, V::lanes_from(W));
+        one<false, PLAIN>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, V::lanes_from(W));
       if (k < len) {
         const int64_t tail_from = std::max<int64_t>(0, J.tail_start[i] - (j0 + k));
-        short_vector(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, (int)(len - k),
+        short_run<W>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, (int)(len - k),
                      (int)std::min<int64_t>(tail_from, W));
       }
+    } else {
+      I unused = V::seti(0u);
+      F m0[2], v0[2];
+      int64_t k = 0;
+      for (; k + 2 * W <= len; k += 2 * W)
+        pair<PLAIN>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, nullptr, nullptr, unused, unused, m0,
+                    v0);
+      if (k < len) short_run<2 * W>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, (int)(len - k), W);
     }
   }
 };

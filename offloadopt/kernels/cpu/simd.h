@@ -17,11 +17,20 @@
 // and between vendors (ispc#2882, xsimd#790).
 //
 // Names: F a vector of fp32, I of uint32, M a lane mask. sel(m, a, b): a where m, else b.
-// ld_bf16 widens bf16 to fp32 (exact); st_u16 / st_u8 store the low 16 / 8 bits of each lane.
+// ld_bf16 widens bf16 to fp32 (exact); st_u16 stores the low 16 bits of each lane.
 // H: 2W uint16 lanes in one register (int8 codes as bf16 patterns, half the ops of 32-bit
 // lanes). ld_s8h / ld_u8h load 2W bytes sign / zero extended, in an order of the ISA's own that
-// hi16_lo / hi16_hi undo: they give elements 0..W-1 / W..2W-1, each in the high 16 bits of a
-// 32-bit lane (low bits 0). addnz16(x, t, c): x + c where t != 0 (t in 0..0x7FFF), else x.
+// hi16_lo / hi16_hi turn into the paired order below, each code in the high 16 bits of a 32-bit
+// lane (low bits 0). addnz16(x, t, c): x + c where t != 0 (t in 0..0x7FFF), else x.
+//
+// The paired order: 2W elements in two vectors a, b. With 128-bit lanes (AVX2, AVX-512) lane k
+// of a holds elements 8k..8k+3 and lane k of b 8k+4..8k+7: the order in which unpacklo /
+// unpackhi of 16-bit lanes widen and packus_epi32 narrows, so a pair of bf16 vectors loads in
+// one instruction a vector (not two) and stores in one (not three); fp32 pairs cost one
+// shuffle a vector. Generic: a = elements 0..W-1, b = W..2W-1. The lanes are independent and
+// each lane's random counter is its own element's (iota2), so the order changes no bits.
+// ld2_bf16 / ld2f load a pair, st2_u16 / st2f store one (st2_u16_stream: p kStreamAlign2
+// aligned), st_u8x4 stores two pairs' low bytes (4W elements) in element order.
 
 #if defined(OO_SIMD_AVX512)
 
@@ -36,9 +45,7 @@ struct V {
   static inline F ld_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
   }
-  static inline I ld_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
   static inline void st_u16(uint16_t* p, I x) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(x)); }
-  static inline void st_u8(uint8_t* p, I x) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(x)); }
   // st_u16 with a streaming (non-temporal) store: p 32-byte aligned
   static inline void st_u16_stream(uint16_t* p, I x) { _mm256_stream_si256((__m256i*)p, _mm512_cvtepi32_epi16(x)); }
   static constexpr int kStreamAlign = 32;
@@ -73,16 +80,40 @@ struct V {
   template <int S> static inline I add_bit(I x, I u) {
     return _mm512_mask_add_epi32(x, _mm512_test_epi32_mask(u, _mm512_set1_epi32(1 << S)), x, _mm512_set1_epi32(1));
   }
-  // four vectors' low bytes, in order, to p (64 bytes)
-  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) { st_u8(p, a); st_u8(p + 16, b); st_u8(p + 32, c); st_u8(p + 48, d); }
   static inline uint32_t hmaxu(I a) { return _mm512_reduce_max_epu32(a); }
   static inline M lanes_from(int k) { return (M)(k >= W ? 0 : (0xFFFFu << k)); }  // lanes >= k
-  // 16-bit lanes: the qwords permuted so that unpacklo / unpackhi (within 128-bit lanes)
-  // give elements 0..15 / 16..31
+  // the paired order (above)
+  static inline void iota2(I& a, I& b) {
+    a = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    b = _mm512_add_epi32(a, _mm512_set1_epi32(4));
+  }
+  static inline void ld2_bf16(const uint16_t* p, F& a, F& b) {
+    const __m512i x = _mm512_loadu_si512(p), z = _mm512_setzero_si512();
+    a = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, x));
+    b = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, x));
+  }
+  static inline void ld2f(const float* p, F& a, F& b) {  // a: lanes 0, 2 of each half; b: 1, 3
+    const F x = _mm512_loadu_ps(p), y = _mm512_loadu_ps(p + 16);
+    a = _mm512_shuffle_f32x4(x, y, 0x88);
+    b = _mm512_shuffle_f32x4(x, y, 0xDD);
+  }
+  static inline void st2f(float* p, F a, F b) {
+    const I lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    _mm512_storeu_ps(p, _mm512_permutex2var_ps(a, lo, b));
+    _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(a, _mm512_add_epi32(lo, _mm512_set1_epi32(8)), b));
+  }
+  static inline void st2_u16(uint16_t* p, I a, I b) { _mm512_storeu_si512(p, _mm512_packus_epi32(a, b)); }
+  static inline void st2_u16_stream(uint16_t* p, I a, I b) { _mm512_stream_si512((__m512i*)p, _mm512_packus_epi32(a, b)); }
+  static constexpr int kStreamAlign2 = 64;
+  // two pairs' low bytes (values 0..255): packed to 16 then 8 bits within 128-bit lanes, the
+  // qwords put in order
+  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) {
+    const __m512i x = _mm512_packus_epi16(_mm512_packus_epi32(a, b), _mm512_packus_epi32(c, d));
+    _mm512_storeu_si512(p, _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), x));
+  }
   using H = __m512i;
-  static inline H h_order(__m512i x) { return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), x); }
-  static inline H ld_s8h(const uint8_t* p) { return h_order(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p))); }
-  static inline H ld_u8h(const uint8_t* p) { return h_order(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p))); }
+  static inline H ld_s8h(const uint8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
+  static inline H ld_u8h(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
   static inline H set16(uint16_t x) { return _mm512_set1_epi16((short)x); }
   static inline H and16(H a, H b) { return _mm512_and_si512(a, b); }
   template <int S> static inline H sll16(H a) { return _mm512_slli_epi16(a, S); }
@@ -104,7 +135,6 @@ struct V {
   static inline F ld_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
   }
-  static inline I ld_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
   static inline __m128i pack_u16(I x) {
     // the low two bytes of each 32-bit lane to the low 8 bytes of each 128-bit half, then the
     // two halves' 8 bytes side by side
@@ -115,12 +145,6 @@ struct V {
   static inline void st_u16(uint16_t* p, I x) { _mm_storeu_si128((__m128i*)p, pack_u16(x)); }
   static inline void st_u16_stream(uint16_t* p, I x) { _mm_stream_si128((__m128i*)p, pack_u16(x)); }
   static constexpr int kStreamAlign = 16;
-  static inline void st_u8(uint8_t* p, I x) {
-    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-    const __m256i y = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(x, pick), _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
-    _mm_storel_epi64((__m128i*)p, _mm256_castsi256_si128(y));
-  }
   static inline F setf(float x) { return _mm256_set1_ps(x); }
   static inline I seti(uint32_t x) { return _mm256_set1_epi32((int)x); }
   static inline I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
@@ -153,11 +177,32 @@ struct V {
   template <int S> static inline I add_bit(I x, I u) {
     return _mm256_add_epi32(x, _mm256_and_si256(_mm256_srli_epi32(u, S), _mm256_set1_epi32(1)));
   }
-  // four vectors' low bytes, in order (values 0..255): two saturating packs to 16 bits, one to
-  // 8 bits (each within 128-bit halves), then the eight 4-byte groups put in order
+  // the paired order (above)
+  static inline void iota2(I& a, I& b) {
+    a = _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11);
+    b = _mm256_add_epi32(a, _mm256_set1_epi32(4));
+  }
+  static inline void ld2_bf16(const uint16_t* p, F& a, F& b) {
+    const __m256i x = _mm256_loadu_si256((const __m256i*)p), z = _mm256_setzero_si256();
+    a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x));
+    b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x));
+  }
+  static inline void ld2f(const float* p, F& a, F& b) {
+    a = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(p)), _mm_loadu_ps(p + 8), 1);
+    b = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(p + 4)), _mm_loadu_ps(p + 12), 1);
+  }
+  static inline void st2f(float* p, F a, F b) {
+    _mm256_storeu_ps(p, _mm256_permute2f128_ps(a, b, 0x20));
+    _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  static inline void st2_u16(uint16_t* p, I a, I b) { _mm256_storeu_si256((__m256i*)p, _mm256_packus_epi32(a, b)); }
+  static inline void st2_u16_stream(uint16_t* p, I a, I b) { _mm256_stream_si256((__m256i*)p, _mm256_packus_epi32(a, b)); }
+  static constexpr int kStreamAlign2 = 32;
+  // two pairs' low bytes (values 0..255): packed to 16 then 8 bits within 128-bit halves, the
+  // qwords put in order
   static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) {
     const __m256i x = _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(c, d));
-    _mm256_storeu_si256((__m256i*)p, _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    _mm256_storeu_si256((__m256i*)p, _mm256_permute4x64_epi64(x, 0xD8));
   }
   static inline uint32_t hmaxu(I a) {
     __m128i x = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
@@ -166,11 +211,9 @@ struct V {
     return (uint32_t)_mm_cvtsi128_si32(x);
   }
   static inline M lanes_from(int k) { return _mm256_cmpgt_epi32(iota(), _mm256_set1_epi32(k - 1)); }
-  // 16-bit lanes: qwords 1 and 2 swapped so that unpacklo / unpackhi (within 128-bit lanes)
-  // give elements 0..7 / 8..15
   using H = __m256i;
-  static inline H ld_s8h(const uint8_t* p) { return _mm256_permute4x64_epi64(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)), 0xD8); }
-  static inline H ld_u8h(const uint8_t* p) { return _mm256_permute4x64_epi64(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), 0xD8); }
+  static inline H ld_s8h(const uint8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
+  static inline H ld_u8h(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)); }
   static inline H set16(uint16_t x) { return _mm256_set1_epi16((short)x); }
   static inline H and16(H a, H b) { return _mm256_and_si256(a, b); }
   template <int S> static inline H sll16(H a) { return _mm256_slli_epi16(a, S); }
@@ -194,7 +237,6 @@ struct V {
   static inline F ldf(const float* p) { F r; std::memcpy(r.v, p, 32); return r; }
   static inline void stf(float* p, F x) { std::memcpy(p, x.v, 32); }
   static inline F ld_bf16(const uint16_t* p) { I r; OO_LANES(r.v[l] = (uint32_t)p[l] << 16) return flt(r); }
-  static inline I ld_u8(const uint8_t* p) { I r; OO_LANES(r.v[l] = p[l]) return r; }
   static inline void st_u16(uint16_t* p, I x) { OO_LANES(p[l] = (uint16_t)x.v[l]) }
   static inline void st_u8(uint8_t* p, I x) { OO_LANES(p[l] = (uint8_t)x.v[l]) }
   static inline void st_u16_stream(uint16_t* p, I x) { st_u16(p, x); }
@@ -228,6 +270,14 @@ struct V {
   static inline M gt_s(I a, I b) { OO_LANES(a.v[l] = (int32_t)a.v[l] > (int32_t)b.v[l] ? ~0u : 0u) return a; }
   template <int S> static inline I add_bit(I x, I u) { OO_LANES(x.v[l] += (u.v[l] >> S) & 1u) return x; }
   static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) { st_u8(p, a); st_u8(p + 8, b); st_u8(p + 16, c); st_u8(p + 24, d); }
+  // the paired order: natural (a = elements 0..7, b = 8..15)
+  static inline void iota2(I& a, I& b) { a = iota(); b = add(a, seti(8u)); }
+  static inline void ld2_bf16(const uint16_t* p, F& a, F& b) { a = ld_bf16(p); b = ld_bf16(p + 8); }
+  static inline void ld2f(const float* p, F& a, F& b) { a = ldf(p); b = ldf(p + 8); }
+  static inline void st2f(float* p, F a, F b) { stf(p, a); stf(p + 8, b); }
+  static inline void st2_u16(uint16_t* p, I a, I b) { st_u16(p, a); st_u16(p + 8, b); }
+  static inline void st2_u16_stream(uint16_t* p, I a, I b) { st2_u16(p, a, b); }
+  static constexpr int kStreamAlign2 = 1;
   static inline uint32_t hmaxu(I a) { uint32_t r = 0; OO_LANES(r = a.v[l] > r ? a.v[l] : r) return r; }
   static inline M lanes_from(int k) { I r; OO_LANES(r.v[l] = l >= k ? ~0u : 0u) return r; }
   struct H { uint16_t v[16]; };
