@@ -10,8 +10,9 @@
 // Bytes read + written per element, bf16 grads (an fp32 grad adds 2), int8 block scales
 // included. GB/s: 1.558e9 params, 16 threads of the GPU host's Xeon (AVX-512), beside a STREAM
 // triad of 102.6 GB/s in the same run (x triad: time over bytes / triad; below 1 where no line
-// is read for ownership): benchmarks/RESULTS.md, "The CPU kernel at the memory bus". int8's
-// second pass runs over one 256-element block in L1. The body (cpu/adam_body.h) is written
+// is read for ownership): benchmarks/RESULTS.md, "The CPU kernel at the memory bus" (c464436,
+// before the paired lane order of adam_body.h). int8's second pass runs over one 256-element
+// block in L1. The body (cpu/adam_body.h) is written
 // once over cpu/simd.h and compiled here for AVX-512, AVX2 and plain C++ (generic);
 // `current_isa` takes the best the CPU has, and every ISA gives the same bits (IEEE operations
 // only). The math and the stochastic rounding are specified in reference.py, the formats in
