@@ -30,6 +30,7 @@ import re
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 from offloadopt import __version__
@@ -181,6 +182,23 @@ def _terminate(signum: int, frame) -> None:
     raise Terminated()
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning during a command, as one ``offloadopt: warning: ...`` line. offloadopt's own
+    warnings point past the library at their caller, which under the CLI is the command's
+    harness, the ``offloadopt`` script or ``<frozen runpy>`` (a new user's find: ``offloadopt
+    train`` printed ``/.../bin/offloadopt:8: UserWarning: ...`` and then ``sys.exit(main())``):
+    those places are left out; any other warning keeps its category and place."""
+    where = os.path.abspath(filename) if not filename.startswith("<") else filename
+    ours = where.startswith(_PACKAGE + os.sep) or filename.startswith("<frozen") or (
+        where == os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else False)  # fmt: skip
+    text = f"{message}" if ours and category is UserWarning else (
+        f"{category.__name__}: {message} ({filename}:{lineno})")  # fmt: skip
+    print(f"offloadopt: warning: {text}", file=file if file is not None else sys.stderr)
+
+
 def _unavailable() -> type[Exception]:
     """``anchors.Unavailable`` (an anchor's package is missing: bad input) once a command has
     imported it, else an exception nothing raises (importing anchors imports torch)."""
@@ -214,7 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         run = importlib.import_module(args.run_module).run  # torch is imported here
-        with _output_level(args):
+        with _output_level(args), warnings.catch_warnings():
+            warnings.showwarning = _show_warning  # restored on the way out
             return run(args)
     except (UsageError, _unavailable()) as e:
         print(f"offloadopt: error: {_one_line(e)}", file=sys.stderr)

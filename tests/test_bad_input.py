@@ -508,3 +508,37 @@ def test_a_model_or_batch_larger_than_the_host_is_refused_before_the_build():
     assert line.startswith("--preset gpt-40b: its weights alone are 160.32 GB"), line
     line = one_error_line(["train", "--steps", "2", "--batch-size", "100000000"])
     assert line.startswith("--batch-size 100000000: one micro-batch's logits alone are"), line
+
+
+def test_auto_with_too_few_steps_is_refused_and_the_count_is_autos_own():
+    """A new user's find: ``--offload-fraction auto --steps 3`` trained, then said at its end
+    that auto chose nothing. Now it is refused up front; the step count the message names is
+    the one auto's phases add up to, and a run of that many steps ends on auto's choice."""
+    from offloadopt.harness.options import AUTO_CHOICE_STEPS
+    from offloadopt.place import auto
+
+    assert AUTO_CHOICE_STEPS == (1 + auto.MEASURED_STEPS) + (
+        1 + auto.SETTLE_STEPS + auto.MEASURED_STEPS
+    )
+    line = one_error_line(["train", "--offload-fraction", "auto", "--steps", "3"])
+    assert line == (
+        "--offload-fraction auto with --steps 3: auto measures its first 10 steps before its choice "
+        "is in force, so this run would end on a fraction nobody chose; give --steps 10 or more, or a number"
+    )
+    one_error_line(["train", "--offload-fraction", "auto", "--steps", str(AUTO_CHOICE_STEPS - 1)])
+
+
+@pytest.mark.slow
+def test_a_run_of_autos_step_count_ends_on_its_choice(recwarn):
+    """The least --steps the refusal above lets through ends on a fraction auto chose (no
+    "chose no fraction" warning, nothing "kept")."""
+    from offloadopt.harness import train
+    from offloadopt.harness.options import AUTO_CHOICE_STEPS, TrainConfig
+
+    out = train.train(TrainConfig(steps=AUTO_CHOICE_STEPS, batch_size=2, seq_len=16, eval_every=100,
+                                  eval_batches=1, offload_fraction="auto"))  # fmt: skip
+    choice = out["placement_choice"]
+    assert choice["set_by"] == "auto" and "kept" not in choice and "unmeasured" not in choice, (
+        choice
+    )
+    assert not [w for w in recwarn if "chose no fraction" in str(w.message)]

@@ -101,3 +101,31 @@ def test_ctrl_c_while_the_options_are_checked_is_one_line_and_130(capsys, monkey
         pytest.fail("the interrupt escaped main()")
     assert status == 130
     assert capsys.readouterr().err == "offloadopt: interrupted\n"
+
+
+def test_a_warning_during_a_command_is_one_line_without_the_scripts_place(capsys, monkeypatch):
+    """A new user's find: ``offloadopt train`` printed an offloadopt warning as
+    ``/.../bin/offloadopt:8: UserWarning: ...`` and then the line ``sys.exit(main())`` (the
+    warning points past the library at its caller, which under the CLI is the script or
+    ``<frozen runpy>``). Now it is one ``offloadopt: warning:`` line; a warning from elsewhere
+    keeps its category and place. The usual printer is back after the command."""
+    import warnings
+
+    from offloadopt.harness import train
+
+    usual = warnings.showwarning
+
+    def run(args):
+        warnings.warn_explicit("from the library", UserWarning, "<frozen runpy>", 88)
+        warnings.warn_explicit("from the script", UserWarning, sys.argv[0], 8)
+        warnings.warn_explicit("from a dependency", DeprecationWarning, "/elsewhere/lib.py", 3)
+        return 0
+
+    monkeypatch.setattr(train, "run", run)
+    assert main(TRAIN) == 0
+    assert _lines(capsys.readouterr().err) == [
+        "offloadopt: warning: from the library",
+        "offloadopt: warning: from the script",
+        "offloadopt: warning: DeprecationWarning: from a dependency (/elsewhere/lib.py:3)",
+    ]
+    assert warnings.showwarning is usual

@@ -41,6 +41,12 @@ MASTERS = ("fp32", "bf16-sr")  # HybridAdamW(master_weights=True or "bf16-sr")
 # clips through the optimizer (max_grad_norm), or declares grads final with --grad-clip 0.
 OVERLAPS = ("step", "backward", "delayed")
 PARALLELS = ("none", "fsdp", "ddp")  # under torchrun: FSDP2 (fully_shard per block) or DDP
+# Steps --offload-fraction auto takes before its choice is in force (offloadopt/place/auto.py,
+# without a budget): the probe (one untimed step and MEASURED_STEPS timed), then fraction 0's
+# baseline (the step that spans the move, SETTLE_STEPS, MEASURED_STEPS); the state moves to the
+# choice after that. A shorter run ends on the probe's 0.5 or on fraction 0, chosen by nobody.
+# (Kept here: this module does not import torch; tests/test_bad_input.py checks it.)
+AUTO_CHOICE_STEPS = (1 + 3) + (1 + 2 + 3)
 
 # Per-preset (batch_size, peak lr) used when --batch-size / --lr are not given. The GPT-2
 # learning rates are GPT-3's for those sizes (Brown et al. 2020, table 2.1); the GPT-2 batch
@@ -182,6 +188,16 @@ class TrainConfig:
             raise UsageError(
                 f"--release-grads: frees grads during backward, so it needs --overlap backward "
                 f"(not {cfg.overlap!r})"
+            )
+        if (
+            cfg.offload_fraction == "auto"
+            and not cfg.max_gpu_memory
+            and cfg.steps < AUTO_CHOICE_STEPS
+        ):
+            raise UsageError(  # a new user's find: the run said so only at its end
+                f"--offload-fraction auto with --steps {cfg.steps}: auto measures its first "
+                f"{AUTO_CHOICE_STEPS} steps before its choice is in force, so this run would end on "
+                f"a fraction nobody chose; give --steps {AUTO_CHOICE_STEPS} or more, or a number"
             )
         if cfg.offload_fraction == "auto" and cfg.optimizer != "hybrid":
             raise UsageError(
