@@ -189,16 +189,6 @@ class TrainConfig:
                 f"--release-grads: frees grads during backward, so it needs --overlap backward "
                 f"(not {cfg.overlap!r})"
             )
-        if (
-            cfg.offload_fraction == "auto"
-            and not cfg.max_gpu_memory
-            and cfg.steps < AUTO_CHOICE_STEPS
-        ):
-            raise UsageError(  # a new user's find: the run said so only at its end
-                f"--offload-fraction auto with --steps {cfg.steps}: auto measures its first "
-                f"{AUTO_CHOICE_STEPS} steps before its choice is in force, so this run would end on "
-                f"a fraction nobody chose; give --steps {AUTO_CHOICE_STEPS} or more, or a number"
-            )
         if cfg.offload_fraction == "auto" and cfg.optimizer != "hybrid":
             raise UsageError(
                 f"--offload-fraction auto: HybridAdamW's option; --optimizer {cfg.optimizer} "
@@ -210,6 +200,16 @@ class TrainConfig:
                 "params train on weights one step old, so one chosen from timings would make "
                 "the results depend on them; give a number (1.0 is the delayed update's usual "
                 "one), or, on a GPU, a --max-gpu-memory budget"
+            )
+        if (
+            cfg.offload_fraction == "auto"
+            and not cfg.max_gpu_memory
+            and cfg.steps < AUTO_CHOICE_STEPS
+        ):
+            raise UsageError(  # a new user's find: the run said so only at its end
+                f"--offload-fraction auto with --steps {cfg.steps}: auto measures its first "
+                f"{AUTO_CHOICE_STEPS} steps before its choice is in force, so this run would end on "
+                f"a fraction nobody chose; give --steps {AUTO_CHOICE_STEPS} or more, or a number"
             )
         d = TrainConfig()
         for flag, value, default in (
