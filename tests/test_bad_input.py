@@ -542,3 +542,77 @@ def test_a_run_of_autos_step_count_ends_on_its_choice(recwarn):
         choice
     )
     assert not [w for w in recwarn if "chose no fraction" in str(w.message)]
+
+
+def test_output_paths_that_are_no_regular_files_are_refused_and_left_as_they_are(
+    tmp_path, monkeypatch
+):
+    """A new user's find: ``train --save`` and ``audit --json`` / ``--trace`` onto a device
+    (``/dev/null``, as root), a FIFO or a link to one replaced the node with a regular file,
+    status 0. A FIFO stands in for the device here."""
+    import stat
+
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo("fifo")
+    os.mkfifo("fifo.json")
+    os.symlink("fifo", "link")
+    cases = [["train", "--save", "fifo"], ["train", "--save", "link"],
+             ["train", "--save", "fifo", "--checkpoint-format", "streamed"],
+             ["audit", "--json", "fifo"], ["audit", "--json", "link"], ["audit", "--trace", "fifo.json"]]  # fmt: skip
+    for argv in cases:
+        path = argv[2]
+        assert one_error_line(argv) == (
+            f"{argv[1]}: {path!r} is no regular file (a device, a pipe or a socket), and a write "
+            "would replace it: give a file name"
+        )
+    for name in ("fifo", "fifo.json"):
+        assert stat.S_ISFIFO(os.lstat(name).st_mode)
+    assert os.path.islink("link")
+
+
+def test_audit_outputs_replace_only_files_of_their_own_kind(tmp_path, monkeypatch):
+    """A new user's find: ``audit --json ck.pt`` replaced a checkpoint with JSON, status 0. An
+    existing file is replaced only where it is a JSON report (``--json``) or a Chrome trace
+    (``--trace``, gzipped for ``.json.gz``)."""
+    import gzip
+
+    monkeypatch.chdir(tmp_path)
+    Path("ck.pt").write_bytes(b"PK\x03\x04 a checkpoint")
+    Path("old.json").write_text('{"report": 1}')
+    Path("notes.json").write_text("notes, not JSON")
+    Path("trace.json.gz").write_bytes(gzip.compress(b'{"traceEvents": []}'))
+    Path("plain.json.gz").write_text('{"traceEvents": []}')
+    for argv, what in ((["audit", "--json", "ck.pt"], "a JSON report"),
+                       (["audit", "--json", "notes.json"], "a JSON report"),
+                       (["audit", "--trace", "plain.json.gz"], "a Chrome trace")):  # fmt: skip
+        assert one_error_line(argv) == (
+            f"{argv[1]}: {argv[2]!r}: a file that is not {what} is there, and the write would "
+            "replace it; give another name, or move it away"
+        )
+    assert Path("ck.pt").read_bytes() == b"PK\x03\x04 a checkpoint"
+    from offloadopt.harness import checks
+
+    assert checks.json_output_file("old.json") == "old.json"  # a report of its kind: replaced
+    assert checks.chrome_trace_file("trace.json.gz") == "trace.json.gz"
+    assert checks.json_output_file("new.json") == "new.json"
+
+
+def test_a_written_file_keeps_the_symlink_that_named_it(tmp_path):
+    """A new user's find: ``train --save latest.pt`` (file format), with latest.pt a symlink
+    to run1.pt, made latest.pt a regular file and left run1.pt stale; save_streamed and now
+    every write (the checkpoint file, audit's JSON) go where the link points."""
+    from offloadopt.harness import checks
+
+    (tmp_path / "run1.json").write_text("{}")
+    (tmp_path / "latest.json").symlink_to("run1.json")
+    checks.write_atomic(tmp_path / "latest.json", '{"new": 1}')
+    assert (tmp_path / "latest.json").is_symlink()
+    assert (tmp_path / "run1.json").read_text() == '{"new": 1}'
+    ck, latest = tmp_path / "run1.pt", tmp_path / "latest.pt"
+    argv = ["train", "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--quiet"]  # fmt: skip
+    assert main([*argv, "--save", str(ck)]) == 0
+    latest.symlink_to("run1.pt")
+    first = ck.read_bytes()
+    assert main([*argv, "--seed", "1", "--save", str(latest)]) == 0  # another run, same link
+    assert latest.is_symlink() and ck.read_bytes() != first
+    assert torch.load(ck, weights_only=False)["config"]["seed"] == 1

@@ -398,3 +398,31 @@ def test_a_streamed_checkpoint_goes_into_an_empty_folder(tmp_path, capsys):
     empty.mkdir()
     status, _, _ = _run(capsys, [*ARGS, "--save", str(empty), "--checkpoint-format", "streamed"])
     assert status == 0 and read_extra(str(empty))["step"] == 2 * N
+
+
+@pytest.mark.parametrize("fmt", ["file", "streamed"])
+def test_an_interrupt_after_the_checkpoints_rename_reports_the_step_on_disk(
+    tmp_path, capsys, monkeypatch, fmt
+):
+    """A new user's find: Ctrl-C late in a save (after the new checkpoint's rename, while the
+    folder was flushed) left the new checkpoint on disk, dropped the "saved:" line and said
+    the last checkpoint held the step before. The step reported is now the one on disk."""
+    from offloadopt.state import integrity
+
+    ck = str(tmp_path / ("run.pt" if fmt == "file" else "run"))
+    flags = [*ARGS, "--save", ck, "--save-every", "1", "--checkpoint-format", fmt]
+    saves, real = [], integrity.fsync_dir
+
+    def fsync_dir(path):  # the second save's flush after its rename(s): Ctrl-C
+        real(path)
+        if os.path.realpath(path) == str(tmp_path.resolve()):
+            saves.append(path)
+            if len(saves) == 2:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(integrity, "fsync_dir", fsync_dir)
+    assert main(flags) == 130
+    err = capsys.readouterr().err
+    assert f"the last checkpoint, {ck}, holds step 2 of {2 * N}" in err, err
+    status, rest, resumed = _run(capsys, [*ARGS, "--resume", ck])
+    assert status == 0 and min(rest) == 3, rest  # it goes on from step 2: the one on disk

@@ -136,6 +136,6 @@ def add_audit_args(p: argparse.ArgumentParser) -> None:
       help="text file (default: CPython's pydoc topics)")
     a("--trace", type=checks.chrome_trace_file, default=None,
       help="also write the Chrome trace to this file (.json or .json.gz)")
-    a("--json", type=checks.output_file, default=None,
+    a("--json", type=checks.json_output_file, default=None,
       help="write the full report as JSON to this file")
     # fmt: on

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["UsageError", "check", "positive_int", "nonneg_int", "seed", "fraction"]
 __all__ += ["nonneg_float", "device", "input_file", "out_dir", "output_file", "text_data"]
-__all__ += ["preset", "chrome_trace_file", "write_atomic"]
+__all__ += ["preset", "chrome_trace_file", "json_output_file", "write_atomic"]
 
 INT_MAX = 2**63 - 1  # torch's int64: a larger count or seed fits neither tensors nor generators
 T = TypeVar("T")
@@ -257,14 +257,42 @@ def input_file(value: Any) -> str:
 
 
 def output_file(value: Any) -> str:
-    """A file to write at the end: not a folder, in an existing folder that is writable."""
+    """A file to write at the end: not a folder, in an existing folder that is writable; where
+    something is there already (a symlink's target counts), a regular file. A new user's find:
+    ``train --save`` and ``audit --json`` onto ``/dev/null``, a pipe or a link to one replaced
+    the node with a regular file (``/dev/null`` itself, as root) and exited 0."""
     path = _path(value)
     if path.is_dir():
         raise UsageError(f"{str(path)!r} is a folder, not a file name")
     if not path.parent.exists():
         raise UsageError(f"{str(path)!r}: no folder {str(path.parent)!r}")
+    if path.exists() and not path.is_file():
+        raise UsageError(f"{str(path)!r} is no regular file (a device, a pipe or a socket), and "
+                         "a write would replace it: give a file name")  # fmt: skip
     _writable_folder(path.parent, repr(str(path)))
     return str(path)
+
+
+def _replaces_only(path: str, looks_like: Callable[[bytes], bool], what: str) -> str:
+    """``path`` (an :func:`output_file`) if nothing is there or what is there ``looks_like``
+    (its first bytes) a file of this kind, which the write then replaces; else UsageError (a
+    new user's find: ``audit --json ck.pt`` replaced a checkpoint with JSON, status 0)."""
+    if os.path.isfile(path):
+        try:
+            with open(path, "rb") as f:
+                head = f.read(64)
+        except OSError as e:
+            raise UsageError(f"{path!r}: cannot read what is there ({e.strerror})") from None
+        if head and not looks_like(head):
+            raise UsageError(f"{path!r}: a file that is not {what} is there, and the write "
+                             "would replace it; give another name, or move it away")  # fmt: skip
+    return path
+
+
+def json_output_file(value: Any) -> str:
+    """An :func:`output_file` for a JSON report: an existing file there must be JSON too."""
+    return _replaces_only(output_file(value), lambda b: b.lstrip()[:1] in (b"{", b"["),
+                          "a JSON report")  # fmt: skip
 
 
 def checkpoint_path(value: Any) -> str:
@@ -304,7 +332,9 @@ def chrome_trace_file(value: Any) -> str:
     path = output_file(value)
     if not path.endswith((".json", ".json.gz")):
         raise UsageError(f"{path!r} is not a .json or .json.gz file name (a Chrome trace is JSON)")
-    return path
+    gz = path.endswith(".gz")
+    return _replaces_only(path, lambda b: b[:2] == b"\x1f\x8b" if gz else b.lstrip()[:1] == b"{",
+                          "a Chrome trace")  # fmt: skip
 
 
 def text_data(path: str | None, seq_len: int) -> TokenData:
@@ -337,8 +367,9 @@ def text_data(path: str | None, seq_len: int) -> TokenData:
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file beside it and one rename, so that
-    no reader (nor a run cut short) ever finds half a file there."""
-    path = Path(path)
+    no reader (nor a run cut short) ever finds half a file there. A symlink stays: the file
+    it points to is the one replaced."""
+    path = Path(os.path.realpath(path))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(text)

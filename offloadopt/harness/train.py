@@ -60,6 +60,7 @@ from offloadopt.harness.train_checkpoint import (  # noqa: F401 - imported from 
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
     RESUME_MAY_CHANGE,
+    identity,
     load_checkpoint,
     save_checkpoint,
 )
@@ -302,8 +303,16 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
             ):
                 stale = schedule.newest()
                 stop.check_weights(step, model, saved_at)  # a NaN update is never saved
-                t = time.perf_counter()
-                nbytes = save_checkpoint(cfg.save, cfg, step, model, opt, gen, first_loss, stale)
+                t, before = time.perf_counter(), identity(cfg.save)
+                try:
+                    nbytes = save_checkpoint(
+                        cfg.save, cfg, step, model, opt, gen, first_loss, stale
+                    )
+                except BaseException:  # a new user's find: Ctrl-C after the new checkpoint's
+                    if identity(cfg.save) != before:  # rename said it held the step before
+                        saved_at = step
+                        log.info(f"saved: {cfg.save} at step {step} (then interrupted)")
+                    raise
                 saved_at = step
                 log.info(f"saved: {cfg.save} at step {step} ({nbytes / 1e9:.3f} GB in "
                          f"{time.perf_counter() - t:.2f} s)")  # fmt: skip

@@ -68,12 +68,14 @@ def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: tor
     if cfg.checkpoint_format == "streamed":
         return opt.save_streamed(path, model=model, extra=payload)
     payload.update(model=model.state_dict(), optimizer=opt.state_dict())
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                       f".{os.path.basename(path)}.{os.getpid()}.tmp")  # fmt: skip
+    # a symlink stays and its target is replaced, as save_streamed does (a new user's find:
+    # the link became a regular file and its target went stale)
+    target = os.path.realpath(path)
+    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{os.getpid()}.tmp")
     try:
         fsync_save(payload, tmp)  # Ctrl-C while torch writes: a KeyboardInterrupt, exit 130
-        os.replace(tmp, path)
-        integrity.fsync_dir(os.path.dirname(os.path.abspath(path)))
+        os.replace(tmp, target)
+        integrity.fsync_dir(os.path.dirname(target))
     except BaseException as e:
         written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
         with contextlib.suppress(OSError):
@@ -84,7 +86,17 @@ def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: tor
             needed = _tensor_nbytes(payload)
             raise integrity.full_disk_error("--save", path, written, needed, kept) from e
         raise
-    return os.path.getsize(path)
+    return os.path.getsize(target)
+
+
+def identity(path: str) -> tuple[int, int, int] | None:
+    """What is at ``path`` now (device, inode, mtime), or None: a save's ``os.replace`` puts a
+    new inode there, so a change says that a save was committed, whatever stopped it after."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns
 
 
 def _tensor_nbytes(obj: Any) -> int:
