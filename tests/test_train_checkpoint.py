@@ -387,6 +387,10 @@ def test_resume_knows_the_data_by_its_bytes_not_its_path(tmp_path, capsys, monke
     assert main([*argv, "--resume", ck]) == 2
     err = capsys.readouterr().err
     assert "was saved training on other data: --data 'a.txt' there (sha256 " in err, err
+    # the default text by its name, not as "None" (a new user's find)
+    assert main([*ARGS, "--resume", ck]) == 2
+    err = capsys.readouterr().err
+    assert "there (sha256 " in err and ", (none: pydoc_data.topics) here (sha256 " in err, err
 
 
 def test_a_streamed_checkpoint_goes_into_an_empty_folder(tmp_path, capsys):

@@ -204,10 +204,14 @@ def _checked(ck: Any, cfg: TrainConfig, name: str) -> dict:
         may_change += ("data",)  # a file changed under the same path does not
         here = text_digest(cfg.data)
         if here != digest:
+
+            def data(path: str | None) -> str:  # None: the default text (a new user read
+                return "(none: pydoc_data.topics)" if path is None else repr(path)  # "None")
+
             raise UsageError(
-                f"{name} was saved training on other data: --data {saved.get('data')!r} there "
-                f"(sha256 {digest[:16]}...), {cfg.data!r} here (sha256 {here[:16]}...); a "
-                "resumed run must read the same bytes to continue its losses exactly"
+                f"{name} was saved training on other data: --data {data(saved.get('data'))} "
+                f"there (sha256 {digest[:16]}...), {data(cfg.data)} here (sha256 {here[:16]}...); "
+                "a resumed run must read the same bytes to continue its losses exactly"
             )
     differ = [f"--{k.replace('_', '-')} {saved.get(k)!r} there, {v!r} here"
               for k, v in ours.items() if k not in may_change and saved.get(k) != v]  # fmt: skip
