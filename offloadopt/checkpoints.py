@@ -32,6 +32,9 @@ def state_dict(opt: Any) -> dict[str, Any]:
         )
     sd = checkpoint.pack(snapshot_source(opt), on_device=opt._snapshot_on_device)
     sd = checkpoint.export_moments(sd, opt.rule)  # fp32 under torch's keys
+    # a param with no state has no entry, as in torch's (SGD without momentum: "state": {};
+    # a new user's find: one empty dict per param)
+    sd["state"] = {k: v for k, v in sd["state"].items() if v}
     params = [p for g in opt.param_groups for p in g["params"]]
     return checkpoint.wrap_shards(checkpoint.drop_placement(sd), params)
 

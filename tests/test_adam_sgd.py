@@ -299,3 +299,17 @@ def test_sgd_where_torchs_fused_sgd_breaks(fraction):
         assert_bitwise(ps, rs, f"scaler, step {step}")
     for p, r in zip(ps, rs, strict=True):
         assert_bitwise([opt.state[p]["momentum_buffer"]], [ref.state[r]["momentum_buffer"]])
+
+
+def test_sgd_without_momentum_saves_no_state_entries_as_torch():
+    """A new user's find: HybridSGD without momentum saved ``"state": {0: {}, 1: {}}`` where
+    torch's SGD saves ``{}`` (a key-by-key match, as torch.distributed.checkpoint's, differs)."""
+    m = torch.nn.Linear(16, 16)
+    ref = torch.optim.SGD(m.parameters(), lr=0.1, fused=True)
+    opt = HybridSGD(m.parameters(), lr=0.1, offload_fraction=0.5, min_offload_numel=1)
+    m(torch.randn(2, 16)).sum().backward()
+    ref.step()
+    opt.step()
+    assert ref.state_dict()["state"] == {} and opt.state_dict()["state"] == {}
+    fresh = HybridSGD(m.parameters(), lr=0.1)
+    fresh.load_state_dict(opt.state_dict())  # and it loads back

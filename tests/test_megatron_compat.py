@@ -148,3 +148,17 @@ def test_param_update_in_fp32_keeps_masters_for_bf16_and_none_without():
 def test_the_native_classes_are_the_same_machinery():
     assert issubclass(HybridDeviceOptimizer, type(HybridAdamW(Net().parameters())).__mro__[1])
     assert HybridSGD.rule.name == "SGD" and HybridAdam.rule.name == "Adam"
+
+
+@pytest.mark.parametrize("flag", ["capturable", "differentiable"])
+def test_unsupported_kernel_flags_are_refused_naming_this_class(flag):
+    """A new user's find: capturable=True, which the docstring's "kernel-choice flags are
+    accepted" seemed to cover, raised an error naming HybridAdamW."""
+    m = torch.nn.Linear(8, 8)
+    with pytest.raises(
+        NotImplementedError, match=rf"^HybridDeviceOptimizer does not support {flag}=True"
+    ):
+        HybridDeviceOptimizer(m.parameters(), cpu_optimizer_cls=torch.optim.AdamW,
+                              gpu_optimizer_cls=torch.optim.AdamW, lr=1e-3, **{flag: True})  # fmt: skip
+    HybridDeviceOptimizer(m.parameters(), cpu_optimizer_cls=torch.optim.AdamW,
+                          gpu_optimizer_cls=torch.optim.AdamW, lr=1e-3, **{flag: False})  # fmt: skip

@@ -113,11 +113,13 @@ class HybridDeviceOptimizer(HybridOptimizer):
         overlap_cpu_optimizer_d2h_h2d: accepted; the copies always overlap the CPU update and
             ``step()`` returns with the params current.
         **kwargs: the rule's hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``,
-            ``momentum``, ...); kernel-choice flags (``fused``, ``foreach``, ...) are accepted.
+            ``momentum``, ...); kernel-choice flags (``fused``, ``foreach``, ``adam_w_mode``,
+            ...) are accepted; ``capturable`` and ``differentiable`` only as False.
 
     Raises:
         TypeError: an optimizer class that maps to no rule (named), or an unknown keyword.
         ValueError: a bad hyperparameter, named.
+        NotImplementedError: ``capturable=True`` (CUDA graphs) or ``differentiable=True``.
     """
 
     # state_dict(): copies of device-resident state stay on the GPU, as Megatron's.
@@ -142,6 +144,12 @@ class HybridDeviceOptimizer(HybridOptimizer):
                 f"HybridDeviceOptimizer ({rule.name}) got unexpected keyword arguments "
                 f"{sorted(unknown)}; it takes {sorted(rule.hyper_defaults)}"
             )
+        for flag in ("capturable", "differentiable"):  # named as this class (a new user's
+            if merged.get(flag):  # find: the message named HybridAdamW)
+                raise NotImplementedError(
+                    f"HybridDeviceOptimizer does not support {flag}=True"
+                    + (" (CUDA graphs)" if flag == "capturable" else "")
+                )
         self.rule = rule  # this instance's rule (the classes chose it)
         self.cpu_optimizer_cls, self.gpu_optimizer_cls = cpu_optimizer_cls, gpu_optimizer_cls
         self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
