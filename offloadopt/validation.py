@@ -106,8 +106,10 @@ def validate_options(
     capturable: bool = False,
     differentiable: bool = False,
     foreach: bool | None = None,
+    owner: str | None = None,
 ) -> None:
-    """The constructor's arguments: the rule's hyperparameters ``hyper``, the offloading
+    """The constructor's arguments (``owner``: the class the messages name, default
+    ``Hybrid<rule>``): the rule's hyperparameters ``hyper``, the offloading
     options ``o`` (offloadopt/options.py) and torch's flags (``foreach`` is accepted and
     ignored, but checked as torch checks it; the others are refused).
 
@@ -254,7 +256,7 @@ def validate_options(
             f"overlap='delayed' publishes the new weights at the next step() (or "
             f"opt.synchronize()): wait={o.wait!r} does not apply; leave wait='step'",
         )
-    name = f"Hybrid{rule.name}"
+    name = owner or f"Hybrid{rule.name}"
     _check(not amsgrad, f"{name} does not support amsgrad=True yet", NotImplementedError)
     _check(
         not capturable,

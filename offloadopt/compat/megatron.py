@@ -144,12 +144,6 @@ class HybridDeviceOptimizer(HybridOptimizer):
                 f"HybridDeviceOptimizer ({rule.name}) got unexpected keyword arguments "
                 f"{sorted(unknown)}; it takes {sorted(rule.hyper_defaults)}"
             )
-        for flag in ("capturable", "differentiable"):  # named as this class (a new user's
-            if merged.get(flag):  # find: the message named HybridAdamW)
-                raise NotImplementedError(
-                    f"HybridDeviceOptimizer does not support {flag}=True"
-                    + (" (CUDA graphs)" if flag == "capturable" else "")
-                )
         self.rule = rule  # this instance's rule (the classes chose it)
         self.cpu_optimizer_cls, self.gpu_optimizer_cls = cpu_optimizer_cls, gpu_optimizer_cls
         self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
