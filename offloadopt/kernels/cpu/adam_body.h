@@ -312,12 +312,13 @@ struct Kern {
     // two pairs at a time (their bytes pack in four instructions, not eight); t <= 1
     // (a finite 1/scale: the scale is 0 or normal), so every code fits 8 bits
     for (int k = 0; k < BLOCK; k += 4 * W) {
-      I cm[4], cv[4];
-      for (int u = 0; u < 4; ++u) {
-        cm[u] = m_code(V::ldf(b.m + k + u * W), minv);
-        cv[u] = v_code(V::ldf(b.y + k + u * W), yinv);
-      }
+      I cm[4];
+      for (int u = 0; u < 4; ++u) cm[u] = m_code(V::ldf(b.m + k + u * W), minv);
       V::st_u8x4(Ms + k, cm[0], cm[1], cm[2], cm[3]);
+    }
+    for (int k = 0; k < BLOCK; k += 4 * W) {
+      I cv[4];
+      for (int u = 0; u < 4; ++u) cv[u] = v_code(V::ldf(b.y + k + u * W), yinv);
       V::st_u8x4(Vs + k, cv[0], cv[1], cv[2], cv[3]);
     }
   }
@@ -328,8 +329,10 @@ struct Kern {
   static inline I m_code(F m, F minv) {
     const I mbits = V::bits(m);
     const I tm = V::bits(V::mul(V::flt(V::band(mbits, V::seti(0x7FFFFFFFu))), minv));
-    const I rm = V::template srl<20>(V::template add_bit<20>(V::add(tm, V::seti(0x7FFFFu)), tm));
-    const I mag = V::sub(V::maxu(rm, V::seti(113u << 3)), V::seti(112u << 3));
+    // (x - 896 << 20) >>> 20 == (x >>> 20) - 896 (arithmetic shift: a floor), so the bias 896 =
+    // 112 << 3 goes into the rounding's constant, and max(r, 904) - 896 == max_s(r - 896, 8)
+    const I rm = V::template sra<20>(V::template add_bit<20>(V::add(tm, V::seti(0x7FFFFu - (896u << 20))), tm));
+    const I mag = V::maxs(rm, V::seti(8u));
     const I sign = V::band(V::template srl<24>(mbits), V::seti(0x80u));
     return V::keep(V::gt_s(tm, V::seti(0x37FFFFFFu)), V::bor(mag, sign));  // t's bits < 2^31
   }
@@ -338,8 +341,9 @@ struct Kern {
   // 0x10); y == 0: 0 (y is never -0: v = x*x + ...)
   static inline I v_code(F y, F yinv) {
     const I ty = V::bits(V::mul(y, yinv));
-    const I ry = V::template srl<19>(V::template add_bit<19>(V::add(ty, V::seti(0x3FFFFu)), ty));
-    return V::keep_nonzero(V::bits(y), V::sub(V::maxu(ry, V::seti(113u << 4)), V::seti(112u << 4)));
+    // the bias 1792 = 112 << 4 in the rounding's constant, as in m_code
+    const I ry = V::template sra<19>(V::template add_bit<19>(V::add(ty, V::seti(0x3FFFFu - (1792u << 19))), ty));
+    return V::keep_nonzero(V::bits(y), V::maxs(ry, V::seti(0x10u)));
   }
 
   // The last len (< BLOCK) elements of a tensor, as one zero-padded block.

@@ -67,8 +67,10 @@ struct V {
   static inline I bxor(I a, I b) { return _mm512_xor_si512(a, b); }
   static inline I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
   static inline I maxu(I a, I b) { return _mm512_max_epu32(a, b); }
+  static inline I maxs(I a, I b) { return _mm512_max_epi32(a, b); }
   template <int S> static inline I srl(I a) { return _mm512_srli_epi32(a, S); }
   template <int S> static inline I sll(I a) { return _mm512_slli_epi32(a, S); }
+  template <int S> static inline I sra(I a) { return _mm512_srai_epi32(a, S); }
   static inline M lt_u(I a, I b) { return _mm512_cmplt_epu32_mask(a, b); }
   static inline M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
   static inline I sel(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
@@ -163,8 +165,10 @@ struct V {
   static inline I bxor(I a, I b) { return _mm256_xor_si256(a, b); }
   static inline I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
   static inline I maxu(I a, I b) { return _mm256_max_epu32(a, b); }
+  static inline I maxs(I a, I b) { return _mm256_max_epi32(a, b); }
   template <int S> static inline I srl(I a) { return _mm256_srli_epi32(a, S); }
   template <int S> static inline I sll(I a) { return _mm256_slli_epi32(a, S); }
+  template <int S> static inline I sra(I a) { return _mm256_srai_epi32(a, S); }
   static inline M lt_u(I a, I b) {  // no unsigned compare in AVX2: a < b iff max(a, b) != a
     return _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(a, b), a), _mm256_set1_epi32(-1));
   }
@@ -259,8 +263,10 @@ struct V {
   static inline I bxor(I a, I b) { OO_LANES(a.v[l] ^= b.v[l]) return a; }
   static inline I mullo(I a, I b) { OO_LANES(a.v[l] *= b.v[l]) return a; }
   static inline I maxu(I a, I b) { OO_LANES(a.v[l] = a.v[l] > b.v[l] ? a.v[l] : b.v[l]) return a; }
+  static inline I maxs(I a, I b) { OO_LANES(a.v[l] = (int32_t)a.v[l] > (int32_t)b.v[l] ? a.v[l] : b.v[l]) return a; }
   template <int S> static inline I srl(I a) { OO_LANES(a.v[l] >>= S) return a; }
   template <int S> static inline I sll(I a) { OO_LANES(a.v[l] <<= S) return a; }
+  template <int S> static inline I sra(I a) { OO_LANES(a.v[l] = (uint32_t)((int32_t)a.v[l] >> S)) return a; }
   static inline M lt_u(I a, I b) { OO_LANES(a.v[l] = a.v[l] < b.v[l] ? ~0u : 0u) return a; }
   static inline M isnan(F a) { I r; OO_LANES(r.v[l] = a.v[l] != a.v[l] ? ~0u : 0u) return r; }
   static inline I sel(M m, I a, I b) { OO_LANES(a.v[l] = (a.v[l] & m.v[l]) | (b.v[l] & ~m.v[l])) return a; }
