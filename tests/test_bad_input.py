@@ -570,6 +570,24 @@ def test_output_paths_that_are_no_regular_files_are_refused_and_left_as_they_are
     assert os.path.islink("link")
 
 
+def test_a_save_through_a_dangling_link_is_refused_before_training(tmp_path, monkeypatch):
+    """A new user's find: ``--save link`` where the link's target's folder does not exist
+    passed the checks, trained the whole run, then failed to save it (a raw
+    FileNotFoundError, status 1; the streamed format named the wrong folder)."""
+    monkeypatch.chdir(tmp_path)
+    os.symlink("/nonexistent/zzz", "dangling")
+    for fmt in ("file", "streamed"):
+        argv = ["train", "--save", "dangling", "--checkpoint-format", fmt]
+        assert one_error_line(argv) == (
+            "--save: 'dangling' is a link to '/nonexistent/zzz', whose folder '/nonexistent' "
+            "does not exist"
+        )
+    assert one_error_line(["audit", "--json", "dangling"]).endswith(
+        "is a link to '/nonexistent/zzz', whose folder '/nonexistent' does not exist"
+    )
+    assert os.path.islink("dangling") and not os.path.exists("/nonexistent")
+
+
 def test_audit_outputs_replace_only_files_of_their_own_kind(tmp_path, monkeypatch):
     """A new user's find: ``audit --json ck.pt`` replaced a checkpoint with JSON, status 0. An
     existing file is replaced only where it is a JSON report (``--json``) or a Chrome trace

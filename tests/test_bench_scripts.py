@@ -410,3 +410,45 @@ def test_timeline_marks_every_bucket_and_replays_its_table(tmp_path):
     last = replayed["out"].splitlines()[-1].split(";")[1]
     assert last == first["out"].splitlines()[-1].split(";")[1]
     assert missing["rc"] == 2 and "nope.json" in missing["err"]
+
+
+# kernel_icount.py under a fake valgrind: what callgrind_annotate prints for one mode, the
+# kernel's two functions and one of torch's (not counted for ours)
+_ANNOTATED = """\
+--------------------------------------------------------------------------------
+5,470,941,108 (100.0%)  PROGRAM TOTALS
+--------------------------------------------------------------------------------
+413,665,085 ( 7.56%)  ???:_PyEval_EvalFrameDefault [libpython3.11.so]
+20,522,985 ( 0.38%)  ???:isa_avx2::(anonymous namespace)::Kern<(M)1, true, (S)2, false>::span(Job const&, unsigned long) [k.so]
+11,000,001 ( 0.25%)  ???:isa_avx2::(anonymous namespace)::Kern<(M)1, true, (S)2, false>::encode(Pending&) [k.so]
+10,126,032 ( 0.19%)  ???:at::native::fused_adam_kernel(at::Tensor const&) [libtorch_cpu.so]
+"""  # fmt: skip
+FAKE_VALGRIND = f"""
+import shutil, subprocess
+ANNOTATED = {_ANNOTATED!r}
+def run(cmd, **kwargs):
+    out = ANNOTATED if cmd[0] == "callgrind_annotate" else ""
+    return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
+subprocess.run = run
+shutil.which = lambda tool: "/usr/bin/" + tool
+"""
+
+
+def test_kernel_icount_sums_the_kernels_functions_per_element():
+    """benchmarks/kernel_icount.py: per element, the kernel's own functions only (not torch's
+    or Python's), over its 3 calls of --numel params; a bad mode or size is a usage error."""
+    good, torch_row, bad_mode, bad_numel = as_program.run(
+        "kernel_icount.py",
+        ["--modes", "bf16m int8 state", "--numel", "1e6"],
+        ["--modes", "torch fused fp32", "--numel", "1e6"],
+        ["--modes", "bf16m int9 state"],
+        ["--numel", "10"],
+        prelude=FAKE_VALGRIND,
+    )
+    assert good["rc"] == 0, good["err"]
+    row = good["out"].splitlines()[-1].split()
+    # (20,522,985 + 11,000,001) / 3e6 = 10.51: span 6.84, encode 3.67
+    assert row[3:] == ["10.51", "span", "6.84,", "encode", "3.67"], row
+    assert torch_row["out"].splitlines()[-1].split()[3:] == ["3.38", "fused_adam", "3.38"]
+    assert bad_mode["rc"] == 2 and "'bf16m int9 state'" in bad_mode["err"]
+    assert bad_numel["rc"] == 2 and "--numel 10" in bad_numel["err"]

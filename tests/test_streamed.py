@@ -341,6 +341,52 @@ def test_save_paths_a_symlink_an_empty_folder_and_a_killed_saves_leftovers(tmp_p
     opt.close()
 
 
+def test_a_save_keeps_the_folders_mode_and_what_the_user_put_there(tmp_path):
+    """A new user's findings: every streamed checkpoint was a 0700 folder (mkdtemp's mode),
+    and a folder the user made for one became 0700 too; a file the user put in a checkpoint
+    folder (notes) was deleted by the next save."""
+    m = model()
+    opt = build(m, state_dtype="int8")
+    train(m, opt, 0, 1)
+    old = os.umask(0o022)
+    try:
+        fresh = tmp_path / "fresh"
+        opt.save_streamed(str(fresh))
+        assert fresh.stat().st_mode & 0o777 == 0o755  # the umask's
+        made = tmp_path / "made"
+        made.mkdir(mode=0o750)
+        os.chmod(made, 0o750)
+        opt.save_streamed(str(made))
+        assert made.stat().st_mode & 0o777 == 0o750  # the replaced folder's
+        (made / "notes.txt").write_text("lr sweep 3")
+        (made / "sub").mkdir()
+        train(m, opt, 1, 2)
+        opt.save_streamed(str(made), extra="second")
+        assert (made / "notes.txt").read_text() == "lr sweep 3" and (made / "sub").is_dir()
+        assert streamed.read_extra(str(made)) == "second"
+        assert made.stat().st_mode & 0o777 == 0o750
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "made"]  # no .old left
+    finally:
+        os.umask(old)
+    opt.close()
+
+
+def test_a_killed_file_saves_temporary_file_goes_at_the_next_save(tmp_path):
+    """A new user's find: ``train --save ck.pt`` killed outright (SIGKILL) during a save left
+    ``.ck.pt.PID.tmp`` (checkpoint-sized) beside it for good. The next save to that path
+    removes a dead process's leftover and keeps a live one's."""
+    from offloadopt.cli import main
+
+    ck = tmp_path / "ck.pt"
+    dead = tmp_path / f".ck.pt.{2**22 + 12345}.tmp"  # above the default pid_max: no such process
+    live = tmp_path / f".ck.pt.{os.getppid()}.tmp"  # a live process's save in progress
+    dead.write_bytes(b"x" * 1000)
+    live.write_bytes(b"y")
+    argv = ["train", "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--quiet"]
+    assert main([*argv, "--save", str(ck)]) == 0
+    assert ck.is_file() and not dead.exists() and live.read_bytes() == b"y"
+
+
 def test_a_truncated_part_is_refused_before_anything_changes(tmp_path, monkeypatch):
     """A part file cut short (a copy that stopped) was found only when its turn came, after
     earlier parts had been loaded: the optimizer was left half loaded. The index records each

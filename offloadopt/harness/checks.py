@@ -269,8 +269,22 @@ def output_file(value: Any) -> str:
     if path.exists() and not path.is_file():
         raise UsageError(f"{str(path)!r} is no regular file (a device, a pipe or a socket), and "
                          "a write would replace it: give a file name")  # fmt: skip
-    _writable_folder(path.parent, repr(str(path)))
+    _writable_folder(_written_folder(path), repr(str(path)))
     return str(path)
+
+
+def _written_folder(path: Path) -> Path:
+    """The folder a write to ``path`` creates its file in: a symlink's target's (the writes
+    replace the target and keep the link). A link whose target's folder is missing is refused
+    here, before anything is built (a new user's find: ``--save`` through a dangling link
+    trained the whole run, then failed to save it)."""
+    if not path.is_symlink():
+        return path.parent
+    target = Path(os.path.realpath(path))
+    if not target.parent.is_dir():
+        raise UsageError(f"{str(path)!r} is a link to {str(target)!r}, whose folder "
+                         f"{str(target.parent)!r} does not exist")  # fmt: skip
+    return target.parent
 
 
 def _replaces_only(path: str, looks_like: Callable[[bytes], bool], what: str) -> str:

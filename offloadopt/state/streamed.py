@@ -32,6 +32,7 @@ The load is offloadopt/state/streamed_load.py: it verifies everything, then appl
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
@@ -106,11 +107,12 @@ def save(
     target = os.path.realpath(path)  # a symlink's checkpoint goes where it points
     parent = os.path.dirname(target)
     if not os.path.isdir(parent):
+        link = f" (a link to {target!r})" if os.path.islink(path) else ""
         raise FileNotFoundError(
-            f"save_streamed: the folder {os.path.dirname(os.path.abspath(path))!r} that would "
-            f"hold {path!r} does not exist; create it first"
+            f"save_streamed: the folder {parent!r} that would hold {path!r}{link} does not "
+            "exist; create it first"
         )
-    _recover(target)
+    recover_leftovers(target)
     if (
         os.path.exists(target)
         and not os.path.isfile(os.path.join(target, _INDEX))
@@ -132,9 +134,13 @@ def save(
                 named.append((f"{_STATE}{index}/{key}", value))
     groups = checkpoint.drop_placement({"state": {}, "param_groups": base["param_groups"]})
     needed = sum(t.numel() * t.element_size() for _, t in named) + 512 * len(named) + 2**16
-    # unique per save (the process id first: _recover tells a killed save's leftovers by it)
+    # unique per save (the process id first: recover_leftovers tells a killed save's leftovers by it)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(target)}.{os.getpid()}.",
                            suffix=".tmp")  # fmt: skip
+    # mkdtemp's folder is 0700: the checkpoint takes the mode of the folder it replaces, else
+    # the umask's (a new user's find: every streamed checkpoint, and a folder the user made for
+    # one, ended up readable by its owner only)
+    os.chmod(tmp, _folder_mode(target))
     old = tmp[: -len(".tmp")] + ".old"
     sizes: list[int] = []  # each part file's bytes and checksum: a load checks them first
     sums: list[str] = []
@@ -181,8 +187,57 @@ def save(
                     else "nothing was at that path before")  # fmt: skip
             raise integrity.full_disk_error("save_streamed", path, sum(sizes), needed, kept) from e
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(old) and not _keep_foreign(old, target):
+        shutil.rmtree(old, ignore_errors=True)
     return written
+
+
+def _ours(entry: str) -> bool:
+    """Whether ``entry`` (a name in a checkpoint folder) is a file a save writes."""
+    return entry == _INDEX or (entry.startswith("part-") and entry.endswith(".pt"))
+
+
+def _keep_foreign(old: str, target: str) -> bool:
+    """Moves what the user put in the replaced checkpoint folder ``old`` (anything a save
+    does not write: notes, a config) into the new one at ``target`` (a new user's find: the
+    next save deleted them). True where something could not be moved: ``old`` is then left
+    beside ``target`` (under its hidden name), with a warning, and nothing is lost."""
+    left = []
+    for entry in os.listdir(old):
+        if _ours(entry):
+            continue
+        dest = os.path.join(target, entry)
+        try:
+            if os.path.lexists(dest):
+                raise FileExistsError(dest)
+            os.replace(os.path.join(old, entry), dest)
+        except OSError:
+            left.append(entry)
+    if left:
+        warn(f"save_streamed: {left} in the replaced checkpoint could not be moved into the new "
+             f"one; the replaced checkpoint is kept at {old!r}")  # fmt: skip
+    return bool(left)
+
+
+def _folder_mode(target: str) -> int:
+    """The permission bits of the folder at ``target``, or the umask's for a new folder."""
+    try:
+        return os.stat(target).st_mode & 0o7777
+    except OSError:
+        return 0o777 & ~_umask()
+
+
+def _umask() -> int:
+    """The process's umask: from /proc where it says (no other thread sees a change), else
+    set and set back (Python has no getter)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
 
 
 def _check_extra(extra: Any) -> None:
@@ -233,9 +288,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _recover(target: str) -> None:
+def recover_leftovers(target: str) -> None:
     """Leftovers of saves to ``target`` killed part-way (their process is gone): a ``.tmp``
-    folder is removed; an ``.old`` one (killed between moving the previous checkpoint aside
+    folder or file (the file format's) is removed; an ``.old`` one (killed between moving the previous checkpoint aside
     and moving the new one in) is moved back to ``target`` if ``target`` is missing, else
     removed."""
     for path, pid, kind in _leftovers(target):
@@ -243,7 +298,10 @@ def _recover(target: str) -> None:
             continue
         if kind == "old" and not os.path.exists(target):
             os.replace(path, target)
-        else:
+        elif not os.path.isdir(path):  # the file format's temporary file (train_checkpoint.py)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        elif kind == "tmp" or not _keep_foreign(path, target):
             shutil.rmtree(path, ignore_errors=True)
 
 
