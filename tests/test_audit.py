@@ -489,3 +489,19 @@ def test_the_audit_counts_speculative_and_redone_updates(capsys, monkeypatch):
     assert spec["buckets"] >= 1, spec
     assert spec["redone_clip"] + spec["redone_inf"] <= 2 and spec["backup_nbytes"] > 0
     assert "speculative updates:" in out
+
+
+def test_an_optimizer_with_no_fraction_reports_none(capsys):
+    """A new user's find: ``audit --optimizer adamw`` (no offload) printed and reported
+    ``"offload_fraction": 1.0``; a fraction is reported only for the optimizers that take one."""
+    from offloadopt.cli import main
+
+    base = ["audit", "--device", "cpu", "--preset", "tiny", "--steps", "1", "--warmup", "0"]
+    assert main([*base, "--optimizer", "adamw"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["offload_fraction"] is None
+    assert "fraction" not in out.splitlines()[0], out.splitlines()[0]
+    assert main([*base, "--offload-fraction", "0.5"]) == 0  # hybrid's is reported
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["offload_fraction"] == 0.5
+    assert "(fraction 0.5, step mode)" in out

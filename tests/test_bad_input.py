@@ -110,6 +110,9 @@ CASES = [
     (["train", "--eval-batches", "100000000000"],
      "--eval-batches: '100000000000' is too large (at most 65,536 batches an evaluation)"),
     (["train", "--measure-fwd-bwd", "-1"], "--measure-fwd-bwd: -1 is not an integer >= 0"),
+    # 2**63 - 1 was taken, and the run never reached its first step (a new user's find)
+    (["train", "--measure-fwd-bwd", str(2**63 - 1)],
+     f"--measure-fwd-bwd: '{2**63 - 1}' is too large (at most 65,536 steps)"),
     (["train", "--seed", str(2**70)], f"--seed: {2**70} is too large (at most 2**63 - 1)"),
     (["train", "--data", "empty.txt"], "--data: 'empty.txt': empty file (0 bytes)"),
     (["bench", "--data", "/dev/null"],
@@ -128,6 +131,9 @@ CASES = [
     (["train", "--save", "emptydir"],
      "--save emptydir is an empty folder; --checkpoint-format file writes one file (give a file name, or --checkpoint-format streamed)"),
     (["audit", "--trace", "fulldir"], "--trace: 'fulldir' is a folder, not a file name"),
+    (["train", "--save", "fulldir", "--checkpoint-format", "streamed"],
+     "--save: 'fulldir' is a folder that holds files but no streamed checkpoint (no index.pt): "
+     "give a file name, or a new or empty folder for --checkpoint-format streamed"),
     (["train", "--device", "cuda:99"],
      NO_CUDA if not torch.cuda.is_available() else f"torch sees {torch.cuda.device_count()}"),
     (["train", "--offload-fraction", "auto", "--overlap", "delayed"],

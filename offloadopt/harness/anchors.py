@@ -47,7 +47,7 @@ def megatron_hybrid_optimizer_class():
     the package's ``__init__`` pulls in much more)."""
     spec = importlib.util.find_spec("megatron")
     if spec is None or not spec.submodule_search_locations:
-        raise Unavailable("megatron-core is not installed")
+        raise Unavailable("megatron-core is not installed (pip install megatron-core)")
     path = (
         Path(next(iter(spec.submodule_search_locations)))
         / "core/optimizer/cpu_offloading/hybrid_optimizer.py"
@@ -97,7 +97,7 @@ def torchao_offload(model: torch.nn.Module, lr: float) -> dict[str, Any]:
     try:
         from torchao.optim import CPUOffloadOptimizer
     except Exception as e:  # noqa: BLE001 - any import failure means unavailable
-        raise Unavailable(f"torchao: {e}") from e
+        raise Unavailable(f"torchao is not installed (pip install torchao): {e}") from e
     opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, fused=True, **adamw_kwargs(lr))
     low = next(model.parameters()).dtype != torch.float32
     numerics = "no fp32 master" if low else "same"
@@ -231,7 +231,7 @@ def deepspeed_zero2(
     steps. Raises :class:`Unavailable` without deepspeed or without a CUDA device.
     """
     if importlib.util.find_spec("deepspeed") is None:
-        raise Unavailable("deepspeed is not installed")
+        raise Unavailable("deepspeed is not installed (pip install deepspeed)")
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise Unavailable(f"DeepSpeed ZeRO-Offload needs a CUDA device, not {device.type}")

@@ -73,6 +73,11 @@ def worker_line(stats: dict[str, Any]) -> str:
     return f"CPU worker: {threads} thread{'s' if threads != 1 else ''} on {where}{left}"
 
 
+# the optimizers that take --offload-fraction (the others report none: a new user's find, adamw's
+# JSON said "offload_fraction": 1.0)
+FRACTIONED = ("hybrid", "megatron", "megatron-pinfix-fused")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """What the option types cannot check alone; raises ``UsageError`` naming the flag."""
     block_size = PRESETS[args.preset].block_size
@@ -93,8 +98,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.no_pin_memory and args.optimizer != "hybrid":
         raise UsageError(f"--no-pin-memory: HybridAdamW's option; --optimizer {args.optimizer} "
                          "would ignore it")  # fmt: skip
-    if args.offload_fraction != 1.0 and args.optimizer not in ("hybrid", "megatron",
-                                                                "megatron-pinfix-fused"):  # fmt: skip
+    if args.offload_fraction != 1.0 and args.optimizer not in FRACTIONED:
         raise UsageError(f"--offload-fraction {args.offload_fraction:g}: --optimizer "
                          f"{args.optimizer} has no fraction (it would be ignored)")  # fmt: skip
     if args.mock_data and args.data is not None:
@@ -158,7 +162,9 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
         kept = ("backup_nbytes", "device_extra_peak_nbytes")  # held or peaked: not counted
         spec = {k: v - counted.get(k, 0) if k not in kept else v for k, v in spec.items()}
     mode = f", {args.mode} mode" if args.optimizer == "hybrid" else ""
-    print(f"memcpy audit: {args.optimizer} (fraction {args.offload_fraction}{mode}), preset "
+    fraction = args.offload_fraction if args.optimizer in FRACTIONED else None
+    shown = f" (fraction {fraction}{mode})" if fraction is not None else ""
+    print(f"memcpy audit: {args.optimizer}{shown}, preset "
           f"{args.preset}, {args.steps} iteration(s) after {args.warmup} warm-up, {device}")  # fmt: skip
     if device.type == "cpu":  # no link: an empty table and "0 copies" would read as a finding
         print(f"memcpy audit {provenance.CPU_AUDIT_NOTE}")
@@ -177,7 +183,7 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
     link = [r for r in report.rows if r.direction in ("HtoD", "DtoH")]
     pageable_h2d = [r for r in report.pageable_rows if r.direction == "HtoD"]
     summary = {
-        "optimizer": args.optimizer, "offload_fraction": args.offload_fraction, "preset": args.preset,
+        "optimizer": args.optimizer, "offload_fraction": fraction, "preset": args.preset,
         "iterations": args.steps, "copies_per_iteration": report.copy_count / per,
         "pageable_copies_per_iteration": report.pageable_count / per,
         "pageable_h2d_per_iteration": sum(r.count for r in pageable_h2d) / per,

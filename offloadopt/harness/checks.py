@@ -127,6 +127,18 @@ def eval_batches(value: Any) -> int:
     return n
 
 
+MAX_MEASURED_STEPS = 2**16  # --measure-fwd-bwd: steps timed before training
+
+
+def measured_steps(value: Any) -> int:
+    """Steps of forward+backward timed before training: an integer in [0, 65,536] (a new
+    user's find: 2**63 - 1 was taken, and the run never reached its first step)."""
+    n = _int(value, 0)
+    if n > MAX_MEASURED_STEPS:
+        raise UsageError(f"{_shown(value)} is too large (at most {MAX_MEASURED_STEPS:,} steps)")
+    return n
+
+
 def nonneg_int(value: Any) -> int:
     """An integer in [0, 2**63 - 1]: warm-up steps, ``min_offload_numel``."""
     return _int(value, 0)
@@ -318,6 +330,10 @@ def checkpoint_path(value: Any) -> str:
     if path.is_dir() and ((path / "index.pt").is_file() or not any(path.iterdir())):
         _writable_folder(path.parent, repr(str(path)))
         return str(path)
+    if path.is_dir():  # "is a folder, not a file name" misled where a folder was meant
+        raise UsageError(f"{str(path)!r} is a folder that holds files but no streamed checkpoint "
+                         "(no index.pt): give a file name, or a new or empty folder for "
+                         "--checkpoint-format streamed")  # fmt: skip
     return output_file(value)
 
 

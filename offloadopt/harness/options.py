@@ -349,7 +349,7 @@ FIELD_CHECKS = {
     "save_every": checks.nonneg_int,
     "resume": checks.checkpoint_input,
     "tensorboard": checks.out_dir,
-    "measure_fwd_bwd": checks.nonneg_int,
+    "measure_fwd_bwd": checks.measured_steps,
 }
 
 
