@@ -640,3 +640,19 @@ def test_a_written_file_keeps_the_symlink_that_named_it(tmp_path):
     assert main([*argv, "--seed", "1", "--save", str(latest)]) == 0  # another run, same link
     assert latest.is_symlink() and ck.read_bytes() != first
     assert torch.load(ck, weights_only=False)["config"]["seed"] == 1
+
+
+def test_a_read_only_mount_is_named_as_one(tmp_path, monkeypatch):
+    """A new user's find: ``--save`` onto a read-only mount said "permission denied"; the
+    mount's flag is read, and a folder whose permissions refuse says what it said."""
+    from types import SimpleNamespace
+
+    from offloadopt.harness import checks
+
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)
+    out = str(tmp_path / "ck.pt")
+    with pytest.raises(checks.UsageError, match=r"\(permission denied\)"):
+        checks.output_file(out)
+    monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_flag=os.ST_RDONLY))
+    with pytest.raises(checks.UsageError, match=r"cannot write in .* \(read-only file system\)"):
+        checks.output_file(out)

@@ -64,7 +64,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
            "GPU, else tiny)")
     a("--device", type=t["device"], default=None,
       help="cuda, cuda:N or cpu (default: cuda if available)")
-    a("--dtype", default=d.dtype, choices=sorted(DTYPE_NAMES))
+    a("--dtype", default=d.dtype, choices=sorted(DTYPE_NAMES),
+      help="the model's params and activations, on every device (default: %(default)s)")
     a("--batch-size", type=t["batch_size"], default=d.batch_size, help="sequences per step")
     a("--seq-len", type=t["seq_len"], default=None,
       help="tokens per sequence (default: the preset's longest, at most 1024)")
@@ -111,7 +112,8 @@ def add_audit_args(p: argparse.ArgumentParser) -> None:
     a("--device", type=checks.device, default=None,
       help="cuda, cuda:N or cpu (default: cuda if available)")
     a("--preset", default="tiny", choices=sorted(PRESETS))
-    a("--dtype", default="bf16", choices=sorted(DTYPE_NAMES))
+    a("--dtype", default="bf16", choices=sorted(DTYPE_NAMES),
+      help="the model's params and activations (default: %(default)s)")
     a("--optimizer", default="hybrid", choices=AUDIT_OPTIMIZERS)
     a("--offload-fraction", type=checks.fraction, default=1.0, help="for hybrid and megatron")
     a("--mode", default="step", choices=tuple(MODES),

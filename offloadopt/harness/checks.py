@@ -231,12 +231,21 @@ def _writable_folder(folder: Path, what: str) -> None:
     if not folder.is_dir():
         raise UsageError(f"{what}: {str(folder)!r} is not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"{what}: cannot write in {str(folder)!r} (permission denied)")
+        raise UsageError(f"{what}: cannot write in {str(folder)!r} ({_why_not_writable(folder)})")
     try:  # what access() cannot tell: /proc, a read-only mount, root's permission bypass
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
         raise UsageError(f"{what}: cannot write in {str(folder)!r} ({e.strerror or e})") from None
+
+
+def _why_not_writable(folder: Path) -> str:
+    """Why ``access(W_OK)`` said no: a read-only mount (a new user's find: it read "permission
+    denied") or the folder's permissions."""
+    with contextlib.suppress(OSError, AttributeError):
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return "read-only file system"
+    return "permission denied"
 
 
 def out_dir(value: Any) -> str:
