@@ -197,7 +197,7 @@ def test_modes_run_a_sweep_each_and_the_summary_names_the_largest_fraction(tmp_p
         "other numerics (clipped by torch"
     )
     out = capsys.readouterr().out
-    assert "backward: 0:" in out and "largest within 1.10x of hybrid:0:" in out
+    assert "backward: step time over hybrid:0's, by fraction: 0:" in out
 
 
 def test_sweep_summary_stops_at_the_first_fraction_over_the_limit():
@@ -207,8 +207,9 @@ def test_sweep_summary_stops_at_the_first_fraction_over_the_limit():
     rows += [{"name": f"hybrid-backward:{f}", "kind": "hybrid", "mode": "backward",
               "fraction": f, "step_ms": ms} for f, ms in ((0.1, 104.0), (0.2, 120.0), (0.3, 105.0))]  # fmt: skip
     assert sweep_summary(rows) == [
-        "step: 0:1.00x; largest within 1.10x of hybrid:0: 0",
-        "backward: 0.1:1.04x 0.2:1.20x 0.3:1.05x; largest within 1.10x of hybrid:0: 0.1",
+        "step: step time over hybrid:0's, by fraction: 0:1.00x; largest fraction within 1.10x: 0",
+        "backward: step time over hybrid:0's, by fraction: 0.1:1.04x 0.2:1.20x 0.3:1.05x; "
+        "largest fraction within 1.10x: 0.1",
     ]
     # a clipped mode with its own fraction 0 is measured against it (clipped the same way); a
     # mode with step mode's math against hybrid:0, even with a fraction 0 of its own
@@ -219,9 +220,10 @@ def test_sweep_summary_stops_at_the_first_fraction_over_the_limit():
     rows.append({"name": "hybrid-backward:0", "kind": "hybrid", "mode": "backward",
                  "fraction": 0.0, "step_ms": 130.0, "status": "ok"})  # fmt: skip
     assert sweep_summary(rows)[1:] == [
-        "backward: 0:1.30x 0.1:1.04x 0.2:1.20x 0.3:1.05x; largest within 1.10x of hybrid:0: none",
-        "backward-clip: 0:1.00x 0.1:1.09x 0.2:1.14x; largest within 1.10x of "
-        "hybrid-backward-clip:0: 0.1",
+        "backward: step time over hybrid:0's, by fraction: 0:1.30x 0.1:1.04x 0.2:1.20x "
+        "0.3:1.05x; largest fraction within 1.10x: none",
+        "backward-clip: step time over hybrid-backward-clip:0's, by fraction: 0:1.00x "
+        "0.1:1.09x 0.2:1.14x; largest fraction within 1.10x: 0.1",
     ]
 
 
@@ -240,7 +242,8 @@ def test_a_failed_fraction_stops_the_sweep_summary_and_is_named():
             {"name": "hybrid-backward:1", "kind": "hybrid", "mode": "backward", "fraction": 1.0,
              "step_ms": 101.0}]  # fmt: skip
     assert sweep_summary(rows)[1] == (
-        "backward: 0.5:failed 1:1.01x; largest within 1.10x of hybrid:0: none"
+        "backward: step time over hybrid:0's, by fraction: 0.5:failed 1:1.01x; largest fraction "
+        "within 1.10x: none"
     )
 
 

@@ -91,8 +91,9 @@ def sweep_summary(results: list[dict[str, Any]], within: float = 1.10) -> list[s
         shown = " ".join(
             f"{f:g}:{'failed' if ratio is None else f'{ratio:.2f}x'}" for f, ratio in sweep
         )
-        lines.append(f"{mode}: {shown}; largest within {within:.2f}x of {ref_name}: "
-                     f"{'none' if best is None else f'{best:g}'}")  # fmt: skip
+        # what the ratio is of, said on the line (a new user read "0:1.00x" as unexplained)
+        lines.append(f"{mode}: step time over {ref_name}'s, by fraction: {shown}; largest "
+                     f"fraction within {within:.2f}x: {'none' if best is None else f'{best:g}'}")  # fmt: skip
     return lines
 
 
