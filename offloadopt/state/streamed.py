@@ -134,7 +134,8 @@ def save(
                 named.append((f"{_STATE}{index}/{key}", value))
     groups = checkpoint.drop_placement({"state": {}, "param_groups": base["param_groups"]})
     needed = sum(t.numel() * t.element_size() for _, t in named) + 512 * len(named) + 2**16
-    # unique per save (the process id first: recover_leftovers tells a killed save's leftovers by it)
+    # unique per save (the process id first: recover_leftovers tells a killed save's
+    # leftovers by it)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(target)}.{os.getpid()}.",
                            suffix=".tmp")  # fmt: skip
     # mkdtemp's folder is 0700: the checkpoint takes the mode of the folder it replaces, else
@@ -290,9 +291,9 @@ def _alive(pid: int) -> bool:
 
 def recover_leftovers(target: str) -> None:
     """Leftovers of saves to ``target`` killed part-way (their process is gone): a ``.tmp``
-    folder or file (the file format's) is removed; an ``.old`` one (killed between moving the previous checkpoint aside
-    and moving the new one in) is moved back to ``target`` if ``target`` is missing, else
-    removed."""
+    folder or file (the file format's) is removed; an ``.old`` one (killed between moving the
+    previous checkpoint aside and moving the new one in) is moved back to ``target`` if
+    ``target`` is missing, else removed, what the user put in it moved into ``target``."""
     for path, pid, kind in _leftovers(target):
         if _alive(pid):
             continue
