@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from offloadopt import checkpoints, wiring
+from offloadopt import wiring
+from offloadopt.checkpoints import Checkpoints
 from offloadopt.debug import Debug
 from offloadopt.interrupts import no_grad_whole, signals_deferred
 from offloadopt.options import Options
@@ -37,7 +38,7 @@ from offloadopt.warn import WarnOnce
 __all__ = ["HybridOptimizer"]
 
 
-class HybridOptimizer(Reports, Optimizer):
+class HybridOptimizer(Reports, Checkpoints, Optimizer):
     """The machinery shared by the hybrid optimizers (see :class:`HybridAdamW` for the
     timeline, memory and caveats). A subclass sets :attr:`rule` and maps its torch signature
     onto ``hyper`` (the rule's hyperparameters)."""
@@ -349,101 +350,6 @@ class HybridOptimizer(Reports, Optimizer):
             PinnedAllocationError: the new buffers could not be had (the old placement stays).
         """
         self._relocate.set_fraction(check_fraction(fraction))
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The rule's torch layout (``torch.optim.AdamW(fused=True)``'s) plus ``"master"``
-        (fp32) where one exists. Loadable with ``torch.load(weights_only=True)``.
-
-        A snapshot: every state tensor is a standalone copy in host memory (CPU), taken now,
-        so a kept dict never changes with later steps (torch's holds live references; ours
-        cannot for offloaded entries, which are views of host arenas, and one rule for every
-        entry beats two). Device-resident state is copied to the host with a blocking D2H,
-        never duplicated on the GPU. ``load_state_dict`` copies values into the optimizer's
-        buffers wherever they come from; ``torch.optim`` optimizers move them to their params.
-        The groups leave out the ``"offload"`` key: placement is the loading optimizer's own.
-        """
-        return checkpoints.state_dict(self)
-
-    def _snapshot_source(self) -> dict[str, Any]:
-        """For offloadopt/state/streamed.py: checkpoints.snapshot_source."""
-        return checkpoints.snapshot_source(self)
-
-    def save_streamed(self, path: str, model: torch.nn.Module | None = None,
-                      extra: Any = None) -> int:  # fmt: skip
-        """Write the state to the folder ``path`` in ``torch.save`` parts of at most 256 MiB,
-        with ``model.state_dict()`` and ``extra`` (any object ``torch.load(weights_only=True)``
-        reads; another is a ValueError) when given; returns the bytes written.
-
-        For models whose state does not fit twice in host memory: ``state_dict()`` copies
-        every state tensor to the host (and decodes int8 moments to fp32 beside their codes);
-        this writes the live tensors in the stored representation, with one part in flight
-        (offloadopt/state/streamed.py, docs/checkpoints.md). A temporary folder beside
-        ``path`` is renamed into place: an interrupt leaves the previous checkpoint or the new
-        one. Read it back with :meth:`load_streamed` (not with ``torch.optim.AdamW``).
-
-        ``state_dict`` hooks (``register_state_dict_pre_hook`` / ``_post_hook``) edit a whole
-        dict, which a streamed save never builds: with one registered it is refused.
-
-        Raises:
-            NotImplementedError: FSDP2 (DTensor) params. OSError: the folder could not be
-                written (a previous checkpoint at ``path`` is kept). ValueError: a
-                ``state_dict`` hook is registered (nothing was written).
-        """
-        from offloadopt.state import streamed
-
-        checkpoints.refuse_dict_hooks("save_streamed", "state_dict hook(s)", "state_dict()",
-                                self._optimizer_state_dict_pre_hooks,
-                                self._optimizer_state_dict_post_hooks)  # fmt: skip
-        return streamed.save(self, path, model, extra)
-
-    def load_streamed(self, path: str, model: torch.nn.Module | None = None) -> Any:
-        """Read a :meth:`save_streamed` folder into this optimizer (and ``model``'s tensors, in
-        place); returns the ``extra`` object saved with it, or None. The whole checkpoint is
-        checked against the optimizer and the model first, as ``load_state_dict`` checks a
-        dict; then it is read in chunks of at most 256 MiB of host memory.
-
-        ``load_state_dict`` post-hooks run after it, as after ``load_state_dict``; a pre-hook
-        (which edits the whole dict, never held here) makes it refuse.
-
-        Raises:
-            ValueError: not a streamed checkpoint, or one that does not fit (names what), or
-                a ``load_state_dict`` pre-hook is registered; nothing was changed.
-            RuntimeError: as ``load_state_dict``.
-        """
-        from offloadopt.state import streamed_load
-
-        checkpoints.refuse_dict_hooks("load_streamed", "load_state_dict pre-hook(s)", "load_state_dict()",
-                                self._optimizer_load_state_dict_pre_hooks)  # fmt: skip
-        return streamed_load.load(self, path, model)
-
-    @no_grad_whole  # no grad (copies record nothing); signals deferred around it
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Validate the whole dict, then copy it into the existing buffers.
-
-        Group hyperparameters (and extra keys such as a scheduler's ``initial_lr``) come from
-        the dict; ``params``, ``param_names`` and ``offload`` stay the optimizer's own, and the
-        rule's torch flags are restored. State is copied, never aliased: masters keep fp32,
-        offloaded state stays in its arena on the host. A low-precision param with no master
-        in the dict (a checkpoint of ``torch.optim.AdamW`` on a bf16 model) gets its master
-        from its current weights, with a warning: such a resume cannot be exact. An fp32
-        offloaded param's host copy is refreshed from the param. Params with no saved state
-        lose theirs (it is made again at their next grad), as in torch.
-
-        Raises:
-            ValueError: the dict does not fit this optimizer; nothing was changed.
-            RuntimeError: between backward and ``step()`` once this step's updates began
-                (declared backward mode); nothing was changed.
-        """
-        checkpoints.load_state_dict(self, state_dict)
-
-    def _prepare_load(self) -> None:
-        """For offloadopt/state/streamed_load.py: checkpoints.prepare_load."""
-        checkpoints.prepare_load(self)
-
-    def _load_validated(self, sd: Any, **kw: Any) -> None:
-        """For offloadopt/state/streamed_load.py: checkpoints.load_validated."""
-        checkpoints.load_validated(self, sd, **kw)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
