@@ -22,7 +22,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    _dynamo_counters_cleared()
     yield
+
+
+def _dynamo_counters_cleared() -> None:
+    """Each test as in a fresh process for wait="module": a torch.compile in this process
+    makes step() wait for every copy back (offloadopt/step/hooks.py, dynamo_compiled_any,
+    which reads dynamo's counters), so one test's compile would change a later test's
+    overlap. Clears the counters (not the compiled caches)."""
+    import sys
+
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.utils.counters.clear()
 
 
 @pytest.fixture

@@ -337,8 +337,46 @@ def test_closed_optimizer_refuses_to_step_at_any_fraction():
         opt.step()
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """A process where torch.compile has compiled nothing yet, as far as the optimizer can
+    tell (hooks.dynamo_compiled_any reads dynamo's counters; other tests compile): the caches
+    and the counters cleared before and after."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def test_a_watched_model_compiled_after_another_instance_waits_in_step(fresh_dynamo):
+    """A user's find: with another instance of the model's class compiled first (a compiled
+    eval copy, a reference run), dynamo reused that instance's graph, traced without the
+    waits, for the watched model's compiled forward: no pre-hook ran, nothing set
+    ``compiled.seen``, and wait="module" let the next forward read weights being copied back
+    (wrong losses, then an in-place error in backward). Any compile in the process now makes
+    step() wait for every copy back; training is step mode's, bitwise."""
+    ref_model, model, other = mlp(), mlp(), mlp()
+    ref = train(ref_model, make_opt(ref_model, 1.0))
+    torch.compile(other, backend="eager")(batch(0))  # another instance, compiled first
+    opt = HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=1.0, min_offload_numel=1,
+                      bucket_nbytes=4 * 1000, wait="module")  # fmt: skip
+    opt.watch(model)  # before the compile, as the docs ask
+    opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.005)  # copies still in flight
+    run = torch.compile(model, backend="eager")
+    for step in range(4):
+        run(batch(step)).float().pow(2).mean().backward()
+        opt.step()
+        assert opt.debug.publisher.compiled_region() and opt.debug.inflight is None
+        opt.zero_grad()
+    assert_bitwise([p.detach() for p in model.parameters()], ref, "another instance first")
+    opt.close()
+
+
 @pytest.mark.parametrize("how", ["compiled-then-watched", "watched-then-compiled", "in-place"])
-def test_a_compiled_model_traces_whole_and_step_waits_once(how):
+def test_a_compiled_model_traces_whole_and_step_waits_once(how, fresh_dynamo):
     """Under torch.compile (fullgraph=True: no graph break) the per-module waits trace as
     nothing; step() then waits for every copy back before it returns (wait="module" eager
     returns with them in flight), and training is step mode's, bitwise."""
@@ -369,7 +407,7 @@ def test_a_compiled_model_traces_whole_and_step_waits_once(how):
     opt.close()
 
 
-def test_an_eager_watched_model_keeps_its_copies_in_flight_after_step():
+def test_an_eager_watched_model_keeps_its_copies_in_flight_after_step(fresh_dynamo):
     """The other side of the compiled case: eager, step() returns before the copies back."""
     model = mlp()
     opt = make_opt(model, 1.0, overlap="backward", grads_final=True, wait="module")
@@ -381,10 +419,15 @@ def test_an_eager_watched_model_keeps_its_copies_in_flight_after_step():
     opt.close()
 
 
-def test_a_model_compiled_and_run_before_watch_is_caught_after_one_step():
+def test_a_model_compiled_and_run_before_watch_is_caught_after_one_step(monkeypatch):
     """torch.compile ignores hooks added after a region first ran compiled, so watch() after
     that adds waits that never run (a fresh user's finding). The next step sees that no watched
-    module waited, warns, and from then on step() waits for every copy back."""
+    module waited, warns, and from then on step() waits for every copy back. (Any compile in
+    the process now makes step() wait from the first step, hooks.dynamo_compiled_any: this is
+    the check behind it, for a compile the counters would not show.)"""
+    from offloadopt.step import publish
+
+    monkeypatch.setattr(publish, "dynamo_compiled_any", lambda: False)
     model = mlp()
     opt = HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=1.0, min_offload_numel=1,
                       bucket_nbytes=4 * 1000, wait="module")  # fmt: skip

@@ -8,6 +8,7 @@ that kept it alive would keep its pinned memory and worker alive too.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -86,6 +87,23 @@ def _compiled(model: torch.nn.Module) -> bool:
     return isinstance(model, OptimizedModule) or any(
         getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()
     )
+
+
+def dynamo_compiled_any() -> bool:
+    """Whether ``torch.compile`` (dynamo) has compiled a frame in this process. A graph traced
+    from one instance of a module class is reused for another instance of it, hooks or not
+    (dynamo does not guard on hooks by default): a watched model whose compiled forward got
+    such a graph runs without its waits, and without setting ``compiled.seen`` (a user's
+    find: wrong losses, then an in-place error, with a compiled copy traced first). Reads
+    dynamo's counters; one that cannot be read counts as compiled (the safe side)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return False
+    try:
+        counters = dynamo.utils.counters
+        return bool(counters["frames"]["ok"] or counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 - another torch's internals: assume a compile ran
+        return True
 
 
 # torch's modules whose forward reads their children's params directly, not through the

@@ -28,7 +28,7 @@ from offloadopt.link.worker import WaitTimeout
 from offloadopt.place.placer import Placer
 from offloadopt.place.records import ParamRecord
 from offloadopt.shards import local
-from offloadopt.step.hooks import ModuleWaits
+from offloadopt.step.hooks import ModuleWaits, dynamo_compiled_any
 from offloadopt.step.step import Phase, Step, Timeline
 
 __all__ = ["Publisher", "AtReturn", "PerModule"]
@@ -269,8 +269,12 @@ class Publisher:
 
     def compiled_region(self) -> bool:
         """A watched module ran inside a ``torch.compile``d region, where its per-module wait
-        does not run (hooks.Compiled): ``step()`` waits for every copy back instead."""
-        return self.unwaited or any(w.compiled.seen for w in self.module_waits)
+        does not run (hooks.Compiled), or dynamo compiled anything in this process (its graph
+        may run a watched model without the waits: hooks.dynamo_compiled_any): ``step()``
+        waits for every copy back instead."""
+        if self.unwaited or any(w.compiled.seen for w in self.module_waits):
+            return True
+        return bool(self.module_waits) and dynamo_compiled_any()
 
 
 class AtReturn(Publisher):
