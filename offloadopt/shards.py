@@ -240,11 +240,19 @@ def refuse_sharded(sharded: list[torch.Tensor], moments: str, master_sr: bool) -
         NotImplementedError: ``sharded`` is not empty (counted).
     """
     if sharded:
-        given = [f"state_dtype={moments!r}"] if moments != "fp32" else []
-        given += ["master_weights='bf16-sr'"] if master_sr else []
+        draws = ("stochastic rounding draws by the element's index in the whole tensor, "
+                 "which a shard does not know")  # bf16 moments and bf16-sr masters
+        given, why = [], []
+        if moments != "fp32":
+            given.append(f"state_dtype={moments!r}")
+            why.append("int8's per-block scales are not laid out like the params' shards"
+                       if moments == "int8" else draws)  # fmt: skip
+        if master_sr:
+            given.append("master_weights='bf16-sr'")
+            why.append(draws)
+        reasons = "; ".join(dict.fromkeys(why))  # each reason once
         raise NotImplementedError(
-            f"compressed optimizer state ({', '.join(given)}) with "
-            f"FSDP2 (DTensor) params is not supported yet ({len(sharded)} here): its "
-            "per-block scales are not laid out like the params' shards; use "
+            f"compressed optimizer state ({', '.join(given)}) with FSDP2 is not supported yet "
+            f"({len(sharded)} of the params are DTensor shards): {reasons}; use "
             "state_dtype='fp32' and master_weights=True with FSDP2"
         )

@@ -432,3 +432,23 @@ def test_params_the_flat_kernels_cannot_walk_directly_still_update(kind):
     results = [_conv_and_mixed(f, kind) for f in (0.0, 0.5, 1.0)]
     for other in results[1:]:
         assert_same(other, results[0], kind)
+
+
+def test_fsdp2_refusal_gives_each_settings_own_reason():
+    """A user's find: FSDP2 with master_weights='bf16-sr' was refused for "per-block scales",
+    which bf16-sr does not have, with an unexplained count. Each setting now names its own
+    reason, and the count says what it counts."""
+    from offloadopt.shards import refuse_sharded
+
+    shards = [torch.zeros(1)] * 4
+    with pytest.raises(NotImplementedError) as sr:
+        refuse_sharded(shards, "fp32", True)
+    msg = str(sr.value)
+    assert "master_weights='bf16-sr'" in msg and "per-block scales" not in msg
+    assert "element's index in the whole tensor" in msg and "(4 of the params are DTensor" in msg
+    with pytest.raises(NotImplementedError, match="int8's per-block scales"):
+        refuse_sharded(shards, "int8", False)
+    with pytest.raises(NotImplementedError) as both:
+        refuse_sharded(shards, "bf16", True)
+    assert str(both.value).count("which a shard does not know") == 1  # the reason once
+    refuse_sharded([], "int8", True)  # nothing sharded: nothing refused
