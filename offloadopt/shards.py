@@ -240,8 +240,10 @@ def refuse_sharded(sharded: list[torch.Tensor], moments: str, master_sr: bool) -
         NotImplementedError: ``sharded`` is not empty (counted).
     """
     if sharded:
-        draws = ("stochastic rounding draws by the element's index in the whole tensor, "
-                 "which a shard does not know")  # bf16 moments and bf16-sr masters
+        draws = (
+            "stochastic rounding draws by the element's index in the whole tensor, "
+            "which a shard does not know"
+        )  # bf16 moments and bf16-sr masters
         given, why = [], []
         if moments != "fp32":
             given.append(f"state_dtype={moments!r}")
