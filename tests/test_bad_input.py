@@ -656,3 +656,21 @@ def test_a_read_only_mount_is_named_as_one(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_flag=os.ST_RDONLY))
     with pytest.raises(checks.UsageError, match=r"cannot write in .* \(read-only file system\)"):
         checks.output_file(out)
+
+
+def test_a_streamed_checkpoint_whose_index_is_no_file_is_called_damaged(tmp_path, monkeypatch):
+    """A new user's find: a checkpoint folder whose index.pt was a link to /dev/zero (or a
+    folder) was refused as "no index.pt"; it is there, and damaged."""
+    monkeypatch.chdir(tmp_path)
+    for name, make in (("dev", lambda p: p.symlink_to("/dev/zero")), ("dir", Path.mkdir),
+                       ("gone", lambda p: p.symlink_to(tmp_path / "nowhere"))):  # fmt: skip
+        (tmp_path / name).mkdir()
+        make(tmp_path / name / "index.pt")
+        assert one_error_line(["train", "--resume", name]) == (
+            f"--resume: {name!r}: its index.pt is no regular file (a link to a device, a folder "
+            "or a missing file): the checkpoint is damaged"
+        )
+    (tmp_path / "plain").mkdir()
+    assert one_error_line(["train", "--resume", "plain"]) == (
+        "--resume: 'plain' is a folder but no streamed checkpoint (no index.pt)"
+    )

@@ -359,7 +359,11 @@ def checkpoint_input(value: Any) -> str:
                         and (real.parent / entry / "index.pt").is_file()):  # fmt: skip
                     return str(path)
     if path.is_dir():
-        if not (path / "index.pt").is_file():
+        index = path / "index.pt"
+        if os.path.lexists(index) and not index.is_file():  # a user's find: it read "no index.pt"
+            raise UsageError(f"{str(path)!r}: its index.pt is no regular file (a link to a "
+                             "device, a folder or a missing file): the checkpoint is damaged")  # fmt: skip
+        if not index.is_file():
             raise UsageError(f"{str(path)!r} is a folder but no streamed checkpoint (no index.pt)")
         return str(path)
     return input_file(value)
