@@ -22,11 +22,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-    _dynamo_counters_cleared()
     yield
 
 
-def _dynamo_counters_cleared() -> None:
+@pytest.fixture(autouse=True)
+def _dynamo_counters_cleared():
     """Each test as in a fresh process for wait="module": a torch.compile in this process
     makes step() wait for every copy back (offloadopt/step/hooks.py, dynamo_compiled_any,
     which reads dynamo's counters), so one test's compile would change a later test's
@@ -36,6 +36,7 @@ def _dynamo_counters_cleared() -> None:
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         dynamo.utils.counters.clear()
+    yield
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from offloadopt.harness.data import text_digest
 from offloadopt.harness.options import TrainConfig
 from offloadopt.state import integrity
 from offloadopt.state.integrity import fsync_save
-from offloadopt.state.streamed import recover_leftovers
+from offloadopt.state.streamed import recover_leftovers, temp_file
 from offloadopt.warn import warn
 
 __all__ = ["CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "RESUME_MAY_CHANGE", "save_checkpoint"]
@@ -75,7 +75,7 @@ def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: tor
     # the temporary file of a save killed outright (SIGKILL, a lost node) goes now (a new
     # user's find: each one stayed beside the checkpoint for good, checkpoint-sized)
     recover_leftovers(target)
-    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{os.getpid()}.tmp")
+    tmp = temp_file(target)
     try:
         fsync_save(payload, tmp)  # Ctrl-C while torch writes: a KeyboardInterrupt, exit 130
         os.replace(tmp, target)

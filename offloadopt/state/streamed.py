@@ -50,6 +50,7 @@ from offloadopt.warn import warn
 HybridOptimizer = Any
 
 __all__ = ["FORMAT", "VERSION", "PART_NBYTES", "save", "read_extra", "locate", "read_index"]
+__all__ += ["recover_leftovers", "temp_file"]
 
 FORMAT = "offloadopt-streamed-checkpoint"
 VERSION = 2  # 2: checksums (every file's at its end, each part's in the index); 1 still loads
@@ -258,9 +259,18 @@ def _check_extra(extra: Any) -> None:
         ) from None
 
 
+def temp_file(target: str) -> str:
+    """The temporary file a file-format save to ``target`` writes before its rename
+    (``.NAME.PID.tmp`` beside it): named so that :func:`recover_leftovers` finds it if the
+    save is killed (harness/train_checkpoint.py)."""
+    parent, name = os.path.split(target)
+    return os.path.join(parent, f".{name}.{os.getpid()}.tmp")
+
+
 def _leftovers(target: str) -> list[tuple[str, int, str]]:
-    """``(path, pid, kind)`` of the temporary folders of earlier saves to ``target``
-    (``.NAME.PID.XXXX.tmp`` / ``.old`` beside it)."""
+    """``(path, pid, kind)`` of the temporary folders and files of earlier saves to
+    ``target`` (``.NAME.PID.XXXX.tmp`` / ``.old`` beside it, :func:`temp_file`'s
+    ``.NAME.PID.tmp``)."""
     parent, name = os.path.split(target)
     out = []
     try:
