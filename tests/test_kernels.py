@@ -15,6 +15,7 @@ import torch
 
 from offloadopt import kernels
 from offloadopt.kernels import formats, reference
+from offloadopt.kernels.rounding import DRAW_MASTER, master_bits, sr_bits, sr_key
 
 SIZES = [1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 100, 255, 256, 257, 1000, 1023, 4099]
 
@@ -241,6 +242,21 @@ def test_stochastic_rounding_is_unbiased(mod):
     assert p.float().std().item() > 0  # it did round up and down
 
 
+def test_one_hash_rounds_two_masters():
+    """rounding.master_bits: in each run of 8 elements, element 8k + i (i < 4) takes the low 16
+    bits of its own counter's hash and element 8k + 4 + i the high 16 bits of the same hash
+    (the kernel's lanes, whatever the offset: here one that is not a multiple of 8)."""
+    key = sr_key(7, 3.0, DRAW_MASTER)
+    index = torch.arange(64, dtype=torch.int64)
+    counter = 2**32 - 21 + index  # crosses 2^32
+    got = master_bits(key & 0xFFFFFFFF, key >> 32, counter, index) & 0xFFFF
+    own = sr_bits(key, counter)
+    for j in range(64):
+        want = own[j] & 0xFFFF if j % 8 < 4 else own[j - 4] >> 16
+        assert int(got[j]) == int(want), j
+    assert len(set(got.tolist())) > 60  # 64 draws of 16 bits: the halves are not repeats
+
+
 def test_flush_denormal_flushes_in_the_kernel_only(mod):
     tiny = 1e-39  # a denormal fp32
     for flush, expect_zero in ((False, False), (True, True)):
@@ -296,7 +312,7 @@ def test_formats_zero_absmax_and_idempotence():
     w = torch.zeros(512)
     w[0], w[1] = 1.0, 1e-30
     cw, sw = formats.encode_v(w)
-    assert cw[1].item() == 0x10 and sw[1].item() == 0 and int(cw[256:].max()) == 0
+    assert cw[1].item() == 0x01 and sw[1].item() == 0 and int(cw[256:].max()) == 0
 
 
 def test_formats_non_finite_block_gets_a_nan_scale():
@@ -494,11 +510,20 @@ def test_kernel_int8_encoding_equals_formats_on_ties_and_edges(mod):
     assert torch.equal(cm, em), (cm != em).nonzero().flatten()[:5]
     assert torch.equal(cv, ev), (cv != ev).nonzero().flatten()[:5]
     # the formats' own choices on these edges
-    one = torch.tensor([1.0, 1.0625 * 2**-3, 1.1875 * 2**-3, 2.0**-15, 2.0**-16, 1e-18, 0.0])
+    # (ties round up; the smallest m value is 2^-15 * 9/8, zero below 2^-15 * 17/16, its sign
+    # kept; the smallest nonzero v code 0x01, 2^-15 * 17/16)
+    tiny = 2.0**-15
+    t = [1.0, 1.0625 * 2**-3, 1.1875 * 2**-3, tiny * 1.125, tiny * 1.0625, tiny, tiny / 2, 1e-18]
+    one = torch.tensor(t + [0.0])
     c, _ = formats.encode_m(one)
-    assert c.tolist() == [15 << 3, 12 << 3, (12 << 3) | 2, 0x08, 0, 0, 0]
+    assert c.tolist() == [15 << 3, (12 << 3) | 1, (12 << 3) | 2, 1, 1, 0, 0, 0, 0]
+    c, _ = formats.encode_m(-one)
+    assert c.tolist() == [0xF8, 0xE1, 0xE2, 0x81, 0x81, 0x80, 0, 0, 0]
+    d = formats.decode_m(c, torch.ones(1))
+    assert d.tolist()[3:6] == [-tiny * 1.125, -tiny * 1.125, 0.0] and torch.signbit(d[5])
+    assert not d[6:].signbit().any()
     c, _ = formats.encode_v(one * one)
-    assert c.tolist()[3:] == [0x10, 0x10, 0x10, 0]
+    assert c.tolist() == [15 << 4, (12 << 4) | 1, (12 << 4) | 3, 2, 1, 1, 1, 1, 0]
 
 
 def test_available_is_false_not_an_exception_when_the_build_fails(monkeypatch):

@@ -105,13 +105,10 @@ def _round_sr(x, r):
 
 
 def _encode(u, SHIFT: tl.constexpr):
-    """formats._encode on fp32 bits ``u`` (uint32): e << (23 - SHIFT) | f, or -1 (int32).
-    The rounding add is split so it cannot carry out of 32 bits."""
-    q = u >> SHIFT
-    r = q + (((u & ((1 << SHIFT) - 1)) + ((1 << (SHIFT - 1)) - 1) + (q & 1)) >> SHIFT)
-    r = r.to(tl.int32)
-    e = (r >> (23 - SHIFT)) - 112
-    return tl.where(e >= 1, r - (112 << (23 - SHIFT)), -1)
+    """formats._encode on fp32 bits ``u`` (uint32): e << (23 - SHIFT) | f, below 0 where t
+    rounds below 2^-15 (int32). The rounding add is split so it cannot carry out of 32 bits."""
+    r = (u >> SHIFT) + (((u & ((1 << SHIFT) - 1)) + (1 << (SHIFT - 1))) >> SHIFT)
+    return r.to(tl.int32) - (112 << (23 - SHIFT))
 
 
 def _flat_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, w_ptr, fl_ptr, it_ptr, first_ptr,
@@ -200,7 +197,9 @@ def _flat_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, w_ptr, fl_ptr, it_p
     if P_BF16:
         lo = tl.load(it + it_s1, mask=live, other=0)[:, None]
         hi = tl.load(it + 2 * it_s1, mask=live, other=0)[:, None]
-        tl.store(p_ptr + offs, _round_sr(p, _sr_bits(counter, lo, hi)), mask=mask)
+        half = (cols & 4)[None, :]  # rounding.master_bits: one hash for elements j, j + 4
+        r = _sr_bits(counter - half, lo, hi) >> (half * 4)
+        tl.store(p_ptr + offs, _round_sr(p, r), mask=mask)
     else:
         tl.store(p_ptr + offs, p, mask=mask)
         if W_OUT:  # round to nearest even; a NaN as torch casts it on this device
@@ -235,13 +234,12 @@ def _flat_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, w_ptr, fl_ptr, it_p
         inv_v = tl.div_rn(1.0, tl.where(sv > 0, sv, 1.0))
         t = (am * inv_m[:, None]).to(tl.uint32, bitcast=True)
         mag = _encode(t, 20)
-        mag = tl.where(mag >= 0, mag, tl.where(t >= 0x38000000, 8, 0))
-        code = tl.where(mag != 0, mag | tl.where(um >= 0x80000000, 0x80, 0), 0)
+        code = tl.where(mag >= 0, mag | tl.where(um >= 0x80000000, 0x80, 0), 0)
         code = tl.where(((sm > 0) & ~bad)[:, None], code, 0)
         tl.store(m_ptr + offs, code.to(tl.uint8), mask=mask)
         t = (y * inv_v[:, None]).to(tl.uint32, bitcast=True)
-        code = _encode(t, 19)
-        code = tl.where(code >= 0, code, tl.where(y != 0, 0x10, 0))
+        code = tl.maximum(_encode(t, 19), 1)
+        code = tl.where(y != 0, code, 0)
         code = tl.where(((sv > 0) & ~bad)[:, None], code, 0)
         tl.store(v_ptr + offs, code.to(tl.uint8), mask=mask)
         nan = tl.full([BPP], 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)  # torch's NaN

@@ -8,20 +8,25 @@ relative to that scale. The update always uses the fresh fp32 moments; they are 
 exp_avg (m), a signed code: ``scale_m[b] = max |m|`` over the block;
 ``code = 0x80 (sign of m) | mag``, ``mag = e << 3 | f`` encodes ``t = |m| / scale_m`` (in
 [0, 1], computed as ``|m| * (1 / scale_m)`` in fp32: one division a block; t may exceed 1 by
-two ulps, which rounds to 1) as ``value(e, f) = 2^(e-15) * (1 + f/8)``, e in 1..15, f in 0..7; ``mag = 0`` is zero
-(and then the sign bit is clear). Rounding: to nearest, ties to even, done on the fp32 bit
-pattern of t (add 0x7FFFF plus the lowest kept bit, shift right by 20); a t below the smallest
-value 2^-14 becomes 0 when t < 2^-15, else the smallest value. Decode:
-``m = +-scale_m * value(mag)``. Worst-case relative error for t in [2^-14, 1]: 1/16 (half of
-the 1/8 spacing, relative to the smaller end).
+two ulps, which rounds to 1) as ``value(e, f) = 2^(e-15) * (1 + f/8)``, e in 0..15, f in 0..7;
+``mag = 0`` is zero (its sign bit kept: ``0x80`` decodes to -0.0). Rounding: to nearest, ties
+up, on the fp32 bit pattern of t (add 0x80000, shift right by 20, less the bias ``112 << 3``);
+a t that rounds below the smallest value (t < 2^-15 * 17/16) becomes 0. Decode:
+``m = +-scale_m * value(mag)``. Worst-case relative error for t in [2^-15 * 17/16, 1]: 1/16
+(half of the 1/8 spacing, relative to the smaller end).
 
 exp_avg_sq (v), stored as ``y = sqrt(v)``: ``scale_v[b] = max y``; ``code = e << 4 | f``
-encodes ``t = y * (1 / scale_v)`` as ``value(e, f) = 2^(e-15) * (1 + f/16)``, e in 1..15, f in
-0..15, rounded as above (add 0x3FFFF plus the lowest kept bit, shift by 19). Code 0 is zero
-only for ``v == 0``: a nonzero y below the smallest value 2^-14 takes the smallest nonzero code
-0x10 (never 0: a zero second moment under a nonzero first moment would blow the update up to
-m/eps). Decode: ``v = (scale_v * value(code))^2``. Worst-case relative error of y for t in
-[2^-14, 1]: 1/32 (so about 1/16 on v).
+encodes ``t = y * (1 / scale_v)`` as ``value(e, f) = 2^(e-15) * (1 + f/16)``, e in 0..15, f in
+0..15, rounded as above (add 0x40000, shift by 19, less ``112 << 4``). Code 0 is zero only for
+``v == 0``: a nonzero y that rounds below the smallest nonzero value 2^-15 * 17/16 takes the
+code 0x01 (never 0: a zero second moment under a nonzero first moment would blow the update
+up to m/eps). Decode: ``v = (scale_v * value(code))^2``. Worst-case relative error of y for t
+in [2^-15 * 17/16, 1]: 1/32 (so about 1/16 on v).
+
+Each rule is a few integer operations on t's bits, chosen for the CPU kernel
+(``cpu/adam_body.h``): a signed code below zero is packed to a byte as 0 by saturation, so the
+range needs no compare. Codes written by the earlier rule (round half to even, smallest codes
+``0x08`` and ``0x10``) are codes of this one: decoding did not change.
 
 Blocks: a block whose absmax is 0 has scale 0 and all codes 0; so has a block whose absmax is
 subnormal (below 2^-126, where ``1 / scale`` overflows to inf), its values flushed to zero as
@@ -40,8 +45,6 @@ __all__ = ["BLOCK", "decode_m", "decode_v", "encode_m", "encode_v", "nblocks"]
 
 BLOCK = 256
 _M_EXP_BIAS = 112  # fp32 exponent 127 - 15
-_SMALLEST = 0x38800000  # 2^-14 (fp32 bits)
-_HALF_SMALLEST = 0x38000000  # 2^-15
 _FLT_MIN = 2.0**-126  # the smallest normal fp32: a smaller block absmax flushes the block
 
 
@@ -68,12 +71,9 @@ def _check(x: torch.Tensor, name: str, dtype: torch.dtype) -> None:
 
 
 def _encode(t: torch.Tensor, shift: int) -> torch.Tensor:
-    """t in [0, 1] -> e << (23 - shift) | f, or a negative value where t < 2^-14."""
-    u = _bits(t)
-    r = (u + ((1 << (shift - 1)) - 1) + ((u >> shift) & 1)) >> shift
-    mbits = 23 - shift
-    e = (r >> mbits) - _M_EXP_BIAS
-    return torch.where(e >= 1, r - (_M_EXP_BIAS << mbits), torch.full_like(r, -1))
+    """t in [0, 1] -> e << (23 - shift) | f, rounded to nearest, ties up, on t's bits; below 0
+    where t rounds below 2^-15 (int64, signed: the kernel packs a negative code as 0)."""
+    return ((_bits(t) + (1 << (shift - 1))) >> shift) - (_M_EXP_BIAS << (23 - shift))
 
 
 def encode_m(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,10 +83,8 @@ def encode_m(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mb = _blocks(m)
     t, scale, bad = _scaled(mb, mb.abs())
     mag = _encode(t, 20)
-    below = torch.where(_bits(t) >= _HALF_SMALLEST, 8, 0)
-    mag = torch.where(mag >= 0, mag, below)
     sign = torch.where(mb.view(torch.int32) < 0, 0x80, 0)
-    code = torch.where(mag != 0, mag | sign, 0)
+    code = torch.where(mag >= 0, mag | sign, 0)
     return _packed(code, scale, bad, m.numel())
 
 
@@ -132,8 +130,8 @@ def encode_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _encode_y(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     yb = _blocks(y)
     t, scale, bad = _scaled(yb, yb)
-    code = _encode(t, 19)
-    code = torch.where(code >= 0, code, torch.where(yb != 0, 0x10, 0))
+    code = _encode(t, 19).clamp(min=1)
+    code = torch.where(yb != 0, code, 0)
     return _packed(code, scale, bad, y.numel())
 
 

@@ -39,6 +39,7 @@ from offloadopt.kernels.rounding import (  # noqa: F401 - re-exported: reference
     M32,
     M64,
     _sr_bits_halves,
+    master_bits,
     round_bf16_sr,
     sr_bits,
     sr_key,
@@ -144,12 +145,13 @@ def adam_step(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_
             grad_scale=None if grad_scale is None else _f32(float(grad_scale)),
             neg_step_size=neg_step, denominator=denominator,
         )  # fmt: skip
-        counter = None
+        counter = index = None
         if bf16_master or moments == 1:
-            counter = offsets[i] + torch.arange(n, dtype=torch.int64, device=p.device)
+            index = torch.arange(n, dtype=torch.int64, device=p.device)
+            counter = offsets[i] + index
         if bf16_master:
-            r = sr_bits(sr_key(salts[i], step, DRAW_MASTER), counter)
-            p_in.copy_(round_bf16_sr(p, r))
+            key = sr_key(salts[i], step, DRAW_MASTER)
+            p_in.copy_(round_bf16_sr(p, master_bits(key & M32, key >> 32, counter, index)))
         else:
             p_in.copy_(p)
             if weights_out:
@@ -342,15 +344,15 @@ def _flat_core(p_in, g_in, m_in, m_sc, v_in, v_sc, fl_b, it_b, first_b, *, wd_fa
         total_blocks = fl_b.shape[0]
         idx = torch.arange(total_blocks, dtype=torch.int64, device=p.device)
         base = it_b[:, 0] + (idx - first_b) * BLOCK
-        counter = base[:, None] + torch.arange(BLOCK, dtype=torch.int64, device=p.device)
+        index = torch.arange(BLOCK, dtype=torch.int64, device=p.device)  # within the block (a
+        counter = base[:, None] + index  # multiple of BLOCK within the param): j & 4 the same
 
-    def bits(draw: int) -> torch.Tensor:
-        key_lo, key_hi = it_b[:, 1 + 2 * draw : 2 + 2 * draw], it_b[:, 2 + 2 * draw : 3 + 2 * draw]
-        return _sr_bits_halves(key_lo, key_hi, counter)
+    def keys(draw: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return it_b[:, 1 + 2 * draw : 2 + 2 * draw], it_b[:, 2 + 2 * draw : 3 + 2 * draw]
 
     w_out = sm = sv = None
     if bf16_master:
-        p_out = round_bf16_sr(p, bits(DRAW_MASTER))
+        p_out = round_bf16_sr(p, master_bits(*keys(DRAW_MASTER), counter, index))
     else:
         p_out = p
         if weights_out:
@@ -358,7 +360,7 @@ def _flat_core(p_in, g_in, m_in, m_sc, v_in, v_sc, fl_b, it_b, first_b, *, wd_fa
     if moments == 0:
         m_out, v_out = m, v
     elif moments == 1:
-        r = bits(DRAW_MOMENTS)
+        r = _sr_bits_halves(*keys(DRAW_MOMENTS), counter)
         m_out, v_out = round_bf16_sr(m, r), round_bf16_sr(v, r >> 16)
     else:
         cm, sm = encode_m(m.reshape(-1))

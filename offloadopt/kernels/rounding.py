@@ -11,16 +11,29 @@ parameter (its ``counter``, ``offset + j``) under a 64-bit key per (salt, step, 
     bits = fmix32(lo32(counter) ^ lo32(key) ^ (hi32(counter) * 0x9E3779B9 + hi32(key)))
 
 (32-bit arithmetic; mix64 is splitmix64's finalizer, fmix32 MurmurHash3's, a bijection on 32
-bits.) Draw 0 rounds the master (its low 16 bits); draw 1 the moments (low 16 bits exp_avg,
-high 16 exp_avg_sq). One hash per element and draw, keyed by position and not by thread or
-vector: the result does not depend on the thread count, the ISA or where a parameter is cut.
+bits.) Draw 1 rounds the moments: one hash per element, its low 16 bits for exp_avg, its high
+16 for exp_avg_sq. Draw 0 rounds the master, one hash for two elements
+(:func:`master_bits`): in each run of 8 elements of a parameter (j = 8k .. 8k + 7), element
+8k + i (i < 4) takes the low 16 bits of the hash of its own counter and element 8k + 4 + i the
+high 16 bits of the same hash (the CPU kernel holds the two in one lane of its two vectors,
+simd.h's paired order). Keyed by position and not by thread or vector: the result does not
+depend on the thread count, the ISA or where a parameter is cut (at multiples of 8).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["DRAW_MASTER", "DRAW_MOMENTS", "M32", "M64", "round_bf16_sr", "sr_bits", "sr_key"]
+__all__ = [
+    "DRAW_MASTER",
+    "DRAW_MOMENTS",
+    "M32",
+    "M64",
+    "master_bits",
+    "round_bf16_sr",
+    "sr_bits",
+    "sr_key",
+]
 
 M64 = (1 << 64) - 1
 M32 = 0xFFFFFFFF
@@ -66,6 +79,15 @@ def _sr_bits_halves(key_lo, key_hi, counter: torch.Tensor) -> torch.Tensor:
     broadcast against ``counter`` (the flat pass: one key per block, ``(nblocks, 1)``)."""
     hi = (_mul32(counter >> 32, 0x9E3779B9) + key_hi) & M32
     return _fmix32((counter & M32) ^ key_lo ^ hi)
+
+
+def master_bits(key_lo, key_hi, counter: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The master's random bits (the low 16 used) of the elements at ``index`` within their
+    parameter, whose counters are ``counter`` (int64, broadcasting; key halves as in
+    :func:`_sr_bits_halves`): element j with ``j & 4`` set takes the high 16 bits of the hash
+    of element ``j - 4``'s counter, the others the low 16 bits of their own."""
+    half = index & 4
+    return _sr_bits_halves(key_lo, key_hi, counter - half) >> (half * 4)
 
 
 def round_bf16_sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

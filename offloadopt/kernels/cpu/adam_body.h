@@ -210,9 +210,10 @@ struct Kern {
     for (int h = 0; h < 2; ++h)
       math<false, PLAIN>(c, p[h], g[h], m0[h], v0[h], V::lanes_from(W), pn[h], m[h], v[h], y[h]);
     if constexpr (MK == Master::Bf16Sr) {
-      const I lo16 = V::seti(0xFFFFu);
-      V::st2_u16(P, round_sr(pn[0], V::band(draw<PLAIN>(c, c.lo[0], 0), lo16)),
-                 round_sr(pn[1], V::band(draw<PLAIN>(c, c.lo[1], 0), lo16)));
+      // one hash for a lane of both vectors (elements j, j + 4): its low 16 bits round pn[0],
+      // its high 16 pn[1] (rounding.master_bits)
+      const I r = draw<PLAIN>(c, c.lo[0], 0);
+      V::st2_u16(P, round_sr(pn[0], V::band(r, V::seti(0xFFFFu))), round_sr(pn[1], V::template srl<16>(r)));
     } else {
       V::st2f(P, pn[0], pn[1]);
       if constexpr (WOUT) {
@@ -323,27 +324,23 @@ struct Kern {
     }
   }
 
-  // exp_avg's code of m, t = |m| * minv (formats.py): round to nearest even on t's bits (add
-  // half - 1 and the lowest kept bit, shift), then t >= 2^-15: max(code, the smallest) | sign;
-  // below: 0
+  // exp_avg's code of m, t = |m| * minv (formats.py): round to nearest, ties up, on t's bits
+  // (add half, shift), less the bias 896 = 112 << 3 (folded into the constant: the shift is
+  // arithmetic, a floor), | the sign. Below 0 (t rounds below 2^-15) the lane stays negative
+  // whatever the sign: st_u8x4's saturation writes 0. t's bits < 2^31 (t <= 1 + 2 ulps).
   static inline I m_code(F m, F minv) {
     const I mbits = V::bits(m);
     const I tm = V::bits(V::mul(V::flt(V::band(mbits, V::seti(0x7FFFFFFFu))), minv));
-    // (x - 896 << 20) >>> 20 == (x >>> 20) - 896 (arithmetic shift: a floor), so the bias 896 =
-    // 112 << 3 goes into the rounding's constant, and max(r, 904) - 896 == max_s(r - 896, 8)
-    const I rm = V::template sra<20>(V::template add_bit<20>(V::add(tm, V::seti(0x7FFFFu - (896u << 20))), tm));
-    const I mag = V::maxs(rm, V::seti(8u));
-    const I sign = V::band(V::template srl<24>(mbits), V::seti(0x80u));
-    return V::keep(V::gt_s(tm, V::seti(0x37FFFFFFu)), V::bor(mag, sign));  // t's bits < 2^31
+    const I mag = V::template sra<20>(V::add(tm, V::seti(0x80000u - (896u << 20))));
+    return V::bor(mag, V::band(V::template srl<24>(mbits), V::seti(0x80u)));
   }
 
-  // exp_avg_sq's code of y = sqrt(v), t = y * yinv: y != 0: max(code, the smallest nonzero code
-  // 0x10); y == 0: 0 (y is never -0: v = x*x + ...)
+  // exp_avg_sq's code of y = sqrt(v), t = y * yinv: rounded as m's (bias 1792 = 112 << 4); y != 0:
+  // at least 1; y == 0: 0 (min with y's bits: 0 for y = +0, and any nonzero y's bits are >= 1;
+  // y is never -0: v = x*x + ...)
   static inline I v_code(F y, F yinv) {
-    const I ty = V::bits(V::mul(y, yinv));
-    // the bias 1792 = 112 << 4 in the rounding's constant, as in m_code
-    const I ry = V::template sra<19>(V::template add_bit<19>(V::add(ty, V::seti(0x3FFFFu - (1792u << 19))), ty));
-    return V::keep_nonzero(V::bits(y), V::maxs(ry, V::seti(0x10u)));
+    const I ry = V::template sra<19>(V::add(V::bits(V::mul(y, yinv)), V::seti(0x40000u - (1792u << 19))));
+    return V::minu(V::bits(y), V::maxs(ry, V::seti(1u)));
   }
 
   // The last len (< BLOCK) elements of a tensor, as one zero-padded block.

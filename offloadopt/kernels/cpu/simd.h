@@ -27,10 +27,12 @@
 // of a holds elements 8k..8k+3 and lane k of b 8k+4..8k+7: the order in which unpacklo /
 // unpackhi of 16-bit lanes widen and packus_epi32 narrows, so a pair of bf16 vectors loads in
 // one instruction a vector (not two) and stores in one (not three); fp32 pairs cost one
-// shuffle a vector. Generic: a = elements 0..W-1, b = W..2W-1. The lanes are independent and
-// each lane's random counter is its own element's (iota2), so the order changes no bits.
+// shuffle a vector. Generic: the same order, by index. The lanes are independent but for the
+// master's random draw, one hash for the elements of one lane of a and b (j, j + 4: rounding.py);
+// each lane's counter is its own element's (iota2).
 // ld2_bf16 / ld2f load a pair, st2_u16 / st2f store one (st2_u16_stream: p kStreamAlign2
-// aligned), st_u8x4 stores two pairs' low bytes (4W elements) in element order.
+// aligned), st_u8x4 stores two pairs' codes (4W elements) as bytes in element order, a signed
+// lane below 0 as 0 (packus's saturation).
 
 #if defined(OO_SIMD_AVX512)
 
@@ -68,6 +70,7 @@ struct V {
   static inline I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
   static inline I maxu(I a, I b) { return _mm512_max_epu32(a, b); }
   static inline I maxs(I a, I b) { return _mm512_max_epi32(a, b); }
+  static inline I minu(I a, I b) { return _mm512_min_epu32(a, b); }
   template <int S> static inline I srl(I a) { return _mm512_srli_epi32(a, S); }
   template <int S> static inline I sll(I a) { return _mm512_slli_epi32(a, S); }
   template <int S> static inline I sra(I a) { return _mm512_srai_epi32(a, S); }
@@ -75,13 +78,7 @@ struct V {
   static inline M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
   static inline I sel(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
   static inline F sel(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
-  static inline I keep(M m, I a) { return _mm512_maskz_mov_epi32(m, a); }  // a where m, else 0
   static inline I keep_nonzero(I x, I a) { return _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(x, x), a); }
-  static inline M gt_s(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }  // signed a > b
-  // x + bit S of u
-  template <int S> static inline I add_bit(I x, I u) {
-    return _mm512_mask_add_epi32(x, _mm512_test_epi32_mask(u, _mm512_set1_epi32(1 << S)), x, _mm512_set1_epi32(1));
-  }
   static inline uint32_t hmaxu(I a) { return _mm512_reduce_max_epu32(a); }
   static inline M lanes_from(int k) { return (M)(k >= W ? 0 : (0xFFFFu << k)); }  // lanes >= k
   // the paired order (above)
@@ -166,6 +163,7 @@ struct V {
   static inline I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
   static inline I maxu(I a, I b) { return _mm256_max_epu32(a, b); }
   static inline I maxs(I a, I b) { return _mm256_max_epi32(a, b); }
+  static inline I minu(I a, I b) { return _mm256_min_epu32(a, b); }
   template <int S> static inline I srl(I a) { return _mm256_srli_epi32(a, S); }
   template <int S> static inline I sll(I a) { return _mm256_slli_epi32(a, S); }
   template <int S> static inline I sra(I a) { return _mm256_srai_epi32(a, S); }
@@ -175,12 +173,7 @@ struct V {
   static inline M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
   static inline I sel(M m, I a, I b) { return _mm256_blendv_epi8(b, a, m); }
   static inline F sel(M m, F a, F b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(m)); }
-  static inline I keep(M m, I a) { return _mm256_and_si256(m, a); }
   static inline I keep_nonzero(I x, I a) { return _mm256_andnot_si256(_mm256_cmpeq_epi32(x, _mm256_setzero_si256()), a); }
-  static inline M gt_s(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
-  template <int S> static inline I add_bit(I x, I u) {
-    return _mm256_add_epi32(x, _mm256_and_si256(_mm256_srli_epi32(u, S), _mm256_set1_epi32(1)));
-  }
   // the paired order (above)
   static inline void iota2(I& a, I& b) {
     a = _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11);
@@ -242,7 +235,6 @@ struct V {
   static inline void stf(float* p, F x) { std::memcpy(p, x.v, 32); }
   static inline F ld_bf16(const uint16_t* p) { I r; OO_LANES(r.v[l] = (uint32_t)p[l] << 16) return flt(r); }
   static inline void st_u16(uint16_t* p, I x) { OO_LANES(p[l] = (uint16_t)x.v[l]) }
-  static inline void st_u8(uint8_t* p, I x) { OO_LANES(p[l] = (uint8_t)x.v[l]) }
   static inline void st_u16_stream(uint16_t* p, I x) { st_u16(p, x); }
   static constexpr int kStreamAlign = 1;
   static inline F setf(float x) { F r; OO_LANES(r.v[l] = x) return r; }
@@ -264,6 +256,7 @@ struct V {
   static inline I mullo(I a, I b) { OO_LANES(a.v[l] *= b.v[l]) return a; }
   static inline I maxu(I a, I b) { OO_LANES(a.v[l] = a.v[l] > b.v[l] ? a.v[l] : b.v[l]) return a; }
   static inline I maxs(I a, I b) { OO_LANES(a.v[l] = (int32_t)a.v[l] > (int32_t)b.v[l] ? a.v[l] : b.v[l]) return a; }
+  static inline I minu(I a, I b) { OO_LANES(a.v[l] = a.v[l] < b.v[l] ? a.v[l] : b.v[l]) return a; }
   template <int S> static inline I srl(I a) { OO_LANES(a.v[l] >>= S) return a; }
   template <int S> static inline I sll(I a) { OO_LANES(a.v[l] <<= S) return a; }
   template <int S> static inline I sra(I a) { OO_LANES(a.v[l] = (uint32_t)((int32_t)a.v[l] >> S)) return a; }
@@ -271,17 +264,26 @@ struct V {
   static inline M isnan(F a) { I r; OO_LANES(r.v[l] = a.v[l] != a.v[l] ? ~0u : 0u) return r; }
   static inline I sel(M m, I a, I b) { OO_LANES(a.v[l] = (a.v[l] & m.v[l]) | (b.v[l] & ~m.v[l])) return a; }
   static inline F sel(M m, F a, F b) { return flt(sel(m, bits(a), bits(b))); }
-  static inline I keep(M m, I a) { return band(m, a); }
   static inline I keep_nonzero(I x, I a) { OO_LANES(a.v[l] = x.v[l] ? a.v[l] : 0u) return a; }
-  static inline M gt_s(I a, I b) { OO_LANES(a.v[l] = (int32_t)a.v[l] > (int32_t)b.v[l] ? ~0u : 0u) return a; }
-  template <int S> static inline I add_bit(I x, I u) { OO_LANES(x.v[l] += (u.v[l] >> S) & 1u) return x; }
-  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) { st_u8(p, a); st_u8(p + 8, b); st_u8(p + 16, c); st_u8(p + 24, d); }
-  // the paired order: natural (a = elements 0..7, b = 8..15)
-  static inline void iota2(I& a, I& b) { a = iota(); b = add(a, seti(8u)); }
-  static inline void ld2_bf16(const uint16_t* p, F& a, F& b) { a = ld_bf16(p); b = ld_bf16(p + 8); }
-  static inline void ld2f(const float* p, F& a, F& b) { a = ldf(p); b = ldf(p + 8); }
-  static inline void st2f(float* p, F a, F b) { stf(p, a); stf(p + 8, b); }
-  static inline void st2_u16(uint16_t* p, I a, I b) { st_u16(p, a); st_u16(p + 8, b); }
+  // the paired order of the vector builds (lane l of a: element (l & 3) + (l >> 2) * 8; of b: 4
+  // more), so that one lane of a and b holds elements j and j + 4 as there (rounding.py: the
+  // master's draw)
+  static inline int pj(int l) { return (l & 3) + ((l >> 2) << 3); }
+  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) {
+    const I* x[4] = {&a, &b, &c, &d};  // packus: a signed lane below 0 is 0, above 255 is 255
+    for (int u = 0; u < 4; ++u)
+      OO_LANES(const int32_t y = (int32_t)x[u]->v[l]; p[(u >> 1) * 16 + (u & 1) * 4 + pj(l)] = (uint8_t)(y < 0 ? 0 : y > 255 ? 255 : y))
+  }
+  static inline void iota2(I& a, I& b) { OO_LANES(a.v[l] = (uint32_t)pj(l)) b = add(a, seti(4u)); }
+  static inline void ld2_bf16(const uint16_t* p, F& a, F& b) {
+    I x, y;
+    OO_LANES(x.v[l] = (uint32_t)p[pj(l)] << 16; y.v[l] = (uint32_t)p[pj(l) + 4] << 16)
+    a = flt(x);
+    b = flt(y);
+  }
+  static inline void ld2f(const float* p, F& a, F& b) { OO_LANES(a.v[l] = p[pj(l)]; b.v[l] = p[pj(l) + 4]) }
+  static inline void st2f(float* p, F a, F b) { OO_LANES(p[pj(l)] = a.v[l]; p[pj(l) + 4] = b.v[l]) }
+  static inline void st2_u16(uint16_t* p, I a, I b) { OO_LANES(p[pj(l)] = (uint16_t)a.v[l]; p[pj(l) + 4] = (uint16_t)b.v[l]) }
   static inline void st2_u16_stream(uint16_t* p, I a, I b) { st2_u16(p, a, b); }
   static constexpr int kStreamAlign2 = 1;
   static inline uint32_t hmaxu(I a) { uint32_t r = 0; OO_LANES(r = a.v[l] > r ? a.v[l] : r) return r; }
@@ -293,8 +295,8 @@ struct V {
   static inline H and16(H a, H b) { for (int l = 0; l < 16; ++l) a.v[l] &= b.v[l]; return a; }
   template <int S> static inline H sll16(H a) { for (int l = 0; l < 16; ++l) a.v[l] = (uint16_t)(a.v[l] << S); return a; }
   static inline H addnz16(H x, H t, H c) { for (int l = 0; l < 16; ++l) x.v[l] = (uint16_t)(x.v[l] + (t.v[l] ? c.v[l] : 0)); return x; }
-  static inline I hi16_lo(H h) { I r; OO_LANES(r.v[l] = (uint32_t)h.v[l] << 16) return r; }
-  static inline I hi16_hi(H h) { I r; OO_LANES(r.v[l] = (uint32_t)h.v[8 + l] << 16) return r; }
+  static inline I hi16_lo(H h) { I r; OO_LANES(r.v[l] = (uint32_t)h.v[pj(l)] << 16) return r; }
+  static inline I hi16_hi(H h) { I r; OO_LANES(r.v[l] = (uint32_t)h.v[pj(l) + 4] << 16) return r; }
 #undef OO_LANES
 };
 
