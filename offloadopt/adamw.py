@@ -64,7 +64,7 @@ class HybridAdamW(HybridOptimizer):
     Args:
         params: tensors, ``named_parameters()`` or param-group dicts (a list, not a set); a
             group may carry ``"offload": True`` (all its trainable params go to the host) or
-            ``False`` (none do).
+            ``False`` (none do), read when the group is placed (``step()`` refuses a change).
         lr: the learning rate, as ``torch.optim.AdamW``'s (a float or a 1-element Tensor).
         betas: the moments' coefficients (both floats or both 1-element Tensors).
         eps: added to the denominator.

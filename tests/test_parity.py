@@ -139,6 +139,29 @@ def test_forced_groups_do_not_count_toward_the_fraction():
     assert [pl.where for pl in opt.placement] == ["device", "device", "host"]
 
 
+def test_a_groups_offload_key_changed_after_placement_is_refused_at_the_next_step():
+    # A user's find: the new value was silently ignored (placement is made at construction).
+    a, b = (torch.nn.Parameter(torch.randn(100)) for _ in range(2))
+    opt = HybridAdamW([{"params": [a]}, {"params": [b], "offload": False}], min_offload_numel=1)
+    for p in (a, b):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = [a.clone(), b.clone(), *(v.clone() for p in (a, b) for v in opt.state[p].values())]
+    opt.param_groups[1]["offload"] = True
+    with pytest.raises(ValueError, match=r"param group 1: 'offload' changed from False to True.*"
+                       "placement is fixed at construction"):  # fmt: skip
+        opt.step()
+    after = [a, b, *(v for p in (a, b) for v in opt.state[p].values())]
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))  # nothing changed
+    opt.set_offload_fraction(1.0)  # a move keeps the placement the group was built with
+    assert [pl.where for pl in opt.placement] == ["host", "device"]
+    with pytest.raises(ValueError, match="param group 1: 'offload'"):
+        opt.step()
+    opt.param_groups[1]["offload"] = False  # set back: steps again
+    opt.step()
+    assert int(opt.state[a]["step"]) == int(opt.state[b]["step"]) == 2
+
+
 def test_named_parameters_give_names_in_placement():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     opt = HybridAdamW(model.named_parameters(), min_offload_numel=1)

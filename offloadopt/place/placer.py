@@ -70,6 +70,8 @@ class Placer:
         placement, arenas, buckets: every param's placement, the host arenas, their buckets.
         pipeline: the staging and the CPU worker, made with the first offloaded bucket.
         unplaced: indices of the groups waiting for their meta params (:meth:`ensure_placed`).
+        group_offload: each placed group's ``"offload"`` key as placed (group index -> value),
+            kept by every later placement (step/step.py's ``begin_step`` refuses a change).
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class Placer:
         self.buckets: list[Bucket] = []
         self.pipeline: Pipeline | None = None
         self.unplaced: list[int] = []
+        self.group_offload: dict[int, bool | None] = {}
 
     def hooks_to(self, hook: Callable[[list[torch.Tensor]], None]) -> None:
         """``hook(params)`` is called with the params of each new arena once it is placed (the
@@ -344,6 +347,8 @@ class Placer:
         self.arenas.extend(arenas)
         self.buckets.extend(buckets)
         self.placement.extend(placements)
+        for gi in group_indices:
+            self.group_offload.setdefault(gi, self.param_groups[gi].get("offload"))
         self.check_pinned()
 
     def record(self, p: torch.Tensor, group: dict[str, Any], gi: int, i: int) -> ParamRecord:
@@ -392,13 +397,13 @@ class Placer:
         for gi in group_indices:
             g = self.param_groups[gi]
             keys = self.rule.state_keys_for(g)
+            offload = self.group_offload.get(gi, g["offload"])  # as first placed, once placed
             for i, p in enumerate(g["params"]):
                 mine = local(p)  # an FSDP2 param: this rank's shard is what it places
                 infos.append(
                     ParamInfo(start + len(infos), self.param_name(g, gi, i), gi, tuple(mine.shape),
-                              p.dtype, p.requires_grad, g["offload"], mine.is_contiguous(),
-                              len(keys), tuple(p.shape) if mine is not p else None,
-                              self.elem_bytes(g, p.dtype))
+                              p.dtype, p.requires_grad, offload, mine.is_contiguous(), len(keys),
+                              tuple(p.shape) if mine is not p else None, self.elem_bytes(g, p.dtype))
                 )  # fmt: skip
         return infos
 

@@ -185,10 +185,11 @@ def begin_step(
     param.
 
     Raises:
-        TypeError, ValueError: a group's value is invalid (named with the group's index), or
-            its state keys changed (above).
+        TypeError, ValueError: a group's value is invalid (named with the group's index), its
+            state keys changed (above), or its ``"offload"`` key changed since it was placed.
         RuntimeError: a param in two groups (named).
     """
+    check_offload_keys(param_groups, placer.group_offload)
     hypers: dict[int, Hyper] = {}
     group_of: dict[torch.Tensor, dict] = {}
     index_of: dict[torch.Tensor, int] = {}
@@ -220,6 +221,25 @@ def begin_step(
     stats = dict.fromkeys(_STATS, 0.0)
     stats.update(d2h_nbytes=0, h2d_nbytes=0, buckets=0, worker_ms=0.0)
     return Step(hypers, group_of, stats)
+
+
+def check_offload_keys(param_groups: list[dict[str, Any]], placed: dict[int, Any]) -> None:
+    """Refuse a group whose ``"offload"`` key differs from the one its params were placed with
+    (``placed``: :attr:`Placer.group_offload`), before anything changes: placement is fixed
+    when a group is placed, and the new value would be silently ignored (a user's finding).
+
+    Raises:
+        ValueError: names the group, the value it was placed with and the new one.
+    """
+    for gi, group in enumerate(param_groups):
+        if gi in placed and group.get("offload") is not placed[gi]:
+            raise ValueError(
+                f"param group {gi}: 'offload' changed from {placed[gi]!r} to "
+                f"{group.get('offload')!r} after the group was placed; placement is fixed at "
+                "construction (or add_param_group), so the new value would be ignored. Set it "
+                f"back to {placed[gi]!r}, or build a new optimizer with the groups' 'offload' "
+                "keys (opt.set_offload_fraction() moves the state of the groups without one)"
+            )
 
 
 def steps_taken(state: Any, records: dict, delay_after: int) -> int:
