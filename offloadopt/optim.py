@@ -95,7 +95,8 @@ class HybridOptimizer(Reports, Checkpoints, Optimizer):
         Raises:
             TypeError, ValueError, NotImplementedError: a bad group (named); nothing is added.
         """
-        param_group = validate_group(param_group, self.defaults, self.rule)
+        param_group = validate_group(param_group, self.defaults, self.rule, self.options,
+                                     len(self.param_groups), type(self).__name__)  # fmt: skip
         if self._ready:
             self.synchronize()  # staging may be replaced: no copy of the last step still runs
         super().add_param_group(param_group)

@@ -5,6 +5,7 @@ the value. The rule's own hyperparameters are checked by the rule (offloadopt/ru
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
 from typing import Any
@@ -330,15 +331,29 @@ def _without_repeats(items: list) -> list:
     return kept
 
 
-def validate_group(param_group: Any, defaults: dict[str, Any], rule: Rule) -> dict[str, Any]:
-    """A param group about to be added: its params (tensors or ``(name, tensor)`` pairs; one
-    listed again is dropped, with torch's warning) and its hyperparameters. Returns a shallow copy with ``params`` as a list.
+_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options))
+
+
+def _same(value: Any, mine: Any) -> bool:
+    try:  # a group's value that cannot compare (a tensor) is not the optimizer's
+        return value is mine or bool(value == mine)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def validate_group(
+    param_group: Any, defaults: dict[str, Any], rule: Rule, options: Options, index: int, owner: str
+) -> dict[str, Any]:
+    """Group ``index`` of an ``owner`` built with ``options``, about to be added: its params
+    (tensors or ``(name, tensor)`` pairs; one listed again is dropped, with torch's warning) and
+    its values (other keys are kept, as torch's). Returns a shallow copy, ``params`` a list.
 
     Raises:
         TypeError: not a dict, or a param that is not a Tensor.
         ValueError: a complex, non-float, sparse or non-cpu/cuda param (named), a
             param the compressed representation cannot update (fp64; fp16 with ``"bf16-sr"``),
-            or a bad hyperparameter or ``"offload"`` key.
+            a bad hyperparameter or ``"offload"`` key, or an offloading option as a key with
+            another value than the optimizer's (one per optimizer: it would be ignored).
         NotImplementedError: ``amsgrad`` set in the group.
     """
     _check(
@@ -397,12 +412,17 @@ def validate_group(param_group: Any, defaults: dict[str, Any], rule: Rule) -> di
             "params materialized in place before the first step)",
         )
     rule.validate({k: group.get(k, defaults[k]) for k in rule.hyper_defaults})
-    for key in ("state_dtype", "master_weights"):  # a group carrying one would be ignored
+    # An option as a group key would be ignored: refused, unless it is the optimizer's own
+    # value (torch's ZeroRedundancyOptimizer copies the constructor's keywords into each group).
+    for key in sorted(_OPTION_NAMES.intersection(group)):
+        mine = getattr(options, key)
         _check(
-            key not in group,
-            f"a param group has {key}={group.get(key)!r}: the state's representation is one "
-            f"per optimizer (HybridAdamW(..., {key}=...)), not per group",
-        )
+            _same(group[key], mine),
+            f"param group {index} has {key}={group[key]!r} (the optimizer's: {mine!r}): {key} "
+            f"is one per optimizer ({owner}(..., {key}=...)), not per group, where it would be "
+            "ignored" + ("; a group's own placement is its 'offload' key (True or False)"
+               if key in ("offload_fraction", "min_offload_numel") else ""),
+        )  # fmt: skip
     offload = group.get("offload")
     _check(
         offload is None or isinstance(offload, bool),

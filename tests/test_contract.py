@@ -61,6 +61,28 @@ def test_bad_param_lists():
             HybridAdamW([p], **{flag: True})
 
 
+def test_an_option_as_a_group_key_is_refused_unless_it_is_the_optimizers():
+    # A user's find: an option in a group dict (min_offload_numel, overlap, ...) was ignored.
+    p, q = w(), w()
+    for key, value in (("overlap", "backward"), ("min_offload_numel", 1), ("offload_fraction", 0.5),
+                       ("bucket_nbytes", 4096), ("pin_memory", False), ("state_dtype", "int8")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"param group 1 has {key}={value!r} .*not per group"):
+            HybridAdamW([{"params": [p]}, {"params": [q], key: value}])
+    opt = HybridAdamW([p], min_offload_numel=1)
+    with pytest.raises(ValueError, match="param group 1 has grads_final=True"):
+        opt.add_param_group({"params": [q], "grads_final": True})
+    assert len(opt.param_groups) == 1
+    # torch's ZeroRedundancyOptimizer copies the constructor's keywords into each group: the
+    # optimizer's own values pass; torch's keys stay per group, and other keys are kept
+    opt = HybridAdamW([{"params": [p], "offload_fraction": 0.5, "min_offload_numel": 1, "lr": 0.5,
+                        "betas": (0.5, 0.6), "weight_decay": 0.1, "eps": 1e-3, "name": "head"},
+                       {"params": [q]}], offload_fraction=0.5, min_offload_numel=1)  # fmt: skip
+    g = opt.param_groups[0]
+    assert (g["lr"], g["betas"], g["weight_decay"], g["eps"], g["name"]) == (
+        0.5, (0.5, 0.6), 0.1, 1e-3, "head")  # fmt: skip
+    assert opt.param_groups[1]["lr"] == 1e-3
+
+
 def test_one_word_swap_flags_are_accepted():
     opt = HybridAdamW([w()], lr=1e-3, fused=True, foreach=False, min_offload_numel=1)
     g = opt.param_groups[0]
