@@ -57,6 +57,19 @@ def test_the_progress_bar_shows_on_a_terminal_only(capsys, monkeypatch):
     assert "train:" not in terminal.getvalue()
 
 
+def test_audit_takes_no_progress_as_train_and_bench_do(capsys, monkeypatch):
+    # A user's find: audit refused --no-progress (a script passing it to all three commands)
+    audit = ["audit", "--device", "cpu", "--steps", "2", "--warmup", "1", "--batch-size", "2",
+             "--seq-len", "16"]  # fmt: skip
+    for flags, shown in (([], True), (["--no-progress"], False), (["--quiet"], False)):
+        terminal = _Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        assert main([*audit, *flags]) == 0, terminal.getvalue()
+        bar = "audit:" in terminal.getvalue() and "3/3" in terminal.getvalue()
+        assert bar == shown, (flags, terminal.getvalue())
+        assert json.loads(_lines(capsys.readouterr().out)[-1])["iterations"] == 2
+
+
 def test_an_audit_on_the_cpu_says_what_it_measures(capsys):
     assert main(["audit", "--device", "cpu", "--steps", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out

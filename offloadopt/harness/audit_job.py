@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from offloadopt.harness import anchors, checks, provenance
 from offloadopt.harness.bench_options import (  # noqa: E402, F401 - their old home is here
@@ -148,14 +150,20 @@ def run_audit(args: argparse.Namespace) -> dict[str, Any]:
         return loss.detach()
 
     sync = getattr(opt, "synchronize", lambda: None)  # wait="module", delayed: copies in flight
-    for _ in range(args.warmup):
-        iteration()
-    sync()
-    counted = dict(getattr(opt, "speculation", None) or {})
-    with audit(trace_path=args.trace) as a:
-        for _ in range(args.steps):
+    # the warm-up and audited iterations; None: tqdm's own rule, a bar on a terminal only
+    bar = tqdm(total=args.warmup + args.steps, desc="audit", file=sys.stderr,
+               disable=True if getattr(args, "no_progress", False) else None)  # fmt: skip
+    with bar:
+        for _ in range(args.warmup):
             iteration()
+            bar.update()
         sync()
+        counted = dict(getattr(opt, "speculation", None) or {})
+        with audit(trace_path=args.trace) as a:
+            for _ in range(args.steps):
+                iteration()
+                bar.update()
+            sync()
     report = a.report
     spec = getattr(opt, "speculation", None)  # speculate=True: the audited iterations' counts
     if spec is not None:

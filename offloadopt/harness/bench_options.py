@@ -93,7 +93,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     a("--data", type=t["data"], default=None, help="text file (default: CPython's pydoc topics)")
     a("--seed", type=t["seed"], default=d.seed, help="0 .. 2**63 - 1")
     a("--out", type=t["out"], default=d.out, help="folder for bench.json and bench.png")
-    a("--no-progress", action="store_true")
+    a("--no-progress", action="store_true", help="no tqdm progress bar on stderr")
     a("--fsdp", action="store_true",
       help="under torchrun: every configuration under FSDP2 across the job's ranks; rank 0 "
            "writes each rank's figures and the job's totals (the kernel timing is skipped)")
@@ -140,4 +140,7 @@ def add_audit_args(p: argparse.ArgumentParser) -> None:
       help="also write the Chrome trace to this file (.json or .json.gz)")
     a("--json", type=checks.json_output_file, default=None,
       help="write the full report as JSON to this file")
+    a("--no-progress", action="store_true",
+      help="no tqdm progress bar on stderr (as train's and bench's; a bar shows on a terminal "
+           "only)")
     # fmt: on
