@@ -674,3 +674,27 @@ def test_a_streamed_checkpoint_whose_index_is_no_file_is_called_damaged(tmp_path
     assert one_error_line(["train", "--resume", "plain"]) == (
         "--resume: 'plain' is a folder but no streamed checkpoint (no index.pt)"
     )
+
+
+def test_a_streamed_checkpoint_whose_part_is_no_file_names_the_part_as_damaged(
+    tmp_path, monkeypatch
+):
+    """A user's find: a checkpoint folder whose part file was replaced by a folder (or a link
+    to a device) said it "lacks part files"; the part is there, no regular file: damaged."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--quiet"]
+    assert main([*argv, "--save", "ck", "--checkpoint-format", "streamed"]) == 0
+    for name, make in (("dir", Path.mkdir), ("dev", lambda p: p.symlink_to("/dev/zero"))):
+        shutil.copytree("ck", name)
+        part = Path(name) / "part-00000.pt"
+        part.unlink()
+        make(part)
+        assert one_error_line([*argv, "--resume", name]) == (
+            f"--resume: load_streamed: part-00000.pt of {name!r} is no regular file (a folder, a "
+            "link to a device or a missing file): the checkpoint is damaged; nothing was "
+            "changed: restore the folder from a copy, or load an earlier checkpoint"
+        )
+    shutil.rmtree("dir/part-00000.pt")  # missing: as before
+    assert "'dir' lacks part files [0]" in one_error_line([*argv, "--resume", "dir"])

@@ -72,6 +72,15 @@ def _verify_parts(path: str, index: dict, by_part: dict[int, list[str]],
     items, sizes = index["items"], index.get("part_nbytes")
     sums = index.get("part_checksums") if index["version"] >= 2 else None
     fix = "; nothing was changed: restore the folder from a copy, or load an earlier checkpoint"
+    # a part there but no regular file (a folder, a link to a device): named, as damaged (a
+    # user's find: it read "lacks part files")
+    odd = [n for n in by_part if os.path.lexists(_part_file(path, n))
+           and not os.path.isfile(_part_file(path, n))]  # fmt: skip
+    if odd:
+        more = f" (and {len(odd) - 1} more parts)" if len(odd) > 1 else ""
+        raise ValueError(f"{who}: part-{odd[0]:05d}.pt of {path!r} is no regular file (a folder, "
+                         f"a link to a device or a missing file){more}: the checkpoint is "
+                         f"damaged{fix}")  # fmt: skip
     missing = [n for n in by_part if not os.path.isfile(_part_file(path, n))]
     if missing:
         raise ValueError(f"{who}: {path!r} lacks part files {missing[:5]} that its index "
