@@ -455,6 +455,17 @@ def test_a_folder_nobody_can_write_in_is_a_usage_error_before_anything_runs(argv
     assert err.startswith(f"{argv[1]}: '{argv[2]}': cannot write in '/proc'"), err
 
 
+@pytest.mark.skipif(not os.path.isfile("/proc/version"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("fmt", ["file", "streamed"])
+def test_a_save_onto_a_file_of_proc_says_why_before_training(fmt):
+    """A user's find: ``train --save /proc/version`` (there, a "regular" file to stat, and root
+    passes access()) said "cannot write in '/proc' (No such file or directory)"."""
+    assert one_error_line(["train", "--save", "/proc/version", "--checkpoint-format", fmt]) == (
+        "--save: '/proc/version': cannot write in '/proc' (a pseudo file system, as /proc and "
+        "/sys: it shows the kernel's files and stores none)"
+    )
+
+
 @pytest.mark.slow
 def test_sigterm_stops_train_as_ctrl_c_does_and_keeps_its_log(tmp_path):
     """A fresh user's finding: SIGTERM (what schedulers, Docker and torchrun send) killed

@@ -236,16 +236,23 @@ def _writable_folder(folder: Path, what: str) -> None:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
-        raise UsageError(f"{what}: cannot write in {str(folder)!r} ({e.strerror or e})") from None
+        why = _why_not_writable(folder, e.strerror or str(e))
+        raise UsageError(f"{what}: cannot write in {str(folder)!r} ({why})") from None
 
 
-def _why_not_writable(folder: Path) -> str:
-    """Why ``access(W_OK)`` said no: a read-only mount (a new user's find: it read "permission
-    denied") or the folder's permissions."""
+def _why_not_writable(folder: Path, error: str = "permission denied") -> str:
+    """Why no file can be made in ``folder`` (``error``: what the OS said): a read-only mount
+    (a new user's find: it read "permission denied"), a pseudo file system with no storage (a
+    user's find: ``--save /proc/version`` as root read "No such file or directory"), or
+    ``error``."""
     with contextlib.suppress(OSError, AttributeError):
-        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        fs = os.statvfs(folder)
+        if fs.f_flag & os.ST_RDONLY:
             return "read-only file system"
-    return "permission denied"
+        if fs.f_blocks == 0:  # proc, sysfs: the kernel's files, shown and never stored
+            return ("a pseudo file system, as /proc and /sys: it shows the kernel's files and "
+                    "stores none")  # fmt: skip
+    return error
 
 
 def out_dir(value: Any) -> str:
