@@ -59,8 +59,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]] 
 
 EPILOG = (
     "exit status: 0 done, 2 bad input, 1 a failure while running or a stop at a NaN loss "
-    "(OFFLOADOPT_TRACEBACK=1 shows its traceback), 130 interrupted (Ctrl-C), 143 terminated "
-    "(SIGTERM)"
+    "(OFFLOADOPT_TRACEBACK=1 shows its traceback), 130 interrupted (Ctrl-C; a third exits at "
+    "once), 143 terminated (SIGTERM)"
 )
 
 
@@ -182,6 +182,29 @@ def _terminate(signum: int, frame) -> None:
     raise Terminated()
 
 
+class _Interrupts:
+    """SIGINT's handler while a command runs (a user's find: a triple Ctrl-C printed a
+    traceback, from an atexit callback or from ``main``'s own line, and the status was -2).
+    The first two raise ``KeyboardInterrupt``, as Python's handler does (the first stops the
+    run after the step in hand, the second its clean-up); the third exits at once, status 130
+    with the one line. None raises once ``main`` has caught one (``ending``): the command is
+    over, and its line is being printed."""
+
+    def __init__(self) -> None:
+        self.count, self.ending = 0, False
+
+    def __call__(self, signum: int, frame) -> None:
+        self.count += 1
+        if self.ending:
+            return
+        if self.count >= 3:
+            with contextlib.suppress(Exception):  # the log lines printed so far are kept
+                sys.stdout.flush()
+            os.write(2, b"offloadopt: interrupted\n")  # raw: stderr may be mid-write here
+            os._exit(130)
+        raise KeyboardInterrupt
+
+
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -215,8 +238,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     or a file written. A failure while running prints one line naming the exception and
     returns 1; with ``OFFLOADOPT_TRACEBACK=1`` in the environment it is re-raised instead.
     ``--help`` returns 0, Ctrl-C 130, SIGTERM 143 (raised as :class:`Terminated`, a
-    ``KeyboardInterrupt``, so the same clean-up runs).
+    ``KeyboardInterrupt``, so the same clean-up runs). A second Ctrl-C interrupts the clean-up,
+    a third exits at once (130, the same line). With ``argv`` None (the console script,
+    ``python -m offloadopt``: the process ends with the status returned) Ctrl-C is ignored
+    from the return on, so the interpreter's shutdown (torch's finalizers) ends with that
+    status and without a traceback; with ``argv`` given, SIGINT's handler is put back.
     """
+    entry = argv is None  # this process's command line: it exits with the status returned
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse's exit: --help (0) or a usage error (2)
@@ -230,6 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     ):
         previous = signal.signal(signal.SIGTERM, _terminate)
+    interrupts, previous_int = None, None  # SIGINT's, where Python's own handler was there
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
+        interrupts = _Interrupts()
+        previous_int = signal.signal(signal.SIGINT, interrupts)
     try:
         run = importlib.import_module(args.run_module).run  # torch is imported here
         with _output_level(args), warnings.catch_warnings():
@@ -242,9 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"offloadopt: stopped: {_one_line(e)}", file=sys.stderr)
         return 1
     except Terminated:
+        _end(interrupts)
         print("offloadopt: terminated (SIGTERM)", file=sys.stderr)
         return 143
     except KeyboardInterrupt:
+        _end(interrupts)
         print("offloadopt: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
@@ -259,4 +296,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if interrupts is not None:
+            _end(interrupts)
+            signal.signal(signal.SIGINT, signal.SIG_IGN if entry else previous_int)
         sys.stdout.flush()
+
+
+def _end(interrupts: _Interrupts | None) -> None:
+    """The command is over: an interrupt from here on raises nothing."""
+    if interrupts is not None:
+        interrupts.ending = True

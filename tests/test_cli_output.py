@@ -7,7 +7,12 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -142,3 +147,77 @@ def test_a_warning_during_a_command_is_one_line_without_the_scripts_place(capsys
         "offloadopt: warning: DeprecationWarning: from a dependency (/elsewhere/lib.py:3)",
     ]
     assert warnings.showwarning is usual
+
+
+def _until(condition, proc, deadline_s: float = 120.0) -> None:
+    """Wait for ``condition()`` while ``proc`` runs."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert proc.poll() is None, f"exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _cli_process(tmp_path, argv: list[str], program: list[str] | None = None):
+    """``python -m offloadopt ARGV`` (or ``python PROGRAM ARGV``) from this checkout, its
+    stdout and stderr written to files (read with ``out()``, ``err()``)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([sys.executable, *(program or ["-m", "offloadopt"]), *argv],
+                                stdout=o, stderr=e, env=env, cwd=tmp_path)  # fmt: skip
+    return proc, out.read_text, err.read_text
+
+
+@pytest.mark.slow
+def test_a_third_ctrl_c_ends_train_with_130_and_one_line(tmp_path):
+    """A user's find: a triple Ctrl-C during ``offloadopt train`` printed a traceback (an atexit
+    callback's, or one from ``main``'s own line) and ended with status -2. The interrupts
+    after the first arrive here while the process ends (the interpreter's shutdown with torch
+    loaded takes about a second): ignored, status 130 and the one line."""
+    proc, out, err = _cli_process(tmp_path, ["train", "--preset", "tiny", "--steps", "100000",
+                                             "--log-every", "1", "--eval-every", "100000",
+                                             "--no-progress"])  # fmt: skip
+    try:
+        _until(lambda: "\nstep " in "\n" + out(), proc)
+        proc.send_signal(signal.SIGINT)
+        _until(lambda: "interrupted" in err(), proc, 60)
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert (proc.returncode, err()) == (130, "offloadopt: interrupted\n")
+
+
+@pytest.mark.slow
+def test_a_third_ctrl_c_exits_at_once_when_the_clean_up_does_not_end(tmp_path):
+    """The first two interrupts raise KeyboardInterrupt (the run stops, then its clean-up);
+    the third exits at once, status 130 and the one line, even where the command catches
+    every KeyboardInterrupt (a clean-up that hangs)."""
+    program = tmp_path / "stuck.py"
+    program.write_text(
+        "import sys, time\n"
+        "from offloadopt import cli\n"
+        "from offloadopt.harness import train\n"
+        "def stuck(args):\n"
+        "    print('running', flush=True)\n"
+        "    while True:\n"
+        "        try:\n"
+        "            time.sleep(60)\n"
+        "        except KeyboardInterrupt:\n"
+        "            print('caught', flush=True)\n"
+        "train.run = stuck\n"
+        "sys.exit(cli.main())\n"
+    )
+    proc, out, err = _cli_process(tmp_path, ["train"], program=[str(program)])
+    try:
+        _until(lambda: "running" in out(), proc)
+        for n in (1, 2):
+            proc.send_signal(signal.SIGINT)
+            _until(lambda n=n: out().count("caught") == n, proc, 30)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert (proc.returncode, err()) == (130, "offloadopt: interrupted\n")
