@@ -240,8 +240,10 @@ struct Kern {
                                               // set is still above inf's bits as unsigned)
       }
     }
-    c.lo[0] = V::add(c.lo[0], V::seti((uint32_t)(2 * W)));
-    c.lo[1] = V::add(c.lo[1], V::seti((uint32_t)(2 * W)));
+    // the counters of the draws this mode makes (the master's: lo[0]; the moments': both); a
+    // counter kept with no draw costs its add and a store an iteration (Ctx lives in memory)
+    if constexpr (MK == Master::Bf16Sr || SK == Moments::Bf16Sr) c.lo[0] = V::add(c.lo[0], V::seti((uint32_t)(2 * W)));
+    if constexpr (SK == Moments::Bf16Sr) c.lo[1] = V::add(c.lo[1], V::seti((uint32_t)(2 * W)));
   }
 
   // int8 works a block in two passes: `update_block` updates it and keeps the fresh m and y =
