@@ -15,6 +15,7 @@ import torch
 from torch.optim import Optimizer
 
 from offloadopt.interrupts import no_grad_whole, signals_deferred
+from offloadopt.options import OPTION_NAMES
 from offloadopt.shards import local, local_state
 from offloadopt.state import checkpoint
 
@@ -116,7 +117,7 @@ def load_validated(opt: Any, sd: Any, before: Callable[[], None] | None = None,
             if before is not None:
                 before()
             for g, s in zip(groups, saved_groups, strict=True):
-                g.update(checkpoint.merge_group(g, s, opt.rule))
+                g.update(checkpoint.merge_group(g, s, opt.rule, OPTION_NAMES))
             if placer.keys_changed():  # a checkpoint of SGD with momentum into one built without
                 opt._relocate.for_new_keys()  # (a fresh user's finding: its buffers were dropped)
             ignored_masters = opt._updater.load_state(groups, saved_state, real_entry)

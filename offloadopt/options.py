@@ -17,7 +17,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-__all__ = ["Options", "OffloadOptions", "describe"]
+__all__ = ["OPTION_NAMES", "Options", "OffloadOptions", "describe"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,12 @@ class Options:
             if key not in names:
                 raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {key!r}")
         return cls(**options)
+
+
+# the options' names: one value per optimizer, so a param group that carries one is refused
+# when it differs (validation.validate_group) and a loaded group keeps the loader's
+# (state/checkpoint.merge_group)
+OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options))
 
 
 class OffloadOptions(TypedDict, total=False):

@@ -5,7 +5,6 @@ the value. The rule's own hyperparameters are checked by the rule (offloadopt/ru
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 import os
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import torch
 
 from offloadopt.kernels.adam import device_step_env
-from offloadopt.options import Options
+from offloadopt.options import OPTION_NAMES, Options
 from offloadopt.rules import MOMENTS, Rule
 from offloadopt.warn import warn
 
@@ -331,9 +330,6 @@ def _without_repeats(items: list) -> list:
     return kept
 
 
-_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options))
-
-
 def _same(value: Any, mine: Any) -> bool:
     try:  # a group's value that cannot compare (a tensor) is not the optimizer's
         return value is mine or bool(value == mine)
@@ -414,11 +410,11 @@ def validate_group(
     rule.validate({k: group.get(k, defaults[k]) for k in rule.hyper_defaults})
     # An option as a group key would be ignored: refused, unless it is the optimizer's own
     # value (torch's ZeroRedundancyOptimizer copies the constructor's keywords into each group).
-    for key in sorted(_OPTION_NAMES.intersection(group)):
+    for key in sorted(OPTION_NAMES.intersection(group)):
         mine = getattr(options, key)
         _check(
             _same(group[key], mine),
-            f"param group {index} has {key}={group[key]!r} (the optimizer's: {mine!r}): {key} "
+            f"param group {index} has {key}={group[key]!r} (the constructor's: {mine!r}): {key} "
             f"is one per optimizer ({owner}(..., {key}=...)), not per group, where it would be "
             "ignored" + ("; a group's own placement is its 'offload' key (True or False)"
                if key in ("offload_fraction", "min_offload_numel") else ""),

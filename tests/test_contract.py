@@ -83,6 +83,30 @@ def test_an_option_as_a_group_key_is_refused_unless_it_is_the_optimizers():
     assert opt.param_groups[1]["lr"] == 1e-3
 
 
+def test_a_loaded_group_keeps_the_loading_optimizers_options_not_the_saved_ones():
+    # A user's find: a checkpoint of groups carrying options (min_offload_numel, overlap)
+    # loaded into an optimizer built with other values, and its groups then carried values
+    # it did not run with; the refusal named the constructor's fraction as the optimizer's.
+    p = w()
+    src = HybridAdamW([{"params": [p], "overlap": "step", "min_offload_numel": 1}],
+                      min_offload_numel=1)  # fmt: skip
+    p.grad = torch.ones_like(p)
+    src.step()
+    sd = src.state_dict()
+    assert sd["param_groups"][0]["overlap"] == "step"
+    dst = HybridAdamW([p], overlap="step", min_offload_numel=8, lr=0.5)
+    dst.load_state_dict(sd)
+    g = dst.param_groups[0]
+    assert "min_offload_numel" not in g and "overlap" not in g  # the saved ones not taken
+    assert g["lr"] == 1e-3  # the saved hyperparameters are taken, as torch's
+    zero = HybridAdamW([{"params": [p], "min_offload_numel": 8}], min_offload_numel=8)
+    zero.load_state_dict(sd)
+    assert zero.param_groups[0]["min_offload_numel"] == 8  # its own key kept
+    opt = HybridAdamW([w()], offload_fraction=1.0, min_offload_numel=1)
+    with pytest.raises(ValueError, match=r"offload_fraction=0.5 \(the constructor's: 1.0\)"):
+        opt.add_param_group({"params": [w()], "offload_fraction": 0.5})
+
+
 def test_one_word_swap_flags_are_accepted():
     opt = HybridAdamW([w()], lr=1e-3, fused=True, foreach=False, min_offload_numel=1)
     g = opt.param_groups[0]

@@ -335,13 +335,17 @@ def _checked_codes(entry: dict, name: str, shape: tuple) -> None:
             )
 
 
-def merge_group(mine: dict[str, Any], saved: dict[str, Any], rule: Rule) -> dict[str, Any]:
+def merge_group(mine: dict[str, Any], saved: dict[str, Any], rule: Rule,
+                options: frozenset[str] = frozenset()) -> dict[str, Any]:  # fmt: skip
     """The values a loading group takes: every saved key (hyperparameters and extras such as a
     scheduler's ``initial_lr``, deep-copied) except the loading optimizer's own keys
-    (``params``, ``param_names`` when it has them, ``offload``), then the rule's torch flags."""
+    (``params``, ``param_names`` when it has them, ``offload``, and its ``options``' names: a
+    group that carries one, as ZeroRedundancyOptimizer's do, keeps the loading optimizer's
+    value or none, never the saved one, which it would not run with), then the rule's torch
+    flags."""
     out = {k: v for k, v in mine.items()}
     for k, v in saved.items():
-        if k not in _OWN_KEYS:
+        if k not in _OWN_KEYS and k not in options:
             out[k] = copy.deepcopy(v)
     if "param_names" in saved and "param_names" not in mine:
         out["param_names"] = list(saved["param_names"])  # as torch keeps a named checkpoint's
