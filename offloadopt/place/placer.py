@@ -70,8 +70,7 @@ class Placer:
         placement, arenas, buckets: every param's placement, the host arenas, their buckets.
         pipeline: the staging and the CPU worker, made with the first offloaded bucket.
         unplaced: indices of the groups waiting for their meta params (:meth:`ensure_placed`).
-        group_offload: each placed group's ``"offload"`` key as placed (group index -> value),
-            kept by every later placement (step/step.py's ``begin_step`` refuses a change).
+        group_offload: each placed group's ``"offload"`` key as placed (begin_step refuses changes).
     """
 
     def __init__(
@@ -136,8 +135,7 @@ class Placer:
 
     # ------------------------------------------------------------------ when to place
     def check_auto_group(self, group: dict[str, Any]) -> None:
-        """offload_fraction="auto": a group that forces its placement is refused
-        (:meth:`AutoFraction.check_group`)."""
+        """offload_fraction="auto" refuses a group that forces its placement (AutoFraction)."""
         if self.auto is not None:
             self.auto.check_group(group)
 
@@ -146,8 +144,8 @@ class Placer:
         return self.sizes["max_gpu_memory"] is not None and self.choice is None
 
     def place_or_defer(self, group_indices: list[int]) -> None:
-        """Place these groups now, or, while any param of them (or of a group still waiting) is
-        on the meta device, when :meth:`ensure_placed` finds them materialized."""
+        """Place these groups now, or when :meth:`ensure_placed` finds them materialized (while
+        a param of them, or of a group still waiting, is on the meta device)."""
         params = (p for gi in group_indices for p in self.param_groups[gi]["params"])
         if self.unplaced or self.budget_pending() or any(p.is_meta for p in params):
             self.unplaced.extend(group_indices)
@@ -187,8 +185,7 @@ class Placer:
         return True
 
     def sampling(self) -> AutoFraction | None:
-        """offload_fraction="auto" while it measures, its sample of this step begun now; None
-        otherwise."""
+        """offload_fraction="auto" while it measures (its step's sample begun now), else None."""
         auto = self.auto if self.auto is not None and self.auto.active else None
         if auto is not None:
             auto.begin(self.device())
@@ -196,8 +193,7 @@ class Placer:
 
     # ------------------------------------------------------------------ the budget
     def check_budget_for(self, group_indices: list[int]) -> None:
-        """max_gpu_memory after its choice: a group added later must still fit
-        (:func:`budget.check_added`).
+        """max_gpu_memory after its choice: a later group must fit (:func:`budget.check_added`).
 
         Raises:
             ValueError: the budget would be exceeded (with figures); the group is not added.
