@@ -300,7 +300,7 @@ struct Kern {
     out.yinv = ys == 0.f ? 1.f : 1.f / ys;
   }
 
-  // The codes of a pending block (formats.py: round to nearest even on t's fp32 bits).
+  // The codes of a pending block (formats.py: round to nearest, ties up, on t's fp32 bits).
   static void encode(Pending& b) {
     if (!b.Ms) return;
     uint8_t* Ms = b.Ms;
