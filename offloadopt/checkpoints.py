@@ -187,8 +187,8 @@ class Checkpoints:
         from offloadopt.state import streamed
 
         refuse_dict_hooks("save_streamed", "state_dict hook(s)", "state_dict()",
-                                self._optimizer_state_dict_pre_hooks,
-                                self._optimizer_state_dict_post_hooks)  # fmt: skip
+                          self._optimizer_state_dict_pre_hooks,
+                          self._optimizer_state_dict_post_hooks)  # fmt: skip
         return streamed.save(self, path, model, extra)
 
     def load_streamed(self, path: str, model: torch.nn.Module | None = None) -> Any:
@@ -208,7 +208,7 @@ class Checkpoints:
         from offloadopt.state import streamed_load
 
         refuse_dict_hooks("load_streamed", "load_state_dict pre-hook(s)", "load_state_dict()",
-                                self._optimizer_load_state_dict_pre_hooks)  # fmt: skip
+                          self._optimizer_load_state_dict_pre_hooks)  # fmt: skip
         return streamed_load.load(self, path, model)
 
     @no_grad_whole  # no grad (copies record nothing); signals deferred around it

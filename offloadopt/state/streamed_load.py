@@ -78,9 +78,9 @@ def _verify_parts(path: str, index: dict, by_part: dict[int, list[str]],
            and not os.path.isfile(_part_file(path, n))]  # fmt: skip
     if odd:
         more = f" (and {len(odd) - 1} more parts)" if len(odd) > 1 else ""
-        raise ValueError(f"{who}: part-{odd[0]:05d}.pt of {path!r} is no regular file (a folder, "
-                         f"a link to a device or a missing file){more}: the checkpoint is "
-                         f"damaged{fix}")  # fmt: skip
+        name = os.path.basename(_part_file(path, odd[0]))
+        raise ValueError(f"{who}: {name} of {path!r} is no regular file (a folder, a link to "
+                         f"a device or a missing file){more}: the checkpoint is damaged{fix}")  # fmt: skip
     missing = [n for n in by_part if not os.path.isfile(_part_file(path, n))]
     if missing:
         raise ValueError(f"{who}: {path!r} lacks part files {missing[:5]} that its index "
