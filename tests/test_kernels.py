@@ -197,6 +197,30 @@ def test_kernel_matches_reference(mod, master_bf16, moments):
             torch.testing.assert_close(a[5][i], b[5][i], rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("moments", [0, 1, 2])
+@pytest.mark.parametrize("beta1", [0.9, 0.3])
+def test_weights_out_at_any_alignment_gives_the_same_bits(mod, moments, beta1):
+    """weights_out aligned for streaming stores or not (a view one element into a buffer), on
+    the plain path (beta1 0.9, which decides the store once per span) and the other one (beta1
+    0.3): the same bits in every output."""
+    sizes = [4099, 256, 70_001]
+    gdtype = torch.float32 if moments == 0 else torch.bfloat16
+    base = make_mode(sizes, 5, False, moments, gdtype=gdtype)
+    results = []
+    for shift in (0, 1, 3):
+        x = clone_all(base)
+        bufs = [torch.full((n + 8,), -1.0, dtype=torch.bfloat16) for n in sizes]
+        wout = [b[shift : shift + n] for b, n in zip(bufs, sizes, strict=True)]
+        kcall(mod.adam_step, *x[:4], sms=x[4], svs=x[5], wout=wout, steps=[2.0] * len(sizes),
+              moments=moments, beta1=beta1)  # fmt: skip
+        for b, n in zip(bufs, sizes, strict=True):  # nothing written outside the view
+            assert bool((b[:shift] == -1).all()) and bool((b[shift + n :] == -1).all())
+        results.append([t.view(torch.uint8) for lst in x + [wout] for t in lst])
+    for shift, r in zip((1, 3), results[1:], strict=True):
+        for k, (a, b) in enumerate(zip(results[0], r, strict=True)):
+            assert torch.equal(a, b), f"weights_out shifted by {shift}: output #{k} differs"
+
+
 @pytest.mark.parametrize("master_bf16,moments", [(False, 0)] + MODES)
 def test_result_does_not_depend_on_cuts_or_threads(mod, master_bf16, moments):
     """One 1,024-element tensor vs two 512-element pieces (offsets 0 and 512, scale views),

@@ -133,9 +133,9 @@ struct Kern {
   // The update of W lanes: p (the master), g, m0, v0 in; the new master pn, m, v and y = sqrt(v)
   // out. TAIL: lanes in `tail` use torch's scalar-tail form of exp_avg_sq (all-fp32 mode only;
   // see the note below). PLAIN: the common case, decided once per span (`plain`): no
-  // grad_scale, no maximize, no Adam-style weight decay, no counter wrap; AdamW's decay is a
-  // multiplication by 1 - lr*wd (exactly 1.0 without weight decay: p * 1 == p), so the loop has
-  // no branch.
+  // grad_scale, no maximize, no Adam-style weight decay, no counter wrap, beta1 > 0.5
+  // (lerp_small); AdamW's decay is a multiplication by 1 - lr*wd (exactly 1.0 without weight
+  // decay: p * 1 == p), so the loop has no branch (nor has weights_out's store: STREAM).
   template <bool TAIL, bool PLAIN>
   static inline void math(const Ctx& c, F p, F g, F m0, F v0, typename V::M tail, F& pn, F& m, F& v, F& y) {
     if (PLAIN) {
@@ -146,7 +146,7 @@ struct Kern {
       if (c.adamw) p = V::mul(p, c.decay);
       if (c.l2) g = V::fma(p, c.wd, g);
     }
-    m = V::fma(c.lerp, V::sub(g, m0), c.lerp_small ? m0 : g);
+    m = V::fma(c.lerp, V::sub(g, m0), PLAIN || c.lerp_small ? m0 : g);
     const F cg = V::mul(c.c2, g);
     // Note [torch parity]: torch._fused_adam(w)_ (fp32 everything) reproduced bit for bit,
     // found element by element against torch 2.13.0+cpu (AVX512, GCC build). Its vector loop is
@@ -168,9 +168,15 @@ struct Kern {
     pn = V::add(p, V::div(V::mul(c.neg_step, m), denom));
   }
 
+  // weights_out's stores streamed: the plain path decides once per span (STREAM), others per call
+  template <bool PLAIN, bool STREAM>
+  static inline bool streams(const Ctx& c) {
+    return PLAIN ? STREAM : c.wo_stream;
+  }
+
   // The all-fp32 mode (torch's): one vector of W elements at P, G, Ms, Vs (and Wo), in
   // element order.
-  template <bool TAIL, bool PLAIN>
+  template <bool TAIL, bool PLAIN, bool STREAM = false>
   static inline void one(Ctx& c, MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo, typename V::M tail) {
     static_assert(kParity, "the compressed modes go through pair");
     F g;
@@ -179,7 +185,7 @@ struct Kern {
     math<TAIL, PLAIN>(c, V::ldf(P), g, V::ldf(Ms), V::ldf(Vs), tail, pn, m, v, y);
     V::stf(P, pn);
     if constexpr (WOUT) {
-      if (c.wo_stream)
+      if (streams<PLAIN, STREAM>(c))
         V::st_u16_stream(Wo, round_ne(pn));
       else
         V::st_u16(Wo, round_ne(pn));
@@ -196,7 +202,7 @@ struct Kern {
   // v0 are the decoded moments (`decode`); the new m and y = sqrt(v) go to mb, yb (the pair's
   // two vectors one after the other) and their magnitudes' bits into mabs, yabs; the codes are
   // written by `encode` once the block's scales are known.
-  template <bool PLAIN>
+  template <bool PLAIN, bool STREAM = false>
   static inline void pair(Ctx& c, MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo, float* mb, float* yb,
                           I& mabs, I& yabs, F m0[2], F v0[2]) {
     static_assert(!kParity, "the all-fp32 mode goes through one");
@@ -217,7 +223,7 @@ struct Kern {
     } else {
       V::st2f(P, pn[0], pn[1]);
       if constexpr (WOUT) {
-        if (c.wo_stream)
+        if (streams<PLAIN, STREAM>(c))
           V::st2_u16_stream(Wo, round_ne(pn[0]), round_ne(pn[1]));
         else
           V::st2_u16(Wo, round_ne(pn[0]), round_ne(pn[1]));
@@ -260,27 +266,28 @@ struct Kern {
     bool bad = false;               // inf or NaN in the block: codes 0
   };
 
-  template <bool PLAIN, bool FINITE>
+  template <bool PLAIN, bool STREAM, bool FINITE>
   static inline void update_loop(Ctx& c, MT* P, const GT* G, uint8_t* Ms, uint8_t* Vs, uint16_t* Wo, Pending& out,
                                  I& mabs, I& yabs) {
     static_assert(BLOCK % (2 * W) == 0, "decode takes 2W codes at a time");
     for (int k = 0; k < BLOCK; k += 2 * W) {
       F m0[2], v0[2];
       decode<FINITE>(c, Ms + k, Vs + k, m0, v0);
-      pair<PLAIN>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, out.m + k, out.y + k, mabs, yabs, m0, v0);
+      pair<PLAIN, STREAM>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, out.m + k, out.y + k, mabs, yabs,
+                          m0, v0);
     }
   }
 
-  template <bool PLAIN>
+  template <bool PLAIN, bool STREAM = false>
   static void update_block(Ctx& c, MT* P, const GT* G, uint8_t* Ms, uint8_t* Vs, uint16_t* Wo, float* msc,
                            float* vsc, Pending& out) {
     c.m_scale = V::setf(*msc);
     c.v_scale = V::setf(*vsc);
     I mabs = V::seti(0u), yabs = V::seti(0u);
     if (std::isfinite(*msc))
-      update_loop<PLAIN, true>(c, P, G, Ms, Vs, Wo, out, mabs, yabs);
+      update_loop<PLAIN, STREAM, true>(c, P, G, Ms, Vs, Wo, out, mabs, yabs);
     else
-      update_loop<PLAIN, false>(c, P, G, Ms, Vs, Wo, out, mabs, yabs);
+      update_loop<PLAIN, STREAM, false>(c, P, G, Ms, Vs, Wo, out, mabs, yabs);
     const uint32_t ma = V::hmaxu(mabs), ya = V::hmaxu(yabs);
     out.Ms = Ms;
     out.Vs = Vs;
@@ -400,14 +407,16 @@ struct Kern {
   // Elements [j0, j0 + len) of tensor i; j0 a multiple of BLOCK.
   static void span(const Job& J, size_t i, int64_t j0, int64_t len) {
     Ctx c = context(J, i, j0, len);
-    const bool plain = !c.has_gs && !c.maximize && !c.l2 && !c.wraps;
-    if (plain)
-      span_loop<true>(J, c, i, j0, len);
+    const bool plain = !c.has_gs && !c.maximize && !c.l2 && !c.wraps && c.lerp_small;
+    if (!plain)
+      span_loop<false, false>(J, c, i, j0, len);
+    else if (WOUT && c.wo_stream)
+      span_loop<true, WOUT>(J, c, i, j0, len);  // <true, true>: instantiated only with weights_out
     else
-      span_loop<false>(J, c, i, j0, len);
+      span_loop<true, false>(J, c, i, j0, len);
   }
 
-  template <bool PLAIN>
+  template <bool PLAIN, bool STREAM>
   static void span_loop(const Job& J, Ctx& c, size_t i, int64_t j0, int64_t len) {
     MT* P = static_cast<MT*>(J.master[i]) + j0;
     const GT* G = static_cast<const GT*>(J.grad[i]) + j0;
@@ -422,7 +431,7 @@ struct Kern {
       for (int64_t b = 0; b < len; b += BLOCK, ++msc, ++vsc, ++n) {
         uint16_t* wo = WOUT ? Wo + b : nullptr;
         if (len - b >= BLOCK) {
-          update_block<PLAIN>(c, P + b, G + b, Ms + b, Vs + b, wo, msc, vsc, pending[n & 1]);
+          update_block<PLAIN, STREAM>(c, P + b, G + b, Ms + b, Vs + b, wo, msc, vsc, pending[n & 1]);
           encode(pending[(n + 1) & 1]);  // the block before
         } else {
           encode(pending[(n + 1) & 1]);
@@ -434,7 +443,7 @@ struct Kern {
     } else if constexpr (kParity) {
       int64_t k = 0;
       for (; k + W <= len; k += W)
-        one<false, PLAIN>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, V::lanes_from(W));
+        one<false, PLAIN, STREAM>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, V::lanes_from(W));
       if (k < len) {
         const int64_t tail_from = std::max<int64_t>(0, J.tail_start[i] - (j0 + k));
         short_run<W>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, (int)(len - k),
@@ -445,8 +454,8 @@ struct Kern {
       F m0[2], v0[2];
       int64_t k = 0;
       for (; k + 2 * W <= len; k += 2 * W)
-        pair<PLAIN>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, nullptr, nullptr, unused, unused, m0,
-                    v0);
+        pair<PLAIN, STREAM>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, nullptr, nullptr, unused, unused,
+                            m0, v0);
       if (k < len) short_run<2 * W>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, (int)(len - k), W);
     }
   }
