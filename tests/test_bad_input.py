@@ -703,7 +703,7 @@ def test_a_streamed_checkpoint_whose_part_is_no_file_names_the_part_as_damaged(
         part.unlink()
         make(part)
         assert one_error_line([*argv, "--resume", name]) == (
-            f"--resume: load_streamed: part-00000.pt of {name!r} is no regular file (a folder, a "
+            f"--resume: part-00000.pt of {name!r} is no regular file (a folder, a "
             "link to a device or a missing file): the checkpoint is damaged; nothing was "
             "changed: restore the folder from a copy, or load an earlier checkpoint"
         )

@@ -96,7 +96,7 @@ def test_a_streamed_checkpoint_resumes_bit_for_bit(tmp_path, capsys, monkeypatch
     with open(part, "r+b") as f:
         f.truncate(part.stat().st_size - 10)
     assert main([*argv, "--resume", ck]) == 2
-    assert "--resume: load_streamed:" in capsys.readouterr().err
+    assert f"--resume: part-00000.pt of {ck!r} has " in capsys.readouterr().err
 
 
 def test_checkpoint_format_refusals_name_the_values(tmp_path, capsys):
@@ -313,8 +313,47 @@ def test_a_damaged_streamed_checkpoint_says_so_before_any_other_refusal(tmp_path
         f.seek(os.path.getsize(part) // 2)
         f.write(bytes(range(64)))
     message = _error(capsys, [*argv, *flags, "--resume", ck])
-    assert message.startswith(f"--resume: load_streamed: {os.path.basename(part)} of {ck!r} "
-                              "is damaged: its bytes do not match the checksum"), message  # fmt: skip
+    assert message.startswith(f"--resume: {os.path.basename(part)} of {ck!r} is damaged: its "
+                              "bytes do not match the checksum"), message  # fmt: skip
+
+
+def test_a_streamed_resume_that_fails_names_the_flag_and_the_path(tmp_path, capsys, monkeypatch):
+    """A user's find: a streamed checkpoint that --resume failed to load said
+    "--resume: load_streamed: ..." (status 2), or "RuntimeError: load_streamed: ..." where it
+    failed after its checks (status 1): the library's function, which the user never called.
+    Now the flag and the path, the statuses as they were; the library's message stays."""
+    from offloadopt.state import streamed_load
+
+    ck = str(tmp_path / "run")
+    real_get_batch = _interrupt_at_step(monkeypatch, 2)  # a checkpoint of step 1 of 2 * N
+    argv = [*ARGS, "--save", ck, "--save-every", "1", "--checkpoint-format", "streamed"]
+    assert main(argv) == 130
+    monkeypatch.setattr(train, "get_batch", real_get_batch)
+    part = os.path.join(ck, "part-00000.pt")
+    data = open(part, "rb").read()
+    with open(part, "wb") as f:  # refused by the run's load, before it changed anything
+        f.write(data[:-10])
+    capsys.readouterr()
+    assert main([*ARGS, "--resume", ck]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"offloadopt: error: --resume: part-00000.pt of {ck!r} has "), err
+    with pytest.raises(ValueError, match="^load_streamed: part-00000.pt of "):
+        streamed_load.verify(ck)  # the library's message, for its users
+
+    with open(part, "wb") as f:
+        f.write(data)
+    verify = streamed_load._verify_parts
+
+    def changed_after_its_checks(*args, **kwargs):
+        verify(*args, **kwargs)
+        with open(part, "r+b") as f:
+            f.write(b"\0" * 64)
+
+    monkeypatch.setattr(streamed_load, "_verify_parts", changed_after_its_checks)
+    assert main([*ARGS, "--resume", ck]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"offloadopt: error: RuntimeError: --resume: {ck!r}: {part!r} no "
+                          "longer reads as it did when it was verified"), err  # fmt: skip
 
 
 def test_a_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch):

@@ -62,6 +62,7 @@ from offloadopt.harness.train_checkpoint import (  # noqa: F401 - imported from 
     RESUME_MAY_CHANGE,
     identity,
     load_checkpoint,
+    resume_error,
     save_checkpoint,
 )
 from offloadopt.harness.train_log import (  # noqa: F401 - imported from here too
@@ -216,7 +217,11 @@ def _train(cfg: TrainConfig, ranks: Dist) -> dict:
                 model.load_state_dict(resume["model"])
                 opt.load_state_dict(resume["optimizer"])
         except ValueError as e:  # a bad --resume: a usage error (status 2), as the others
-            raise checks.UsageError(f"--resume: {e}") from None
+            raise checks.UsageError(resume_error(cfg.resume, e)) from None
+        except RuntimeError as e:  # failed after its checks (status 1): named as the others
+            if type(e) is not RuntimeError:  # torch's OutOfMemoryError and the like: as they are
+                raise
+            raise RuntimeError(resume_error(cfg.resume, e)) from e
         log.info(f"loaded: {cfg.resume} in {time.perf_counter() - t:.2f} s")
         schedule.resume(resume.get("delayed_weights", {}), cfg.resume)
         gen.set_state(resume["generator"])

@@ -131,7 +131,7 @@ def load_checkpoint(path: str, cfg: TrainConfig) -> dict:
         try:
             ck = read_extra(path)
         except ValueError as e:
-            raise UsageError(f"{name}: {e}") from None
+            raise UsageError(resume_error(path, e)) from None
         if isinstance(ck, dict):
             ck = {**ck, "streamed": True}
         try:
@@ -155,7 +155,18 @@ def _verify_streamed(path: str) -> None:
     try:
         streamed_load.verify(path)
     except ValueError as e:
-        raise UsageError(f"--resume: {e}") from None
+        raise UsageError(resume_error(path, e)) from None
+
+
+def resume_error(path: str, e: BaseException) -> str:
+    """``e``, an error from loading the checkpoint at ``path``, as ``--resume``'s message: the
+    flag in place of the library's function that the message begins with (``load_streamed:``,
+    ``read_extra:``: a new user's find, the function named where the flag they passed was
+    not), then the path where the message does not name it."""
+    text = str(e)
+    for who in ("load_streamed: ", "read_extra: "):
+        text = text.removeprefix(who)
+    return f"--resume: {text}" if repr(path) in text else f"--resume: {path!r}: {text}"
 
 
 def _load_file(path: str, name: str) -> Any:
