@@ -52,11 +52,10 @@ def run(script: str, *argvs: list[str], prelude: str = "", timeout: float = 300,
     stderr if the process itself failed."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "runs.json"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
         cmd = [sys.executable, "-c", _CHILD, str(BENCHMARKS / script), str(result),
                json.dumps([list(a) for a in argvs])]  # fmt: skip
-        p = subprocess.run(cmd, input=prelude, capture_output=True, text=True, env=env,
-                           timeout=timeout, cwd=cwd or ROOT)  # fmt: skip
+        # the child imports this checkout's offloadopt (conftest.py)
+        p = subprocess.run(cmd, input=prelude, capture_output=True, text=True, timeout=timeout,
+                           cwd=cwd or ROOT)  # fmt: skip
         assert p.returncode == 0 and result.exists(), p.stderr[-4000:]
         return json.loads(result.read_text())

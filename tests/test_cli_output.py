@@ -7,12 +7,10 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -159,16 +157,15 @@ def _until(condition, proc, deadline_s: float = 120.0) -> None:
 
 
 def _cli_process(tmp_path, argv: list[str], program: list[str] | None = None):
-    """``python -m offloadopt ARGV`` (or ``python PROGRAM ARGV``) from this checkout, its
-    stdout and stderr written to files (read with ``out()``, ``err()``). SIGINT's disposition
-    is the default in the child whatever this process inherited: a shell starts background
-    jobs with SIGINT ignored, a child inherits that, and Python then installs no Ctrl-C
-    handler (the suite run in the background saw these tests time out)."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    """``python -m offloadopt ARGV`` (or ``python PROGRAM ARGV``) from this checkout
+    (conftest.py), its stdout and stderr written to files (read with ``out()``, ``err()``).
+    SIGINT's disposition is the default in the child whatever this process inherited: a shell
+    starts background jobs with SIGINT ignored, a child inherits that, and Python then
+    installs no Ctrl-C handler (the suite run in the background saw these tests time out)."""
     out, err = tmp_path / "out", tmp_path / "err"
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen([sys.executable, *(program or ["-m", "offloadopt"]), *argv],
-                                stdout=o, stderr=e, env=env, cwd=tmp_path,
+                                stdout=o, stderr=e, cwd=tmp_path,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     return proc, out.read_text, err.read_text
 

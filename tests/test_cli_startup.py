@@ -2,7 +2,6 @@
 build their parsers from ``offloadopt.harness.options`` (torch, transformers and matplotlib
 are imported only when a command runs). Checked by what is imported, not by a timing."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +25,9 @@ print(",".join(heavy) or "none")
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)  # fmt: skip
+    """``python -c code`` with this checkout's offloadopt (conftest.py)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)  # fmt: skip
 
 
 def test_help_imports_no_torch():

@@ -337,6 +337,7 @@ def test_the_kernel_compiles_for_an_h100_without_fusing_what_torch_does_not():
 def test_unfused_cpu_kernels_give_the_unfused_forms(tmp_path):
     """ATEN_CPU_CAPABILITY=default (torch's scalar CPU kernels: no fused multiply-add): the
     forms found are the unfused ones and the kernel still gives the eager pass's bits."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -351,8 +352,9 @@ def test_unfused_cpu_kernels_give_the_unfused_forms(tmp_path):
         "    t.same(a, b, f'{mo} {ma}')\n"
         "print('ok')\n"
     )
-    env = dict(__import__("os").environ, ATEN_CPU_CAPABILITY="default", TRITON_INTERPRET="1",
-               PYTHONPATH=str(Path(__file__).parent))  # fmt: skip
+    path = [str(Path(__file__).parent), os.environ["PYTHONPATH"]]  # the checkout: conftest.py
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(path))  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=300, cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]

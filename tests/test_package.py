@@ -37,6 +37,22 @@ def test_version_flag_prints_it_without_importing_torch():
     assert r.stdout.splitlines() == [f"offloadopt {offloadopt.__version__}", "False"]
 
 
+def test_every_child_python_imports_this_checkout(tmp_path):
+    """A child started elsewhere (a cwd outside the checkout; a script, whose folder comes first
+    on its path) imports this checkout's offloadopt, as this process does (tests/conftest.py,
+    pyproject.toml's pythonpath): under a venv shared by clones, such children imported the
+    venv's editable install, another clone's code, and tested it."""
+    here = ROOT / "offloadopt" / "__init__.py"
+    assert Path(offloadopt.__file__).resolve() == here
+    script = tmp_path / "where.py"
+    script.write_text("import offloadopt\nprint(offloadopt.__file__)\n")
+    for argv in (["-c", script.read_text()], [str(script)]):
+        r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=tmp_path,
+                           timeout=60)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert Path(r.stdout.strip()).resolve() == here, argv
+
+
 def test_the_license_is_an_spdx_expression_with_its_text():
     assert PROJECT["license"] == "Apache-2.0" and PROJECT["license-files"] == ["LICENSE"]
     text = (ROOT / "LICENSE").read_text()

@@ -25,7 +25,7 @@ def phase(name: str, folder: Path) -> None:
         "import warnings; warnings.simplefilter('ignore'); import fault_resumes; "
         f"fault_resumes.resume_phase({name!r}, {str(folder)!r})"
     )
-    path = [str(ROOT), str(LONG), os.environ.get("PYTHONPATH", "")]
+    path = [str(LONG), os.environ["PYTHONPATH"]]  # this checkout's offloadopt: conftest.py
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=300)  # fmt: skip
