@@ -61,13 +61,16 @@ def count(mode: str, isa: str, numel: int, workdir: str) -> dict[str, float]:
     if run.returncode != 0:
         raise SystemExit(f"kernel_icount.py: {mode!r} failed under valgrind:\n{run.stderr[-2000:]}")
     text = subprocess.run(["callgrind_annotate", out], capture_output=True, text=True).stdout
-    own = re.compile(r"fused_adam" if mode == "torch fused fp32" else rf"isa_{isa}::.*Kern<")
+    # the kernel's own functions: Kern<...>'s and the int8 codes' (one process runs one mode)
+    own = re.compile(
+        r"fused_adam" if mode == "torch fused fp32" else rf"isa_{isa}::.*(Kern<|Int8Codes::)"
+    )
     per: dict[str, float] = {}
     for line in text.splitlines():
         m = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+(\S.*)$", line)
         if not m or not own.search(m.group(2)):
             continue
-        fn = re.search(r">::(\w+)\(", m.group(2))
+        fn = re.search(r"(?:>|Int8Codes)::(\w+)\(", m.group(2))
         name = fn.group(1) if fn else "fused_adam"
         per[name] = per.get(name, 0.0) + int(m.group(1).replace(",", "")) / (CALLS * numel)
     if not per:

@@ -140,6 +140,7 @@ namespace isa_avx512 {
 namespace {
 #define OO_SIMD_AVX512
 #include "cpu/simd.h"
+#include "cpu/int8_codes.h"
 #include "cpu/adam_body.h"
 #undef OO_SIMD_AVX512
 }  // namespace
@@ -156,6 +157,7 @@ namespace isa_avx2 {
 namespace {
 #define OO_SIMD_AVX2
 #include "cpu/simd.h"
+#include "cpu/int8_codes.h"
 #include "cpu/adam_body.h"
 #undef OO_SIMD_AVX2
 }  // namespace
@@ -172,6 +174,7 @@ namespace isa_generic {
 namespace {
 #define OO_SIMD_GENERIC
 #include "cpu/simd.h"
+#include "cpu/int8_codes.h"
 #include "cpu/adam_body.h"
 #undef OO_SIMD_GENERIC
 }  // namespace

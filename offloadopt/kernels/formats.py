@@ -24,7 +24,7 @@ up to m/eps). Decode: ``v = (scale_v * value(code))^2``. Worst-case relative err
 in [2^-15 * 17/16, 1]: 1/32 (so about 1/16 on v).
 
 Each rule is a few integer operations on t's bits, chosen for the CPU kernel
-(``cpu/adam_body.h``): a signed code below zero is packed to a byte as 0 by saturation, so the
+(``cpu/int8_codes.h``): a signed code below zero is packed to a byte as 0 by saturation, so the
 range needs no compare. Codes written by the earlier rule (round half to even, smallest codes
 ``0x08`` and ``0x10``) are codes of this one: decoding did not change.
 

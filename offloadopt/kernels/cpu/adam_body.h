@@ -1,4 +1,5 @@
-// The kernel's body, written once over `struct V` (simd.h): decode, update, round, encode.
+// The kernel's body, written once over `struct V` (simd.h): decode, update, round, encode (the
+// int8 codes themselves: int8_codes.h).
 //
 // No include guard: adam_cpu.cpp includes it once per ISA, inside that ISA's namespace, after
 // simd.h and after the ISA-free declarations (Job, Coefs, Master, Moments, BLOCK) of
@@ -252,19 +253,10 @@ struct Kern {
     if constexpr (SK == Moments::Bf16Sr) c.lo[1] = V::add(c.lo[1], V::seti((uint32_t)(2 * W)));
   }
 
-  // int8 works a block in two passes: `update_block` updates it and keeps the fresh m and y =
-  // sqrt(v) in an L1 buffer (`Pending`), with the block's new scales; `encode` writes their
-  // codes. The span runs the encode of block b after the update of block b + 1: the encode
-  // waits for its block's absmax (a reduction and a division), and the next block's update,
-  // independent of it, fills that wait.
-  struct Pending {
-    alignas(64) float m[BLOCK];
-    alignas(64) float y[BLOCK];
-    uint8_t* Ms = nullptr;  // where the codes go (nullptr: nothing pending)
-    uint8_t* Vs = nullptr;
-    float minv = 1.f, yinv = 1.f;  // 1 / the scales (1 for a zero block)
-    bool bad = false;               // inf or NaN in the block: codes 0
-  };
+  // int8 works a block in two passes (int8_codes.h): `update_block` updates it and keeps the
+  // fresh m and y = sqrt(v) in an L1 buffer (`Pending`), with the block's new scales;
+  // `Int8Codes::encode` writes their codes, one block behind (`span_loop`).
+  using Pending = Int8Codes::Pending;
 
   template <bool PLAIN, bool STREAM, bool FINITE>
   static inline void update_loop(Ctx& c, MT* P, const GT* G, uint8_t* Ms, uint8_t* Vs, uint16_t* Wo, Pending& out,
@@ -307,51 +299,6 @@ struct Kern {
     out.yinv = ys == 0.f ? 1.f : 1.f / ys;
   }
 
-  // The codes of a pending block (formats.py: round to nearest, ties up, on t's fp32 bits).
-  static void encode(Pending& b) {
-    if (!b.Ms) return;
-    uint8_t* Ms = b.Ms;
-    uint8_t* Vs = b.Vs;
-    b.Ms = b.Vs = nullptr;
-    if (b.bad) {
-      std::memset(Ms, 0, BLOCK);
-      std::memset(Vs, 0, BLOCK);
-      return;
-    }
-    const F minv = V::setf(b.minv), yinv = V::setf(b.yinv);
-    // two pairs at a time (their bytes pack in four instructions, not eight); t <= 1
-    // (a finite 1/scale: the scale is 0 or normal), so every code fits 8 bits
-    for (int k = 0; k < BLOCK; k += 4 * W) {
-      I cm[4];
-      for (int u = 0; u < 4; ++u) cm[u] = m_code(V::ldf(b.m + k + u * W), minv);
-      V::st_u8x4(Ms + k, cm[0], cm[1], cm[2], cm[3]);
-    }
-    for (int k = 0; k < BLOCK; k += 4 * W) {
-      I cv[4];
-      for (int u = 0; u < 4; ++u) cv[u] = v_code(V::ldf(b.y + k + u * W), yinv);
-      V::st_u8x4(Vs + k, cv[0], cv[1], cv[2], cv[3]);
-    }
-  }
-
-  // exp_avg's code of m, t = |m| * minv (formats.py): round to nearest, ties up, on t's bits
-  // (add half, shift), less the bias 896 = 112 << 3 (folded into the constant: the shift is
-  // arithmetic, a floor), | the sign. Below 0 (t rounds below 2^-15) the lane stays negative
-  // whatever the sign: st_u8x4's saturation writes 0. t's bits < 2^31 (t <= 1 + 2 ulps).
-  static inline I m_code(F m, F minv) {
-    const I mbits = V::bits(m);
-    const I tm = V::bits(V::mul(V::flt(V::band(mbits, V::seti(0x7FFFFFFFu))), minv));
-    const I mag = V::template sra<20>(V::add(tm, V::seti(0x80000u - (896u << 20))));
-    return V::bor(mag, V::band(V::template srl<24>(mbits), V::seti(0x80u)));
-  }
-
-  // exp_avg_sq's code of y = sqrt(v), t = y * yinv: rounded as m's (bias 1792 = 112 << 4); y != 0:
-  // at least 1; y == 0: 0 (min with y's bits: 0 for y = +0, and any nonzero y's bits are >= 1;
-  // y is never -0: v = x*x + ...)
-  static inline I v_code(F y, F yinv) {
-    const I ry = V::template sra<19>(V::add(V::bits(V::mul(y, yinv)), V::seti(0x40000u - (1792u << 19))));
-    return V::minu(V::bits(y), V::maxs(ry, V::seti(1u)));
-  }
-
   // The last len (< BLOCK) elements of a tensor, as one zero-padded block.
   static void short_block(Ctx& c, MT* P, const GT* G, uint8_t* Ms, uint8_t* Vs, uint16_t* Wo, float* msc,
                           float* vsc, int len) {
@@ -368,7 +315,7 @@ struct Kern {
     c.wo_stream = false;  // the local copy is read back at once
     update_block<false>(c, p, g, m, v, w, msc, vsc, pending);
     c.wo_stream = stream;
-    encode(pending);
+    Int8Codes::encode(pending);
     std::memcpy(P, p, len * sizeof(MT));
     std::memcpy(Ms, m, len);
     std::memcpy(Vs, v, len);
@@ -432,14 +379,14 @@ struct Kern {
         uint16_t* wo = WOUT ? Wo + b : nullptr;
         if (len - b >= BLOCK) {
           update_block<PLAIN, STREAM>(c, P + b, G + b, Ms + b, Vs + b, wo, msc, vsc, pending[n & 1]);
-          encode(pending[(n + 1) & 1]);  // the block before
+          Int8Codes::encode(pending[(n + 1) & 1]);  // the block before
         } else {
-          encode(pending[(n + 1) & 1]);
+          Int8Codes::encode(pending[(n + 1) & 1]);
           short_block(c, P + b, G + b, Ms + b, Vs + b, wo, msc, vsc, (int)(len - b));
         }
       }
-      encode(pending[(n + 1) & 1]);
-      encode(pending[n & 1]);
+      Int8Codes::encode(pending[(n + 1) & 1]);
+      Int8Codes::encode(pending[n & 1]);
     } else if constexpr (kParity) {
       int64_t k = 0;
       for (; k + W <= len; k += W)
