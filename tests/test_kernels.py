@@ -624,6 +624,15 @@ def test_the_cache_key_names_what_the_build_depends_on(tmp_path, monkeypatch):
     assert kernels.cache_key() != mine
 
 
+def test_the_cache_key_hashes_every_header_the_source_includes():
+    """Each header adam_cpu.cpp includes from cpu/ is in HEADERS (whose bytes the cache key
+    hashes): a header left out would leave a stale build in use after it changed."""
+    included = set(re.findall(r'#include "(cpu/[\w.]+)"', kernels.SOURCE.read_text()))
+    on_disk = {f"cpu/{p.name}" for p in (kernels.SOURCE.parent / "cpu").glob("*.h")}
+    hashed = {f"cpu/{p.name}" for p in kernels.HEADERS}
+    assert included == on_disk == hashed, (included, on_disk, hashed)
+
+
 def test_every_build_says_so_with_its_time(tmp_path, monkeypatch, capsys):
     """The notice shows whenever a build runs (a build over a stale one too), and a finished
     build is only imported."""
