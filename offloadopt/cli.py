@@ -192,6 +192,7 @@ class _Interrupts:
 
     def __init__(self) -> None:
         self.count, self.ending = 0, False
+        self.holding, self.pending = False, False
 
     def __call__(self, signum: int, frame) -> None:
         self.count += 1
@@ -202,7 +203,25 @@ class _Interrupts:
                 sys.stdout.flush()
             os.write(2, b"offloadopt: interrupted\n")  # raw: stderr may be mid-write here
             os._exit(130)
+        if self.holding:  # raised when the held region ends (:meth:`held`)
+            self.pending = True
+            return
         raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Ctrl-C inside the block raises when it ends (a third still exits at once): the
+        options' checks import torch, and a KeyboardInterrupt inside that import was
+        swallowed by torch's import of numpy (the run went on to the end, status 0), or left
+        numpy half imported (an ImportError or RecursionError with a traceback)."""
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -245,13 +264,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     status and without a traceback; with ``argv`` given, SIGINT's handler is put back.
     """
     entry = argv is None  # this process's command line: it exits with the status returned
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # argparse's exit: --help (0) or a usage error (2)
-        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
-    except KeyboardInterrupt:  # Ctrl-C while the options are checked (a new user's find:
-        print("offloadopt: interrupted", file=sys.stderr)  # a 53-line traceback)
-        return 130
     previous = None  # SIGTERM's handler, when this replaced the default (main thread only)
     if (
         threading.current_thread() is threading.main_thread()
@@ -266,6 +278,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         interrupts = _Interrupts()
         previous_int = signal.signal(signal.SIGINT, interrupts)
     try:
+        # Ctrl-C while the options are checked (a new user's find: a 53-line traceback) goes
+        # through the handlers below: SIGINT is ignored from main's return on there too (it
+        # kept Python's handler, so a second Ctrl-C killed the shutdown: status -2)
+        try:
+            with interrupts.held() if interrupts is not None else contextlib.nullcontext():
+                args = build_parser().parse_args(argv)
+        except SystemExit as e:  # argparse's exit: --help (0) or a usage error (2)
+            return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
         run = importlib.import_module(args.run_module).run  # torch is imported here
         with _output_level(args), warnings.catch_warnings():
             warnings.showwarning = _show_warning  # restored on the way out

@@ -16,6 +16,7 @@ import torch
 from offloadopt.harness.checks import UsageError
 from offloadopt.harness.data import text_digest
 from offloadopt.harness.options import TrainConfig
+from offloadopt.interrupts import signals_deferred
 from offloadopt.state import integrity
 from offloadopt.state.integrity import fsync_save
 from offloadopt.state.streamed import recover_leftovers, temp_file
@@ -81,9 +82,10 @@ def save_checkpoint(path: str, cfg: TrainConfig, step: int, model, opt, gen: tor
         os.replace(tmp, target)
         integrity.fsync_dir(os.path.dirname(target))
     except BaseException as e:
-        written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        with signals_deferred():  # a second Ctrl-C left the temporary file behind
+            written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         if integrity.disk_full(e):
             kept = (f"the previous checkpoint at {path!r} is kept" if os.path.exists(path)
                     else "nothing was at that path before")  # fmt: skip

@@ -18,6 +18,7 @@ truncated or mixed-up file), not a forgery.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -27,6 +28,8 @@ from typing import Any, NamedTuple
 
 import torch
 import xxhash
+
+from offloadopt.interrupts import signals_deferred
 
 __all__ = ["ALGORITHM", "Written", "Damaged", "fsync_save", "verify", "checksum_of", "fsync_dir"]
 __all__ += ["disk_full"]
@@ -55,8 +58,11 @@ class _HashingWriter:
 
     def __init__(self, file: Any):
         self.file, self.hash, self.nbytes = file, xxhash.xxh3_64(), 0
+        self.dead = False  # the save failed: later writes go nowhere (:func:`fsync_save`)
 
     def write(self, b: Any) -> int:
+        if self.dead:
+            return len(b)
         self.hash.update(b)
         n = self.file.write(b)
         self.nbytes += len(b) if n is None else n
@@ -80,9 +86,17 @@ def fsync_save(obj: Any, path: str) -> Written:
         w = _HashingWriter(f)
         try:
             torch.save(obj, w)
-        except RuntimeError as e:
+        except BaseException as e:
+            # torch's zip writer that did not finish the file (a second Ctrl-C as its
+            # __exit__ began) finishes it from its C++ destructor when the exception's frames
+            # are freed, and an exception there (its position check, a write to the closed
+            # file, a KeyboardInterrupt) is std::terminate, status 134 (a new user's find):
+            # finish it here, with signals deferred and its writes going nowhere.
+            w.dead = True
+            with signals_deferred():
+                _finish_writers(e)
             cause = e.__context__ or e.__cause__
-            if isinstance(cause, (KeyboardInterrupt, OSError)):
+            if isinstance(e, RuntimeError) and isinstance(cause, (KeyboardInterrupt, OSError)):
                 raise cause from None  # the interrupt, or the write's own OSError (ENOSPC)
             raise
         size = w.nbytes
@@ -95,6 +109,29 @@ def fsync_save(obj: Any, path: str) -> Written:
         f.flush()
         os.fsync(f.fileno())
         return Written(size + _TRAILER.size, digest)
+
+
+def _finish_writers(e: BaseException) -> None:
+    """Calls ``write_end_of_file`` on each torch zip writer left unfinished in the frames of
+    ``e``'s traceback (and of the exceptions chained to it): it marks the writer finished even
+    where it fails, so that its C++ destructor, when the frames are freed, does not try again
+    and throw (``unexpected pos``, std::terminate: status 134)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        tb = x.__traceback__
+        while tb is not None:
+            for value in list(tb.tb_frame.f_locals.values()):
+                writer = getattr(value, "file_like", value)  # torch's _opener, or the writer
+                if isinstance(writer, torch._C.PyTorchFileWriter):
+                    with contextlib.suppress(Exception):
+                        writer.write_end_of_file()
+            tb = tb.tb_next
+        todo += [x.__context__, x.__cause__]
 
 
 def fsync_dir(path: str) -> None:

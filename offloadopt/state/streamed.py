@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from offloadopt.interrupts import signals_deferred
 from offloadopt.state import checkpoint, integrity
 from offloadopt.state.integrity import fsync_save
 from offloadopt.warn import warn
@@ -176,21 +177,26 @@ def save(
         fsync_save(index, os.path.join(tmp, _INDEX))
         integrity.fsync_dir(tmp)
         written = sum(e.stat().st_size for e in os.scandir(tmp))
-        if os.path.exists(target):
-            os.replace(target, old)
-        os.replace(tmp, target)
-        integrity.fsync_dir(parent)  # both renames on the disk before the old one goes
+        # the renames, their flush and the previous checkpoint's removal whole: a Ctrl-C
+        # after the new one was in place left the previous one beside it for good, under its
+        # hidden .old name (a new user's find); an interrupt is delivered after them
+        with signals_deferred():
+            if os.path.exists(target):
+                os.replace(target, old)
+            os.replace(tmp, target)
+            integrity.fsync_dir(parent)  # both renames on the disk before the old one goes
+            if os.path.isdir(old) and not _keep_foreign(old, target):
+                shutil.rmtree(old, ignore_errors=True)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if os.path.exists(old) and not os.path.exists(target):
-            os.replace(old, target)  # put the previous checkpoint back
+        with signals_deferred():  # a second Ctrl-C left the new one's parts behind (.tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if os.path.exists(old) and not os.path.exists(target):
+                os.replace(old, target)  # put the previous checkpoint back
         if integrity.disk_full(e):
             kept = (f"the previous checkpoint at {path!r} is kept" if os.path.exists(target)
                     else "nothing was at that path before")  # fmt: skip
             raise integrity.full_disk_error("save_streamed", path, sum(sizes), needed, kept) from e
         raise
-    if os.path.isdir(old) and not _keep_foreign(old, target):
-        shutil.rmtree(old, ignore_errors=True)
     return written
 
 

@@ -1,0 +1,101 @@
+"""Ctrl-C at the edges of a checkpoint save and of the options' checks (a new user's finds):
+a second Ctrl-C as torch's zip writer began its ``__exit__`` ended the process in
+std::terminate (status 134); one Ctrl-C just after a streamed save's rename left the previous
+checkpoint beside the new one under its hidden ``.old`` name; Ctrl-C while ``train`` checked its
+options (torch imported there) was swallowed or left SIGINT's Python handler for the shutdown
+(status -2)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ABORT = textwrap.dedent(
+    """
+    import os, signal, torch, torch.serialization as ser
+    from offloadopt.state import integrity
+    state = {"n": 0, "first": False}
+    write = integrity._HashingWriter.write
+    def hooked(self, b):
+        state["n"] += 1
+        if state["n"] == 3:
+            state["first"] = True
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in a write
+        return write(self, b)
+    integrity._HashingWriter.write = hooked
+    exit_ = ser._open_zipfile_writer_buffer.__exit__
+    def hooked_exit(self, *a):
+        if state["first"]:
+            os.kill(os.getpid(), signal.SIGINT)  # the second, as __exit__ begins
+        return exit_(self, *a)
+    ser._open_zipfile_writer_buffer.__exit__ = hooked_exit
+    try:
+        integrity.fsync_save({"w": torch.randn(300, 300)}, PATH)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    print("done", flush=True)
+    """
+)
+
+
+def test_a_second_ctrl_c_as_torch_save_ends_is_no_abort(tmp_path):
+    code = ABORT.replace("PATH", repr(str(tmp_path / "ck.pt")))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["interrupted", "done"]
+
+
+def test_a_ctrl_c_after_the_rename_leaves_no_old_checkpoint(tmp_path, monkeypatch):
+    import torch
+
+    from offloadopt import HybridAdamW
+    from offloadopt.state import integrity, streamed
+
+    model = torch.nn.Linear(64, 64)
+    opt = HybridAdamW(model.parameters(), offload_fraction=1.0, min_offload_numel=0)
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    path = str(tmp_path / "ckpt")
+    opt.save_streamed(path, model=model)
+    calls = []
+    fsync_dir = integrity.fsync_dir
+
+    def hooked(p):
+        calls.append(p)
+        if len(calls) == 2:  # the flush of the renames: the new checkpoint is in place
+            os.kill(os.getpid(), signal.SIGINT)
+        return fsync_dir(p)
+
+    monkeypatch.setattr(streamed.integrity, "fsync_dir", hooked)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.save_streamed(path, model=model)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        opt.close()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_ctrl_c_while_train_checks_its_options_ends_130(tmp_path):
+    """Ctrl-C pressed repeatedly from 0.2 s on: the options' checks import torch there."""
+    for delay in (0.2, 0.3, 0.4):
+        p = subprocess.Popen([sys.executable, "-m", "offloadopt", "train", "--preset", "tiny",
+                              "--steps", "30", "--no-progress"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+        time.sleep(delay)
+        for _ in range(4):
+            try:
+                os.killpg(p.pid, signal.SIGINT)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        err = p.communicate(timeout=120)[1]
+        assert p.returncode == 130, (delay, p.returncode, err[-2000:])
+        assert err.strip().splitlines()[-1] == "offloadopt: interrupted"
