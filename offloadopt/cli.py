@@ -213,7 +213,9 @@ class _Interrupts:
         """Ctrl-C inside the block raises when it ends (a third still exits at once): the
         options' checks import torch, and a KeyboardInterrupt inside that import was
         swallowed by torch's import of numpy (the run went on to the end, status 0), or left
-        numpy half imported (an ImportError or RecursionError with a traceback)."""
+        numpy half imported (an ImportError or RecursionError with a traceback). Not
+        ``interrupts.signals_deferred``: that module imports torch, which ``--help`` and
+        ``--version`` do not."""
         self.holding = True
         try:
             yield

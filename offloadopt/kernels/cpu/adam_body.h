@@ -253,9 +253,7 @@ struct Kern {
     if constexpr (SK == Moments::Bf16Sr) c.lo[1] = V::add(c.lo[1], V::seti((uint32_t)(2 * W)));
   }
 
-  // int8 works a block in two passes (int8_codes.h): `update_block` updates it and keeps the
-  // fresh m and y = sqrt(v) in an L1 buffer (`Pending`), with the block's new scales;
-  // `Int8Codes::encode` writes their codes, one block behind (`span_loop`).
+  // int8's two passes a block: int8_codes.h
   using Pending = Int8Codes::Pending;
 
   template <bool PLAIN, bool STREAM, bool FINITE>
