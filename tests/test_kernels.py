@@ -221,6 +221,40 @@ def test_weights_out_at_any_alignment_gives_the_same_bits(mod, moments, beta1):
             assert torch.equal(a, b), f"weights_out shifted by {shift}: output #{k} differs"
 
 
+@pytest.mark.parametrize("moments", [0, 1, 2])
+@pytest.mark.parametrize("beta1", [0.9, 0.3])
+def test_weights_out_of_non_finite_masters(mod, moments, beta1):
+    """NaN (payloads that round past the exponent, 0x7FFFFFFF and its negative, among them) and
+    inf in grads and masters, at block starts, ends, mid-pair and in a short end: weights_out
+    is NaN (0x7FC0, c10's scalar conversion) exactly where the new master is, and torch's
+    .to(bfloat16) elsewhere. The plain path rounds without the NaN case and redoes a block or
+    span that had a NaN."""
+    sizes = [4099, 256, 70_001, 1000]
+    gdtype = torch.float32 if moments == 0 else torch.bfloat16
+    payload = torch.tensor([0x7FFFFFFF, -1], dtype=torch.int32).view(torch.float32)
+    try:
+        for isa in mod.isas():
+            mod.set_isa(isa)
+            x = make_mode(sizes, 7, False, moments, gdtype=gdtype)
+            for j in (0, 17, 255, 256, 600, 999):
+                x[1][3][j] = float("nan") if j % 2 else float("inf")
+            x[0][2][70_000], x[0][2][5], x[1][0][4098] = float("nan"), float("-inf"), float("nan")
+            x[0][0][[300, 301]] = payload  # mid-pair, in the plain path's loop
+            x[0][2][[512, 69_999]] = payload
+            wout = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+            kcall(mod.adam_step, *x[:4], sms=x[4], svs=x[5], wout=wout, steps=[2.0] * len(sizes),
+                  moments=moments, beta1=beta1)  # fmt: skip
+            for i in range(len(sizes)):
+                nan = torch.isnan(x[0][i])
+                assert nan.any() == (i != 1), f"{isa}: masters {i}"  # the second is all finite
+                assert torch.equal(torch.isnan(wout[i]), nan), f"{isa}: weights_out {i}"
+                want = x[0][i].to(torch.bfloat16)
+                want[nan] = torch.tensor(0x7FC0, dtype=torch.int16).view(torch.bfloat16)
+                assert_bitwise(wout[i], want, f"{isa}: weights_out {i}")
+    finally:
+        mod.set_isa(mod.isas()[0])
+
+
 @pytest.mark.parametrize("master_bf16,moments", [(False, 0)] + MODES)
 def test_result_does_not_depend_on_cuts_or_threads(mod, master_bf16, moments):
     """One 1,024-element tensor vs two 512-element pieces (offsets 0 and 512, scale views),

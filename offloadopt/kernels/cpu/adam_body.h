@@ -93,13 +93,14 @@ struct Kern {
     return V::sel(V::isnan(x), V::seti(0x7FC0u), out);
   }
 
-  // fp32 -> bf16 bits, round to nearest even (torch's .to(torch.bfloat16))
-  static inline I round_ne(F x) {
+  // fp32 -> bf16 bits, round to nearest even (torch's .to(torch.bfloat16)); round_ne_num leaves
+  // out the NaN case (a NaN lane's bits are wrong: the plain path's pairs redo those, fix_wo)
+  static inline I round_ne_num(F x) {
     I u = V::bits(x);
     I lsb = V::band(V::template srl<16>(u), V::seti(1u));
-    I out = V::template srl<16>(V::add(V::add(u, V::seti(0x7FFFu)), lsb));
-    return V::sel(V::isnan(x), V::seti(0x7FC0u), out);
+    return V::template srl<16>(V::add(V::add(u, V::seti(0x7FFFu)), lsb));
   }
+  static inline I round_ne(F x) { return V::sel(V::isnan(x), V::seti(0x7FC0u), round_ne_num(x)); }
 
   // int8: the moments of the 2W elements at Ms, Vs, in the paired order (formats.py: m = +-scale
   // * 2^(e-15) * (1 + f/8), v = (scale * 2^(e-15) * (1 + f/16))^2). A code's value is a bf16
@@ -202,10 +203,12 @@ struct Kern {
   // The compressed modes: 2W elements at P, G, Ms, Vs (and Wo), in the paired order. int8: m0,
   // v0 are the decoded moments (`decode`); the new m and y = sqrt(v) go to mb, yb (the pair's
   // two vectors one after the other) and their magnitudes' bits into mabs, yabs; the codes are
-  // written by `encode` once the block's scales are known.
+  // written by `encode` once the block's scales are known. The plain path rounds weights_out
+  // without its NaN case and marks NaN lanes in wnan: the caller redoes weights_out from the
+  // stored masters where any is set (fix_wo), two instructions a pair less.
   template <bool PLAIN, bool STREAM = false>
   static inline void pair(Ctx& c, MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo, float* mb, float* yb,
-                          I& mabs, I& yabs, F m0[2], F v0[2]) {
+                          I& mabs, I& yabs, F m0[2], F v0[2], typename V::M& wnan) {
     static_assert(!kParity, "the all-fp32 mode goes through one");
     F p[2], g[2], pn[2], m[2], v[2], y[2];
     ld2(P, p);
@@ -224,10 +227,19 @@ struct Kern {
     } else {
       V::st2f(P, pn[0], pn[1]);
       if constexpr (WOUT) {
+        I w0, w1;
+        if constexpr (PLAIN) {
+          w0 = round_ne_num(pn[0]);
+          w1 = round_ne_num(pn[1]);
+          wnan = V::mor(wnan, V::isnan2(pn[0], pn[1]));
+        } else {
+          w0 = round_ne(pn[0]);
+          w1 = round_ne(pn[1]);
+        }
         if (streams<PLAIN, STREAM>(c))
-          V::st2_u16_stream(Wo, round_ne(pn[0]), round_ne(pn[1]));
+          V::st2_u16_stream(Wo, w0, w1);
         else
-          V::st2_u16(Wo, round_ne(pn[0]), round_ne(pn[1]));
+          V::st2_u16(Wo, w0, w1);
       }
     }
     if constexpr (SK == Moments::Fp32) {
@@ -242,10 +254,12 @@ struct Kern {
       for (int h = 0; h < 2; ++h) {
         V::stf(mb + h * W, m[h]);
         V::stf(yb + h * W, y[h]);
-        mabs = V::maxu(mabs, V::band(V::bits(m[h]), V::seti(0x7FFFFFFFu)));
-        yabs = V::maxu(yabs, V::bits(y[h]));  // y = sqrt(v): +0, positive or NaN (a NaN's sign
-                                              // set is still above inf's bits as unsigned)
       }
+      // the pair's maxima first, then the block's (one chain, which GCC keeps in one register)
+      const I abs = V::seti(0x7FFFFFFFu);
+      mabs = V::maxu(mabs, V::maxu(V::band(V::bits(m[0]), abs), V::band(V::bits(m[1]), abs)));
+      // y = sqrt(v): +0, positive or NaN (a NaN's sign set is still above inf's bits as unsigned)
+      yabs = V::maxu(yabs, V::maxu(V::bits(y[0]), V::bits(y[1])));
     }
     // the counters of the draws this mode makes (the master's: lo[0]; the moments': both); a
     // counter kept with no draw costs its add and a store an iteration (Ctx lives in memory)
@@ -253,18 +267,28 @@ struct Kern {
     if constexpr (SK == Moments::Bf16Sr) c.lo[1] = V::add(c.lo[1], V::seti((uint32_t)(2 * W)));
   }
 
+  // weights_out of n elements (a multiple of 2W) again from the stored masters, with round_ne's
+  // NaN case: after plain pairs that marked a NaN (pair)
+  static void fix_wo(const MT* P, uint16_t* Wo, int64_t n) {
+    for (int64_t k = 0; k < n; k += 2 * W) {
+      F p[2];
+      ld2(P + k, p);
+      V::st2_u16(Wo + k, round_ne(p[0]), round_ne(p[1]));
+    }
+  }
+
   // int8's two passes a block: int8_codes.h
   using Pending = Int8Codes::Pending;
 
   template <bool PLAIN, bool STREAM, bool FINITE>
   static inline void update_loop(Ctx& c, MT* P, const GT* G, uint8_t* Ms, uint8_t* Vs, uint16_t* Wo, Pending& out,
-                                 I& mabs, I& yabs) {
+                                 I& mabs, I& yabs, typename V::M& wnan) {
     static_assert(BLOCK % (2 * W) == 0, "decode takes 2W codes at a time");
     for (int k = 0; k < BLOCK; k += 2 * W) {
       F m0[2], v0[2];
       decode<FINITE>(c, Ms + k, Vs + k, m0, v0);
       pair<PLAIN, STREAM>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, out.m + k, out.y + k, mabs, yabs,
-                          m0, v0);
+                          m0, v0, wnan);
     }
   }
 
@@ -274,10 +298,13 @@ struct Kern {
     c.m_scale = V::setf(*msc);
     c.v_scale = V::setf(*vsc);
     I mabs = V::seti(0u), yabs = V::seti(0u);
+    typename V::M wnan = V::none();
     if (std::isfinite(*msc))
-      update_loop<PLAIN, STREAM, true>(c, P, G, Ms, Vs, Wo, out, mabs, yabs);
+      update_loop<PLAIN, STREAM, true>(c, P, G, Ms, Vs, Wo, out, mabs, yabs, wnan);
     else
-      update_loop<PLAIN, STREAM, false>(c, P, G, Ms, Vs, Wo, out, mabs, yabs);
+      update_loop<PLAIN, STREAM, false>(c, P, G, Ms, Vs, Wo, out, mabs, yabs, wnan);
+    if constexpr (WOUT && PLAIN)
+      if (V::any(wnan)) fix_wo(P, Wo, BLOCK);
     const uint32_t ma = V::hmaxu(mabs), ya = V::hmaxu(yabs);
     out.Ms = Ms;
     out.Vs = Vs;
@@ -341,7 +368,8 @@ struct Kern {
     } else {
       I unused = V::seti(0u);
       F m0[2], v0[2];
-      pair<false>(c, p, g, m, v, w, nullptr, nullptr, unused, unused, m0, v0);
+      typename V::M no_wnan = V::none();  // not the plain path: pair rounds NaN itself
+      pair<false>(c, p, g, m, v, w, nullptr, nullptr, unused, unused, m0, v0, no_wnan);
     }
     std::memcpy(P, p, len * sizeof(MT));
     std::memcpy(Ms, m, len * sizeof(ST));
@@ -397,10 +425,13 @@ struct Kern {
     } else {
       I unused = V::seti(0u);
       F m0[2], v0[2];
+      typename V::M wnan = V::none();
       int64_t k = 0;
       for (; k + 2 * W <= len; k += 2 * W)
         pair<PLAIN, STREAM>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, nullptr, nullptr, unused, unused,
-                            m0, v0);
+                            m0, v0, wnan);
+      if constexpr (WOUT && PLAIN)
+        if (V::any(wnan)) fix_wo(P, Wo, k);
       if (k < len) short_run<2 * W>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, (int)(len - k), W);
     }
   }

@@ -17,6 +17,7 @@
 // and between vendors (ispc#2882, xsimd#790).
 //
 // Names: F a vector of fp32, I of uint32, M a lane mask. sel(m, a, b): a where m, else b.
+// isnan2(a, b): the lanes where a or b is NaN; mor: or of masks; any: a lane set.
 // ld_bf16 widens bf16 to fp32 (exact); st_u16 stores the low 16 bits of each lane.
 // H: 2W uint16 lanes in one register (int8 codes as bf16 patterns, half the ops of 32-bit
 // lanes). ld_s8h / ld_u8h load 2W bytes sign / zero extended, in an order of the ISA's own that
@@ -76,6 +77,10 @@ struct V {
   template <int S> static inline I sra(I a) { return _mm512_srai_epi32(a, S); }
   static inline M lt_u(I a, I b) { return _mm512_cmplt_epu32_mask(a, b); }
   static inline M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+  static inline M isnan2(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
+  static inline M none() { return 0; }
+  static inline M mor(M a, M b) { return (M)(a | b); }
+  static inline bool any(M m) { return m != 0; }
   static inline I sel(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
   static inline F sel(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
   static inline I keep_nonzero(I x, I a) { return _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(x, x), a); }
@@ -171,6 +176,10 @@ struct V {
     return _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(a, b), a), _mm256_set1_epi32(-1));
   }
   static inline M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+  static inline M isnan2(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_UNORD_Q)); }
+  static inline M none() { return _mm256_setzero_si256(); }
+  static inline M mor(M a, M b) { return _mm256_or_si256(a, b); }
+  static inline bool any(M m) { return !_mm256_testz_si256(m, m); }
   static inline I sel(M m, I a, I b) { return _mm256_blendv_epi8(b, a, m); }
   static inline F sel(M m, F a, F b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(m)); }
   static inline I keep_nonzero(I x, I a) { return _mm256_andnot_si256(_mm256_cmpeq_epi32(x, _mm256_setzero_si256()), a); }
@@ -262,6 +271,10 @@ struct V {
   template <int S> static inline I sra(I a) { OO_LANES(a.v[l] = (uint32_t)((int32_t)a.v[l] >> S)) return a; }
   static inline M lt_u(I a, I b) { OO_LANES(a.v[l] = a.v[l] < b.v[l] ? ~0u : 0u) return a; }
   static inline M isnan(F a) { I r; OO_LANES(r.v[l] = a.v[l] != a.v[l] ? ~0u : 0u) return r; }
+  static inline M isnan2(F a, F b) { I r; OO_LANES(r.v[l] = a.v[l] != a.v[l] || b.v[l] != b.v[l] ? ~0u : 0u) return r; }
+  static inline M none() { return seti(0u); }
+  static inline M mor(M a, M b) { return bor(a, b); }
+  static inline bool any(M m) { return hmaxu(m) != 0; }
   static inline I sel(M m, I a, I b) { OO_LANES(a.v[l] = (a.v[l] & m.v[l]) | (b.v[l] & ~m.v[l])) return a; }
   static inline F sel(M m, F a, F b) { return flt(sel(m, bits(a), bits(b))); }
   static inline I keep_nonzero(I x, I a) { OO_LANES(a.v[l] = x.v[l] ? a.v[l] : 0u) return a; }
