@@ -3,13 +3,16 @@ a second Ctrl-C as torch's zip writer began its ``__exit__`` ended the process i
 std::terminate (status 134); one Ctrl-C just after a streamed save's rename left the previous
 checkpoint beside the new one under its hidden ``.old`` name; Ctrl-C while ``train`` checked its
 options (torch imported there) was swallowed or left SIGINT's Python handler for the shutdown
-(status -2)."""
+(status -2); Ctrl-C while ``python -m offloadopt`` or the console script imported the command
+line itself, before its handlers, was a KeyboardInterrupt traceback (status -2)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +110,41 @@ def test_ctrl_c_while_train_checks_its_options_ends_130():
                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
     assert r.stderr.strip().splitlines()[-1] == "offloadopt: interrupted", r.stderr[-2000:]
+
+
+# Ctrl-C as the command line's own import reaches MODULE (a finder that Python asks first),
+# then the program as ``python -m offloadopt`` or the console script runs it
+AT_IMPORT = textwrap.dedent(
+    """
+    import os, signal, sys
+    class CtrlC:
+        def find_spec(self, name, path=None, target=None):
+            if name == MODULE:
+                os.kill(os.getpid(), signal.SIGINT)
+            return None
+    sys.meta_path.insert(0, CtrlC())
+    sys.argv = ["offloadopt", "train", "--preset", "tiny", "--steps", "2", "--save", "ck"]
+    """
+)
+PYTHON_M = 'import runpy; runpy.run_module("offloadopt", run_name="__main__", alter_sys=True)'
+
+
+def _console_script() -> str:
+    """What the ``offloadopt`` script pip writes runs: pyproject.toml's entry point."""
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    module, name = re.search(r'^offloadopt = "([\w.]+):(\w+)"$', text, re.M).groups()
+    return f"import importlib; sys.exit(importlib.import_module({module!r}).{name}())"
+
+
+@pytest.mark.parametrize("module", ["offloadopt.cli", "offloadopt.harness.options",
+                                    "offloadopt.harness.checks"])  # fmt: skip
+@pytest.mark.parametrize("program", ["python -m offloadopt", "console script"])
+def test_ctrl_c_while_the_command_line_is_imported_ends_130(tmp_path, module, program):
+    """The first ~0.05 s of ``offloadopt train``, before ``cli.main`` installs its handlers:
+    one line and 130, as a later Ctrl-C, and nothing written (it was a traceback, status -2)."""
+    run = PYTHON_M if program == "python -m offloadopt" else _console_script()
+    code = AT_IMPORT.replace("MODULE", repr(module)) + run
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    assert (r.returncode, r.stdout, r.stderr) == (130, "", "offloadopt: interrupted\n")
+    assert os.listdir(tmp_path) == []
