@@ -5,6 +5,7 @@ uninterrupted one, checkpoints are written whole, bad checkpoints are one-line e
 import json
 import os
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -230,6 +231,35 @@ def test_bad_checkpoints_are_one_line_errors_naming_the_file(tmp_path, capsys):
         f"--resume: {small!r} is a checkpoint of preset 'small', not 'tiny' (--preset)"
     )
     assert _error(capsys, [*ARGS, "--save-every", "2"]).startswith("--save-every 2: ")
+
+
+def test_a_resume_with_other_steps_names_steps_not_the_warm_up_that_follows(tmp_path, capsys):
+    """A user's find: a resume with another --steps also said "--warmup-steps 0 there, 1 here",
+    a flag they never passed (its default, steps/20, follows --steps). --steps is named alone,
+    with why it must stay; a --warmup-steps the user gave is named as before."""
+    ck = str(tmp_path / "run.pt")
+    assert main([*ARGS, "--steps", "2", "--save", ck]) == 0  # warm-up 2 // 20 = 0
+    capsys.readouterr()
+    keep = "(a resumed run takes the saved run's, to continue its losses exactly"
+    why = ("; --steps sets the learning-rate schedule (warm-up, steps/20 by default, then cosine "
+           "decay to lr/10 at the last step), so it cannot change on resume)")  # fmt: skip
+    other = f"--resume: {ck!r} was saved with other settings: "
+    steps, warmup = "--steps 2 there, 20 here", "--warmup-steps 0 there, {} here"
+    for flags, differ, end in [
+        (["--steps", "20"], steps, why),  # warm-up 1 here, by default
+        (["--steps", "20", "--warmup-steps", "0"], steps, why),
+        (["--steps", "20", "--warmup-steps", "3"], f"{steps}; {warmup.format(3)}", why),
+        (["--steps", "2", "--warmup-steps", "1"], warmup.format(1), ")"),
+    ]:
+        assert _error(capsys, [*ARGS, *flags, "--resume", ck]) == f"{other}{differ} {keep}{end}"
+    # the default --dtype follows --device the same way (a CUDA device is not needed to check)
+    cfg = options.TrainConfig(steps=2, batch_size=2, seq_len=16).resolved()
+    fsync_save({"format": train.CHECKPOINT_FORMAT, "version": train.CHECKPOINT_VERSION,
+                "step": 1, "config": vars(cfg).copy()}, ck)  # fmt: skip
+    on_cuda = replace(cfg, device="cuda", dtype="bf16")
+    with pytest.raises(options.UsageError) as e:
+        train.load_checkpoint(ck, on_cuda)
+    assert str(e.value) == f"{other}--device 'cpu' there, 'cuda' here {keep})"
 
 
 def test_tensorboard_without_the_package_is_a_one_line_error(tmp_path, capsys, monkeypatch):

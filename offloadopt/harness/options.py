@@ -71,6 +71,10 @@ RUN_DEFAULTS: dict[str, tuple[int, float]] = {
     "gpt-32b": (1, 2e-6),
     "gpt-40b": (1, 2e-6),
 }
+# The fields whose default (None) resolved() derives from another field: field -> (that field,
+# the default for its value). A resume's refusal names the field changed, not what followed it.
+DERIVED = {"warmup_steps": ("steps", lambda steps: steps // 20),
+           "dtype": ("device", lambda device: "bf16" if device.startswith("cuda") else "fp32")}  # fmt: skip
 
 
 @dataclass
@@ -153,13 +157,15 @@ class TrainConfig:
         cfg = replace(self, **checked)
         batch, lr = RUN_DEFAULTS[cfg.preset]
         block_size = PRESETS[cfg.preset].block_size
+        derived = {
+            k: f(getattr(cfg, of)) for k, (of, f) in DERIVED.items() if getattr(cfg, k) is None
+        }
         cfg = replace(
             cfg,
-            dtype=cfg.dtype or ("bf16" if cfg.device.startswith("cuda") else "fp32"),
             batch_size=batch if cfg.batch_size is None else cfg.batch_size,
             seq_len=block_size if cfg.seq_len is None else cfg.seq_len,
             lr=lr if cfg.lr is None else cfg.lr,
-            warmup_steps=cfg.steps // 20 if cfg.warmup_steps is None else cfg.warmup_steps,
+            **derived,
         )
         if cfg.max_gpu_memory is not None and cfg.offload_fraction not in ("auto", 1.0):
             raise UsageError(

@@ -15,7 +15,7 @@ import torch
 
 from offloadopt.harness.checks import UsageError
 from offloadopt.harness.data import text_digest
-from offloadopt.harness.options import TrainConfig
+from offloadopt.harness.options import DERIVED, TrainConfig
 from offloadopt.interrupts import signals_deferred
 from offloadopt.state import integrity
 from offloadopt.state.integrity import fsync_save
@@ -230,11 +230,18 @@ def _checked(ck: Any, cfg: TrainConfig, name: str) -> dict:
                 f"there (sha256 {digest[:16]}...), {data(cfg.data)} here (sha256 {here[:16]}...); "
                 "a resumed run must read the same bytes to continue its losses exactly"
             )
-    differ = [f"--{k.replace('_', '-')} {saved.get(k)!r} there, {v!r} here"
-              for k, v in ours.items() if k not in may_change and saved.get(k) != v]  # fmt: skip
+    # a default that follows a field the user changed (--warmup-steps, steps/20, after --steps)
+    # is not named beside it (a user's find: "--warmup-steps 0 there, 1 here", never passed)
+    followed = {k for k, (src, default) in DERIVED.items() if saved.get(src) != ours[src]
+                and saved.get(k) == default(saved.get(src)) and ours[k] == default(ours[src])}  # fmt: skip
+    differ = [f"--{k.replace('_', '-')} {saved.get(k)!r} there, {v!r} here" for k, v in ours.items()
+              if k not in may_change and k not in followed and saved.get(k) != v]  # fmt: skip
     if differ:
+        why = ("; --steps sets the learning-rate schedule (warm-up, steps/20 by default, then "
+               "cosine decay to lr/10 at the last step), so it cannot change on resume"
+               if saved.get("steps") != cfg.steps else "")  # fmt: skip
         raise UsageError(f"{name} was saved with other settings: {'; '.join(differ)} (a resumed "
-                         "run takes the saved run's, to continue its losses exactly)")  # fmt: skip
+                         f"run takes the saved run's, to continue its losses exactly{why})")  # fmt: skip
     if ck["step"] >= cfg.steps:
         raise UsageError(f"{name} is at step {ck['step']} of --steps {cfg.steps}: nothing left")
     return ck
