@@ -6,7 +6,9 @@ keeps the previous checkpoint; and saving does not copy the state in host memory
 
 from __future__ import annotations
 
+import datetime
 import os
+import re
 
 import pytest
 import torch
@@ -422,6 +424,42 @@ def test_a_truncated_part_is_refused_before_anything_changes(tmp_path, monkeypat
         opt.save_streamed(path)
     monkeypatch.undo()
     assert streamed.read_extra(path) is None and len(os.listdir(tmp_path)) == 1
+    opt.close()
+
+
+def test_a_truncated_index_is_named_damaged_in_a_whole_sentence(tmp_path):
+    """A user's find: an index.pt cut short was refused with torch's text quoted and cut at
+    200 characters, mid-word ("...your checkpoint file is corrupted. Thi): a damaged or
+    incomplete index"). Now the file, that it is damaged, torch's exception by its kind alone,
+    and that nothing was changed; an index whose bytes match its checksum is not called
+    damaged where torch cannot read it."""
+    from offloadopt.state import integrity
+
+    m = model()
+    opt = build(m)
+    train(m, opt, 0, 2)
+    path = str(tmp_path / "ck")
+    opt.save_streamed(path, model=m)
+    file = os.path.join(path, "index.pt")
+    whole = open(file, "rb").read()
+    before = snapshot(m, opt)
+    fix = "; nothing was changed: restore the folder from a copy, or use an earlier checkpoint"
+    for size in (0, 10, 100, len(whole) // 2, len(whole) - 1000):
+        with open(file, "wb") as f:
+            f.write(whole[:size])
+        with pytest.raises(ValueError) as e:
+            opt.load_streamed(path, model=m)
+        # the kind: RuntimeError, EOFError, OSError: Invalid argument (torch's seek), by size
+        assert re.fullmatch(rf"load_streamed: {re.escape(repr(file))} is damaged \(cut short or "
+                            r"overwritten\): torch.load cannot read it \([A-Za-z]+(: [A-Za-z ]+)?"
+                            rf"\){re.escape(fix)}", str(e.value)), str(e.value)  # fmt: skip
+        assert_same(snapshot(m, opt), before)
+    integrity.fsync_save({"when": datetime.date(2026, 1, 1)}, file)  # no type weights_only reads
+    with pytest.raises(ValueError) as e:
+        streamed.read_extra(path)
+    assert str(e.value) == (f"read_extra: {file!r}: torch.load cannot read it (UnpicklingError), "
+                            "though its bytes match its checksum (saved by a newer torch?); "
+                            "nothing was changed")  # fmt: skip
     opt.close()
 
 

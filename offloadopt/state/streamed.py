@@ -379,9 +379,15 @@ def read_index(path: str, who: str = "load_streamed") -> dict[str, Any]:
     try:
         index = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever torch.load makes of a damaged file
-        reason = str(e).splitlines()[0][:200] if str(e) else ""
-        raise ValueError(f"{what} could not be read ({type(e).__name__}: {reason}): a damaged "
-                         f"or incomplete index{fix}") from None  # fmt: skip
+        # its kind only: torch's text is a paragraph on miniz (quoted, it was cut mid-word)
+        kind = f"{type(e).__name__}: {e.strerror}" if isinstance(e, OSError) and e.strerror else (
+            type(e).__name__)  # fmt: skip
+        if verified:  # its bytes are those saved: no damage, another torch's file?
+            raise ValueError(f"{what}: torch.load cannot read it ({kind}), though its bytes "
+                             "match its checksum (saved by a newer torch?); nothing was changed"
+                             ) from None  # fmt: skip
+        raise ValueError(f"{what} is damaged (cut short or overwritten): torch.load cannot read "
+                         f"it ({kind}){fix}") from None  # fmt: skip
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise ValueError(f"{who}: {path!r} is not a streamed checkpoint of offloadopt")
     version = index.get("version")
