@@ -670,7 +670,8 @@ def test_a_read_only_mount_is_named_as_one(tmp_path, monkeypatch):
 
 def test_a_streamed_checkpoint_whose_index_is_no_file_is_called_damaged(tmp_path, monkeypatch):
     """A new user's find: a checkpoint folder whose index.pt was a link to /dev/zero (or a
-    folder) was refused as "no index.pt"; it is there, and damaged."""
+    folder) was refused as "no index.pt"; it is there, and damaged. Then it lacked the advice
+    the other damage messages give (nothing was changed, what to do): it has it now."""
     monkeypatch.chdir(tmp_path)
     for name, make in (("dev", lambda p: p.symlink_to("/dev/zero")), ("dir", Path.mkdir),
                        ("gone", lambda p: p.symlink_to(tmp_path / "nowhere"))):  # fmt: skip
@@ -678,7 +679,8 @@ def test_a_streamed_checkpoint_whose_index_is_no_file_is_called_damaged(tmp_path
         make(tmp_path / name / "index.pt")
         assert one_error_line(["train", "--resume", name]) == (
             f"--resume: {name!r}: its index.pt is no regular file (a link to a device, a folder "
-            "or a missing file): the checkpoint is damaged"
+            "or a missing file): the checkpoint is damaged; nothing was changed: restore the "
+            "folder from a copy, or load an earlier checkpoint"
         )
     (tmp_path / "plain").mkdir()
     assert one_error_line(["train", "--resume", "plain"]) == (

@@ -463,6 +463,35 @@ def test_a_truncated_index_is_named_damaged_in_a_whole_sentence(tmp_path):
     opt.close()
 
 
+def test_an_index_that_is_no_file_is_named_damaged_with_the_advice(tmp_path):
+    """An index.pt that is a folder (a link to a device, a link to nothing) was "has no
+    index.pt: not a streamed checkpoint", without the advice the damage messages give; it is
+    there, and damaged: nothing was changed, and what to do."""
+    m = model()
+    opt = build(m)
+    train(m, opt, 0, 2)
+    path = str(tmp_path / "ck")
+    opt.save_streamed(path, model=m)
+    index = os.path.join(path, "index.pt")
+    os.remove(index)
+    before = snapshot(m, opt)
+    for make in (os.mkdir, lambda p: os.symlink("/dev/zero", p),
+                 lambda p: os.symlink(str(tmp_path / "nowhere"), p)):  # fmt: skip
+        make(index)
+        with pytest.raises(ValueError) as e:
+            opt.load_streamed(path, model=m)
+        assert str(e.value) == (
+            f"load_streamed: {index!r} is no regular file (a folder, a link to a device or a "
+            "missing file): the checkpoint is damaged; nothing was changed: restore the folder "
+            "from a copy, or use an earlier checkpoint"
+        )
+        assert_same(snapshot(m, opt), before)
+        (os.rmdir if make is os.mkdir else os.remove)(index)
+    with pytest.raises(ValueError, match="has no index.pt: not a streamed checkpoint"):
+        opt.load_streamed(path, model=m)  # none at all: as before
+    opt.close()
+
+
 def test_read_extra_names_itself(tmp_path):
     """A fresh user's finding: read_extra's errors said "load_streamed:"."""
     with pytest.raises(ValueError, match="^read_extra: .* is not a folder"):

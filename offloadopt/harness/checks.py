@@ -369,7 +369,9 @@ def checkpoint_input(value: Any) -> str:
         index = path / "index.pt"
         if os.path.lexists(index) and not index.is_file():  # a user's find: it read "no index.pt"
             raise UsageError(f"{str(path)!r}: its index.pt is no regular file (a link to a "
-                             "device, a folder or a missing file): the checkpoint is damaged")  # fmt: skip
+                             "device, a folder or a missing file): the checkpoint is damaged; "
+                             "nothing was changed: restore the folder from a copy, or load an "
+                             "earlier checkpoint")  # fmt: skip
         if not index.is_file():
             raise UsageError(f"{str(path)!r} is a folder but no streamed checkpoint (no index.pt)")
         return str(path)

@@ -365,11 +365,14 @@ def read_index(path: str, who: str = "load_streamed") -> dict[str, Any]:
             (names the file and what is wrong, and what to do).
     """
     file = os.path.join(path, _INDEX)
-    if not os.path.isfile(file):
-        raise ValueError(f"{who}: {path!r} has no {_INDEX}: not a streamed checkpoint")
     what = f"{who}: {file!r}"
     fix = ("; nothing was changed: restore the folder from a copy, or use an earlier "
            "checkpoint")  # fmt: skip
+    if os.path.lexists(file) and not os.path.isfile(file):  # it read "has no index.pt"
+        raise ValueError(f"{what} is no regular file (a folder, a link to a device or a missing "
+                         f"file): the checkpoint is damaged{fix}")  # fmt: skip
+    if not os.path.isfile(file):
+        raise ValueError(f"{who}: {path!r} has no {_INDEX}: not a streamed checkpoint")
     try:
         verified = integrity.verify(file, what, required=False)
     except integrity.Damaged as e:
