@@ -44,9 +44,15 @@ struct Int8Codes {
       V::st_u8x4(Ms + k, cm[0], cm[1], cm[2], cm[3]);
     }
     for (int k = 0; k < BLOCK; k += 4 * W) {
-      I cv[4];
-      for (int u = 0; u < 4; ++u) cv[u] = v_code(V::ldf(b.y + k + u * W), yinv);
-      V::st_u8x4(Vs + k, cv[0], cv[1], cv[2], cv[3]);
+      I rv[4], yb[4];
+      for (int u = 0; u < 4; ++u) {
+        const F y = V::ldf(b.y + k + u * W);
+        rv[u] = v_round(y, yinv);
+        yb[u] = V::bits(y);
+      }
+      // in bytes, 4W at a time: at least 1, and 0 where y == 0 (v_round)
+      const auto rb = V::pack8(rv[0], rv[1], rv[2], rv[3]), ybb = V::pack8(yb[0], yb[1], yb[2], yb[3]);
+      V::st_u8(Vs + k, V::minu8(V::maxu8(rb, V::set8(1)), ybb));
     }
   }
 
@@ -61,11 +67,11 @@ struct Int8Codes {
     return V::bor(mag, V::band(V::template srl<24>(mbits), V::seti(0x80u)));
   }
 
-  // exp_avg_sq's code of y = sqrt(v), t = y * yinv: rounded as m's (bias 1792 = 112 << 4); y != 0:
-  // at least 1; y == 0: 0 (min with y's bits: 0 for y = +0, and any nonzero y's bits are >= 1;
-  // y is never -0: v = x*x + ...)
-  static inline I v_code(F y, F yinv) {
-    const I ry = V::template sra<19>(V::add(V::bits(V::mul(y, yinv)), V::seti(0x40000u - (1792u << 19))));
-    return V::minu(V::bits(y), V::maxs(ry, V::seti(1u)));
+  // exp_avg_sq's code of y = sqrt(v), t = y * yinv, before the clamp: rounded as m's (bias 1792 =
+  // 112 << 4). encode then takes y != 0 to at least 1 and y == 0 to 0, in bytes: min(max(code,
+  // 1), y's bits clamped to 0..255), as y's bits are 0 for y = +0 and >= 1 for any other y (y
+  // is never -0: v = x*x + ...)
+  static inline I v_round(F y, F yinv) {
+    return V::template sra<19>(V::add(V::bits(V::mul(y, yinv)), V::seti(0x40000u - (1792u << 19))));
   }
 };

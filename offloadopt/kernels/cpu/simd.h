@@ -32,8 +32,9 @@
 // master's random draw, one hash for the elements of one lane of a and b (j, j + 4: rounding.py);
 // each lane's counter is its own element's (iota2).
 // ld2_bf16 / ld2f load a pair, st2_u16 / st2f store one (st2_u16_stream: p kStreamAlign2
-// aligned), st_u8x4 stores two pairs' codes (4W elements) as bytes in element order, a signed
-// lane below 0 as 0 (packus's saturation).
+// aligned). B: 4W bytes; pack8 narrows two pairs' signed lanes to bytes, each clamped to 0..255
+// (packs then packus), in an order of the ISA's own that st_u8 stores in element order
+// (maxu8 / minu8 work lane by lane, in any order); st_u8x4 = st_u8 of pack8.
 
 #if defined(OO_SIMD_AVX512)
 
@@ -109,12 +110,18 @@ struct V {
   static inline void st2_u16(uint16_t* p, I a, I b) { _mm512_storeu_si512(p, _mm512_packus_epi32(a, b)); }
   static inline void st2_u16_stream(uint16_t* p, I a, I b) { _mm512_stream_si512((__m512i*)p, _mm512_packus_epi32(a, b)); }
   static constexpr int kStreamAlign2 = 64;
-  // two pairs' low bytes (values 0..255): packed to 16 then 8 bits within 128-bit lanes, the
-  // qwords put in order
-  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) {
-    const __m512i x = _mm512_packus_epi16(_mm512_packus_epi32(a, b), _mm512_packus_epi32(c, d));
+  // packed to 16 then 8 bits within 128-bit lanes; st_u8 puts the qwords in order
+  using B = __m512i;
+  static inline B pack8(I a, I b, I c, I d) {
+    return _mm512_packus_epi16(_mm512_packs_epi32(a, b), _mm512_packs_epi32(c, d));
+  }
+  static inline void st_u8(uint8_t* p, B x) {
     _mm512_storeu_si512(p, _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), x));
   }
+  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) { st_u8(p, pack8(a, b, c, d)); }
+  static inline B set8(uint8_t x) { return _mm512_set1_epi8((char)x); }
+  static inline B maxu8(B a, B b) { return _mm512_max_epu8(a, b); }
+  static inline B minu8(B a, B b) { return _mm512_min_epu8(a, b); }
   using H = __m512i;
   static inline H ld_s8h(const uint8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
   static inline H ld_u8h(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
@@ -204,12 +211,16 @@ struct V {
   static inline void st2_u16(uint16_t* p, I a, I b) { _mm256_storeu_si256((__m256i*)p, _mm256_packus_epi32(a, b)); }
   static inline void st2_u16_stream(uint16_t* p, I a, I b) { _mm256_stream_si256((__m256i*)p, _mm256_packus_epi32(a, b)); }
   static constexpr int kStreamAlign2 = 32;
-  // two pairs' low bytes (values 0..255): packed to 16 then 8 bits within 128-bit halves, the
-  // qwords put in order
-  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) {
-    const __m256i x = _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(c, d));
-    _mm256_storeu_si256((__m256i*)p, _mm256_permute4x64_epi64(x, 0xD8));
+  // packed to 16 then 8 bits within 128-bit halves; st_u8 puts the qwords in order
+  using B = __m256i;
+  static inline B pack8(I a, I b, I c, I d) {
+    return _mm256_packus_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
   }
+  static inline void st_u8(uint8_t* p, B x) { _mm256_storeu_si256((__m256i*)p, _mm256_permute4x64_epi64(x, 0xD8)); }
+  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) { st_u8(p, pack8(a, b, c, d)); }
+  static inline B set8(uint8_t x) { return _mm256_set1_epi8((char)x); }
+  static inline B maxu8(B a, B b) { return _mm256_max_epu8(a, b); }
+  static inline B minu8(B a, B b) { return _mm256_min_epu8(a, b); }
   static inline uint32_t hmaxu(I a) {
     __m128i x = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
     x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0x4E));
@@ -282,11 +293,19 @@ struct V {
   // more), so that one lane of a and b holds elements j and j + 4 as there (rounding.py: the
   // master's draw)
   static inline int pj(int l) { return (l & 3) + ((l >> 2) << 3); }
-  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) {
-    const I* x[4] = {&a, &b, &c, &d};  // packus: a signed lane below 0 is 0, above 255 is 255
+  struct B { uint8_t v[32]; };  // in element order
+  static inline B pack8(I a, I b, I c, I d) {
+    const I* x[4] = {&a, &b, &c, &d};
+    B r;
     for (int u = 0; u < 4; ++u)
-      OO_LANES(const int32_t y = (int32_t)x[u]->v[l]; p[(u >> 1) * 16 + (u & 1) * 4 + pj(l)] = (uint8_t)(y < 0 ? 0 : y > 255 ? 255 : y))
+      OO_LANES(const int32_t y = (int32_t)x[u]->v[l]; r.v[(u >> 1) * 16 + (u & 1) * 4 + pj(l)] = (uint8_t)(y < 0 ? 0 : y > 255 ? 255 : y))
+    return r;
   }
+  static inline void st_u8(uint8_t* p, B x) { std::memcpy(p, x.v, 32); }
+  static inline void st_u8x4(uint8_t* p, I a, I b, I c, I d) { st_u8(p, pack8(a, b, c, d)); }
+  static inline B set8(uint8_t x) { B r; std::memset(r.v, x, 32); return r; }
+  static inline B maxu8(B a, B b) { for (int l = 0; l < 32; ++l) a.v[l] = a.v[l] > b.v[l] ? a.v[l] : b.v[l]; return a; }
+  static inline B minu8(B a, B b) { for (int l = 0; l < 32; ++l) a.v[l] = a.v[l] < b.v[l] ? a.v[l] : b.v[l]; return a; }
   static inline void iota2(I& a, I& b) { OO_LANES(a.v[l] = (uint32_t)pj(l)) b = add(a, seti(4u)); }
   static inline void ld2_bf16(const uint16_t* p, F& a, F& b) {
     I x, y;
