@@ -125,13 +125,41 @@ class Rule:
     def validate(self, values: dict[str, Any]) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def check_flags(self, group: dict[str, Any]) -> None:
+        """Refuse torch's flags that would change the algorithm, as a group carries them (at
+        construction, ``add_param_group`` and every step: torch's optimizer reads them at each
+        step, so one set on a live group must not be ignored).
+
+        Raises:
+            NotImplementedError: a refused flag (``amsgrad``) set.
+            ValueError: ``decoupled_weight_decay`` other than the rule's (AdamW's is decoupled,
+                Adam's L2).
+        """
+        for flag in self.refused_flags:
+            if group.get(flag):
+                raise NotImplementedError(f"Hybrid{self.name} does not support {flag}=True yet")
+        want = self.torch_flags.get("decoupled_weight_decay")
+        have = group.get("decoupled_weight_decay", want)
+        if want is not None and bool(have) != want:
+            mine, other = (
+                ("decoupled (AdamW's)", "Adam's L2")
+                if want
+                else ("L2 (Adam's)", "AdamW's decoupled")
+            )
+            raise ValueError(
+                f"decoupled_weight_decay={have!r}: Hybrid{self.name}'s weight decay is always "
+                f"{mine}; for {other} weight decay use offloadopt.Hybrid{'Adam' if want else 'AdamW'}"
+            )
+
     def freeze(self, group: dict[str, Any]) -> Hyper:
         """Validate a group's current values and snapshot them (a tensor ``lr`` is cloned, so
         an in-place scheduler edit cannot reach an update in flight).
 
         Raises:
             ValueError, TypeError: a bad value, named in the message.
+            NotImplementedError: a refused flag set on the group (:meth:`check_flags`).
         """
+        self.check_flags(group)
         values = {k: group[k] for k in self.hyper_defaults}
         self.validate(values)
         lr = values.get("lr")

@@ -349,7 +349,8 @@ def validate_group(
         ValueError: a complex, non-float, sparse or non-cpu/cuda param (named), a
             param the compressed representation cannot update (fp64; fp16 with ``"bf16-sr"``),
             a bad hyperparameter or ``"offload"`` key, or an offloading option as a key with
-            another value than the optimizer's (one per optimizer: it would be ignored).
+            another value than the optimizer's (one per optimizer: it would be ignored), or
+            ``decoupled_weight_decay`` other than the rule's (:meth:`Rule.check_flags`).
         NotImplementedError: ``amsgrad`` set in the group.
     """
     _check(
@@ -424,12 +425,7 @@ def validate_group(
         offload is None or isinstance(offload, bool),
         f"Invalid 'offload' group key: {offload!r} (expected True, False or None)",
     )
-    for flag in rule.refused_flags:
-        _check(
-            not group.get(flag),
-            f"Hybrid{rule.name} does not support {flag}=True yet",
-            NotImplementedError,
-        )
+    rule.check_flags(group)
     return group
 
 

@@ -396,3 +396,29 @@ def test_the_options_are_declared_once_and_documented():
     assert opt.options == Options(overlap="backward", grads_final=True, min_offload_numel=1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         opt.options.overlap = "step"
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_a_flag_that_changes_the_algorithm_set_on_a_live_group_is_refused_at_step(fraction):
+    # A user's find: torch's AdamW reads amsgrad and decoupled_weight_decay at every step
+    # (amsgrad=True changes the update, decoupled_weight_decay=False makes it Adam's); set on
+    # a live group they were ignored and step() ran plain AdamW, with no error.
+    p = w()
+    opt = HybridAdamW([p], weight_decay=0.5, offload_fraction=fraction, min_offload_numel=1)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    before = [p.clone(), *(v.clone() for v in opt.state[p].values())]
+    for key, value, error, match in (
+        ("amsgrad", True, NotImplementedError, "param group 0: HybridAdamW does not support amsgrad=True"),
+        ("decoupled_weight_decay", False, ValueError, "param group 0: decoupled_weight_decay=False: .*use offloadopt.HybridAdam$"),
+    ):  # fmt: skip
+        opt.param_groups[0][key] = value
+        with pytest.raises(error, match=match):
+            opt.step()
+        after = [p, *opt.state[p].values()]
+        assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))  # unchanged
+        opt.param_groups[0][key] = not value  # set back: steps again
+    opt.step()
+    assert int(opt.state[p]["step"]) == 2
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False"):  # and when built so
+        HybridAdamW([{"params": [w()], "decoupled_weight_decay": False}])

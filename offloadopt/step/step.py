@@ -187,6 +187,7 @@ def begin_step(
     Raises:
         TypeError, ValueError: a group's value is invalid (named with the group's index), its
             state keys changed (above), or its ``"offload"`` key changed since it was placed.
+        NotImplementedError: a flag the rule refuses (``amsgrad``) set on a group since.
         RuntimeError: a param in two groups (named).
     """
     check_offload_keys(param_groups, placer.group_offload)
@@ -196,7 +197,7 @@ def begin_step(
     for gi, group in enumerate(param_groups):
         try:
             hypers[id(group)] = rule.freeze(group)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, NotImplementedError) as e:
             raise type(e)(f"param group {gi}: {e}") from e
         keys = rule.state_keys_for(group)
         for i, p in enumerate(group["params"]):
