@@ -62,14 +62,10 @@ RUN_DEFAULTS: dict[str, tuple[int, float]] = {
     # weight by about lr at once, and on the GPU host (2026-12-01, 10 warm-up steps) 1e-4 and
     # 2e-5 spiked gpt-17.5b's loss from 6.2 to 31 and 21 at step 2, 6e-6 gpt-9b's to 9.2 at
     # step 6; at 2e-6 gpt-9b's fell from 5.2 to 3.9 in 20 steps
-    "gpt-9b": (1, 2e-6),
-    "gpt-13b": (1, 2e-6),
-    "gpt-17.5b": (1, 2e-6),
-    "gpt-18b": (1, 2e-6),
-    "gpt-25b": (1, 2e-6),
-    "gpt-30b": (1, 2e-6),
-    "gpt-32b": (1, 2e-6),
-    "gpt-40b": (1, 2e-6),
+    **dict.fromkeys(
+        ("gpt-9b", "gpt-13b", "gpt-17.5b", "gpt-18b", "gpt-25b", "gpt-30b", "gpt-32b", "gpt-40b"),
+        (1, 2e-6),
+    ),
 }
 # The fields whose default (None) resolved() derives from another field: field -> (that field,
 # the default for its value). A resume's refusal names the field changed, not what followed it.
