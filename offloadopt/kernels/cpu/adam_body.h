@@ -255,7 +255,7 @@ struct Kern {
         V::stf(mb + h * W, m[h]);
         V::stf(yb + h * W, y[h]);
       }
-      // the pair's maxima first, then the block's (one chain, which GCC keeps in one register)
+      // the pair's maxima first, then the block's: one max a pair on the loop-carried chain
       const I abs = V::seti(0x7FFFFFFFu);
       mabs = V::maxu(mabs, V::maxu(V::band(V::bits(m[0]), abs), V::band(V::bits(m[1]), abs)));
       // y = sqrt(v): +0, positive or NaN (a NaN's sign set is still above inf's bits as unsigned)
