@@ -118,6 +118,9 @@ def load_validated(opt: Any, sd: Any, before: Callable[[], None] | None = None,
                 before()
             for g, s in zip(groups, saved_groups, strict=True):
                 g.update(checkpoint.merge_group(g, s, opt.rule, OPTION_NAMES))
+            # the model cast after the optimizer was built: the state is loaded in the
+            # params' dtypes, as torch's (a no-op unless a param's dtype changed)
+            opt._relocate.for_new_dtypes()
             if placer.keys_changed():  # a checkpoint of SGD with momentum into one built without
                 opt._relocate.for_new_keys()  # (a fresh user's finding: its buffers were dropped)
             ignored_masters = opt._updater.load_state(groups, saved_state, real_entry)

@@ -179,8 +179,8 @@ class HybridOptimizer(Reports, Checkpoints, Optimizer):
         self._timeline.current = None
         if st is None:
             st = self._feeder.begin(may_place_again=True)
-            if st is None and self._relocate.for_new_keys_if_stateless():
-                st = self._feeder.begin()  # new state keys, placed again while none has state
+            if st is None and self._relocate.for_new_placement_if_stateless():
+                st = self._feeder.begin()  # new keys or dtypes, placed again while none has state
             elif st is None:
                 st = self._feeder.begin()  # raises: a param with state names the change
         elif st.fed:

@@ -191,12 +191,32 @@ class Relocator:
         self.placer.check_new_keys()
         self.relocate(self.placer.fraction)
 
-    def for_new_keys_if_stateless(self) -> bool:
-        """New state keys at ``step()``: placed again while no param has state (the step
-        before was waited for: nothing is in flight); returns whether it was."""
+    def for_new_dtypes(self) -> None:
+        """Place every param again in the dtype it has now (a model cast after the optimizer
+        was built, before ``load_state_dict()``: the load makes the state in that dtype, as
+        torch's does). The state of a cast param was made for its old dtype and is dropped
+        first: the load replaces it, or drops it as it drops any param's without a saved entry
+        (moved over, it would be cast silently, and a bf16 param would get a master from its
+        weights with a warning the load may not deserve)."""
+        recast = [p for p, rec in self.placer.records.items() if rec.placement.dtype != p.dtype]
+        if not recast:
+            return
+        if self.placer.keys_changed():
+            self.placer.check_new_keys()  # placed with the new keys too: a budget refuses them
+        for p in recast:
+            self.state.pop(p, None)
+        self.relocate(self.placer.fraction)
+
+    def for_new_placement_if_stateless(self) -> bool:
+        """New state keys or a param's new dtype at ``step()``: placed again while no param
+        has state (the step before was waited for: nothing is in flight), as torch's
+        optimizers make their state at the first step; returns whether it was."""
         if any(self.state.get(q) for q in self.placer.records):
             return False
-        self.for_new_keys()
+        if self.placer.keys_changed():
+            self.for_new_keys()
+        else:
+            self.relocate(self.placer.fraction)
         return True
 
     def relocate(self, fraction: float) -> None:

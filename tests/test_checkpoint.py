@@ -2,6 +2,7 @@
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -284,3 +285,32 @@ def test_step_of_any_one_element_shape_loads_and_meta_tensors_are_refused_untouc
     for k, entry in before["state"].items():
         for name, t in entry.items():
             torch.testing.assert_close(after["state"][k][name], t, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("trained_first", [False, True])
+def test_a_model_cast_after_the_optimizer_was_built_then_loaded_resumes_bitwise(fraction,
+                                                                               trained_first):  # fmt: skip
+    """Build the optimizer, cast the model to bf16, load a bf16 run's checkpoint, step: the
+    load places the params again in bf16 (state made before the cast, in fp32, is replaced
+    by the checkpoint's) and the run goes on bitwise, without a warning."""
+    ref_params = make_params(torch.bfloat16)
+    ref = hybrid(ref_params, fraction)
+    run(ref, ref_params, 3)
+    opt_sd, model_sd = roundtrip(ref.state_dict()), roundtrip([p.detach() for p in ref_params])
+    run(ref, ref_params, 2, start=3)
+
+    model = torch.nn.ParameterList(make_params())
+    opt = hybrid(list(model), fraction)
+    if trained_first:
+        run(opt, list(model), 1)
+    model.to(torch.bfloat16)
+    with torch.no_grad():
+        for p, saved in zip(model, model_sd, strict=True):
+            p.copy_(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.load_state_dict(opt_sd)
+        run(opt, list(model), 2, start=3)
+    assert_bitwise(list(model), ref_params)
+    assert all(opt.state[p]["master"].dtype == torch.float32 for p in model)

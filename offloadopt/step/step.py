@@ -179,14 +179,16 @@ def begin_step(
 
     ``may_place_again`` (from ``step()``, never from a backward's hooks): when a group's values
     now need other state keys than its params were placed with (SGD's ``momentum_buffer``:
-    ``OneCycleLR(cycle_momentum=True)`` on a group built with ``momentum=0``), return None:
-    "place again" (the caller does it while no param has state, as torch's SGD then starts
-    its buffers at this step, and begins again). Otherwise the change is an error naming the
-    param.
+    ``OneCycleLR(cycle_momentum=True)`` on a group built with ``momentum=0``), or a param has
+    another dtype than it was placed with (``model.double()`` after the optimizer was built),
+    return None: "place again" (the caller does it while no param has state, as torch's
+    optimizers then make their state at this step, in the param's dtype, and begins again).
+    Otherwise the change is an error naming the param. One dtype compared per param and step.
 
     Raises:
         TypeError, ValueError: a group's value is invalid (named with the group's index), its
-            state keys changed (above), or its ``"offload"`` key changed since it was placed.
+            state keys or a param's dtype changed (above), or its ``"offload"`` key changed
+            since it was placed.
         NotImplementedError: a flag the rule refuses (``amsgrad``) set on a group since.
         RuntimeError: a param in two groups (named).
     """
@@ -202,6 +204,10 @@ def begin_step(
         keys = rule.state_keys_for(group)
         for i, p in enumerate(group["params"]):
             rec = placer.records.get(p)
+            if rec is not None and rec.placement.dtype != p.dtype:
+                if may_place_again:
+                    return None  # place again
+                raise ValueError(recast_error(gi, i, rec.name, rec.placement.dtype, p.dtype))
             if rec is not None and rec.state_keys != keys:
                 if may_place_again:
                     return None  # place again
@@ -222,6 +228,20 @@ def begin_step(
     stats = dict.fromkeys(_STATS, 0.0)
     stats.update(d2h_nbytes=0, h2d_nbytes=0, buckets=0, worker_ms=0.0)
     return Step(hypers, group_of, stats)
+
+
+def recast_error(gi: int, i: int, name: str, placed: torch.dtype, now: torch.dtype) -> str:
+    """The refusal of a param cast since its placement: its state is (or would be, in a
+    backward's hooks) made for ``placed``, silently in that precision when offloaded, or
+    failing in torch's kernel without a name on the device."""
+    return (
+        f"param group {gi}, param {i} ({name}): placed as {placed} and now {now} (the model "
+        "was cast after the optimizer was built); step() and load_state_dict() place the "
+        "params again in their new dtype while the optimizer has no state yet, but not once "
+        "a step() or load_state_dict() has made state (it is in the old dtype), nor in a "
+        f"backward that starts updates. Cast the model back to {placed}, or build the "
+        "optimizer after casting the model"
+    )
 
 
 def check_offload_keys(param_groups: list[dict[str, Any]], placed: dict[int, Any]) -> None:
