@@ -24,7 +24,7 @@ from offloadopt.state import checkpoint
 from offloadopt.state.store import OptimizerState
 from offloadopt.step.guards import Guards
 from offloadopt.step.start import AtStep
-from offloadopt.step.step import Timeline
+from offloadopt.step.step import Timeline, recast_error
 from offloadopt.step.update import Updater
 
 __all__ = ["FractionChoice", "Relocator"]
@@ -160,6 +160,7 @@ class Relocator:
             # A step() that ran since the wait above (on another thread: a fresh user's
             # finding) has an update in flight that writes the buffers about to be replaced.
             self.publisher.synchronize()
+            self.refuse_recast_state()
             self.relocate(fraction)
             if choice is not None:  # placed: from here the caller's fraction holds
                 choice.commit(self.placer)
@@ -206,6 +207,20 @@ class Relocator:
         for p in recast:
             self.state.pop(p, None)
         self.relocate(self.placer.fraction)
+
+    def refuse_recast_state(self) -> None:
+        """Refuse to move the state of a param cast since its placement (it would be copied into
+        the new dtype silently, and a bf16 param's master made from its weights), as step()
+        refuses it, before anything changes.
+
+        Raises:
+            ValueError: such a param, named (``step.recast_error``).
+        """
+        for gi, group in enumerate(self.placer.param_groups):
+            for i, p in enumerate(group["params"]):
+                rec = self.placer.records.get(p)
+                if rec is not None and rec.placement.dtype != p.dtype and self.state.get(p):
+                    raise ValueError(recast_error(gi, i, rec.name, rec.placement.dtype, p.dtype))
 
     def for_new_placement_if_stateless(self) -> bool:
         """New state keys or a param's new dtype at ``step()``: placed again while no param

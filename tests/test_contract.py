@@ -467,3 +467,28 @@ def test_a_model_cast_after_the_optimizer_was_built_follows_the_cast_or_is_refus
         warnings.simplefilter("ignore")  # the weights are new tensors: masters refreshed
         opt.step()
     assert all(int(opt.state[p]["step"]) == 2 for p in model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_set_offload_fraction_after_a_cast_with_state_is_refused(dtype):
+    # set_offload_fraction() copies the state into buffers placed for the params' dtypes now:
+    # after a cast it moved fp32 state into fp64 (or made a bf16 param's master from its
+    # weights) with no error, where step() refuses the cast.
+    model = torch.nn.ParameterList(make_params())
+    opt = hybrid(list(model), 0.5)
+    for p, g in zip(model, seeded_grads(list(model), 0), strict=True):
+        p.grad = g
+    opt.step()
+    model.to(dtype)
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model]
+    with pytest.raises(
+        ValueError,
+        match=rf"param group 0, param 0 \(group0\.param0\): placed as torch\.float32 and now {dtype}",
+    ):
+        opt.set_offload_fraction(1.0)
+    for p, before in zip(model, state, strict=True):  # nothing moved or cast
+        assert {k: (v.dtype, v.device) for k, v in opt.state[p].items()} == {
+            k: (v.dtype, v.device) for k, v in before.items()
+        }
+        assert all(torch.equal(opt.state[p][k], v) for k, v in before.items())
+    assert opt.offload_fraction == 0.5
