@@ -443,7 +443,7 @@ def test_a_truncated_index_is_named_damaged_in_a_whole_sentence(tmp_path):
     file = os.path.join(path, "index.pt")
     whole = open(file, "rb").read()
     before = snapshot(m, opt)
-    fix = "; nothing was changed: restore the folder from a copy, or use an earlier checkpoint"
+    fix = "; nothing was changed: restore the folder from a copy, or load an earlier checkpoint"
     for size in (0, 10, 100, len(whole) // 2, len(whole) - 1000):
         with open(file, "wb") as f:
             f.write(whole[:size])
@@ -483,7 +483,7 @@ def test_an_index_that_is_no_file_is_named_damaged_with_the_advice(tmp_path):
         assert str(e.value) == (
             f"load_streamed: {index!r} is no regular file (a folder, a link to a device or a "
             "missing file): the checkpoint is damaged; nothing was changed: restore the folder "
-            "from a copy, or use an earlier checkpoint"
+            "from a copy, or load an earlier checkpoint"
         )
         assert_same(snapshot(m, opt), before)
         (os.rmdir if make is os.mkdir else os.remove)(index)

@@ -164,11 +164,13 @@ def resume_error(path: str, e: BaseException) -> str:
     """``e``, an error from loading the checkpoint at ``path``, as ``--resume``'s message: the
     flag in place of the library's function that the message begins with (``load_streamed:``,
     ``read_extra:``: a new user's find, the function named where the flag they passed was
-    not), then the path where the message does not name it."""
+    not), then the path where the message names neither it nor a file in it (it read
+    ``--resume: 't': 't/index.pt' is damaged``)."""
     text = str(e)
     for who in ("load_streamed: ", "read_extra: "):
         text = text.removeprefix(who)
-    return f"--resume: {text}" if repr(path) in text else f"--resume: {path!r}: {text}"
+    named = repr(path) in text or repr(os.path.join(path, ""))[:-1] in text
+    return f"--resume: {text}" if named else f"--resume: {path!r}: {text}"
 
 
 def _load_file(path: str, name: str) -> Any:

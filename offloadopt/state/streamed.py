@@ -366,7 +366,7 @@ def read_index(path: str, who: str = "load_streamed") -> dict[str, Any]:
     """
     file = os.path.join(path, _INDEX)
     what = f"{who}: {file!r}"
-    fix = ("; nothing was changed: restore the folder from a copy, or use an earlier "
+    fix = ("; nothing was changed: restore the folder from a copy, or load an earlier "
            "checkpoint")  # fmt: skip
     if os.path.lexists(file) and not os.path.isfile(file):  # it read "has no index.pt"
         raise ValueError(f"{what} is no regular file (a folder, a link to a device or a missing "
