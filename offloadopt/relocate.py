@@ -160,7 +160,6 @@ class Relocator:
             # A step() that ran since the wait above (on another thread: a fresh user's
             # finding) has an update in flight that writes the buffers about to be replaced.
             self.publisher.synchronize()
-            self.refuse_recast_state()
             self.relocate(fraction)
             if choice is not None:  # placed: from here the caller's fraction holds
                 choice.commit(self.placer)
@@ -211,7 +210,7 @@ class Relocator:
     def refuse_recast_state(self) -> None:
         """Refuse to move the state of a param cast since its placement (it would be copied into
         the new dtype silently, and a bf16 param's master made from its weights), as step()
-        refuses it, before anything changes.
+        refuses it, before anything changes: :meth:`relocate`'s first check, whoever moves.
 
         Raises:
             ValueError: such a param, named (``step.recast_error``).
@@ -240,8 +239,10 @@ class Relocator:
         with signals deferred, and nothing is in flight.
 
         Raises:
+            ValueError: a param with state cast since it was placed (:meth:`refuse_recast_state`).
             PinnedAllocationError: the new buffers could not be had (the old placement stays).
         """
+        self.refuse_recast_state()
         params = [p for g in self.placer.param_groups for p in g["params"]]
         index = {p: i for i, p in enumerate(params)}
         # torch's state_dict() layout (param index -> entry), copied to the host

@@ -57,6 +57,8 @@ FORMAT = "offloadopt-streamed-checkpoint"
 VERSION = 2  # 2: checksums (every file's at its end, each part's in the index); 1 still loads
 PART_NBYTES = 256 * 2**20  # bytes of tensors per part file (host memory in flight)
 _INDEX = "index.pt"
+# the advice of every message on a damaged checkpoint folder (streamed_load.py's too)
+_FIX = "; nothing was changed: restore the folder from a copy, or load an earlier checkpoint"
 _STATE, _MODEL = "optimizer/state/", "model/"
 _NUMPY_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 _said_unchecked: set[str] = set()  # checkpoints without checksums already named in a warning
@@ -366,17 +368,15 @@ def read_index(path: str, who: str = "load_streamed") -> dict[str, Any]:
     """
     file = os.path.join(path, _INDEX)
     what = f"{who}: {file!r}"
-    fix = ("; nothing was changed: restore the folder from a copy, or load an earlier "
-           "checkpoint")  # fmt: skip
     if os.path.lexists(file) and not os.path.isfile(file):  # it read "has no index.pt"
         raise ValueError(f"{what} is no regular file (a folder, a link to a device or a missing "
-                         f"file): the checkpoint is damaged{fix}")  # fmt: skip
+                         f"file): the checkpoint is damaged{_FIX}")  # fmt: skip
     if not os.path.isfile(file):
         raise ValueError(f"{who}: {path!r} has no {_INDEX}: not a streamed checkpoint")
     try:
         verified = integrity.verify(file, what, required=False)
     except integrity.Damaged as e:
-        raise ValueError(f"{e}{fix}") from None
+        raise ValueError(f"{e}{_FIX}") from None
     except OSError as e:
         raise ValueError(f"{what} could not be read ({e.strerror or e})") from None
     try:
@@ -390,7 +390,7 @@ def read_index(path: str, who: str = "load_streamed") -> dict[str, Any]:
                              "match its checksum (saved by a newer torch?); nothing was changed"
                              ) from None  # fmt: skip
         raise ValueError(f"{what} is damaged (cut short or overwritten): torch.load cannot read "
-                         f"it ({kind}){fix}") from None  # fmt: skip
+                         f"it ({kind}){_FIX}") from None  # fmt: skip
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise ValueError(f"{who}: {path!r} is not a streamed checkpoint of offloadopt")
     version = index.get("version")
@@ -399,10 +399,10 @@ def read_index(path: str, who: str = "load_streamed") -> dict[str, Any]:
                          f"and {VERSION}")  # fmt: skip
     if version >= 2 and not verified:
         raise ValueError(f"{what} is damaged: a version {version} index carries a checksum at "
-                         f"its end, and this one has none (cut short or overwritten there){fix}")  # fmt: skip
+                         f"its end, and this one has none (cut short or overwritten there){_FIX}")  # fmt: skip
     problem = _index_problem(index)
     if problem:
-        raise ValueError(f"{what} is damaged: {problem}{fix}")
+        raise ValueError(f"{what} is damaged: {problem}{_FIX}")
     if version < 2 and os.path.realpath(path) not in _said_unchecked:
         _said_unchecked.add(os.path.realpath(path))
         warn(f"{who}: {path!r} was saved by an offloadopt before checksums (version 1): its "

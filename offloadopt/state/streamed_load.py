@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from offloadopt.state import integrity
-from offloadopt.state.streamed import _MODEL, _STATE, locate, read_index
+from offloadopt.state.streamed import _FIX, _MODEL, _STATE, locate, read_index
 
 HybridOptimizer = Any  # offloadopt/optim.py's (not imported: the layers import downwards)
 
@@ -71,7 +71,6 @@ def _verify_parts(path: str, index: dict, by_part: dict[int, list[str]],
     """
     items, sizes = index["items"], index.get("part_nbytes")
     sums = index.get("part_checksums") if index["version"] >= 2 else None
-    fix = "; nothing was changed: restore the folder from a copy, or load an earlier checkpoint"
     # a part there but no regular file (a folder, a link to a device): named, as damaged (a
     # user's find: it read "lacks part files")
     odd = [n for n in by_part if os.path.lexists(_part_file(path, n))
@@ -80,11 +79,11 @@ def _verify_parts(path: str, index: dict, by_part: dict[int, list[str]],
         more = f" (and {len(odd) - 1} more parts)" if len(odd) > 1 else ""
         name = os.path.basename(_part_file(path, odd[0]))
         raise ValueError(f"{who}: {name} of {path!r} is no regular file (a folder, a link to "
-                         f"a device or a missing file){more}: the checkpoint is damaged{fix}")  # fmt: skip
+                         f"a device or a missing file){more}: the checkpoint is damaged{_FIX}")  # fmt: skip
     missing = [n for n in by_part if not os.path.isfile(_part_file(path, n))]
     if missing:
         raise ValueError(f"{who}: {path!r} lacks part files {missing[:5]} that its index "
-                         f"names: an incomplete copy{fix}")  # fmt: skip
+                         f"names: an incomplete copy{_FIX}")  # fmt: skip
     if sizes is not None:
         wrong = [(n, os.path.getsize(_part_file(path, n)), sizes[n]) for n in by_part]
         wrong = [w for w in wrong if w[1] != w[2]]
@@ -92,7 +91,7 @@ def _verify_parts(path: str, index: dict, by_part: dict[int, list[str]],
             n, have, want = wrong[0]
             more = f" ({len(wrong)} parts differ)" if len(wrong) > 1 else ""
             raise ValueError(f"{who}: part-{n:05d}.pt of {path!r} has {have} bytes, "
-                             f"{want} when saved: a truncated or damaged copy{more}{fix}")  # fmt: skip
+                             f"{want} when saved: a truncated or damaged copy{more}{_FIX}")  # fmt: skip
     for n, names in sorted(by_part.items()):
         file = _part_file(path, n)
         what = f"{who}: part-{n:05d}.pt of {path!r}"
@@ -101,14 +100,14 @@ def _verify_parts(path: str, index: dict, by_part: dict[int, list[str]],
                 integrity.verify(file, what, expect=sums[n])
             tensors = _read_part(file)
         except integrity.Damaged as e:
-            raise ValueError(f"{e}{fix}") from None
+            raise ValueError(f"{e}{_FIX}") from None
         except Exception as e:  # noqa: BLE001 - a truncated zip, an unreadable file
             raise ValueError(f"{what} could not be read ({type(e).__name__}): a damaged "
-                             f"file{fix}") from None  # fmt: skip
+                             f"file{_FIX}") from None  # fmt: skip
         problem = _check_items(tensors, names, items, file)
         del tensors  # unmapped before the next part
         if problem:
-            raise ValueError(f"{who}: {problem}{fix}")
+            raise ValueError(f"{who}: {problem}{_FIX}")
 
 
 def verify(path: str, who: str = "load_streamed") -> None:
