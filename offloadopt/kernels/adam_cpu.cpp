@@ -1,17 +1,17 @@
 // offloadopt: one fused CPU Adam/AdamW step over lists of 1-D tensors (adam_step below).
 //
 //   mode (master/moments)  grad  weights out  bytes/elem  passes  SR draws  GB/s (x triad)
-//   fp32/fp32 (torch's)    fp32  -            28          1       0         162 (0.63x)
-//   fp32/bf16              bf16  bf16 (RNE)   20          1       1         145 (0.71x)
-//   fp32/int8              bf16  bf16 (RNE)   16.06       2       0         147 (0.70x)
+//   fp32/fp32 (torch's)    fp32  -            28          1       0         163 (0.57x)
+//   fp32/bf16              bf16  bf16 (RNE)   20          1       1         154 (0.61x)
+//   fp32/int8              bf16  bf16 (RNE)   16.06       2       0         135 (0.69x)
 //   bf16-sr/fp32           bf16  -            22          1       1         -
-//   bf16-sr/bf16           bf16  -            14          1       2         149 (0.69x)
-//   bf16-sr/int8           bf16  -            10.06       2       1         126 (0.82x)
+//   bf16-sr/bf16           bf16  -            14          1       2         119 (0.78x)
+//   bf16-sr/int8           bf16  -            10.06       2       1         100 (0.94x)
 // Bytes read + written per element, bf16 grads (an fp32 grad adds 2), int8 block scales
 // included. GB/s: 1.558e9 params, 16 threads of the GPU host's Xeon (AVX-512), beside a STREAM
-// triad of 102.6 GB/s in the same run (x triad: time over bytes / triad; below 1 where no line
-// is read for ownership): benchmarks/RESULTS.md, "The CPU kernel at the memory bus" (c464436,
-// before the paired lane order of adam_body.h). int8's second pass runs over one 256-element
+// triad of 93.4 GB/s in the same run (x triad: time over bytes / triad; below 1 where no line
+// is read for ownership): benchmarks/RESULTS.md, "The CPU kernel at the memory bus" (d6bc17d,
+// 2026-12-07; on that machine torch's fp32 kernel ran above the triad). int8's second pass runs over one 256-element
 // block in L1. The body (cpu/adam_body.h) is written
 // once over cpu/simd.h and compiled here for AVX-512, AVX2 and plain C++ (generic);
 // `current_isa` takes the best the CPU has, and every ISA gives the same bits (IEEE operations
@@ -80,26 +80,7 @@ inline void backup_fence() {
 #endif
 }
 
-inline uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
-
-// The 64-bit key of one (salt, step, draw) (reference.sr_key)
-inline uint64_t sr_key(int64_t salt, double step, int draw) {
-  uint64_t s = (uint64_t)(int64_t)step;
-  return mix64((uint64_t)salt + 0x9E3779B97F4A7C15ULL * (4 * s + (uint64_t)draw + 1));
-}
-
-// The 32-bit word a draw xors into lo32(counter) for counters with this hi32 (reference.sr_bits)
-inline uint32_t draw_key(uint64_t key, uint32_t hi) { return (uint32_t)key ^ (hi * 0x9E3779B9u + (uint32_t)(key >> 32)); }
-
-inline float u2f(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+#include "cpu/sr_keys.h"
 
 // Per-tensor scalars (torch computes them in double, then casts to float).
 struct Coefs {
@@ -219,39 +200,7 @@ const Isa* current_isa() {
   return isa;
 }
 
-// Numbers in error messages are made strings here (std::to_string, snprintf), never streamed: on
-// the GPU host (torch 2.11.0+cu130, the system g++) a message that streamed an integer into
-// c10::str's ostream crashed the process (SIGSEGV) where it should have raised ValueError
-// (tests/test_kernels.py::test_bad_input_is_refused_before_writing; strings and dtypes streamed fine).
-std::string N(int64_t x) { return std::to_string(x); }
-std::string N(size_t x) { return std::to_string(x); }
-std::string D(double x) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", x);
-  return buf;
-}
-std::string dims(at::IntArrayRef a) {
-  std::string s = "[";
-  for (size_t k = 0; k < a.size(); ++k) s += (k ? ", " : "") + std::to_string(a[k]);
-  return s + "]";
-}
-
-std::string where(const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; }
-
-void check_1d(const at::Tensor& t, const char* list, size_t i, int64_t n, std::vector<at::ScalarType> ok,
-              const char* dtypes) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "adam_step: ", where(list, i), " is on ", t.device().str(),
-                    "; every tensor must be a CPU tensor");
-  TORCH_CHECK_VALUE(t.dim() == 1, "adam_step: ", where(list, i), " has shape ", dims(t.sizes()),
-                    "; every tensor must be 1-D");
-  TORCH_CHECK_VALUE(t.is_contiguous(), "adam_step: ", where(list, i), " is not contiguous (stride ",
-                    dims(t.strides()), ")");
-  TORCH_CHECK_VALUE(std::find(ok.begin(), ok.end(), t.scalar_type()) != ok.end(), "adam_step: ",
-                    where(list, i), " has dtype ", t.scalar_type(), "; expected ", dtypes);
-  TORCH_CHECK_VALUE(t.numel() == n, "adam_step: ", where(list, i), " has ", N(t.numel()),
-                    " elements; expected ", N(n));
-}
-
+#include "cpu/arg_checks.h"
 
 }  // namespace
 

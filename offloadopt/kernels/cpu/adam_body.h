@@ -31,7 +31,7 @@ struct Kern {
     I gsign;             // maximize: the sign bit to flip in g
     bool has_gs, maximize, adamw, l2, lerp_small;
     // stochastic rounding: lo32 of each lane's counter (a pair's two vectors), and the keys
-    // (sr_key in adam_cpu.cpp)
+    // (sr_key in cpu/sr_keys.h)
     I lo[2], lo_first, key[2], key_wrapped[2];
     bool wraps;  // lo32 of the counter wraps inside this span (hi32 steps up by one)
     // weights_out (write-only) written with streaming stores when aligned for them: the lines
