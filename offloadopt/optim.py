@@ -179,10 +179,10 @@ class HybridOptimizer(Reports, Checkpoints, Optimizer):
         self._timeline.current = None
         if st is None:
             st = self._feeder.begin(may_place_again=True)
-            if st is None and self._relocate.for_new_placement_if_stateless():
-                st = self._feeder.begin()  # new keys or dtypes, placed again while none has state
+            if st is None and self._relocate.for_new_placement():
+                st = self._feeder.begin()  # new keys or dtypes: placed again, state moved over
             elif st is None:
-                st = self._feeder.begin()  # raises: a param with state names the change
+                st = self._feeder.begin()  # raises: new keys while a param has state
         elif st.fed:
             self._guards.warn_if_hypers_moved(st, self.param_groups)
         st.phase = Phase.STEPPING

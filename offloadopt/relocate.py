@@ -221,16 +221,25 @@ class Relocator:
                 if rec is not None and rec.placement.dtype != p.dtype and self.state.get(p):
                     raise ValueError(recast_error(gi, i, rec.name, rec.placement.dtype, p.dtype))
 
-    def for_new_placement_if_stateless(self) -> bool:
-        """New state keys or a param's new dtype at ``step()``: placed again while no param
-        has state (the step before was waited for: nothing is in flight), as torch's
-        optimizers make their state at the first step; returns whether it was."""
-        if any(self.state.get(q) for q in self.placer.records):
-            return False
+    def for_new_placement(self) -> bool:
+        """New state keys or a param's new dtype at ``step()`` (the step before was waited
+        for: nothing is in flight): placed again, as torch's optimizers make a param's state
+        at its first step, in its dtype; returns whether it was (False: new keys while a param
+        has state, which ``begin_step`` then names). New keys need every param stateless; a
+        new dtype only the cast params (a param whose grad was None so far has none): the
+        others' state moves over losslessly.
+
+        Raises:
+            ValueError: a cast param with state, named, before anything changes
+                (:meth:`refuse_recast_state`); new keys under a budget (:meth:`for_new_keys`).
+        """
         if self.placer.keys_changed():
+            if any(self.state.get(q) for q in self.placer.records):
+                return False
             self.for_new_keys()
-        else:
-            self.relocate(self.placer.fraction)
+            return True
+        self.refuse_recast_state()  # checked whole before the move begins
+        self.relocate(self.placer.fraction)
         return True
 
     def relocate(self, fraction: float) -> None:

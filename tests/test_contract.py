@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from oracle import FRACTIONS, hybrid, make_params, seeded_grads
+from oracle import FRACTIONS, assert_bitwise, hybrid, make_params, seeded_grads
 
 import offloadopt.link.host as host
 from offloadopt import HybridAdamW, PinnedAllocationError
@@ -492,3 +492,55 @@ def test_set_offload_fraction_after_a_cast_with_state_is_refused(dtype):
         }
         assert all(torch.equal(opt.state[p][k], v) for k, v in before.items())
     assert opt.offload_fraction == 0.5
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_cast_param_without_state_is_placed_again_while_others_have_state(fraction, dtype):
+    # A param whose grad was None at the first steps has no state; cast then (its layer moved
+    # to another dtype) and given a grad, step() refused it because OTHER params had state,
+    # where torch's AdamW makes its state at its first step, in its dtype.
+    late = (4, 5)  # group 2's first two params: no grad until the cast
+
+    def run(opt, params, steps, start=0):
+        for s in range(start, start + steps):
+            for k, (p, g) in enumerate(zip(params, seeded_grads(params, s), strict=True)):
+                p.grad = None if s < 2 and k in late else g
+            opt.step()
+
+    params, ref = make_params(), make_params()
+    torch.nn.ParameterList([ref[k] for k in late]).to(dtype)  # the reference: built after
+    opt, ref_opt = hybrid(params, fraction), hybrid(ref, fraction)
+    run(opt, params, 2)
+    assert all(not opt.state.get(params[k]) for k in late) and opt.state[params[0]]
+    torch.nn.ParameterList([params[k] for k in late]).to(dtype)
+    run(opt, params, 2, start=2)
+    run(ref_opt, ref, 4)
+    assert_bitwise(params, ref, "late cast")
+    for p, q in zip(params, ref, strict=True):
+        assert p.dtype == q.dtype
+        assert {k: v.dtype for k, v in opt.state[p].items()} == {
+            k: v.dtype for k, v in ref_opt.state[q].items()
+        }
+    assert [pl.dtype for pl in opt.placement] == [pl.dtype for pl in ref_opt.placement]
+
+    # A cast param WITH state is refused, named (not the stateless one cast beside it, listed
+    # first), before anything changes: the stateless one is not placed again either.
+    params = make_params()
+    opt = hybrid(params, fraction)
+    run(opt, params, 2)
+    torch.nn.ParameterList([params[4], params[6]]).to(dtype)  # 4 has no state, 6 has
+    for p, g in zip(params, seeded_grads(params, 2), strict=True):
+        p.grad = g
+    placed = list(opt.placement)
+    before = [t.clone() for p in params for t in (p, *opt.state[p].values())]
+    match = rf"param group 2, param 2 \(group2\.param2\): placed as torch\.float32 and now {dtype}"
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert opt.placement == placed and not opt.state.get(params[4])
+    after = [t for p in params for t in (p, *opt.state[p].values())]
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))  # unchanged
+    torch.nn.ParameterList([params[6]]).float()  # the param with state cast back: steps again
+    opt.step()
+    assert int(opt.state[params[6]]["step"]) == 3 and int(opt.state[params[4]]["step"]) == 1
+    assert opt.placement[4].dtype == dtype and opt.placement[6].dtype == torch.float32

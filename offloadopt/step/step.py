@@ -181,9 +181,10 @@ def begin_step(
     now need other state keys than its params were placed with (SGD's ``momentum_buffer``:
     ``OneCycleLR(cycle_momentum=True)`` on a group built with ``momentum=0``), or a param has
     another dtype than it was placed with (``model.double()`` after the optimizer was built),
-    return None: "place again" (the caller does it while no param has state, as torch's
-    optimizers then make their state at this step, in the param's dtype, and begins again).
-    Otherwise the change is an error naming the param. One dtype compared per param and step.
+    return None: "place again" (the caller does it, for new keys while no param has state,
+    for a new dtype while no cast param has state of its own, as torch's optimizers then
+    make a param's state at its first step, in its dtype, and begins again). Otherwise the
+    change is an error naming the param. One dtype compared per param and step.
 
     Raises:
         TypeError, ValueError: a group's value is invalid (named with the group's index), its
@@ -236,9 +237,9 @@ def recast_error(gi: int, i: int, name: str, placed: torch.dtype, now: torch.dty
     failing in torch's kernel without a name on the device."""
     return (
         f"param group {gi}, param {i} ({name}): placed as {placed} and now {now} (the model "
-        "was cast after the optimizer was built); step() and load_state_dict() place the "
-        "params again in their new dtype while the optimizer has no state yet, but not once "
-        "a step() or load_state_dict() has made state (it is in the old dtype), nor in a "
+        "was cast after the optimizer was built); step() and load_state_dict() place a cast "
+        "param again in its new dtype while it has no state of its own yet, but not once a "
+        "step() or load_state_dict() has made its state (it is in the old dtype), nor in a "
         f"backward that starts updates. Cast the model back to {placed}, or build the "
         "optimizer after casting the model"
     )
