@@ -1,6 +1,7 @@
 """Moving every param to another offload fraction: ``set_offload_fraction``, the moves
-``offload_fraction="auto"`` asks for, and a placement made again for new state keys, in one
-owner, the :class:`Relocator`. A move copies the state out (as ``state_dict()`` would), places
+``offload_fraction="auto"`` asks for, and a placement made again for new state keys or a
+cast's new dtypes (where a ``max_gpu_memory`` budget chooses again), in one owner, the
+:class:`Relocator`. A move copies the state out (as ``state_dict()`` would), places
 the params again (the Placer), copies the state in and rebuilds what depends on the placement
 (:meth:`Relocator.rebuild_dependents`); nothing is lost and no result changes.
 
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from offloadopt.interrupts import signals_deferred
+from offloadopt.place import budget
 from offloadopt.place.auto import AutoFraction
 from offloadopt.place.costmodel import format_bytes
 from offloadopt.place.placer import Placer
@@ -91,7 +93,8 @@ class FractionChoice:
 
 
 class Relocator:
-    """Places every param again, at a fraction or with new state keys, moving the state over.
+    """Places every param again, at a fraction, with new state keys or in new dtypes, moving
+    the state over.
 
     Args:
         placer: the Placer (the placement, the fraction and what chose it).
@@ -197,15 +200,57 @@ class Relocator:
         torch's does). The state of a cast param was made for its old dtype and is dropped
         first: the load replaces it, or drops it as it drops any param's without a saved entry
         (moved over, it would be cast silently, and a bf16 param would get a master from its
-        weights with a warning the load may not deserve)."""
+        weights with a warning the load may not deserve). A budget chooses again
+        (:meth:`in_new_dtypes`)."""
         recast = [p for p, rec in self.placer.records.items() if rec.placement.dtype != p.dtype]
         if not recast:
             return
         if self.placer.keys_changed():
             self.placer.check_new_keys()  # placed with the new keys too: a budget refuses them
-        for p in recast:
+        self.in_new_dtypes(drop=recast)
+
+    def in_new_dtypes(self, drop: list[torch.Tensor] | None = None) -> None:
+        """Place every param again in its dtype now, at the fraction in force or, under a
+        ``max_gpu_memory`` budget, at the one it chooses for these dtypes
+        (:meth:`budget_for_new_dtypes`), checked before anything changes; the state of the
+        params in ``drop`` is dropped first (a load replaces it)."""
+        choice = self.budget_for_new_dtypes()
+        for p in drop or ():
             self.state.pop(p, None)
-        self.relocate(self.placer.fraction)
+        self.relocate(self.placer.fraction if choice is None else choice["fraction"])
+        if choice is not None:  # placed: the budget's new choice holds
+            self.placer.choice = choice
+
+    def budget_for_new_dtypes(self) -> dict[str, Any] | None:
+        """A ``max_gpu_memory`` budget's choice made again for the params' dtypes now (a cast
+        changes the bytes of their weights, grads and state), as at the first ``step()``: the
+        smallest fraction that fits, over every group, with the first choice's
+        ``micro_steps`` (on a GPU the measured peak then holds what the optimizer keeps there
+        already: the choice errs toward more offload). None where no budget chose the
+        fraction (none given, or a caller's fraction replaced it). Changes nothing.
+
+        Raises:
+            ValueError: no fraction fits, or the host lacks the memory (``budget.choose``'s
+                figures), with the cast named.
+        """
+        placer = self.placer
+        chosen = placer.choice or {}
+        if placer.sizes["max_gpu_memory"] is None or "max_gpu_memory" not in chosen:
+            return None
+        cast = [f"{rec.name}: {rec.placement.dtype} -> {p.dtype}"
+                for p, rec in placer.records.items() if rec.placement.dtype != p.dtype]  # fmt: skip
+        if not cast:
+            return None
+        groups = list(range(len(placer.param_groups)))
+        try:
+            choice = budget.choose_for(placer, groups, chosen.get("micro_steps", 1))
+        except ValueError as e:
+            raise ValueError(
+                f"{e}; the params were cast since the budget chose offload fraction "
+                f"{placer.fraction:g} ({len(cast)} params, e.g. {cast[0]}): cast the model "
+                "back, or build the optimizer after casting the model"
+            ) from None
+        return {**chosen, **choice, "chosen_again": f"{len(cast)} params cast, e.g. {cast[0]}"}
 
     def refuse_recast_state(self) -> None:
         """Refuse to move the state of a param cast since its placement (it would be copied into
@@ -227,11 +272,12 @@ class Relocator:
         at its first step, in its dtype; returns whether it was (False: new keys while a param
         has state, which ``begin_step`` then names). New keys need every param stateless; a
         new dtype only the cast params (a param whose grad was None so far has none): the
-        others' state moves over losslessly.
+        others' state moves over losslessly, and a budget chooses again (:meth:`in_new_dtypes`).
 
         Raises:
-            ValueError: a cast param with state, named, before anything changes
-                (:meth:`refuse_recast_state`); new keys under a budget (:meth:`for_new_keys`).
+            ValueError: before anything changes: a cast param with state, named
+                (:meth:`refuse_recast_state`); new keys under a budget (:meth:`for_new_keys`);
+                a budget no fraction meets in the new dtypes (:meth:`budget_for_new_dtypes`).
         """
         if self.placer.keys_changed():
             if any(self.state.get(q) for q in self.placer.records):
@@ -239,7 +285,7 @@ class Relocator:
             self.for_new_keys()
             return True
         self.refuse_recast_state()  # checked whole before the move begins
-        self.relocate(self.placer.fraction)
+        self.in_new_dtypes()  # a budget chooses again
         return True
 
     def relocate(self, fraction: float) -> None:

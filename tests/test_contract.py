@@ -544,3 +544,73 @@ def test_a_cast_param_without_state_is_placed_again_while_others_have_state(frac
     opt.step()
     assert int(opt.state[params[6]]["step"]) == 3 and int(opt.state[params[4]]["step"]) == 1
     assert opt.placement[4].dtype == dtype and opt.placement[6].dtype == torch.float32
+
+
+def _budget_params(dtype=torch.float32):
+    # 8 equal params of 4096 elements: the fraction the budget chooses is a whole number of them
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(4096, generator=g).to(dtype)) for _ in range(8)]
+
+
+def _budgeted(params, budget):
+    return HybridAdamW(params, lr=1e-2, min_offload_numel=1, bucket_nbytes=4096,
+                       max_gpu_memory=budget, activation_bytes=0)  # fmt: skip
+
+
+def test_a_cast_before_the_first_step_chooses_the_budgets_fraction_again():
+    # max_gpu_memory chose its fraction for fp32 params (placed: ensure_placed(), or a step()
+    # without grads); model.double() then doubled the state bytes and the params were placed
+    # again at the fp32 fraction, over the budget, unchecked. The budget chooses again now,
+    # as at the first step(): bitwise the optimizer built with the budget after the cast.
+    n = 8 * 4096
+    budget = 24 * n + 4 * 4096  # fp32: all state fits on the device; fp64: half of it
+    model = torch.nn.ParameterList(_budget_params())
+    opt = _budgeted(list(model), budget)
+    opt.ensure_placed()
+    assert opt.offload_fraction == 0.0
+    model.double()
+    ref = _budget_params(torch.float64)
+    ref_opt = _budgeted(ref, budget)
+    for s in range(3):
+        for ps, o in ((list(model), opt), (ref, ref_opt)):
+            for p, g in zip(ps, seeded_grads(ps, s), strict=True):
+                p.grad = g
+            o.step()
+    assert opt.offload_fraction == ref_opt.offload_fraction > 0
+    assert opt.placement == ref_opt.placement
+    assert opt.placement_choice["predicted_gpu_bytes"] == ref_opt.placement_choice["predicted_gpu_bytes"] <= budget  # fmt: skip
+    assert_bitwise(list(model), ref, "cast under a budget")
+    assert all(v.dtype == torch.float64 for p in model for v in opt.state[p].values() if v.dim())
+    assert "torch.float32 -> torch.float64" in opt.placement_choice["chosen_again"]
+    # load_state_dict() after the cast places again too: at the budget's fraction for fp64.
+    loaded = torch.nn.ParameterList(_budget_params())
+    opt = _budgeted(list(loaded), budget)
+    opt.ensure_placed()
+    loaded.double()
+    with torch.no_grad():
+        for p, q in zip(loaded, ref, strict=True):
+            p.copy_(q)
+    opt.load_state_dict(ref_opt.state_dict())
+    assert opt.offload_fraction == ref_opt.offload_fraction and opt.placement == ref_opt.placement
+    for ps, o in ((list(loaded), opt), (ref, ref_opt)):
+        for p, g in zip(ps, seeded_grads(ps, 3), strict=True):
+            p.grad = g
+        o.step()
+    assert_bitwise(list(loaded), ref, "loaded after a cast under a budget")
+
+    # A budget no fraction meets in the new dtype: refused as at the first step(), with the
+    # figures, before anything changes; cast back, the step runs at the budget's fraction.
+    budget = 16 * n + 4096  # fp32 fits with every state on the device; fp64's weights do not
+    model = torch.nn.ParameterList(_budget_params())
+    opt = _budgeted(list(model), budget)
+    opt.ensure_placed()
+    placed, choice = list(opt.placement), dict(opt.placement_choice)
+    model.double()
+    for p, g in zip(model, seeded_grads(list(model), 0), strict=True):
+        p.grad = g
+    with pytest.raises(ValueError, match=r"max_gpu_memory=.* cannot be met: the fewest device bytes, at offload fraction [0-9.]+, are .*cast"):  # fmt: skip
+        opt.step()
+    assert opt.placement == placed and opt.placement_choice == choice and not opt.state
+    model.float()
+    opt.step()
+    assert opt.offload_fraction == choice["fraction"] and int(opt.state[model[0]]["step"]) == 1
