@@ -614,3 +614,13 @@ def test_a_cast_before_the_first_step_chooses_the_budgets_fraction_again():
     model.float()
     opt.step()
     assert opt.offload_fraction == choice["fraction"] and int(opt.state[model[0]]["step"]) == 1
+    # The same cast met by load_state_dict(): a ValueError before anything is copied in (it
+    # was a RuntimeError "failed part-way" that left the optimizer refusing step()).
+    sd = opt.state_dict()
+    model.double()
+    with pytest.raises(ValueError, match=r"max_gpu_memory=.* cannot be met.*cast"):
+        opt.load_state_dict(sd)
+    assert opt.placement == placed and int(opt.state[model[0]]["step"]) == 1
+    model.float()
+    opt.step()
+    assert int(opt.state[model[0]]["step"]) == 2
