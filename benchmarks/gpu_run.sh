@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|spec|spec3|spec4|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|kernelab|hold|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|spec|spec3|spec4|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|kernelab|buckets|hold|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -205,6 +205,19 @@ for part in "${@:-all}"; do
       PYTHONPATH=$pp OFFLOADOPT_KERNEL_DIR=$kd timeout 150 python3 benchmarks/cpu_kernel.py --repeats 3 \
         --modes "fp32m int8 state" "bf16m int8 state" 2>&1 | tee -a "$OUT/kernelab.txt" | tail -4
     done; done
+  fi
+  if [[ $part == buckets ]]; then
+    # issue 43: the step at fraction 1 against the bucket size (64 MiB, the default, took 5-17%
+    # longer than 256 MiB on 2026-12-07) and, with KERNEL_BASE set (a package carried as in
+    # kernelab), the same rows on that package's kernel: torchao first and last
+    rows=(torchao "backward f1 sr8" "backward f1 sr8 bucket128" "backward f1 sr8 bucket256"
+          "backward f1 sr8 bucket512" "backward f1 int8" "backward f1 int8 bucket256" torchao)
+    for v in new ${KERNEL_BASE:+base}; do
+      if [[ $v == base ]]; then pp=$PWD/$KERNEL_BASE; kd=/tmp/kbase; else pp=$PWD; kd=/tmp/knew; fi
+      PYTHONPATH=$([[ -d /tmp/site ]] && echo /tmp/site:)$pp OFFLOADOPT_KERNEL_DIR=$kd timeout 240 python3 benchmarks/overlap_bench.py \
+        --no-memory --no-probe --warmup 3 --steps 6 --out "$OUT/buckets-$v" --only "${rows[@]}" 2>&1 \
+        | tee "$OUT/buckets-$v.log" | grep " step "
+    done
   fi
   if [[ $part == hold ]]; then
     # issue 46: speculation's held-back steps (FOLLOW_CLIP) against the clipped path, interleaved
