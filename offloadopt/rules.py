@@ -14,6 +14,7 @@ ask the rule instead of spelling out a state schema.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -45,9 +46,15 @@ __all__ = [
 ]
 
 
+def _real(value: Any) -> bool:
+    """A real number as torch's optimizers take one: a Python or numpy scalar (numpy registers
+    its scalars as :class:`numbers.Real`; ``np.float32`` is not a ``float``), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_number(name: str, value: Any, lo: float, hi: float | None = None, hi_open=False) -> None:
     """Raise ``ValueError`` naming ``value`` unless it is a real number (not a bool) in range."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= lo
+    ok = _real(value) and value >= lo
     if ok and hi is not None:
         ok = value < hi if hi_open else value <= hi
     if not ok:
@@ -189,7 +196,7 @@ def _validate_adam_values(values: dict[str, Any]) -> None:
         if lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
         lr_value = float(lr.detach().cpu())
-    elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
+    elif _real(lr):
         lr_value = float(lr)
     else:
         raise TypeError(f"Invalid learning rate: {lr!r} (expected a float or a 1-element Tensor)")
@@ -197,7 +204,7 @@ def _validate_adam_values(values: dict[str, Any]) -> None:
         raise ValueError(f"Invalid learning rate: {lr}")
     check_number("epsilon value", values["eps"], 0.0)
     wd = values["weight_decay"]
-    if isinstance(wd, bool) or not isinstance(wd, (int, float)):
+    if not _real(wd):
         raise TypeError(f"Invalid weight_decay value: {wd!r}")
     check_number("weight_decay value", wd, 0.0)
     betas = values["betas"]
@@ -205,7 +212,7 @@ def _validate_adam_values(values: dict[str, Any]) -> None:
         raise ValueError(f"Invalid betas: {betas!r} (expected a pair)")
     for i, b in enumerate(betas):
         b = float(b) if isinstance(b, torch.Tensor) and b.numel() == 1 else b
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+        if not _real(b) or not 0.0 <= b < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {betas[i]!r}")
     if not isinstance(values["maximize"], bool):
         raise ValueError(f"Invalid maximize: {values['maximize']!r} (expected a bool)")

@@ -146,3 +146,38 @@ def test_a_set_of_params_is_refused_not_warned():
         warnings.simplefilter("error")  # no FutureWarning first: the refusal is the answer
         with pytest.raises(TypeError, match="ordered collections"):
             HybridAdamW({p(2), p(3)}, **OFFLOADED)
+
+
+@pytest.mark.parametrize(
+    "ours_cls, torch_cls, kwargs",
+    [
+        (HybridAdamW, torch.optim.AdamW, dict(eps=1e-6, weight_decay=0.1)),
+        (HybridAdam, torch.optim.Adam, dict(weight_decay=0.1)),
+        (HybridSGD, torch.optim.SGD, dict(momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    ],
+)  # fmt: skip
+def test_numpy_float32_hyperparameters_train_as_torchs(ours_cls, torch_cls, kwargs):
+    """np.float32 is no Python float, yet torch takes it for every number (a LambdaLR whose
+    lambda returns one puts it into the group's lr): at construction and at each step (torch
+    refuses numpy betas at construction only, "both floats or both Tensors", not in a group)."""
+    np = pytest.importorskip("numpy")
+    f32 = lambda v: tuple(map(np.float32, v)) if isinstance(v, tuple) else np.float32(v)  # noqa: E731
+    kwargs = {k: f32(v) for k, v in kwargs.items()}
+    a = p(3, 5)
+    b = torch.nn.Parameter(a.detach().clone())
+    ours = ours_cls([a], lr=np.float32(0.1), **kwargs, **OFFLOADED)
+    ref = torch_cls([b], lr=np.float32(0.1), **kwargs, fused=True)
+    decay = lambda step: np.float32(0.5) ** step  # noqa: E731
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in (ours, ref)]
+    if "betas" in ours.defaults:
+        for o in (ours, ref):
+            o.param_groups[0]["betas"] = f32((0.8, 0.95))
+    for seed in range(3):
+        g = torch.randn(3, 5, generator=torch.Generator().manual_seed(seed))
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+        for s in scheds:
+            s.step()
+    assert isinstance(ours.param_groups[0]["lr"], np.float32)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # CPU fp32: bitwise
