@@ -662,3 +662,23 @@ def test_a_steady_state_that_drifts_after_the_choice_is_said(monkeypatch, state_
     assert choice["measured_step_ms"] == pytest.approx(100.0)
     assert choice["steady_step_ms"] == pytest.approx(150.0) and choice["host_moved"] is True
     assert choice["within_tolerance"] is False and not opt.debug.auto.active
+
+
+def test_a_choice_of_fraction_0_is_not_warned_about_as_above_its_own_limit(monkeypatch):
+    """A fresh user's finding (2 shared cores): auto chose fraction 0 from its prediction, the
+    step there measured above 1.05 x fraction 0's predicted step, and it warned "kept fraction
+    0 ... above the limit ... give offload_fraction a number": fraction 0 compared with itself,
+    with no faster fraction to give. The limit is relative to fraction 0, so fraction 0 is
+    within it whatever it measures."""
+    monkeypatch.setattr(auto, "_Clock", _FakeClock)
+    monkeypatch.setattr(auto.costmodel, "largest_hidden",
+                        lambda m, tol, mode: costmodel.predict(m, 0.0, mode))  # fmt: skip
+    m = model()
+    opt = HybridAdamW(m.parameters(), lr=1e-2, min_offload_numel=1, bucket_nbytes=2**14,
+                      offload_fraction="auto")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        timed_train(m, opt, 32, lambda f, since: 1000.0 if f == 0 else 100.0)
+    choice = opt.placement_choice
+    assert choice["fraction"] == 0.0 and choice["measured_step_ms"] == pytest.approx(1000.0)
+    assert choice["within_tolerance"] is True and not opt.debug.auto.active

@@ -407,7 +407,7 @@ class AutoFraction:
             corrections.append({"fraction": fraction, "measured_step_ms": measured,
                                 "predicted_step_ms": self.choice["predicted_step_ms"]})  # fmt: skip
             return self._want(max(0.0, min(max(fits, hidden), round(fraction - 0.05, 2))), "verify")
-        within = self.budgeted or measured <= limit
+        within = self.budgeted or measured <= limit or fraction == 0  # the limit's own base
         if not steady and within:  # measured once more, STEADY_AFTER steps on
             self.phase, self._samples, self._skip = "steady", [], STEADY_AFTER
             self.choice["within_tolerance"] = True
