@@ -160,7 +160,8 @@ def test_numpy_float32_hyperparameters_train_as_torchs(ours_cls, torch_cls, kwar
     """np.float32 is no Python float, yet torch takes it for every number (a LambdaLR whose
     lambda returns one puts it into the group's lr): at construction and at each step (torch
     refuses numpy betas at construction only, "both floats or both Tensors", not in a group)."""
-    np = pytest.importorskip("numpy")
+    import numpy as np  # one of offloadopt's dependencies
+
     f32 = lambda v: tuple(map(np.float32, v)) if isinstance(v, tuple) else np.float32(v)  # noqa: E731
     kwargs = {k: f32(v) for k, v in kwargs.items()}
     a = p(3, 5)
