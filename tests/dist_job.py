@@ -236,6 +236,8 @@ def run_ddp(rank: int, world: int, arg: str) -> dict:
         ),
         "torch_accum": (lambda m: torch_adamw(m.parameters()), None, 2),
         "bwd_accum": (backward(offload_fraction=1.0, grads_final=True), None, 2),
+        # nothing offloaded: no grad hook fires, DDP's comm hook ends the step (fresh user)
+        "bwd_f0": (backward(offload_fraction=0.0, grads_final=True), None, 1),
     }
     for name, (make, clip, accumulate) in views.items():
         model = fresh("ddp_view")
@@ -251,7 +253,8 @@ def run_ddp(rank: int, world: int, arg: str) -> dict:
             opt.close()
     # find_unused_parameters=True: a layer unused in one step keeps grad None (fresh-user bug:
     # it was announced, and its None grad was read).
-    for name in ("torch_unused", "bwd_unused"):
+    # bwd_unused_b: only b is offloaded, and at step 1 no offloaded param gets a grad.
+    for name in ("torch_unused", "bwd_unused", "bwd_unused_b"):
         from torch.nn.parallel import DistributedDataParallel
 
         torch.manual_seed(0)
@@ -262,7 +265,8 @@ def run_ddp(rank: int, world: int, arg: str) -> dict:
             opt = torch_adamw(model.parameters())
         else:
             opt = hybrid(model.parameters(), overlap="backward", grads_final=True, ddp=model,
-                         min_offload_numel=0)  # fmt: skip
+                         min_offload_numel=0,
+                         offload_fraction=0.5 if name.endswith("_b") else 1.0)  # fmt: skip
         for step in range(3):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
             model(x, use_b=step != 1).square().mean().backward()  # step 1: b gets no grad

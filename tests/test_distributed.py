@@ -135,6 +135,7 @@ def test_ddp_and_zero_match_torch_bitwise(tmp_path, job):
                       ("bwd_final", "torch_view"), ("bwd_clip", "torch_clip"),
                       ("bwd_accum", "torch_accum"),  # no_sync() micro-steps
                       ("bwd_unused", "torch_unused"),  # find_unused_parameters=True
+                      ("bwd_unused_b", "torch_unused"), ("bwd_f0", "torch_view"),
                       ("bwd_clip_spec", "torch_clip"), ("bwd_noclip_spec", "torch_view")]:  # fmt: skip
         assert max_diff(r[ours], r[ref]) == 0.0, (ours, ref)
     # speculate=True with ddp=: the all-reduced grads' norm decides alike on every rank
@@ -144,6 +145,7 @@ def test_ddp_and_zero_match_torch_bitwise(tmp_path, job):
     for name in ("bwd_final", "bwd_clip", "bwd_accum", "bwd_clip_spec", "bwd_noclip_spec"):
         fed, buckets = r.pop(f"{name}.fed")
         assert fed == buckets > 1, name
+    assert r.pop("bwd_f0.fed") == (0, 0)  # nothing offloaded: no bucket
     assert max_diff(r["f0.5"], single_process_torch(job)) < 1e-4
     for name in r:
         assert max_diff(ranks[0][name], ranks[1][name]) == 0.0, name

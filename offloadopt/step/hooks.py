@@ -201,7 +201,13 @@ class DDPGrads:
 
         ref = weakref.ref(owner)
         self.active = True
+        self._task = None  # the graph task whose end-of-backward callback is queued
         group = ddp.process_group
+
+        def on_backward_end() -> None:
+            opt = ref()
+            if opt is not None and self.active:
+                opt.on_backward_end()
 
         def hook(state, bucket):
             fut = default_hooks.allreduce_hook(group, bucket)
@@ -209,6 +215,14 @@ class DDPGrads:
             if opt is None or not self.active:
                 return fut
             params = bucket.parameters()
+            # The end of this backward, queued here too: a backward in which no offloaded
+            # param got a grad (fraction 0, or the offloaded ones unused this step) fires no
+            # grad hook, and the step begun by on_reduced would never end (a fresh user's
+            # finding). A second call in one backward finds no futures and changes nothing.
+            task = torch._C._current_graph_task_id()
+            if task != -1 and task != self._task:
+                self._task = task
+                torch.autograd.Variable._execution_engine.queue_callback(on_backward_end)
 
             def announce(done):
                 o = ref()
