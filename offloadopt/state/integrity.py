@@ -32,7 +32,7 @@ import xxhash
 from offloadopt.interrupts import signals_deferred
 
 __all__ = ["ALGORITHM", "Written", "Damaged", "fsync_save", "verify", "checksum_of", "fsync_dir"]
-__all__ += ["disk_full"]
+__all__ += ["disk_full", "folder_lock"]
 
 ALGORITHM = "xxh3_64"
 _MAGIC = b"offloadopt-checksum "
@@ -132,6 +132,27 @@ def _finish_writers(e: BaseException) -> None:
                         writer.write_end_of_file()
             tb = tb.tb_next
         todo += [x.__context__, x.__cause__]
+
+
+@contextlib.contextmanager
+def folder_lock(path: str):
+    """An exclusive ``flock`` on the folder ``path`` while the block runs: saves from several
+    processes into one folder (every DDP rank saving to one path, a fresh user's finding: one
+    rank's renames raced another's and its save raised) take their renames in turn. Where the
+    platform cannot lock a folder, nothing."""
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def fsync_dir(path: str) -> None:

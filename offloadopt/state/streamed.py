@@ -182,7 +182,7 @@ def save(
         # the renames, their flush and the previous checkpoint's removal whole: a Ctrl-C
         # after the new one was in place left the previous one beside it for good, under its
         # hidden .old name (a new user's find); an interrupt is delivered after them
-        with signals_deferred():
+        with signals_deferred(), integrity.folder_lock(parent):  # another process's save too
             if os.path.exists(target):
                 os.replace(target, old)
             os.replace(tmp, target)
@@ -190,7 +190,8 @@ def save(
             if os.path.isdir(old) and not _keep_foreign(old, target):
                 shutil.rmtree(old, ignore_errors=True)
     except BaseException as e:
-        with signals_deferred():  # a second Ctrl-C left the new one's parts behind (.tmp)
+        # a second Ctrl-C left the new one's parts behind (.tmp)
+        with signals_deferred(), integrity.folder_lock(parent):
             shutil.rmtree(tmp, ignore_errors=True)
             if os.path.exists(old) and not os.path.exists(target):
                 os.replace(old, target)  # put the previous checkpoint back
