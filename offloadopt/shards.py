@@ -199,7 +199,8 @@ def built_by_zero() -> bool:
     return False
 
 
-def check_zero(overlap: str, param_groups: list[dict], world: int) -> None:
+def check_zero(overlap: str, param_groups: list[dict], world: int, *,
+               max_grad_norm: float | None = None, grad_scaler: Any = None) -> None:  # fmt: skip
     """Refuse the delayed update under torch's ``ZeroRedundancyOptimizer`` in a job of
     ``world`` ranks: ZeRO building it (:func:`built_by_zero`, looked at only then), or groups
     that carry ``overlap="delayed"`` as a key (ZeRO copies the constructor's keywords into them).
@@ -211,10 +212,30 @@ def check_zero(overlap: str, param_groups: list[dict], world: int) -> None:
     a second one passed the option through ``functools.partial`` and a subclass, past the
     group key alone).
 
+    ``max_grad_norm`` and an attached ``grad_scaler`` are refused there too: each rank's
+    optimizer sees its shard alone, so the norm (and the inf check) were its shard's, and each
+    shard was clipped by a factor of its own, silently unlike ``clip_grad_norm_`` on the model
+    (a fresh user's finding).
+
     Raises:
-        ValueError: ``overlap="delayed"`` under ZeRO with more than one rank.
+        ValueError: ``overlap="delayed"``, ``max_grad_norm`` or ``grad_scaler`` under ZeRO
+            with more than one rank.
     """
-    if overlap != "delayed" or world <= 1:
+    if world <= 1:
+        return
+    if max_grad_norm is not None or grad_scaler is not None:
+        keyed = [gi for gi, g in enumerate(param_groups)
+                 if g.get("max_grad_norm") is not None or g.get("grad_scaler") is not None]  # fmt: skip
+        if keyed or built_by_zero():
+            what = "max_grad_norm" if max_grad_norm is not None else "grad_scaler"
+            raise ValueError(
+                f"{what} under ZeRO (ZeroRedundancyOptimizer, {world} ranks): each rank's "
+                "optimizer holds its shard of the params alone, so the grad norm and the inf "
+                "check would be its shard's, not the model's; call "
+                "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) (or the "
+                "scaler's unscale_ and step) before opt.step() instead"
+            )
+    if overlap != "delayed":
         return
     keyed = [gi for gi, group in enumerate(param_groups) if group.get("overlap") == "delayed"]
     by_zero = built_by_zero()

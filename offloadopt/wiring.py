@@ -116,7 +116,8 @@ def check_and_place(opt: Any, o: Options) -> None:
             "or leave master_weights out"))  # fmt: skip
     if o.ddp is not None:
         check_ddp(o.ddp, groups, opt._placer.param_name)
-    check_zero(o.overlap, groups, world_size())
+    check_zero(o.overlap, groups, world_size(), max_grad_norm=o.max_grad_norm,
+               grad_scaler=o.grad_scaler)  # fmt: skip
     opt._placer.place_or_defer(list(range(len(groups))))
     if o.ddp is not None:
         try:
