@@ -217,19 +217,22 @@ def _exit_abort(r) -> bool:
 @pytest.mark.slow
 def test_main_job_under_torchrun_fsdp_and_ddp():
     results = {}
-    for parallel in ("fsdp", "ddp"):
+    # ddp-backward: a fresh user's finding, --ddp --overlap backward failed (no ddp= passed)
+    for name, parallel, more in (("fsdp", "fsdp", []), ("ddp", "ddp", []),
+                                 ("ddp-backward", "ddp", ["--overlap", "backward"])):  # fmt: skip
         for attempt in range(2):  # a second run only for an abort at shutdown (_exit_abort)
             r = subprocess.run(
                 [sys.executable, "-m", "torch.distributed.run",  # torchrun, from this interpreter
                  "--standalone", "--nproc-per-node", "2", "-m", "offloadopt", "train",
                  f"--{parallel}", "--steps", "30", "--eval-every", "30", "--eval-batches", "2",
-                 "--batch-size", "8", "--seq-len", "64", "--offload-fraction", "0.5", "--no-progress"],
+                 "--batch-size", "8", "--seq-len", "64", "--offload-fraction", "0.5", "--no-progress",
+                 *more],
                 capture_output=True, text=True, timeout=300,
             )  # fmt: skip
             if r.returncode == 0 or attempt or not _exit_abort(r):
                 break
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-        result = results[parallel] = json.loads(r.stdout.strip().splitlines()[-1])  # rank 0's
+        result = results[name] = json.loads(r.stdout.strip().splitlines()[-1])  # rank 0's
         assert r.stdout.count("model: tiny") == 1  # one rank speaks for the job
         assert result["world_size"] == 2 and result["parallel"] == parallel
         assert [rank["rank"] for rank in result["ranks"]] == [0, 1]
@@ -239,6 +242,8 @@ def test_main_job_under_torchrun_fsdp_and_ddp():
         total = sum(rank["host_state_nbytes"] for rank in result["ranks"])
         assert result["optimizer_host_gb"] == pytest.approx(total / 1e9)
         assert result["final_heldout_loss"] < result["first_train_loss"] - 1.0  # it trains
+    assert results["ddp-backward"]["overlap"] == "backward"  # the same losses as step mode
+    assert results["ddp-backward"]["final_train_loss"] == results["ddp"]["final_train_loss"]
     # FSDP2's ranks each hold half of the host state that each DDP rank holds whole.
     fsdp, ddp = (results[k]["ranks"][0]["host_state_nbytes"] for k in ("fsdp", "ddp"))
     assert fsdp == pytest.approx(ddp / 2, rel=0.1)

@@ -366,6 +366,10 @@ def test_main_job_backward_mode_clips_through_the_optimizer(monkeypatch):
             "--release-grads: frees grads during backward, so it needs --overlap backward",
         ),
         (
+            ["--release-grads", "--overlap", "backward", "--ddp"],
+            "and no --ddp (DDP owns its grad buckets; got --overlap 'backward', --ddp)",
+        ),
+        (
             ["--offload-fraction", "auto", "--optimizer", "adamw"],
             "--offload-fraction auto: HybridAdamW's option",
         ),

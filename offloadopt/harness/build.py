@@ -41,7 +41,8 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
     if cfg.parallel == "fsdp":
         model = shard_fsdp(model)  # every rank built the same weights (the seed); FSDP2 shards them
     elif cfg.parallel == "ddp":
-        model = wrap_ddp(model)
+        # backward mode starts each bucket from DDP's all-reduce (HybridAdamW's ddp=)
+        model = wrap_ddp(model, bucket_view=cfg.optimizer == "hybrid" and cfg.overlap == "backward")
     kwargs = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), fused=True, **kwargs)
@@ -55,6 +56,8 @@ def make_model_and_optimizer(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimiz
             clip["release_grads"] = cfg.release_grads
             if cfg.speculate:
                 clip["speculate"] = True
+            if cfg.parallel == "ddp":  # a fresh user's finding: --ddp --overlap backward failed
+                clip["ddp"] = model
         else:
             clip = {}  # torch's clip_grad_norm_ in train_step
         if cfg.overlap == "delayed":

@@ -89,13 +89,14 @@ def shard_fsdp(model: nn.Module, *, param_dtype: torch.dtype | None = None,
     return model
 
 
-def wrap_ddp(model: nn.Module) -> nn.Module:
-    """DDP over every rank, on this rank's device."""
+def wrap_ddp(model: nn.Module, *, bucket_view: bool = False) -> nn.Module:
+    """DDP over every rank, on this rank's device; ``bucket_view``: grads are views of DDP's
+    buckets (``gradient_as_bucket_view=True``, which HybridAdamW's ``ddp=`` needs)."""
     from torch.nn.parallel import DistributedDataParallel
 
     device = next(model.parameters()).device
     ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids)
+    return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=bucket_view)
 
 
 def teardown() -> None:

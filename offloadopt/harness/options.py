@@ -186,10 +186,11 @@ class TrainConfig:
                 f"(got --optimizer {cfg.optimizer}, --overlap {cfg.overlap}, --grad-clip "
                 f"{cfg.grad_clip:g}{', --release-grads' if cfg.release_grads else ''})"
             )
-        if cfg.release_grads and cfg.overlap != "backward":
+        if cfg.release_grads and (cfg.overlap != "backward" or cfg.parallel == "ddp"):
             raise UsageError(
                 f"--release-grads: frees grads during backward, so it needs --overlap backward "
-                f"(not {cfg.overlap!r})"
+                f"and no --ddp (DDP owns its grad buckets; got --overlap {cfg.overlap!r}"
+                f"{', --ddp' if cfg.parallel == 'ddp' else ''})"
             )
         if cfg.offload_fraction == "auto" and cfg.optimizer != "hybrid":
             raise UsageError(
