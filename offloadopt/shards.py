@@ -101,10 +101,14 @@ def check_setup(named: list[tuple[str, torch.Tensor]], overlap: str, ddp: bool =
         and not ddp
         and not all(is_dtensor(p) for _, p in named if p.requires_grad)
     ):
+        advice = (  # ZeRO refuses ddp= and the delayed update (check_zero): step mode there
+            "under ZeroRedundancyOptimizer use overlap='step'" if built_by_zero() else
+            "pass ddp=<the DDP model> (its all-reduced buckets announce the grads), or use "
+            "overlap='step' or 'delayed'"
+        )  # fmt: skip
         raise NotImplementedError(
             f"overlap='backward' in a job of {world} ranks with params that are not FSDP2's: "
-            "a grad hook sees the un-reduced grad under DDP: pass ddp=<the DDP model> (its "
-            "all-reduced buckets announce the grads), or use overlap='step' or 'delayed'"
+            f"a grad hook sees the un-reduced grad under DDP: {advice}"
         )
     devices: dict[torch.device, str] = {}
     for name, p in named:

@@ -399,6 +399,7 @@ def run_bad(rank: int, world: int, arg: str) -> dict:
         out[key] = error(lambda cls=cls: ZeroRedundancyOptimizer(
             view.parameters(), optimizer_class=cls, lr=LR))  # fmt: skip
     for key, kw in (("zero_clip", dict(max_grad_norm=1.0)),  # each shard's norm alone
+                    ("zero_backward", dict(overlap="backward", grads_final=True)),
                     ("zero_scaler", dict(grad_scaler=torch.amp.GradScaler("cpu")))):  # fmt: skip
         out[key] = error(lambda kw=kw: ZeroRedundancyOptimizer(
             view.parameters(), optimizer_class=offloadopt.HybridAdamW, lr=LR, **kw))  # fmt: skip

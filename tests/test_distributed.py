@@ -198,6 +198,8 @@ def test_refused_setups_and_threads_per_rank(tmp_path):
         # A fresh user's finding: under ZeRO max_grad_norm clipped each shard by its own norm
         assert r["zero_clip"].startswith("ValueError") and "clip_grad_norm_" in r["zero_clip"]
         assert r["zero_scaler"].startswith("ValueError") and "grad_scaler" in r["zero_scaler"]
+        # its advice was ddp=, which ZeRO refuses
+        assert "use overlap='step'" in r["zero_backward"] and "ddp=" not in r["zero_backward"]
         assert r["zero_step"] is None  # step mode under ZeRO is built as before
         assert r["default_threads"] == max(1, usable_cores() // 2)  # cores // local ranks
         assert r["worker_threads"] == [2] and r["stats"]["cpu_threads"] == 2
