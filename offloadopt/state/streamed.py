@@ -116,15 +116,13 @@ def save(
             f"save_streamed: the folder {parent!r} that would hold {path!r}{link} does not "
             "exist; create it first"
         )
-    recover_leftovers(target)
-    if (
-        os.path.exists(target)
-        and not os.path.isfile(os.path.join(target, _INDEX))
-        and not (os.path.isdir(target) and not os.listdir(target))  # an empty folder: taken
-    ):
-        raise FileExistsError(
-            f"save_streamed: {path!r} exists and is not a streamed checkpoint; not replaced"
-        )
+    with integrity.folder_lock(parent):  # not amid another process's renames (its save)
+        recover_leftovers(target)
+        empty = os.path.isdir(target) and not os.listdir(target)  # an empty folder: taken
+        if os.path.exists(target) and not (os.path.isfile(os.path.join(target, _INDEX)) or empty):
+            raise FileExistsError(
+                f"save_streamed: {path!r} exists and is not a streamed checkpoint; not replaced"
+            )
     base = opt._snapshot_source()  # synchronized, checked: live tensors, torch's layout
     named: list[tuple[str, torch.Tensor]] = []
     if model is not None:
