@@ -17,7 +17,32 @@ import torch
 
 from offloadopt.shards import is_dtensor
 
-__all__ = ["GradHooks", "ModuleWaits", "DDPGrads"]
+__all__ = ["BackwardEnd", "GradHooks", "ModuleWaits", "DDPGrads"]
+
+
+class BackwardEnd:
+    """``owner.on_backward_end()`` queued as autograd's final callback once per backward (its
+    graph task), by whichever hook of that backward calls :meth:`queue` first: a grad hook
+    (:class:`GradHooks`, any of them) or DDP's comm hook (:class:`DDPGrads`, which fires in a
+    backward where no offloaded param gets a grad). Holds ``owner`` weakly."""
+
+    def __init__(self, owner: Any):
+        ref = weakref.ref(owner)
+        self._task = None  # the graph task (one backward call) whose callback is queued
+
+        def run() -> None:
+            opt = ref()
+            if opt is not None:
+                opt.on_backward_end()
+
+        self._run = run
+
+    def queue(self) -> None:
+        """Called from a hook of the running backward (even after a failed one)."""
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task != self._task:
+            self._task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._run)
 
 
 class _Handles:
@@ -47,23 +72,14 @@ class GradHooks(_Handles):
     its next call.
     """
 
-    def __init__(self, owner: Any, params: Iterable[torch.Tensor]):
+    def __init__(self, owner: Any, params: Iterable[torch.Tensor], backward_end: BackwardEnd):
         ref = weakref.ref(owner)
-        self._task = None  # the graph task (one backward call) whose callback is queued
-
-        def on_backward_end() -> None:
-            opt = ref()
-            if opt is not None:
-                opt.on_backward_end()
 
         def on_grad(p: torch.Tensor) -> None:
             opt = ref()
             if opt is None:
                 return
-            task = torch._C._current_graph_task_id()
-            if task != self._task:  # the first hook of this backward (even after a failed one)
-                self._task = task
-                torch.autograd.Variable._execution_engine.queue_callback(on_backward_end)
+            backward_end.queue()
             opt.on_grad(p)
 
         super().__init__(owner)
@@ -196,18 +212,12 @@ class DDPGrads:
     DDP takes one comm hook per model and cannot take it back: ``remove()`` leaves the plain
     all-reduce."""
 
-    def __init__(self, owner: Any, ddp: torch.nn.Module):
+    def __init__(self, owner: Any, ddp: torch.nn.Module, backward_end: BackwardEnd):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         ref = weakref.ref(owner)
         self.active = True
-        self._task = None  # the graph task whose end-of-backward callback is queued
         group = ddp.process_group
-
-        def on_backward_end() -> None:
-            opt = ref()
-            if opt is not None and self.active:
-                opt.on_backward_end()
 
         def hook(state, bucket):
             fut = default_hooks.allreduce_hook(group, bucket)
@@ -218,11 +228,8 @@ class DDPGrads:
             # The end of this backward, queued here too: a backward in which no offloaded
             # param got a grad (fraction 0, or the offloaded ones unused this step) fires no
             # grad hook, and the step begun by on_reduced would never end (a fresh user's
-            # finding). A second call in one backward finds no futures and changes nothing.
-            task = torch._C._current_graph_task_id()
-            if task != -1 and task != self._task:
-                self._task = task
-                torch.autograd.Variable._execution_engine.queue_callback(on_backward_end)
+            # finding).
+            backward_end.queue()
 
             def announce(done):
                 o = ref()

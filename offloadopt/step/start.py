@@ -55,7 +55,7 @@ from offloadopt.place.placer import Placer
 from offloadopt.shards import is_dtensor, local
 from offloadopt.step.amp import found_inf
 from offloadopt.step.feed import Feeder
-from offloadopt.step.hooks import DDPGrads, GradHooks
+from offloadopt.step.hooks import BackwardEnd, DDPGrads, GradHooks
 from offloadopt.step.scaling import Scaling
 from offloadopt.step.speculate import Speculation
 from offloadopt.step.step import Phase, Step, Timeline
@@ -157,11 +157,13 @@ class FromBackward(AtStep):
         self.grads_final, self.release_grads = grads_final, release_grads
         self.ddp, self.timeout_s = ddp, timeout_s
         self.reductions: list = []  # ddp=: this backward's all-reduce futures
+        # on_backward_end once per backward, whichever hook fires first (GradHooks, DDPGrads)
+        self.backward_end = BackwardEnd(self)
 
     def hook(self, params: list[torch.Tensor]) -> None:
         """The Placer placed ``params`` on the host: their post-accumulate-grad hooks (and
         the end-of-backward callback) announce each grad to this policy."""
-        self.grad_hooks.append(GradHooks(self, params))
+        self.grad_hooks.append(GradHooks(self, params, self.backward_end))
 
     def hook_ddp(self, ddp: torch.nn.Module) -> None:
         """``ddp=``: DDP's comm hook announces each reduced bucket (hooks.DDPGrads).
@@ -169,7 +171,7 @@ class FromBackward(AtStep):
         Raises:
             RuntimeError: the DDP model has a comm hook already (DDP takes one).
         """
-        self.ddp_hook = DDPGrads(self, ddp)
+        self.ddp_hook = DDPGrads(self, ddp, self.backward_end)
 
     def on_grad(self, p: torch.Tensor) -> None:
         """A grad hook (autograd's thread): ``p``'s grad is final for this backward (with
