@@ -279,7 +279,7 @@ def adam_update(
         every = len(idx) == len(weights)  # one dtype (the usual case): the lists as they are
 
         def pick(ts: list, idx=idx, every=every) -> list:
-            return list(ts) if every else [ts[i] for i in idx] if ts else []
+            return ts if every or not ts else [ts[i] for i in idx]
 
         args = dict(
             masters=_flat(pick(weights)),
