@@ -197,24 +197,29 @@ for part in "${@:-all}"; do
   fi
   if [[ $part == kernelab ]]; then
     # issue 43: the CPU kernel before and after a change, side by side on one host, twice
-    # interleaved; KERNEL_BASE holds the old package, made here with
+    # interleaved; KERNEL_BASE holds the old package (several: space-separated), made here with
     #   mkdir -p .kbase && git archive <commit> offloadopt | tar -x -C .kbase   (and carried)
-    for r in 1 2; do for v in base new; do
-      if [[ $v == base ]]; then pp=$PWD/${KERNEL_BASE:-.kbase}; kd=/tmp/kbase; else pp=$PWD; kd=/tmp/knew; fi
+    # KERNEL_NUMEL (default 1.558e9) and KERNEL_MODES (one mode a line) replace the defaults
+    modes=("fp32m int8 state" "bf16m int8 state")
+    [[ -n ${KERNEL_MODES:-} ]] && mapfile -t modes <<< "$KERNEL_MODES"
+    for r in 1 2; do for v in new ${KERNEL_BASE:-.kbase}; do
+      if [[ $v == new ]]; then pp=$PWD; else pp=$PWD/$v; fi
       echo "== $v round $r" | tee -a "$OUT/kernelab.txt"
-      PYTHONPATH=$pp OFFLOADOPT_KERNEL_DIR=$kd timeout 150 python3 benchmarks/cpu_kernel.py --repeats 3 \
-        --modes "fp32m int8 state" "bf16m int8 state" 2>&1 | tee -a "$OUT/kernelab.txt" | tail -4
+      PYTHONPATH=$pp OFFLOADOPT_KERNEL_DIR=/tmp/k-${v//[^a-z0-9]/} timeout 150 python3 benchmarks/cpu_kernel.py --repeats 3 \
+        --numel "${KERNEL_NUMEL:-1.558e9}" --modes "${modes[@]}" 2>&1 | tee -a "$OUT/kernelab.txt" | tail -$((${#modes[@]} + 1))
     done; done
   fi
   if [[ $part == buckets ]]; then
     # issue 43: the step at fraction 1 against the bucket size (64 MiB, the default, took 5-17%
     # longer than 256 MiB on 2026-12-07) and, with KERNEL_BASE set (a package carried as in
     # kernelab), the same rows on that package's kernel: torchao first and last
+    # BUCKET_ROWS (one row per line) replaces the rows
     rows=(torchao "backward f1 sr8" "backward f1 sr8 bucket128" "backward f1 sr8 bucket256"
           "backward f1 sr8 bucket512" "backward f1 int8" "backward f1 int8 bucket256" torchao)
+    [[ -n ${BUCKET_ROWS:-} ]] && mapfile -t rows <<< "$BUCKET_ROWS"
     for v in new ${KERNEL_BASE:+base}; do
-      if [[ $v == base ]]; then pp=$PWD/$KERNEL_BASE; kd=/tmp/kbase; else pp=$PWD; kd=/tmp/knew; fi
-      PYTHONPATH=$([[ -d /tmp/site ]] && echo /tmp/site:)$pp OFFLOADOPT_KERNEL_DIR=$kd timeout 240 python3 benchmarks/overlap_bench.py \
+      if [[ $v == base ]]; then pp=$PWD/$KERNEL_BASE; kd=/tmp/k-${KERNEL_BASE//[^a-z0-9]/}; else pp=$PWD; kd=/tmp/k-new; fi
+      PYTHONPATH=$([[ -d /tmp/site ]] && echo /tmp/site:)$pp OFFLOADOPT_KERNEL_DIR=$kd timeout ${BUCKET_TIMEOUT:-240} python3 benchmarks/overlap_bench.py \
         --no-memory --no-probe --warmup 3 --steps 6 --out "$OUT/buckets-$v" --only "${rows[@]}" 2>&1 \
         | tee "$OUT/buckets-$v.log" | grep " step "
     done
