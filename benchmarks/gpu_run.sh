@@ -107,7 +107,7 @@ for part in "${@:-all}"; do
   if [[ $part == audit8 ]]; then
     # the audit with int8 moments (fp32 masters): link bytes per param and pageable copies
     timeout 200 python3 -m offloadopt audit --device cuda --preset gpt2-xl --batch-size 4 --seq-len 1024 \
-      --offload-fraction 1 --mode backward --state-dtype int8 --json "$OUT/audit8.json" 2>&1 | tee "$OUT/audit8.log" | tail -12
+      --offload-fraction 1 --overlap backward --state-dtype int8 --json "$OUT/audit8.json" 2>&1 | tee "$OUT/audit8.log" | tail -12
   fi
   if [[ $part == sweep8 ]]; then
     # issue 29's sweep: int8 moments against fp32 in one process, fraction 0 of each, backward
@@ -266,28 +266,28 @@ for part in "${@:-all}"; do
     for run in "step 1.0" "backward 1.0" "backward 0.2" "backward-clip 0.2"; do
       set -- $run
       timeout 200 python3 -m offloadopt audit --device cuda --preset gpt2-xl --batch-size 4 --seq-len 1024 \
-        --offload-fraction $2 --mode $1 2>&1 | tee -a "$OUT/auditmodes.log" | tail -6
+        --offload-fraction $2 --overlap $1 2>&1 | tee -a "$OUT/auditmodes.log" | tail -6
     done
   fi
   if [[ $part == modes ]]; then
-    # issue 8 item 7: bench --modes, the issue's sweep, each mode against its own fraction 0
+    # issue 8 item 7: bench --overlap, the issue's sweep, each mode against its own fraction 0
     timeout 560 python3 -m offloadopt bench --preset gpt2-xl --batch-size 4 --seq-len 1024 \
       --warmup 3 --steps 6 --no-kernel --no-audit --no-progress --anchors \
-      --modes step backward backward-clip backward-torch-clip \
+      --overlap step backward backward-clip backward-torch-clip \
       --fractions 0 0.05 0.1 0.15 0.2 0.25 0.3 --out "$OUT/modes" 2>&1 | tee "$OUT/modes.log" | tail -12
   fi
   if [[ $part == modes2 ]]; then
     # issue 8: the same sweep again with 10 timed steps, no torch-clip, to 0.25
     timeout 560 python3 -m offloadopt bench --preset gpt2-xl --batch-size 4 --seq-len 1024 \
       --warmup 3 --steps 10 --no-kernel --no-audit --no-progress --anchors \
-      --modes step backward backward-clip --fractions 0 0.05 0.1 0.15 0.2 0.25 \
+      --overlap step backward backward-clip --fractions 0 0.05 0.1 0.15 0.2 0.25 \
       --out "$OUT/modes2" 2>&1 | tee "$OUT/modes2.log" | tail -8
   fi
   if [[ $part == targets ]]; then
     # issues 8 and 9 at one commit: the audit of each mode at fraction 1, then each target's rows
     for m in step backward delayed; do
       timeout 150 python3 -m offloadopt audit --device cuda --preset gpt2-xl --batch-size 4 --seq-len 1024 \
-        --offload-fraction 1.0 --mode $m 2>&1 | tee -a "$OUT/targets-audit.log" | grep "copies,"
+        --offload-fraction 1.0 --overlap $m 2>&1 | tee -a "$OUT/targets-audit.log" | grep "copies,"
     done
     timeout 250 python3 benchmarks/overlap_bench.py --steps 8 --no-memory --out "$OUT/targets4" \
       --only f0 "backward f0.1" "backward f0.15" "backward f0.2" "f0 clip" "backward f0.1 clip" \

@@ -470,7 +470,7 @@ def test_an_audit_prints_nothing_of_the_profilers(capfd):
 
 
 def test_the_audit_counts_speculative_and_redone_updates(capsys, monkeypatch):
-    """--mode backward-speculate (speculate=True, max_grad_norm=1.0): the audited iterations'
+    """--overlap backward-speculate (speculate=True, max_grad_norm=1.0): the audited iterations'
     speculative and redone bucket updates, beside the copies (a redone bucket's cross twice).
     Every step speculates here (MAX_HOLD 0): the tiny preset's steps all clip, so by default
     they would be held back after the first (speculate.py's FOLLOW_CLIP)."""
@@ -479,7 +479,7 @@ def test_the_audit_counts_speculative_and_redone_updates(capsys, monkeypatch):
 
     monkeypatch.setattr(Speculation, "MAX_HOLD", 0)
 
-    assert main(["audit", "--device", "cpu", "--preset", "tiny", "--mode", "backward-speculate",
+    assert main(["audit", "--device", "cpu", "--preset", "tiny", "--overlap", "backward-speculate",
                  "--offload-fraction", "1", "--steps", "2", "--warmup", "1"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     summary = json.loads(out.strip().splitlines()[-1])

@@ -95,7 +95,7 @@ CASES = [
     (["train", "--delay-after", "-1"], "--delay-after: -1 is not an integer >= 0"),
     (["train", "--speculate"], "--speculate: starts clipped updates during backward, so it needs --optimizer hybrid, --overlap backward and a --grad-clip above 0, without --release-grads (got --optimizer hybrid, --overlap step, --grad-clip 1)"),
     (["train", "--speculate", "--overlap", "backward", "--grad-clip", "0"], "--speculate: starts clipped updates during backward, so it needs --optimizer hybrid, --overlap backward and a --grad-clip above 0, without --release-grads (got --optimizer hybrid, --overlap backward, --grad-clip 0)"),
-    (["audit", "--mode", "backward", "--optimizer", "adamw"], "--mode backward: HybridAdamW's overlap modes need --optimizer hybrid"),
+    (["audit", "--overlap", "backward", "--optimizer", "adamw"], "--overlap backward: HybridAdamW's overlap modes need --optimizer hybrid"),
     (["audit", "--steps", "-1"], "--steps: -1 is not an integer >= 1"),
     (["train", "--grad-clip", "-1"], "--grad-clip: -1.0 is not a finite number >= 0"),
     (["train", "--grad-clip", "nan"], "--grad-clip: nan is not a finite number >= 0"),
@@ -399,6 +399,7 @@ FLAGS = {
         "--warmup-steps": NONNEG, "--weight-decay": NONNEG_FLOAT, "--grad-clip": NONNEG_FLOAT,
         "--seed": NONNEG, "--dtype": choice_outside(train.DTYPES), "--data": DATA,
         "--eval-every": POS, "--eval-batches": POS, "--log-every": POS,
+        "--overlap": choice_outside(train.OVERLAPS),
         "--mock-data": st.just("1"), "--no-progress": st.just("yes"),
     },
     "bench": {
@@ -407,6 +408,7 @@ FLAGS = {
         "--seq-len": POS | st.integers(1025, 10**6).map(str), "--warmup": NONNEG, "--steps": POS,
         "--slow-steps": POS, "--lr": NONNEG_FLOAT, "--fractions": FRACTION,
         "--anchors": choice_outside(anchors.ANCHORS), "--data": DATA, "--seed": NONNEG,
+        "--overlap": choice_outside(anchors.MODES), "--modes": choice_outside(anchors.MODES),
         "--out": st.sampled_from(["", "afile", "afile/sub"]), "--no-kernel": st.just("0"),
     },
     "audit": {
@@ -416,7 +418,8 @@ FLAGS = {
         "--steps": POS, "--warmup": NONNEG, "--batch-size": POS,
         "--seq-len": POS | st.integers(129, 10**6).map(str), "--lr": NONNEG_FLOAT,
         "--seed": NONNEG, "--data": DATA, "--trace": OUT_FILE, "--json": OUT_FILE,
-        "--no-pin-memory": st.just("1"),
+        "--no-pin-memory": st.just("1"), "--overlap": choice_outside(anchors.MODES),
+        "--mode": choice_outside(anchors.MODES),
     },
 }  # fmt: skip
 for _flags in FLAGS.values():  # every command takes the output options (offloadopt/cli.py)

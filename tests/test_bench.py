@@ -230,7 +230,7 @@ def test_sweep_summary_stops_at_the_first_fraction_over_the_limit():
 def test_an_unknown_mode_is_named_before_anything_runs(tmp_path):
     from offloadopt.harness.checks import UsageError
 
-    with pytest.raises(UsageError, match="--modes: 'sideways' is not one of step, backward"):
+    with pytest.raises(UsageError, match="--overlap: 'sideways' is not one of step, backward"):
         run_bench(tiny(tmp_path, modes=["sideways"]))
 
 

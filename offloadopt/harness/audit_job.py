@@ -3,7 +3,7 @@
 Builds the preset's model, warms up, then records N full iterations (batch transfer, forward,
 backward, optimizer step; logging outside) with :func:`offloadopt.audit.audit` and prints the
 memcpy table (in the spirit of Nsight Systems' memcpy summary) and one JSON line, per
-iteration where it says so. Works for HybridAdamW (in any overlap mode, ``--mode``) and, when
+iteration where it says so. Works for HybridAdamW (in any overlap mode, ``--overlap``) and, when
 importable, for the anchors. Each ``loss.backward()`` runs inside an
 :data:`offloadopt.audit.BACKWARD_RANGE` annotation, so the table's "w/ bwd %" is the share of
 each copy kind's time that ran beside backward's kernels (backward mode's D2H).
@@ -89,7 +89,9 @@ def check_args(args: argparse.Namespace) -> None:
             f"{block_size}"
         )
     if args.mode != "step" and args.optimizer != "hybrid":
-        raise UsageError(f"--mode {args.mode}: HybridAdamW's overlap modes need --optimizer hybrid")
+        raise UsageError(
+            f"--overlap {args.mode}: HybridAdamW's overlap modes need --optimizer hybrid"
+        )
     for flag, value in (
         ("--state-dtype", args.state_dtype),
         ("--master-weights", args.master_weights),

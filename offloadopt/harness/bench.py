@@ -57,7 +57,7 @@ def resolved(cfg: BenchConfig) -> BenchConfig:
     """
     for flag, value, known in (("--preset", cfg.preset, models.MODEL_PRESETS),
                                ("--dtype", cfg.dtype, DTYPES),
-                               *(("--modes", m, anchors.MODES) for m in cfg.modes),
+                               *(("--overlap", m, anchors.MODES) for m in cfg.modes),
                                *(("--anchors", a, anchors.ANCHORS) for a in cfg.anchors)):  # fmt: skip
         if value not in known:
             raise UsageError(f"{flag}: {value!r} is not one of {', '.join(known)}")
@@ -335,7 +335,7 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
             (f"{tag}:0 (repeat)", _tagged(base(0.0), repeat=True), False)]  # fmt: skip
     jobs += [(f"{tag}:{f:g}", base(f), False) for f in sorted(set(cfg.fractions) - {0.0})]
     if cfg.fsdp and set(cfg.modes) - {"step"}:
-        raise UsageError("--modes: with --fsdp the bench runs step mode only (its FSDP2 "
+        raise UsageError("--overlap: with --fsdp the bench runs step mode only (its FSDP2 "
                          "anchors name their own modes)")  # fmt: skip
     jobs += [(f"hybrid-{mode}:{f:g}", anchors.hybrid(f, mode, **rep), False)
              for mode in cfg.modes if mode != "step" for f in sorted(set(cfg.fractions))]  # fmt: skip

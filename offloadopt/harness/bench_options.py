@@ -16,6 +16,14 @@ __all__ = ["BenchConfig", "BENCH_FIELD_CHECKS", "add_bench_args", "AUDIT_OPTIMIZ
 __all__ += ["add_audit_args"]
 
 
+def _old_spelling(p: argparse.ArgumentParser, flag: str, dest: str, **kwargs) -> None:
+    """``flag``, a former name of an option of ``p`` kept working: it sets the same ``dest``
+    (checked as the option is), is left out of ``--help``, and its errors name it as typed.
+    A separate option rather than a second option string of the same one, which ``--help``
+    would show and argparse's errors would name ``--new/--old``."""
+    p.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+
 # --- bench --------------------------------------------------------------------------------------
 
 
@@ -75,11 +83,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     a("--lr", type=t["lr"], default=d.lr, help="AdamW learning rate, >= 0")
     a("--fractions", type=checks.fraction, nargs="+", default=d.fractions,
       help="HybridAdamW offload fractions, each in [0, 1]")
-    a("--modes", nargs="+", default=d.modes, choices=list(MODES), metavar="MODE",
+    a("--overlap", dest="modes", nargs="+", default=d.modes, choices=list(MODES),
+      metavar="MODE",
       help=f"overlap modes, each a sweep of --fractions beside step mode's (the baseline): any "
            f"of {list(MODES)} (backward: grads_final, wait='module'; backward-torch-clip: torch's clip_grad_norm_ 1.0 "
            "before step(), wait='module'; backward-clip: "
            "max_grad_norm=1.0)")
+    _old_spelling(p, "--modes", "modes", nargs="+", choices=list(MODES))
     a("--anchors", nargs="*", default=d.anchors, choices=list(ANCHOR_NAMES), metavar="ANCHOR",
       help=f"any of {sorted(ANCHOR_NAMES)}; none: --anchors")
     a("--state-dtype", default=d.state_dtype, choices=list(STATE_DTYPES),
@@ -116,9 +126,10 @@ def add_audit_args(p: argparse.ArgumentParser) -> None:
       help="the model's params and activations (default: %(default)s)")
     a("--optimizer", default="hybrid", choices=AUDIT_OPTIMIZERS)
     a("--offload-fraction", type=checks.fraction, default=1.0, help="for hybrid and megatron")
-    a("--mode", default="step", choices=tuple(MODES),
+    a("--overlap", dest="mode", default="step", choices=tuple(MODES),
       help="HybridAdamW's overlap mode (backward: grads_final, wait='module'; backward-clip: "
            "max_grad_norm=1.0; delayed: the delayed update)")
+    _old_spelling(p, "--mode", "mode", choices=tuple(MODES))
     a("--no-pin-memory", action="store_true",
       help="HybridAdamW(pin_memory=False): the pageable path")
     a("--state-dtype", default="fp32", choices=list(STATE_DTYPES),

@@ -80,7 +80,7 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 MODEL_PRESETS: list[str] = [*PRESETS, *HF_PRESETS]
 
 
-# The overlap modes the bench runs beside step mode (``offloadopt bench --modes``): the
+# The overlap modes the bench runs beside step mode (``offloadopt bench --overlap``): the
 # HybridAdamW options of each, and what its weights are compared as (README, "Overlap modes").
 MODES: dict[str, tuple[dict[str, Any], str]] = {
     "step": ({}, "same"),

@@ -119,7 +119,7 @@ def test_check_pinned_on_a_torch_optimizer_with_state_moved_to_the_host():
 
 
 def test_the_audit_shows_backward_modes_d2h_beside_backward_kernels():
-    """offloadopt audit --mode backward: part of the D2H runs while backward's kernels do; in
+    """offloadopt audit --overlap backward: part of the D2H runs while backward's kernels do; in
     step mode none (issue 8 item 7). At fraction 1 the worker's pace sets how much: it starts
     a D2H only while a staging slot is free, and slots come back as the CPU updates (11.2% of
     the D2H time beside backward on the H200 host in one run, 4.8% in another, 2026-12-01:
@@ -132,7 +132,7 @@ def test_the_audit_shows_backward_modes_d2h_beside_backward_kernels():
     bench_options.add_audit_args(p)
     beside = {}
     for mode in ("step", "backward"):
-        args = p.parse_args(["--device", "cuda", "--preset", "gpt2", "--mock-data", "--mode", mode,
+        args = p.parse_args(["--device", "cuda", "--preset", "gpt2", "--mock-data", "--overlap", mode,
                              "--batch-size", "8", "--seq-len", "512"])  # fmt: skip
         beside[mode] = audit_job.run_audit(args)["dtoh_beside_backward_pct"]
     print(f"D2H time beside backward kernels: {beside}")
