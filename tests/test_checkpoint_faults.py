@@ -29,7 +29,7 @@ from offloadopt import HybridAdamW
 from offloadopt.harness import checks
 from offloadopt.harness.options import TrainConfig
 from offloadopt.harness.train_checkpoint import load_checkpoint, save_checkpoint
-from offloadopt.state import integrity, streamed
+from offloadopt.state import integrity, leftovers, streamed
 
 DEAD = 2**22 + 4044  # above the default pid_max: a process that is gone
 
@@ -276,7 +276,7 @@ def test_a_save_killed_at_any_step_leaves_the_previous_or_the_new_checkpoint(
             opt.save_streamed(str(work / "ck"), model=m, extra="new")
         killed = str(tmp_path / f"killed-{n}-{how}" / "ck")
         with monkeypatch.context() as quiet:
-            quiet.setattr(streamed, "warn", lambda message: None)  # the recovery's warning
+            quiet.setattr(leftovers, "warn", lambda message: None)  # the recovery's warning
             outcome = try_load(counts, f"{how} {steps[n]}", killed, {"previous": previous,
                                                                      "new": new})  # fmt: skip
         assert outcome in ("previous", "new"), (how, steps[n], outcome)

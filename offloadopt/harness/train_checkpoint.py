@@ -19,7 +19,7 @@ from offloadopt.harness.options import DERIVED, TrainConfig
 from offloadopt.interrupts import signals_deferred
 from offloadopt.state import integrity
 from offloadopt.state.integrity import fsync_save
-from offloadopt.state.streamed import recover_leftovers, temp_file
+from offloadopt.state.leftovers import recover_leftovers, temp_file
 from offloadopt.warn import warn
 
 __all__ = ["CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "RESUME_MAY_CHANGE", "save_checkpoint"]

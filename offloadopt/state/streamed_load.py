@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from offloadopt.state import integrity
-from offloadopt.state.streamed import _FIX, _MODEL, _STATE, locate, read_index
+from offloadopt.state.leftovers import locate
+from offloadopt.state.streamed import _FIX, _MODEL, _STATE, read_index
 
 HybridOptimizer = Any  # offloadopt/optim.py's (not imported: the layers import downwards)
 
