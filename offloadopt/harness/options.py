@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from offloadopt.harness import checks
 from offloadopt.harness.checks import UsageError
-from offloadopt.harness.presets import PRESETS
+from offloadopt.harness.presets import PRESETS, RUN_DEFAULTS
 
 DTYPE_NAMES = ("fp32", "bf16")  # the model dtypes the commands take (torch.float32, bfloat16)
 
@@ -48,25 +48,6 @@ PARALLELS = ("none", "fsdp", "ddp")  # under torchrun: FSDP2 (fully_shard per bl
 # (Kept here: this module does not import torch; tests/test_bad_input.py checks it.)
 AUTO_CHOICE_STEPS = (1 + 3) + (1 + 2 + 3)
 
-# Per-preset (batch_size, peak lr) used when --batch-size / --lr are not given. The GPT-2
-# learning rates are GPT-3's for those sizes (Brown et al. 2020, table 2.1); the GPT-2 batch
-# sizes fit one 141 GB H200 in bf16 at 1024 tokens (benchmarks/RESULTS.md uses 4 x 1024 for xl).
-RUN_DEFAULTS: dict[str, tuple[int, float]] = {
-    "tiny": (16, 3e-3),
-    "small": (32, 1e-3),
-    "gpt2": (8, 6e-4),
-    "gpt2-medium": (8, 3e-4),
-    "gpt2-large": (4, 2.5e-4),
-    "gpt2-xl": (4, 2e-4),
-    # width 4096, one sequence a step (activation checkpointing): Adam's first steps move every
-    # weight by about lr at once, and on the GPU host (2026-12-01, 10 warm-up steps) 1e-4 and
-    # 2e-5 spiked gpt-17.5b's loss from 6.2 to 31 and 21 at step 2, 6e-6 gpt-9b's to 9.2 at
-    # step 6; at 2e-6 gpt-9b's fell from 5.2 to 3.9 in 20 steps
-    **dict.fromkeys(
-        ("gpt-9b", "gpt-13b", "gpt-17.5b", "gpt-18b", "gpt-25b", "gpt-30b", "gpt-32b", "gpt-40b"),
-        (1, 2e-6),
-    ),
-}
 # The fields whose default (None) resolved() derives from another field: field -> (that field,
 # the default for its value). A resume's refusal names the field changed, not what followed it.
 DERIVED = {"warmup_steps": ("steps", lambda steps: steps // 20),

@@ -1,7 +1,7 @@
 """The names the commands' options choose from, without importing torch (``offloadopt
---help`` reads them): the GPT presets' shapes, the transformers presets' configs, the bench's
-overlap modes and anchors. The modules that build them (``gpt``, ``models``, ``anchors``)
-import them from here.
+--help`` reads them): the GPT presets' shapes and ``train``'s defaults for each, the
+transformers presets' configs, the bench's overlap modes and anchors. The modules that build
+them (``gpt``, ``models``, ``anchors``) import them from here.
 """
 
 from __future__ import annotations
@@ -52,6 +52,26 @@ PRESETS: dict[str, GPTConfig] = {
     # Past 40e9: bf16-sr masters and int8 moments with both memories nearly full on one H200
     # + 128 GiB (docs/modes.md's table: about 42e9 at fraction 0.70 at most)
     "gpt-40b": GPTConfig(n_layer=199, n_head=32, n_embd=4096, vocab_size=256, block_size=1024),
+}
+
+# Per-preset (batch_size, peak lr) used when train's --batch-size / --lr are not given. The GPT-2
+# learning rates are GPT-3's for those sizes (Brown et al. 2020, table 2.1); the GPT-2 batch
+# sizes fit one 141 GB H200 in bf16 at 1024 tokens (benchmarks/RESULTS.md uses 4 x 1024 for xl).
+RUN_DEFAULTS: dict[str, tuple[int, float]] = {
+    "tiny": (16, 3e-3),
+    "small": (32, 1e-3),
+    "gpt2": (8, 6e-4),
+    "gpt2-medium": (8, 3e-4),
+    "gpt2-large": (4, 2.5e-4),
+    "gpt2-xl": (4, 2e-4),
+    # width 4096, one sequence a step (activation checkpointing): Adam's first steps move every
+    # weight by about lr at once, and on the GPU host (2026-12-01, 10 warm-up steps) 1e-4 and
+    # 2e-5 spiked gpt-17.5b's loss from 6.2 to 31 and 21 at step 2, 6e-6 gpt-9b's to 9.2 at
+    # step 6; at 2e-6 gpt-9b's fell from 5.2 to 3.9 in 20 steps
+    **dict.fromkeys(
+        ("gpt-9b", "gpt-13b", "gpt-17.5b", "gpt-18b", "gpt-25b", "gpt-30b", "gpt-32b", "gpt-40b"),
+        (1, 2e-6),
+    ),
 }
 
 
