@@ -30,7 +30,7 @@ from offloadopt.place.placement import (
     place,
     update_dtype,
 )
-from offloadopt.place.records import ParamRecord
+from offloadopt.place.records import ParamRecord, add_records, landing_buffers
 from offloadopt.place.report import check_pinned
 from offloadopt.rules import BLOCK, Rule
 from offloadopt.shards import check_setup, is_dtensor, local, refuse_sharded
@@ -252,15 +252,15 @@ class Placer:
     def place(self, group_indices: list[int]) -> None:
         """Place the params of these groups and allocate their host buffers (all or nothing)."""
         start = sum(len(g["params"]) for g in self.param_groups[: group_indices[0]])
+        tensors = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
         check_setup([(self.param_name(self.param_groups[gi], gi, i), p) for gi in group_indices
                      for i, p in enumerate(self.param_groups[gi]["params"])],
                     self.overlap, ddp=self.ddp)  # fmt: skip
         if self.rule.compressed:  # per-block scales are not laid out like FSDP2's shards
-            refuse_sharded([p for gi in group_indices for p in self.param_groups[gi]["params"]
-                            if is_dtensor(p)], self.rule.moments, self.rule.master_sr)  # fmt: skip
+            refuse_sharded([p for p in tensors if is_dtensor(p)], self.rule.moments,
+                           self.rule.master_sr)  # fmt: skip
         keys = {gi: self.rule.state_keys_for(self.param_groups[gi]) for gi in group_indices}
         infos = self.infos(group_indices)
-        tensors = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
         placements = place(infos, self.fraction, self.min_offload_numel,
                            self.master_weights, self.policy)  # fmt: skip
         order = [(tensors[k], pl.name, pl.group, update_dtype(pl.dtype, self.master_weights),
@@ -284,13 +284,8 @@ class Placer:
                 specs = {k: (self.rule.key_dtype(k, arena.dtype), self.rule.blockwise(k))
                          for k in ks}  # fmt: skip
                 arena.allocate(ks, pin[arena.device], specs)
-            landing = {}
-            if self.overlap == "delayed":  # the next weights, published at the next step()
-                for arena in arenas:
-                    for p in arena.params:
-                        landing[p] = torch.empty_like(
-                            local(p), memory_format=torch.contiguous_format
-                        )
+            # overlap="delayed": the next weights, published at the next step()
+            landing = landing_buffers(arenas) if self.overlap == "delayed" else {}
             # Staging as large as the largest bucket (at most bucket_nbytes); a later
             # add_param_group that needs more replaces it, between steps.
             for d in devices:
@@ -318,20 +313,8 @@ class Placer:
             self.pipeline.transfers[d] = tr
             for b in self.buckets:
                 b.forget_slot_views()
-        for pl in placements:
-            rec = ParamRecord(pl.name, pl, state_keys=keys[pl.group])
-            self.records[tensors[pl.index - start]] = rec
-        for arena in arenas:
-            for k, p in enumerate(arena.params):
-                rec = self.records[p]
-                rec.arena, rec.k = arena, k
-                rec.landing = landing.get(p)
-        for n, b in enumerate(buckets, start=len(self.buckets)):
-            b.index = n
-            for seg in b.segments:
-                rec = self.records[b.arena.params[seg.k]]
-                if not rec.buckets or rec.buckets[-1] is not b:
-                    rec.buckets.append(b)
+        placed = {tensors[pl.index - start]: pl for pl in placements}
+        add_records(self.records, placed, keys, arenas, buckets, landing, len(self.buckets))
         self.on_offloaded()([p for a in arenas for p in a.params])
         odd = [pl.name for pl in placements if pl.reason == "non-contiguous"]
         if odd and self.fraction > 0:

@@ -16,7 +16,7 @@ from offloadopt.link.layout import Arena, Bucket
 from offloadopt.place.placement import Placement
 from offloadopt.shards import local
 
-__all__ = ["ParamRecord"]
+__all__ = ["ParamRecord", "add_records", "landing_buffers"]
 
 
 @dataclass(eq=False)
@@ -75,3 +75,41 @@ class ParamRecord:
         ``param.data`` do not move the version and are not seen."""
         p = local(p)
         return self.written != (p._version, p.data_ptr())
+
+
+def landing_buffers(arenas: list[Arena]) -> dict[torch.Tensor, torch.Tensor]:
+    """Each offloaded param's :attr:`ParamRecord.landing` buffer (overlap="delayed"): the
+    param's shape, dtype and device, contiguous."""
+    landing = {}
+    for arena in arenas:
+        for p in arena.params:
+            landing[p] = torch.empty_like(local(p), memory_format=torch.contiguous_format)
+    return landing
+
+
+def add_records(
+    records: dict[torch.Tensor, ParamRecord],
+    placed: dict[torch.Tensor, Placement],
+    keys: dict[int, tuple[str, ...]],
+    arenas: list[Arena],
+    buckets: list[Bucket],
+    landing: dict[torch.Tensor, torch.Tensor],
+    first_bucket: int,
+) -> None:
+    """The records of newly placed params, put into ``records``: one per param of ``placed``
+    (param -> its placement), with its group's state ``keys`` (group index -> keys); an
+    offloaded param's home in ``arenas``, its ``landing`` buffer (overlap="delayed") and the
+    ``buckets`` that hold its segments, which are numbered from ``first_bucket`` on."""
+    for p, pl in placed.items():
+        records[p] = ParamRecord(pl.name, pl, state_keys=keys[pl.group])
+    for arena in arenas:
+        for k, p in enumerate(arena.params):
+            rec = records[p]
+            rec.arena, rec.k = arena, k
+            rec.landing = landing.get(p)
+    for n, b in enumerate(buckets, start=first_bucket):
+        b.index = n
+        for seg in b.segments:
+            rec = records[b.arena.params[seg.k]]
+            if not rec.buckets or rec.buckets[-1] is not b:
+                rec.buckets.append(b)
