@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 import torch
+from oracle import DelayedTorch
 
 import offloadopt
 from offloadopt.harness.distributed import init_from_env, shard_fsdp, teardown, wrap_ddp
 from offloadopt.harness.gpt import GPT, GPTConfig
-from offloadopt.shards import local
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
 STEPS, LR, BATCH = 4, 1e-2, 2
@@ -64,36 +64,6 @@ def hybrid(params, **kw):
 
 def torch_adamw(params):
     return torch.optim.AdamW(params, lr=LR, fused=True)
-
-
-class DelayedTorch:
-    """The delayed parameter update by hand around torch's AdamW (every param offloaded): the
-    params show the weights one update behind the optimizer's, which live in ``masters``."""
-
-    def __init__(self, model):
-        self.params = list(model.parameters())
-        self.opt = torch_adamw(self.params)
-        self.masters = [local(p).detach().clone() for p in self.params]
-
-    @torch.no_grad()
-    def step(self):
-        # The forward of step t read w_{t-2}; the update applies its grads to w_{t-1} (the
-        # masters) and the params show w_{t-1} until the next step.
-        before = self.masters
-        for p, m in zip(self.params, before, strict=True):
-            local(p).copy_(m)
-        self.opt.step()
-        self.masters = [local(p).detach().clone() for p in self.params]
-        for p, m in zip(self.params, before, strict=True):
-            local(p).copy_(m)
-
-    def zero_grad(self):
-        self.opt.zero_grad()
-
-    @torch.no_grad()
-    def synchronize(self):
-        for p, m in zip(self.params, self.masters, strict=True):
-            local(p).copy_(m)
 
 
 def train(model, opt, rank, steps=STEPS, start=0, clip=None, accumulate=1):
@@ -152,7 +122,7 @@ def run_fsdp(rank: int, world: int, arg: str) -> dict:
     }  # fmt: skip
     for name, (make, clip, shard) in runs.items():
         model = fresh("fsdp", **shard)
-        opt = DelayedTorch(model) if make is None else make(model.parameters())
+        opt = DelayedTorch(model, LR) if make is None else make(model.parameters())
         if name.endswith("_spec"):  # every step speculates: no holding back after a clip
             opt.debug.speculation.MAX_HOLD = 0
         if "module" in name:
@@ -277,7 +247,7 @@ def run_ddp(rank: int, world: int, arg: str) -> dict:
             opt.close()
     for name, make in runs.items():
         model = fresh("ddp")
-        opt = DelayedTorch(model) if make is None else make(list(model.parameters()))
+        opt = DelayedTorch(model, LR) if make is None else make(list(model.parameters()))
         train(model, opt, rank)
         out[name] = whole(model)
         if name == "zero_f0.5":

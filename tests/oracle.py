@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from offloadopt import HybridAdamW
+from offloadopt.shards import local
 
 FRACTIONS = (0.0, 0.5, 1.0)
 
@@ -90,3 +91,36 @@ class DelayedReference:
         for p, w in self.pending:
             p.copy_(w)
         self.pending = []
+
+
+class DelayedTorch:
+    """The delayed parameter update by hand around torch's AdamW(fused=True) on the params
+    themselves (every param offloaded; DDP's or FSDP2's, each rank's shard: tests/dist_job.py):
+    the params show the weights one update behind the optimizer's, which live in ``masters``.
+    Unlike :class:`DelayedReference` it keeps no fp32 master, clips nothing and delays every
+    param from the first step."""
+
+    def __init__(self, model, lr):
+        self.params = list(model.parameters())
+        self.opt = torch.optim.AdamW(self.params, lr=lr, fused=True)
+        self.masters = [local(p).detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def step(self):
+        # The forward of step t read w_{t-2}; the update applies its grads to w_{t-1} (the
+        # masters) and the params show w_{t-1} until the next step.
+        before = self.masters
+        for p, m in zip(self.params, before, strict=True):
+            local(p).copy_(m)
+        self.opt.step()
+        self.masters = [local(p).detach().clone() for p in self.params]
+        for p, m in zip(self.params, before, strict=True):
+            local(p).copy_(m)
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+
+    @torch.no_grad()
+    def synchronize(self):
+        for p, m in zip(self.params, self.masters, strict=True):
+            local(p).copy_(m)
