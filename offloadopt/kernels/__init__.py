@@ -92,7 +92,10 @@ HINT = (
     "and speculate=True's fast backups need a C++ compiler and ninja to build offloadopt's CPU "
     "kernel: install g++ (apt install g++) and ninja (pip install ninja)"
 )
-STAMP = "offloadopt-build.txt"  # written after a build succeeds: what was built, how long it took
+# written after a build succeeds, one line a finished build: its name (the cache key), the
+# library's size and sha256 (checked before each import: a damaged file is built again, not
+# mapped, where a truncated one crashed the process with SIGBUS), how long it took
+STAMP = "offloadopt-build.txt"
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -156,16 +159,55 @@ def _import(path: Path, name: str) -> ModuleType:
     return module
 
 
-def _finished(directory: Path, name: str) -> Path | None:
-    """The built library in ``directory`` if a build of ``name`` finished there (its stamp
-    names it), else None."""
-    so = directory / f"{name}.so"
-    stamp = directory / STAMP
+def _digest(path: Path) -> str:
+    """``<bytes>:<sha256>`` of a file (a built library: about 1 MB, a few ms)."""
+    data = path.read_bytes()
+    return f"{len(data)}:{hashlib.sha256(data).hexdigest()}"
+
+
+def _stamps(directory: Path) -> dict[str, str]:
+    """The stamp's lines by build name (an unreadable or missing stamp: none)."""
     try:
-        done = stamp.read_text().split()[0] == name
-    except (OSError, IndexError):
+        lines = (directory / STAMP).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return {}
+    return {ln.split()[0]: ln for ln in lines if ln.split()}
+
+
+def _finished(directory: Path, name: str) -> Path | None:
+    """The built library in ``directory`` if a build of ``name`` finished there and the file
+    is still what that build wrote (its size and sha256, as the stamp has them), else None.
+    Several installs may share one folder (``$OFFLOADOPT_KERNEL_DIR``): each has its line."""
+    so = directory / f"{name}.so"
+    line = _stamps(directory).get(name, "")
+    digest = next((w[len("digest=") :] for w in line.split() if w.startswith("digest=")), None)
+    try:
+        return so if digest is not None and _digest(so) == digest else None
+    except OSError:
         return None
-    return so if done and so.exists() else None
+
+
+def _stamp(directory: Path, name: str, seconds: float) -> None:
+    """Record the finished build of ``name`` in the stamp, beside the other builds' lines."""
+    lines = _stamps(directory)
+    lines[name] = (f"{name} digest={_digest(directory / f'{name}.so')} built in {seconds:.1f} s, "
+                   f"torch {torch.__version__}")  # fmt: skip
+    tmp = directory / f"{STAMP}.{os.getpid()}"
+    tmp.write_text("".join(ln + "\n" for ln in lines.values()))
+    os.replace(tmp, directory / STAMP)  # a reader sees the old stamp or the new, never half
+
+
+def _import_finished(so: Path, name: str) -> ModuleType:
+    """Import a finished, unchanged build; a library that still fails to load (a system
+    library gone, another torch's ABI) is one clear line, not a traceback."""
+    try:
+        return _import(so, name)
+    except (ImportError, OSError) as e:
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise KernelBuildError(
+            f"offloadopt: offloadopt's CPU kernel in {so.parent} did not load: {first} "
+            f"(delete {so.parent} to build it again)"
+        ) from e
 
 
 def _build(directory: Path) -> ModuleType:
@@ -179,7 +221,7 @@ def _build(directory: Path) -> ModuleType:
     name = f"offloadopt_adam_cpu_{cache_key()}"
     so = _finished(directory, name)
     if so is not None:
-        return _import(so, name)
+        return _import_finished(so, name)
     from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX", "c++")
@@ -192,9 +234,14 @@ def _build(directory: Path) -> ModuleType:
         with _exclusive(directory):
             so = _finished(directory, name)  # built by another process while this one waited
             if so is not None:
-                return _import(so, name)
+                return _import_finished(so, name)
+            # a library its record does not match: damaged, or recorded by an older offloadopt
+            again = name in _stamps(directory)
+            (directory / f"{name}.so").unlink(missing_ok=True)  # mapped elsewhere: still safe
             print(f"offloadopt: building offloadopt's CPU kernel (once per torch version, "
-                  f"about 40 s; cached in {directory})", file=sys.stderr, flush=True)  # fmt: skip
+                  f"about 40 s; cached in {directory})"
+                  + (": the cached build does not match its record" if again else ""),
+                  file=sys.stderr, flush=True)  # fmt: skip
             start = time.perf_counter()
             module = cpp_extension.load(
                 name=name,
@@ -207,12 +254,18 @@ def _build(directory: Path) -> ModuleType:
                 verbose=False,
             )
             seconds = time.perf_counter() - start
-            (directory / STAMP).write_text(f"{name} built in {seconds:.1f} s, torch "
-                                           f"{torch.__version__}\n")  # fmt: skip
+            _stamp(directory, name, seconds)
             print(f"offloadopt: built offloadopt's CPU kernel in {seconds:.0f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
             return module
+    except KernelBuildError:
+        raise
     except Exception as e:  # noqa: BLE001 - any build failure becomes one clear line
+        if isinstance(e, OSError) and not _writable(directory):  # no compiler would help
+            raise KernelBuildError(
+                f"offloadopt: offloadopt's CPU kernel cannot be built in {directory}: "
+                f"{_last_line(e)} (set OFFLOADOPT_KERNEL_DIR to a folder this user may write)"
+            ) from e
         # g++ and ninja were found: say that the build failed first, then what it needs (the
         # bare hint read as "not installed" when the build failed for another reason)
         raise KernelBuildError(
@@ -220,6 +273,15 @@ def _build(directory: Path) -> ModuleType:
             f"{directory}; the build said: {_last_line(e)} (it needs a working C++ compiler "
             "and ninja: install g++ (apt install g++) and ninja (pip install ninja))"
         ) from e
+
+
+def _writable(directory: Path) -> bool:
+    """Whether this user may write ``directory`` (or, where it does not exist, the nearest
+    folder above it that does)."""
+    for d in (directory, *directory.parents):
+        if d.exists():
+            return os.access(d, os.W_OK)
+    return False
 
 
 @contextlib.contextmanager
@@ -237,7 +299,12 @@ def _exclusive(directory: Path):
         yield
         return
     with open(directory / "offloadopt.lock", "a") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process builds: say so, then wait for it
+            print(f"offloadopt: waiting for another process's build of offloadopt's CPU kernel "
+                  f"in {directory}", file=sys.stderr, flush=True)  # fmt: skip
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         try:
             (directory / "lock").unlink(missing_ok=True)
             yield
