@@ -16,6 +16,10 @@ from offloadopt.options import OPTION_NAMES, Options
 from offloadopt.rules import MOMENTS, Rule
 from offloadopt.warn import warn
 
+# cpu_threads' upper bound is 4 a CPU, and at least this: tens of thousands of threads made
+# libgomp fail to create them or crash (SIGSEGV) inside torch.set_num_threads on the worker
+MAX_THREADS = 64
+
 __all__ = ["validate_options", "check_combinations", "validate_group", "validate_params_arg"]
 
 
@@ -80,7 +84,7 @@ def tensor_betas(hyper: dict[str, Any]) -> None:
 def _check_worker_cpus(value: Any) -> None:
     """``worker_cpus``: None, ``"any"``, or a non-empty collection of CPU ids this process may
     run on (``os.sched_getaffinity``). Raises ValueError naming the value."""
-    if value is None or value == "any":
+    if value is None or (isinstance(value, str) and value == "any"):
         return
     ok = (isinstance(value, (list, tuple, set, frozenset, range)) and len(value) > 0
           and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value))  # fmt: skip
@@ -144,8 +148,10 @@ def validate_options(
            f"Invalid min_offload_numel: {o.min_offload_numel!r} (expected an int >= 0)")  # fmt: skip
     _check(o.bucket_nbytes is None or (count(o.bucket_nbytes) and o.bucket_nbytes > 0),
            f"Invalid bucket_nbytes: {o.bucket_nbytes!r} (expected None or an int > 0)")  # fmt: skip
-    _check(o.cpu_threads is None or (count(o.cpu_threads) and o.cpu_threads > 0),
-           f"Invalid cpu_threads: {o.cpu_threads!r} (expected None or an int > 0)")  # fmt: skip
+    most = max(MAX_THREADS, 4 * (os.cpu_count() or 1))  # more only contend (and crash libgomp)
+    _check(o.cpu_threads is None or (count(o.cpu_threads) and 0 < o.cpu_threads <= most),
+           f"Invalid cpu_threads: {o.cpu_threads!r} (expected None or an int in 1..{most}: "
+           f"4 a CPU of this machine's {os.cpu_count()}, {MAX_THREADS} at least)")  # fmt: skip
     _check_worker_cpus(o.worker_cpus)
     _check(number(o.timeout_s) and 0 < o.timeout_s < 1e7,
            f"Invalid timeout_s: {o.timeout_s!r} (expected seconds, finite and > 0)")  # fmt: skip

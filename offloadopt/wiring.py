@@ -28,27 +28,32 @@ from offloadopt.step.step import Timeline
 from offloadopt.step.update import Updater
 from offloadopt.warn import warn
 
-__all__ = ["check_and_place", "publisher_for", "rule_for", "wire"]
+__all__ = ["check_and_place", "load_kernel", "publisher_for", "rule_for", "wire"]
 
 
 def rule_for(rule: Rule, o: Options) -> Rule:
     """The class's ``rule`` under the options: a compressed representation (``state_dtype``,
-    ``master_weights="bf16-sr"``) runs offloadopt's kernel, built now so that a missing
-    compiler fails here; ``speculate=True`` with Adam/AdamW builds it too (it writes the
-    speculative backups, offloadopt/step/speculate.py: built now, not on the worker in the
-    middle of a step, about 40 s once), and says so where it cannot."""
+    ``master_weights="bf16-sr"``) runs offloadopt's kernel (:func:`load_kernel`)."""
     compressed = dc_replace(rule, moments=o.state_dtype, master_sr=o.master_weights == "bf16-sr",
                             flush_denormal=o.flush_denormal)  # fmt: skip
-    if compressed.compressed:
+    return compressed if compressed.compressed else rule
+
+
+def load_kernel(rule: Rule, o: Options) -> None:
+    """Build offloadopt's kernel where ``rule`` (from :func:`rule_for`) needs it, after the
+    params were checked (a refused param is named before a 40 s build, and not hidden by a
+    missing compiler) and before anything is placed: a compressed representation fails here
+    without a compiler; ``speculate=True`` with Adam/AdamW builds it too (it writes the
+    speculative backups, offloadopt/step/speculate.py: built now, not on the worker in the
+    middle of a step, about 40 s once), and says so where it cannot."""
+    if rule.compressed:
         kernels.load()
-        return compressed
-    if o.speculate and isinstance(rule, AdamWRule):
+    elif o.speculate and isinstance(rule, AdamWRule):
         try:
             kernels.load()
         except kernels.KernelBuildError as e:
             warn(f"offloadopt: speculate=True: {e}; the speculative backups are copies "
                  "made before each update instead (slower: docs/modes.md)")  # fmt: skip
-    return rule
 
 
 def wire(opt: Any, o: Options, sizes: dict[str, int | None]) -> None:

@@ -178,6 +178,16 @@ def test_the_worker_and_its_pool_run_on_their_cpus():
     opt.close()
 
 
+def test_the_stats_tell_an_unpinned_worker_from_none():
+    p = torch.nn.Parameter(torch.randn(64))
+    for fraction, expected in ((1.0, "any"), (0.0, "")):
+        opt = HybridAdamW([p], min_offload_numel=1, worker_cpus="any", offload_fraction=fraction)
+        p.grad = torch.randn(64)
+        opt.step()
+        assert opt.stats["worker_cpus"] == expected, fraction
+        opt.close()
+
+
 def test_more_threads_than_the_pinned_cpus_warns_naming_them():
     with pytest.warns(
         UserWarning, match=r"cpu_threads=3 is more than the 1 CPU\(s\) of worker_cpus \(0\)"
@@ -187,10 +197,37 @@ def test_more_threads_than_the_pinned_cpus_warns_naming_them():
         opt.close()
 
 
-@pytest.mark.parametrize("bad", [[], ["0"], [-1], 7, "all", [True], [10**6]])
+@pytest.mark.parametrize("bad", [[], ["0"], [-1], 7, "all", [True], [10**6], "np"])
 def test_bad_worker_cpus_are_refused_naming_the_value(bad):
+    if bad == "np":  # an array's == "any" is elementwise: it raised numpy's truth-value error
+        import numpy as np
+
+        bad = np.array([0, 1])
     with pytest.raises(ValueError, match="Invalid worker_cpus"):
         HybridAdamW([torch.nn.Parameter(torch.randn(64))], worker_cpus=bad)
+
+
+@pytest.mark.parametrize("bad", [100_000, 2**31])
+def test_a_thread_count_no_machine_could_run_is_refused_before_the_worker_starts(bad):
+    """cpu_threads=100000 crashed the process (SIGSEGV in libgomp, inside the worker's
+    torch.set_num_threads) and 2**31 hung the constructor for 60 s: now a ValueError."""
+    most = max(64, 4 * os.cpu_count())
+    with pytest.raises(
+        ValueError, match=rf"Invalid cpu_threads: {bad} \(expected None or an int in 1\.\.{most}"
+    ):
+        HybridAdamW([torch.nn.Parameter(torch.randn(64))], min_offload_numel=1, cpu_threads=bad)
+
+
+def test_a_worker_that_fails_to_start_raises_at_once_naming_the_cause(monkeypatch):
+    """Any failure before the worker's loop (its affinity, its thread count) is raised by the
+    constructor with its cause, not after the 60 s start timeout as a WaitTimeout."""
+
+    def refuse(pid, cpus):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(worker_mod.os, "sched_setaffinity", refuse)
+    with pytest.raises(RuntimeError, match=r"did not start \(2 threads, CPUs \[0\]\): OSError"):
+        worker_mod.Worker(2, flush_denormal=False, timeout_s=120, cpus=[0])
 
 
 def test_omp_num_threads_1_is_said_once_and_few_threads_warn(monkeypatch, caplog):

@@ -69,7 +69,8 @@ def worker_line(stats: dict[str, Any]) -> str:
     def cpus(text: str) -> str:
         return f"CPU{'s' if ',' in text or '-' in text else ''} {text}"
 
-    where = cpus(stats["worker_cpus"]) if stats.get("worker_cpus") else "any CPU (unpinned)"
+    pinned = stats.get("worker_cpus") not in (None, "", "any")
+    where = cpus(stats["worker_cpus"]) if pinned else "any CPU (unpinned)"
     left = stats.get("training_cpus")
     left = f"; {cpus(left)} left to the training thread" if left else ""
     return f"CPU worker: {threads} thread{'s' if threads != 1 else ''} on {where}{left}"

@@ -203,18 +203,24 @@ class Job:
 
 
 def _serve(jobs: queue.SimpleQueue, ready: threading.Event, threads: int, flush: bool,
-           cpus: list[int] | None) -> None:  # fmt: skip
+           cpus: list[int] | None, failed: list[BaseException]) -> None:  # fmt: skip
     """The worker's loop. Holds no reference to the optimizer (it can be collected while the
-    thread waits; its finalizer then stops the thread)."""
-    if cpus:  # this thread's affinity (Linux: pid 0 is the calling thread); its pool inherits it
-        os.sched_setaffinity(0, cpus)
-    if flush:
-        torch.set_flush_denormal(True)  # FTZ/DAZ for this thread; its pool, made below, inherits
-    torch.set_num_threads(threads)  # this thread's count (and, for now, the default)
-    torch.get_num_threads()  # torch's per-thread lazy init: adopts the count now
-    torch.ones(1 << 20).mul_(2.0).sum()  # a parallel region: the pool exists, with FTZ set
-    torch.set_grad_enabled(False)  # grad mode is per thread: the updates write params in place
-    ready.set()
+    thread waits; its finalizer then stops the thread). A failure to start goes to ``failed``
+    (the thread then ends)."""
+    try:
+        if cpus:  # this thread's affinity (Linux: pid 0 is the calling thread); its pool inherits
+            os.sched_setaffinity(0, cpus)
+        if flush:
+            torch.set_flush_denormal(True)  # FTZ/DAZ for this thread; its pool inherits
+        torch.set_num_threads(threads)  # this thread's count (and, for now, the default)
+        torch.get_num_threads()  # torch's per-thread lazy init: adopts the count now
+        torch.ones(1 << 20).mul_(2.0).sum()  # a parallel region: the pool exists, with FTZ set
+        torch.set_grad_enabled(False)  # grad mode is per thread: the updates write in place
+    except BaseException as e:  # noqa: BLE001 - the constructor raises it, at once
+        failed.append(e)
+        return
+    finally:
+        ready.set()
     while True:
         job = jobs.get()
         if job is None:
@@ -246,6 +252,8 @@ class Worker:
 
     Raises:
         TimeoutError: the thread did not start in time.
+        RuntimeError: the thread failed to start (its affinity or thread count refused); the
+            cause is chained.
     """
 
     def __init__(self, threads: int, flush_denormal: bool, timeout_s: float = 60.0,
@@ -254,10 +262,11 @@ class Worker:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.stopping = threading.Event()  # set when the worker is closed or collected
         ready = threading.Event()
+        failed: list[BaseException] = []
         before = torch.get_num_threads()
         self._thread = threading.Thread(
             target=_serve,
-            args=(self._jobs, ready, threads, flush_denormal, cpus),
+            args=(self._jobs, ready, threads, flush_denormal, cpus, failed),
             name="offloadopt-worker",
             daemon=True,  # a live optimizer never keeps the process from exiting
         )
@@ -266,6 +275,11 @@ class Worker:
         # The worker's pool exists with its own count: give the training thread (and threads
         # started later) torch's count back.
         torch.set_num_threads(before)
+        if failed:  # before the wait's timeout, not after it
+            raise RuntimeError(
+                f"offloadopt: the CPU worker thread did not start ({threads} threads, CPUs "
+                f"{cpus or 'any'}): {type(failed[0]).__name__}: {failed[0]}"
+            ) from failed[0]
         if not started:
             raise WaitTimeout(f"offloadopt: the CPU worker thread did not start in {timeout_s:g} s")
         # Stops the thread when the worker is collected, closed, or at interpreter exit.

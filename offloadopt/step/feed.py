@@ -261,9 +261,10 @@ class Feeder:
                     self.records[p].mark_written(p)
         worker = self.placer.pipeline is not None
         st.stats["cpu_threads"] = self.placer.cpu_threads if worker else 0
-        # where the worker runs: its CPUs ("" unpinned) and those left to the training thread
+        # where the worker runs: its CPUs ("any": unpinned; "": no worker) and those left to
+        # the training thread
         plan = self.placer.cpu_plan
-        st.stats["worker_cpus"] = cpu_text(plan.cpus) if worker and plan.cpus else ""
+        st.stats["worker_cpus"] = (cpu_text(plan.cpus) if plan.cpus else "any") if worker else ""
         st.stats["training_cpus"] = cpu_text(plan.training) if worker else ""
         st.stats["local_ranks"] = local_ranks()  # processes on this host sharing its cores
         self.stats = st.stats  # step() sets its step_ms (the same dict) when it returns
