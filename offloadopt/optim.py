@@ -83,7 +83,6 @@ class HybridOptimizer(Reports, Checkpoints, Optimizer):
         if "betas" in defaults:
             defaults["betas"] = tuple(defaults["betas"])
         super().__init__(params, defaults)  # each group checked (validate_group)
-        wiring.load_kernel(self.rule, o)
         self.state = OptimizerState(self)  # assignments copy into the buffers (state.py)
         wiring.wire(self, o, sizes)  # the owners, each handed the ones it uses
         wiring.check_and_place(self, o)  # the groups checked and placed; ddp='s comm hook

@@ -87,10 +87,11 @@ def _check_worker_cpus(value: Any) -> None:
     if value is None or (isinstance(value, str) and value == "any"):
         return
     ok = (isinstance(value, (list, tuple, set, frozenset, range)) and len(value) > 0
-          and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value))  # fmt: skip
+          and all(isinstance(c, numbers.Integral) and not isinstance(c, bool) and c >= 0
+                  for c in value))  # fmt: skip
     if not ok:
         raise ValueError(f"Invalid worker_cpus: {value!r} (expected None, 'any', or a non-empty "
-                         "list of CPU ids)")  # fmt: skip
+                         "list of CPU ids, ints >= 0)")  # fmt: skip
     try:
         allowed = os.sched_getaffinity(0)
     except (AttributeError, OSError):
@@ -149,7 +150,8 @@ def validate_options(
     _check(o.bucket_nbytes is None or (count(o.bucket_nbytes) and o.bucket_nbytes > 0),
            f"Invalid bucket_nbytes: {o.bucket_nbytes!r} (expected None or an int > 0)")  # fmt: skip
     most = max(MAX_THREADS, 4 * (os.cpu_count() or 1))  # more only contend (and crash libgomp)
-    _check(o.cpu_threads is None or (count(o.cpu_threads) and 0 < o.cpu_threads <= most),
+    integral = isinstance(o.cpu_threads, numbers.Integral) and not isinstance(o.cpu_threads, bool)
+    _check(o.cpu_threads is None or (integral and 0 < o.cpu_threads <= most),
            f"Invalid cpu_threads: {o.cpu_threads!r} (expected None or an int in 1..{most}: "
            f"4 a CPU of this machine's {os.cpu_count()}, {MAX_THREADS} at least)")  # fmt: skip
     _check_worker_cpus(o.worker_cpus)

@@ -41,8 +41,8 @@ def rule_for(rule: Rule, o: Options) -> Rule:
 
 def load_kernel(rule: Rule, o: Options) -> None:
     """Build offloadopt's kernel where ``rule`` (from :func:`rule_for`) needs it, after the
-    params were checked (a refused param is named before a 40 s build, and not hidden by a
-    missing compiler) and before anything is placed: a compressed representation fails here
+    params and the setup were checked (a refusal is named before a 40 s build, and not hidden
+    by a missing compiler) and before anything is placed: a compressed representation fails here
     without a compiler; ``speculate=True`` with Adam/AdamW builds it too (it writes the
     speculative backups, offloadopt/step/speculate.py: built now, not on the worker in the
     middle of a step, about 40 s once), and says so where it cannot."""
@@ -102,8 +102,9 @@ def wire(opt: Any, o: Options, sizes: dict[str, int | None]) -> None:
 
 
 def check_and_place(opt: Any, o: Options) -> None:
-    """The groups checked against the options (auto, bf16-sr, ddp=, ZeRO), placed now or at
-    the first step (meta params, a budget), and ``ddp=``'s comm hook installed.
+    """The groups checked against the options (auto, bf16-sr, ddp=, ZeRO), the kernel built
+    where the rule needs it (:func:`load_kernel`), the groups placed now or at the first step
+    (meta params, a budget), and ``ddp=``'s comm hook installed.
 
     Raises:
         ValueError, RuntimeError: a group or setup the options refuse (named); ``ddp=`` on a
@@ -123,6 +124,7 @@ def check_and_place(opt: Any, o: Options) -> None:
         check_ddp(o.ddp, groups, opt._placer.param_name)
     check_zero(o.overlap, groups, world_size(), max_grad_norm=o.max_grad_norm,
                grad_scaler=o.grad_scaler)  # fmt: skip
+    load_kernel(opt.rule, o)  # every check above first: none waits for a 40 s build
     opt._placer.place_or_defer(list(range(len(groups))))
     if o.ddp is not None:
         try:

@@ -42,7 +42,7 @@ def test_a_damaged_library_is_built_again_not_imported(fake, tmp_path, capsys):
     for damage in (so.read_bytes()[:5], b"", so.read_bytes()[:-1] + b"!"):
         so.write_bytes(damage)
         assert kernels._build(directory)[0] == "built"
-        assert "does not match its record" in capsys.readouterr().err
+        assert "does not match its record (damaged)" in capsys.readouterr().err
     assert len(builds) == 4 and len(imports) == 1
 
 
@@ -139,3 +139,54 @@ def test_a_refused_param_is_named_before_the_kernel_is_built(monkeypatch, params
         HybridAdamW(ps, **options)
     with pytest.raises(kernels.KernelBuildError):  # a good param still needs the kernel
         HybridAdamW([torch.nn.Parameter(torch.randn(8))], **options)
+
+
+def test_a_record_from_before_the_check_is_built_again_saying_why(fake, tmp_path, capsys):
+    """A build recorded by an older offloadopt (no size and sha256) is built again once,
+    and the notice says why (it read "does not match its record", as damage would)."""
+    builds, imports = fake
+    directory = tmp_path / "k"
+    kernels._build(directory)
+    name = builds[0]
+    (directory / kernels.STAMP).write_text(f"{name} built in 40.0 s, torch 2.13.0+cpu\n")
+    capsys.readouterr()
+    assert kernels._build(directory)[0] == "built"
+    err = capsys.readouterr().err
+    assert "predates the size and sha256 check" in err and "damaged" not in err
+    assert kernels._build(directory)[0] == "imported" and len(builds) == 2
+
+
+def test_a_record_from_before_the_check_in_a_read_only_folder_is_imported(
+    fake, tmp_path, monkeypatch
+):
+    """No build could replace it there (an administrator's shared folder): imported, as the
+    offloadopt that recorded it did, not refused."""
+    builds, imports = fake
+    directory = tmp_path / "k"
+    kernels._build(directory)
+    (directory / kernels.STAMP).write_text(f"{builds[0]} built in 40.0 s, torch 2.13.0+cpu\n")
+    monkeypatch.setattr(kernels, "_writable", lambda d: False)
+    assert kernels._build(directory)[0] == "imported" and len(builds) == 1
+
+
+def test_a_kernel_folder_that_is_a_file_is_named(fake, tmp_path):
+    path = tmp_path / "k"
+    path.write_text("not a folder")
+    with pytest.raises(kernels.KernelBuildError, match="it is a file, not a folder") as info:
+        kernels._build(path)
+    assert "install g++" not in str(info.value)
+
+
+def test_the_setup_checks_come_before_the_kernel_is_built(monkeypatch):
+    """A group's 'offload' key with offload_fraction='auto' was refused after the build."""
+    import torch
+
+    from offloadopt import HybridAdamW
+
+    def no_compiler():
+        raise kernels.KernelBuildError("offloadopt: ... install g++; the build said: not found")
+
+    monkeypatch.setattr(kernels, "load", no_compiler)
+    group = {"params": [torch.nn.Parameter(torch.randn(8))], "offload": True}
+    with pytest.raises(ValueError, match="auto"):
+        HybridAdamW([group], offload_fraction="auto", state_dtype="int8")

@@ -178,6 +178,19 @@ def test_the_worker_and_its_pool_run_on_their_cpus():
     opt.close()
 
 
+def test_numpy_ints_are_taken_for_the_thread_count_and_the_cpus():
+    import numpy as np
+
+    cpu = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = HybridAdamW([p], min_offload_numel=1, cpu_threads=np.int64(1),
+                      worker_cpus=[np.int64(cpu)])  # fmt: skip
+    p.grad = torch.randn(64)
+    opt.step()
+    assert opt.stats["cpu_threads"] == 1 and opt.stats["worker_cpus"] == str(cpu)
+    opt.close()
+
+
 def test_the_stats_tell_an_unpinned_worker_from_none():
     p = torch.nn.Parameter(torch.randn(64))
     for fraction, expected in ((1.0, "any"), (0.0, "")):

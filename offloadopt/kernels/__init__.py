@@ -222,6 +222,16 @@ def _build(directory: Path) -> ModuleType:
     so = _finished(directory, name)
     if so is not None:
         return _import_finished(so, name)
+    if directory.exists() and not directory.is_dir():
+        raise KernelBuildError(f"offloadopt: offloadopt's CPU kernel cannot be built in "
+                               f"{directory}: it is a file, not a folder (set "
+                               "OFFLOADOPT_KERNEL_DIR to a folder)")  # fmt: skip
+    record = _stamps(directory).get(name)
+    so = directory / f"{name}.so"
+    if record is not None and "digest=" not in record and so.exists() and not _writable(directory):
+        # recorded by an offloadopt before the size and sha256 check, in a folder this user
+        # cannot write (so no build could replace it): imported as that offloadopt did
+        return _import_finished(so, name)
     from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX", "c++")
@@ -235,13 +245,17 @@ def _build(directory: Path) -> ModuleType:
             so = _finished(directory, name)  # built by another process while this one waited
             if so is not None:
                 return _import_finished(so, name)
-            # a library its record does not match: damaged, or recorded by an older offloadopt
-            again = name in _stamps(directory)
+            record = _stamps(directory).get(name)
+            why = ("" if record is None
+                   else ": its record predates the size and sha256 check" if "digest=" not in record
+                   else ": the cached build does not match its record (damaged)")  # fmt: skip
             (directory / f"{name}.so").unlink(missing_ok=True)  # mapped elsewhere: still safe
-            print(f"offloadopt: building offloadopt's CPU kernel (once per torch version, "
-                  f"about 40 s; cached in {directory})"
-                  + (": the cached build does not match its record" if again else ""),
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"offloadopt: building offloadopt's CPU kernel (once per torch version, "
+                f"about 40 s; cached in {directory}){why}",
+                file=sys.stderr,
+                flush=True,
+            )
             start = time.perf_counter()
             module = cpp_extension.load(
                 name=name,

@@ -143,7 +143,8 @@ def plan_cpus(option, threads: int | None, training_thread_busy: bool) -> CpuPla
     training thread is busy while the worker runs, unless that would leave the worker
     nothing), ``"any"`` (no affinity: the OS places the threads; :func:`default_cpu_threads`),
     or the CPU ids. ``threads``: the ``cpu_threads`` option (None: one per CPU of the plan)."""
-    if option == "any":
+    threads = None if threads is None else int(threads)  # numpy's ints too
+    if isinstance(option, str):  # "any" (validated)
         n = threads or default_cpu_threads(training_thread_busy)
         return CpuPlan(None, n, [])
     if option is not None:
