@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::SyntaxWarning
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(), 'threads', torch.get_num_threads())"
 for part in "${@:-all}"; do
   if [[ $part == tests || $part == all ]]; then
-    timeout 300 python3 -m pytest tests/cuda -m cuda -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15
+    timeout 540 python3 -m pytest tests/cuda -m cuda -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15
     python3 tests/cuda/record_fixture.py "$OUT/audit_trace_h200.json" 2>&1 | tail -3
   fi
   if [[ $part == ctests ]]; then
