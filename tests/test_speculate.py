@@ -237,7 +237,10 @@ def test_updates_start_during_backward_and_are_undone_before_step():
 def test_a_redo_drops_the_buckets_the_worker_had_not_started():
     """With the worker slowed, most speculative buckets still wait in the queue when a step
     clips: they are dropped (never updated, nothing to restore) and only those it ran are
-    undone; the result is bitwise the run without speculation."""
+    undone; the result is bitwise the run without speculation. The first layer's grad (the
+    last of backward) waits until the worker has begun a bucket: on a loaded machine the
+    worker had not run one by the end of backward, and nothing was redone (CI, 2026-12-07)."""
+    import threading
     import time
 
     got = {}
@@ -246,9 +249,15 @@ def test_a_redo_drops_the_buckets_the_worker_had_not_started():
         opt = HybridAdamW(model.parameters(), lr=1e-2, overlap="backward", max_grad_norm=1.0,
                           speculate=spec, min_offload_numel=1, bucket_nbytes=4000)  # fmt: skip
         for step in range(3):
+            hook = None
             if step == 1:
-                opt.debug.pipeline.worker_hook = lambda bucket: time.sleep(0.05)
+                began = threading.Event()
+                opt.debug.pipeline.worker_hook = lambda bucket, e=began: (e.set(), time.sleep(0.05))
+                if spec:  # speculative buckets are fed before this grad: one begins
+                    hook = model[0].weight.register_hook(lambda g, e=began: e.wait(60) and None)
             (model(batch(step)).pow(2).mean() * MIX[step]).backward()  # step 1 clips
+            if hook is not None:
+                hook.remove()
             if spec and step == 1:
                 redone = opt.debug.step.stats["redone_buckets"]
             opt.step()
