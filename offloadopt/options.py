@@ -46,7 +46,8 @@ class Options:
     flush_denormal: bool = True
     """The CPU worker runs with flush-to-zero and denormals-are-zero."""
     cpu_threads: int | None = None
-    """The CPU worker's OpenMP threads; None: one per CPU of worker_cpus."""
+    """The CPU worker's OpenMP threads, at most 4 a CPU (64 at least); None: one per CPU of
+    worker_cpus."""
     worker_cpus: Any = None
     """The CPUs the worker runs on: None (this process's CPUs, or its local rank's slice, less
     the training thread's core when updates overlap its work), "any" (no affinity) or CPU ids."""
