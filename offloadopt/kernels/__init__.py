@@ -174,15 +174,22 @@ def _stamps(directory: Path) -> dict[str, str]:
     return {ln.split()[0]: ln for ln in lines if ln.split()}
 
 
-def _finished(directory: Path, name: str) -> Path | None:
+def _recorded(directory: Path, name: str) -> str | None:
+    """The size and sha256 the stamp records for the build ``name`` (``<bytes>:<sha256>``),
+    ``""`` for a record written before they were recorded, None for no record."""
+    line = _stamps(directory).get(name)
+    if line is None:
+        return None
+    return next((w[len("digest=") :] for w in line.split() if w.startswith("digest=")), "")
+
+
+def _finished(directory: Path, name: str, digest: str | None) -> Path | None:
     """The built library in ``directory`` if a build of ``name`` finished there and the file
-    is still what that build wrote (its size and sha256, as the stamp has them), else None.
-    Several installs may share one folder (``$OFFLOADOPT_KERNEL_DIR``): each has its line."""
+    is still what that build wrote (``digest``, its :func:`_recorded` size and sha256), else
+    None. Several installs may share one folder (``$OFFLOADOPT_KERNEL_DIR``): each has its line."""
     so = directory / f"{name}.so"
-    line = _stamps(directory).get(name, "")
-    digest = next((w[len("digest=") :] for w in line.split() if w.startswith("digest=")), None)
     try:
-        return so if digest is not None and _digest(so) == digest else None
+        return so if digest and _digest(so) == digest else None
     except OSError:
         return None
 
@@ -219,16 +226,16 @@ def _build(directory: Path) -> ModuleType:
     import time
 
     name = f"offloadopt_adam_cpu_{cache_key()}"
-    so = _finished(directory, name)
+    digest = _recorded(directory, name)
+    so = _finished(directory, name, digest)
     if so is not None:
         return _import_finished(so, name)
     if directory.exists() and not directory.is_dir():
         raise KernelBuildError(f"offloadopt: offloadopt's CPU kernel cannot be built in "
                                f"{directory}: it is a file, not a folder (set "
                                "OFFLOADOPT_KERNEL_DIR to a folder)")  # fmt: skip
-    record = _stamps(directory).get(name)
     so = directory / f"{name}.so"
-    if record is not None and "digest=" not in record and so.exists() and not _writable(directory):
+    if digest == "" and so.exists() and not _writable(directory):
         # recorded by an offloadopt before the size and sha256 check, in a folder this user
         # cannot write (so no build could replace it): imported as that offloadopt did
         return _import_finished(so, name)
@@ -242,12 +249,12 @@ def _build(directory: Path) -> ModuleType:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with _exclusive(directory):
-            so = _finished(directory, name)  # built by another process while this one waited
+            digest = _recorded(directory, name)  # another process may have built it meanwhile
+            so = _finished(directory, name, digest)
             if so is not None:
                 return _import_finished(so, name)
-            record = _stamps(directory).get(name)
-            why = ("" if record is None
-                   else ": its record predates the size and sha256 check" if "digest=" not in record
+            why = ("" if digest is None
+                   else ": its record predates the size and sha256 check" if digest == ""
                    else ": the cached build does not match its record (damaged)")  # fmt: skip
             (directory / f"{name}.so").unlink(missing_ok=True)  # mapped elsewhere: still safe
             print(
