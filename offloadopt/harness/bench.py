@@ -33,7 +33,7 @@ from offloadopt.harness.bench_options import BENCH_FIELD_CHECKS as FIELD_CHECKS 
 from offloadopt.harness.bench_options import BenchConfig
 from offloadopt.harness.checks import UsageError
 from offloadopt.harness.data import get_batch, mock_data
-from offloadopt.harness.distributed import Dist, init_from_env, teardown
+from offloadopt.harness.distributed import Dist, init_from_env, merge_ranks, teardown
 from offloadopt.harness.options import resolve_device
 from offloadopt.harness.probes import time_compressed_kernel, time_kernel, time_link
 from offloadopt.harness.report import format_table, plot, sweep_summary
@@ -404,33 +404,6 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
 
 # The anchors that are FSDP2 configurations themselves (``--fsdp`` runs only these).
 FSDP2_ANCHORS = tuple(name for name in anchors.ANCHORS if "fsdp2" in name)
-# The figures of each rank kept in a merged row's ``ranks`` list.
-PER_RANK = ("step_ms", "fwd_bwd_ms", "opt_ms", "peak_gpu_gb", "pinned_gb", "opt_host_gb",
-            "host_rss_gb", "pageable_copies", "opt_stats_cpu_threads", "opt_stats_local_ranks")  # fmt: skip
-
-
-def merge_ranks(results: list[dict[str, Any]], ranks: Dist, tokens_per_rank: int) -> list:
-    """Every rank's rows, gathered: one row per configuration with rank 0's fields, the
-    slowest rank's step (the job steps at it), the pageable copies of all ranks, each rank's
-    figures under ``ranks`` and the job's ``tokens_per_s`` (every rank trains its own batch)."""
-    import torch.distributed as dist
-
-    everyone: list = [None] * ranks.world
-    dist.all_gather_object(everyone, results)
-    merged = []
-    for rows in zip(*everyone, strict=True):
-        row = dict(rows[0])
-        if "step_ms" in row:
-            row["ranks"] = [{k: r.get(k) for k in PER_RANK} for r in rows]
-            for key in ("step_ms", "fwd_bwd_ms", "opt_ms", "peak_gpu_gb"):
-                row[key] = max(r[key] for r in rows)
-            if "pageable_copies" in row:
-                row["pageable_copies"] = sum(r["pageable_copies"] for r in rows)
-            row["tokens_per_s"] = tokens_per_rank * ranks.world / row["step_ms"] * 1e3
-            for key in ("opt_host_gb", "pinned_gb"):  # the job's host memory: every rank's
-                row[f"{key}_total"] = sum(r[key] for r in rows)
-        merged.append(row)
-    return merged
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["Dist", "init_from_env", "shard_fsdp", "wrap_ddp", "teardown"]
+__all__ = ["Dist", "init_from_env", "shard_fsdp", "wrap_ddp", "teardown", "merge_ranks"]
 
 
 @dataclass(frozen=True)
@@ -108,3 +109,32 @@ def teardown() -> None:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+# The figures of each rank kept in a merged row's ``ranks`` list.
+PER_RANK = ("step_ms", "fwd_bwd_ms", "opt_ms", "peak_gpu_gb", "pinned_gb", "opt_host_gb",
+            "host_rss_gb", "pageable_copies", "opt_stats_cpu_threads", "opt_stats_local_ranks")  # fmt: skip
+
+
+def merge_ranks(results: list[dict[str, Any]], ranks: Dist, tokens_per_rank: int) -> list:
+    """Every rank's rows, gathered: one row per configuration with rank 0's fields, the
+    slowest rank's step (the job steps at it), the pageable copies of all ranks, each rank's
+    figures under ``ranks`` and the job's ``tokens_per_s`` (every rank trains its own batch)."""
+    import torch.distributed as dist
+
+    everyone: list = [None] * ranks.world
+    dist.all_gather_object(everyone, results)
+    merged = []
+    for rows in zip(*everyone, strict=True):
+        row = dict(rows[0])
+        if "step_ms" in row:
+            row["ranks"] = [{k: r.get(k) for k in PER_RANK} for r in rows]
+            for key in ("step_ms", "fwd_bwd_ms", "opt_ms", "peak_gpu_gb"):
+                row[key] = max(r[key] for r in rows)
+            if "pageable_copies" in row:
+                row["pageable_copies"] = sum(r["pageable_copies"] for r in rows)
+            row["tokens_per_s"] = tokens_per_rank * ranks.world / row["step_ms"] * 1e3
+            for key in ("opt_host_gb", "pinned_gb"):  # the job's host memory: every rank's
+                row[f"{key}_total"] = sum(r[key] for r in rows)
+        merged.append(row)
+    return merged
