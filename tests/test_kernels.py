@@ -283,6 +283,30 @@ def test_result_does_not_depend_on_cuts_or_threads(mod, master_bf16, moments):
                 assert_bitwise(ta, tb, "cut/threads")
 
 
+@pytest.mark.parametrize("master_bf16,moments", [(False, 0)] + MODES)
+def test_result_does_not_depend_on_threads_where_chunks_cut_tensors(mod, master_bf16, moments):
+    """Threads claim chunks of 16 blocks from a shared counter (adam_step): with 235 blocks in
+    five tensors (two with short last blocks) the chunks end inside tensors and a thread's
+    chunks are not neighbours. 1, 2, 3 and 5 threads: bitwise equal."""
+    whole = make_mode([20000, 256, 17000, 300, 22000], 8, master_bf16, moments)
+    kw = dict(steps=[2.0] * 5, salts=[3, 4, 5, 6, 7], offsets=[0, 20000, 20256, 37256, 37556],
+              moments=moments, master_sr=master_bf16, weight_decay=0.01)  # fmt: skip
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            x = clone_all(whole)
+            kcall(mod.adam_step, *x[:4], sms=x[4], svs=x[5], **kw)
+            results.append(x)
+    finally:
+        torch.set_num_threads(old)
+    for r in results[1:]:
+        for lst_a, lst_b in zip(results[0], r, strict=True):
+            for ta, tb in zip(lst_a, lst_b, strict=True):
+                assert_bitwise(ta, tb, "threads")
+
+
 def test_stochastic_rounding_is_unbiased(mod):
     """A bf16 master at 1.0 gets 200 updates of -1e-4 (well below half a bf16 ulp, 2^-8 at 1.0;
     round to nearest would never move it): the mean over 4,096 elements tracks 1 - 0.02."""

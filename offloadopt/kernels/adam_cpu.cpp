@@ -356,12 +356,14 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
   const SpanFn fn = current_isa()->pick(mbf16 ? Master::Bf16Sr : Master::Fp32, gbf16, (Moments)moments, wout);
   const int64_t max_run = bk ? BACKUP_RUN : RUN;
 
-  const auto t0 = std::chrono::steady_clock::now();
-  at::parallel_for(0, nblocks, 1, [&](int64_t begin, int64_t end) {
-#ifdef OFFLOADOPT_X86
-    const unsigned int csr = _mm_getcsr();
-    if (flush_denormal) _mm_setcsr(csr | 0x8040U);  // FTZ | DAZ
-#endif
+  // Threads claim chunks of blocks from a shared counter, not one fixed share each: a thread
+  // slowed by a shared core or the link's copies leaves its rest to the others, so a call
+  // ends near the threads' mean time, not the slowest one's. About 16 chunks a thread; the
+  // bits do not depend on the cuts (every element's result is a function of its position).
+  const int64_t slots = std::min<int64_t>(at::get_num_threads(), nblocks);
+  const int64_t chunk = std::clamp<int64_t>(nblocks / (16 * slots), 16, RUN);
+  // blocks [begin, end), span by span (a span: a run of one tensor's blocks, at most max_run)
+  const auto run_blocks = [&](int64_t begin, int64_t end) {
     size_t i = std::upper_bound(J.first_block.begin(), J.first_block.end(), begin) - J.first_block.begin() - 1;
     for (int64_t b = begin; b < end;) {
       while (b >= J.first_block[i + 1]) ++i;
@@ -384,6 +386,16 @@ void adam_step(std::vector<at::Tensor> masters, std::vector<at::Tensor> grads, s
       fn(J, i, j0, len);
       b += run;
     }
+  };
+  std::atomic<int64_t> next{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, slots, 1, [&](int64_t, int64_t) {
+#ifdef OFFLOADOPT_X86
+    const unsigned int csr = _mm_getcsr();
+    if (flush_denormal) _mm_setcsr(csr | 0x8040U);  // FTZ | DAZ
+#endif
+    for (int64_t begin; (begin = next.fetch_add(chunk, std::memory_order_relaxed)) < nblocks;)
+      run_blocks(begin, std::min(begin + chunk, nblocks));
     backup_fence();  // the backups' and weights_out's streaming stores, visible when the region ends
 #ifdef OFFLOADOPT_X86
     _mm_setcsr(csr);
