@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|spec|spec3|spec4|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|kernelab|buckets|hold|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|spec|spec3|spec4|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|kernelab|steprows|buckets|hold|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -209,9 +209,21 @@ for part in "${@:-all}"; do
         --numel "${KERNEL_NUMEL:-1.558e9}" --modes "${modes[@]}" 2>&1 | tee -a "$OUT/kernelab.txt" | tail -$((${#modes[@]} + 1))
     done; done
   fi
+  if [[ $part == steprows ]]; then
+    # issue 43's step rows, three processes, torchao first and last in each (its own step moves
+    # 390-576 ms within one process: state the ratio against each); then batch 16, delayed
+    for r in 1 2 3; do
+      timeout 150 python3 benchmarks/overlap_bench.py --no-memory --no-probe --warmup 3 --steps 6 \
+        --out "$OUT/steprows$r" --only torchao "backward f1 sr8" "backward f1 int8" torchao 2>&1 \
+        | tee "$OUT/steprows$r.log" | grep " step "
+    done
+    timeout 200 python3 benchmarks/overlap_bench.py --no-memory --no-probe --warmup 3 --steps 6 --batch-size 16 \
+      --out "$OUT/steprows16" --only f0 "delayed f1 sr8" torchao 2>&1 | tee "$OUT/steprows16.log" | grep -E " step |fwd"
+  fi
   if [[ $part == buckets ]]; then
-    # issue 43: the step at fraction 1 against the bucket size (64 MiB, the default, took 5-17%
-    # longer than 256 MiB on 2026-12-07) and, with KERNEL_BASE set (a package carried as in
+    # issue 43: the step at fraction 1 against the bucket size (the default 128 MiB took 5-17%
+    # longer than 256 MiB with the kernel's fixed shares, the same with its chunks: 2026-12-07,
+    # results/2026-12-07-kernel-dynamic-chunks-h100) and, with KERNEL_BASE set (a package carried as in
     # kernelab), the same rows on that package's kernel: torchao first and last
     # BUCKET_ROWS (one row per line) replaces the rows
     rows=(torchao "backward f1 sr8" "backward f1 sr8 bucket128" "backward f1 sr8 bucket256"
