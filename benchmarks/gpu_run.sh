@@ -222,7 +222,7 @@ for part in "${@:-all}"; do
   fi
   if [[ $part == buckets ]]; then
     # issue 43: the step at fraction 1 against the bucket size (the default 128 MiB took 5-17%
-    # longer than 256 MiB with the kernel's fixed shares, the same with its chunks: 2026-12-07,
+    # longer than 256 MiB with the kernel's fixed shares; with its chunks 256 gained nothing: 2026-12-07,
     # results/2026-12-07-kernel-dynamic-chunks-h100) and, with KERNEL_BASE set (a package carried as in
     # kernelab), the same rows on that package's kernel: torchao first and last
     # BUCKET_ROWS (one row per line) replaces the rows
