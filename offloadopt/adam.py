@@ -74,4 +74,4 @@ class HybridAdam(HybridOptimizer):
             )
         hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, hyper, amsgrad=amsgrad, capturable=capturable,
-                         differentiable=differentiable, foreach=foreach, **options)  # fmt: skip
+                         differentiable=differentiable, foreach=foreach, fused=fused, **options)  # fmt: skip

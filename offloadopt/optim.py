@@ -61,11 +61,12 @@ class HybridOptimizer(Reports, Checkpoints, Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
         foreach: bool | None = None,
+        fused: bool | None = None,
         **options: Any,
     ):
         o = Options.parse(type(self).__name__, options)  # unknown keywords named for the class
-        validate_options(self.rule, hyper, o, amsgrad=amsgrad, capturable=capturable,
-                         differentiable=differentiable, foreach=foreach, owner=type(self).__name__)  # fmt: skip
+        validate_options(self.rule, hyper, o, amsgrad=amsgrad, capturable=capturable, differentiable=differentiable,
+                         foreach=foreach, fused=fused, owner=type(self).__name__)  # fmt: skip
         self.rule = wiring.rule_for(self.rule, o)
         params = validate_params_arg(params)
         sizes = budget.sizes(max_gpu_memory=o.max_gpu_memory, max_host_memory=o.max_host_memory,

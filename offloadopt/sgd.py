@@ -88,7 +88,9 @@ class HybridSGD(HybridOptimizer):
     ):
         hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                      nesterov=nesterov, maximize=maximize)  # fmt: skip
-        super().__init__(params, hyper, differentiable=differentiable, **options)
+        super().__init__(
+            params, hyper, differentiable=differentiable, foreach=foreach, fused=fused, **options
+        )
 
     def _check_group(self, group: dict[str, Any]) -> None:
         if self.options.master_weights:

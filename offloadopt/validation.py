@@ -59,7 +59,7 @@ def tensor_hyper_flags(hyper: dict[str, Any], *, foreach: bool | None, capturabl
     Raises:
         ValueError: with torch's message.
     """
-    if not foreach or capturable:
+    if not foreach or capturable or "betas" not in hyper:  # torch's SGD has no such check
         return
     named = [("lr", hyper.get("lr"))]
     named += [(f"betas[{i}]", b) for i, b in enumerate(hyper.get("betas") or ())]
@@ -111,18 +111,20 @@ def validate_options(
     capturable: bool = False,
     differentiable: bool = False,
     foreach: bool | None = None,
+    fused: bool | None = None,
     owner: str | None = None,
 ) -> None:
     """The constructor's arguments (``owner``: the class the messages name, default
     ``Hybrid<rule>``): the rule's hyperparameters ``hyper``, the offloading
-    options ``o`` (offloadopt/options.py) and torch's flags (``foreach`` is accepted and
-    ignored, but checked as torch checks it; the others are refused).
+    options ``o`` (offloadopt/options.py) and torch's flags (``foreach`` and ``fused`` are
+    accepted and ignored, but checked as torch checks them; the others are refused).
 
     Raises:
         ValueError: a bad value, named in the message (the environment's
             ``OFFLOADOPT_DEVICE_STEP`` too).
         TypeError: an object of the wrong kind (``grad_scaler``, ``ddp``, ``lr``).
         NotImplementedError: ``amsgrad``, ``capturable`` or ``differentiable`` set.
+        RuntimeError: ``fused`` and ``foreach`` both True (torch's words).
     """
     if o.placement_policy not in ("state-bytes", "megatron"):
         raise ValueError(
@@ -131,6 +133,8 @@ def validate_options(
     tensor_hyper_flags(hyper, foreach=foreach, capturable=capturable)
     rule.validate(hyper)
     tensor_betas(hyper)
+    if fused and foreach:  # torch's Adam, AdamW and SGD, after their values
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
     device_step_env()  # a bad OFFLOADOPT_DEVICE_STEP fails here, on any device
 
     def number(x) -> bool:  # numpy's scalars too (numbers.Real), not a bool or a tensor
@@ -265,7 +269,8 @@ def validate_options(
             f"opt.synchronize()): wait={o.wait!r} does not apply; leave wait='step'",
         )
     name = owner or f"Hybrid{rule.name}"
-    _check(not amsgrad, f"{name} does not support amsgrad=True yet", NotImplementedError)
+    given = "" if amsgrad is True else f" (got amsgrad={amsgrad!r}, which torch reads as True)"
+    _check(not amsgrad, f"{name} does not support amsgrad=True yet{given}", NotImplementedError)
     _check(
         not capturable,
         f"{name} does not support capturable=True (CUDA graphs)",

@@ -182,3 +182,33 @@ def test_numpy_float32_hyperparameters_train_as_torchs(ours_cls, torch_cls, kwar
             s.step()
     assert isinstance(ours.param_groups[0]["lr"], np.float32)
     torch.testing.assert_close(a, b, rtol=0, atol=0)  # CPU fp32: bitwise
+
+
+@pytest.mark.parametrize("cls", [HybridAdamW, HybridAdam, HybridSGD])
+def test_fused_with_foreach_is_refused_as_torch_refuses_it(cls):
+    # A user's find: fused=True with foreach=True was accepted; torch raises
+    ref = next(k for k, v in MIRRORS.items() if v is cls)
+    with pytest.raises(
+        RuntimeError, match="`fused` and `foreach` cannot be `True` together"
+    ) as theirs:
+        ref([p(4)], lr=0.1, fused=True, foreach=True)
+    with pytest.raises(RuntimeError) as ours:
+        cls([p(4)], lr=0.1, fused=True, foreach=True, **OFFLOADED)
+    assert str(ours.value) == str(theirs.value)
+    cls([p(4)], lr=0.1, fused=True, foreach=False, **OFFLOADED)  # either alone: accepted
+
+
+def test_sgd_takes_a_tensor_lr_with_foreach_as_torch_does():
+    # SGD has no Tensor-lr check for foreach (Adam's): passing foreach on must not add one
+    lr = torch.tensor(0.1)
+    torch.optim.SGD([p(4)], lr=lr, foreach=True)
+    HybridSGD([p(4)], lr=lr, foreach=True, **OFFLOADED)
+
+
+def test_the_amsgrad_refusal_names_the_value_given():
+    # A user's find: amsgrad="no" was refused as "amsgrad=True"
+    with pytest.raises(
+        NotImplementedError,
+        match=r"does not support amsgrad=True yet \(got amsgrad='no', which torch reads as True\)",
+    ):
+        HybridAdamW([p(4)], amsgrad="no", **OFFLOADED)
