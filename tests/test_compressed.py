@@ -261,6 +261,29 @@ def test_assigning_torchs_moment_keys_encodes_them_into_the_int8_state():
         opt.state[p]["exp_avg"] = 0.0
 
 
+def test_reading_torchs_moment_keys_under_int8_state_says_how_to_read_them():
+    """A user's find: opt.state[p]["exp_avg"] under int8 state was a bare KeyError. It is still a
+    KeyError (the key is not there: no decoded copy whose in-place edits would be lost), and it
+    names the decode that gives state_dict()'s fp32 values."""
+    from offloadopt.kernels import formats
+
+    params = make_params()
+    opt = run(params, 2, state_dtype="int8")
+    p = params[0]
+    st = opt.state[p]
+    saved = opt.state_dict()["state"][0]
+    for key, decode in (("exp_avg", formats.decode_m), ("exp_avg_sq", formats.decode_v)):
+        with pytest.raises(
+            KeyError, match=rf"formats\.{decode.__name__}\(state\['{key}_q'\]\.flatten\(\)"
+        ):
+            st[key]
+        value = decode(st[f"{key}_q"].flatten(), st[f"{key}_scale"])  # the message's recipe
+        assert torch.equal(value.reshape(p.shape), saved[key])
+        assert st.get(key) is None and key not in st
+    with pytest.raises(KeyError, match="^'nope'$"):
+        st["nope"]
+
+
 def test_a_value_that_would_wrap_in_the_int8_codes_is_refused_and_changes_nothing():
     """A fresh user's finding (issue 44): float values assigned to the codes were accepted and
     wrapped (300.0 became 44, -1 became 255, NaN 0). Refused now, naming torch's key instead;

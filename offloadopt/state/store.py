@@ -75,6 +75,21 @@ class StateEntry(dict):
             return
         super().__setitem__(key, value)
 
+    def __missing__(self, key: Any) -> Any:
+        """A read of torch's ``exp_avg`` / ``exp_avg_sq`` under ``state_dtype="int8"`` (a
+        user's find: a bare KeyError): the KeyError says where the moment is and how to read
+        it. No decoded copy is returned: an in-place edit of one would be lost silently."""
+        if key in MOMENT_KEYS and f"{key}_q" in self:
+            decode = "decode_m" if key == "exp_avg" else "decode_v"
+            raise KeyError(
+                f"{key!r}: under state_dtype='int8' this optimizer keeps {key} as int8 codes and "
+                f"block scales ({key + '_q'!r}, {key + '_scale'!r}); read it with "
+                f"offloadopt.kernels.formats.{decode}(state[{key + '_q'!r}].flatten(), state[{key + '_scale'!r}]) "
+                f"or from opt.state_dict(), which holds it in fp32; assigning "
+                f"opt.state[p][{key!r}] = t encodes t"
+            )
+        raise KeyError(key)
+
     def _encode_into(self, key: str, value: Any) -> None:
         """``opt.state[p]["exp_avg"] = tensor`` under ``state_dtype="int8"``: the entry holds
         codes and block scales, not torch's key; the value is encoded into them (as a
