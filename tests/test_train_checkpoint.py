@@ -334,6 +334,33 @@ def test_a_64_byte_overwrite_in_a_checkpoint_stops_resume_with_one_line(tmp_path
     assert os.path.basename(target) in captured.err
 
 
+def test_a_checkpoint_cut_to_half_is_called_damaged_not_another_file(tmp_path, capsys):
+    """A user's find: a --save file cut to half its size (its checksum gone with its end) was
+    "not a checkpoint of offloadopt train (... damaged?)", and with --save on the same path (the
+    usual resume line) "a file that is not a checkpoint is there ... move it away". Both now say
+    it is a damaged checkpoint, status 2, and the file is kept as it was."""
+    ck = str(tmp_path / "run.pt")
+    assert _run(capsys, [*ARGS, "--save", ck])[0] == 0
+    os.truncate(ck, os.path.getsize(ck) // 2)
+    before = open(ck, "rb").read()
+    resumed = _error(capsys, [*ARGS, "--resume", ck])
+    assert resumed.startswith(
+        f"--resume: {ck!r} is damaged: it begins as a checkpoint of offloadopt train"
+    )
+    assert "restore it from a copy, or resume from an earlier checkpoint" in resumed
+    both = _error(capsys, [*ARGS, "--resume", ck, "--save", ck])
+    assert both.startswith(
+        f"--save {ck}: the checkpoint there is damaged (cut short or overwritten)"
+    )
+    assert open(ck, "rb").read() == before
+    # a file of another kind keeps its message
+    other = tmp_path / "notes.txt"
+    other.write_text("PK not a zip")
+    assert "is not a checkpoint of offloadopt train" in _error(
+        capsys, [*ARGS, "--resume", str(other)]
+    )
+
+
 @pytest.mark.parametrize("flags", [[], ["--lr", "0.5"], ["--optimizer", "adamw"]], ids=str)
 def test_a_damaged_streamed_checkpoint_says_so_before_any_other_refusal(tmp_path, capsys,
                                                                         flags):  # fmt: skip

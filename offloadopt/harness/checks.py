@@ -28,6 +28,26 @@ if TYPE_CHECKING:
 
 __all__ = ["UsageError", "check", "positive_int", "nonneg_int", "seed", "fraction"]
 __all__ += ["nonneg_float", "device", "input_file", "out_dir", "output_file", "text_data"]
+__all__ += ["CHECKPOINT_FORMAT", "begins_as_train_checkpoint"]
+
+CHECKPOINT_FORMAT = (
+    "offloadopt-train-checkpoint"  # the "format" of a --save file (train_checkpoint.py)
+)
+
+
+def begins_as_train_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether the file at ``path`` begins as a ``--save`` file does, readable or not: a zip of
+    ``torch.save`` whose first record (``data.pkl``, stored uncompressed) names
+    :data:`CHECKPOINT_FORMAT` in its first bytes. True of one cut short or partly overwritten
+    too, which torch.load cannot read (a user's find: that was called "not a checkpoint")."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"PK\x03\x04") and CHECKPOINT_FORMAT.encode() in head
+
+
 __all__ += ["preset", "chrome_trace_file", "json_output_file", "write_atomic"]
 
 INT_MAX = 2**63 - 1  # torch's int64: a larger count or seed fits neither tensors nor generators

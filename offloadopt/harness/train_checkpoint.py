@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from offloadopt.harness.checks import UsageError
+from offloadopt.harness.checks import CHECKPOINT_FORMAT, UsageError, begins_as_train_checkpoint
 from offloadopt.harness.data import text_digest
 from offloadopt.harness.options import DERIVED, TrainConfig
 from offloadopt.interrupts import signals_deferred
@@ -25,7 +25,6 @@ from offloadopt.warn import warn
 __all__ = ["CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "RESUME_MAY_CHANGE", "save_checkpoint"]
 __all__ += ["load_checkpoint"]
 
-CHECKPOINT_FORMAT = "offloadopt-train-checkpoint"
 CHECKPOINT_VERSION = 2  # 2: the file ends with its checksum (state/integrity.py); 1 still loads
 # The TrainConfig fields a resumed run may change: where and how often it logs and saves,
 # whether it stops at a NaN loss, --speculate (its runs are bitwise the runs without it:
@@ -188,6 +187,10 @@ def _load_file(path: str, name: str) -> Any:
     except OSError as e:
         raise UsageError(f"{name}: {e.strerror or e}") from None
     except Exception as e:  # noqa: BLE001 - whatever torch.load makes of a file that is not one
+        if begins_as_train_checkpoint(path):  # one of ours, cut short or overwritten
+            raise UsageError(f"{name} is damaged: it begins as a checkpoint of offloadopt train, and "
+                             f"torch.load cannot read it (cut short or overwritten; "
+                             f"{type(e).__name__}){fix}") from None  # fmt: skip
         raise UsageError(
             f"{name} is not a checkpoint of offloadopt train (--save writes one; "
             f"torch.load: {type(e).__name__}{'' if verified else '; damaged?'})"
