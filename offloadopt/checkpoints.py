@@ -7,6 +7,8 @@ offloadopt/state/streamed.py and streamed_load.py."""
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +22,7 @@ from offloadopt.shards import local, local_state
 from offloadopt.state import checkpoint
 
 __all__ = ["Checkpoints", "load_state_dict", "load_validated", "prepare_load", "snapshot_source"]
-__all__ += ["state_dict"]
+__all__ += ["opened_by_torch_save", "state_dict"]
 
 
 def state_dict(opt: Any) -> dict[str, Any]:
@@ -242,3 +244,21 @@ class Checkpoints:
     def _load_validated(self, sd: Any, **kw: Any) -> None:
         """For offloadopt/state/streamed_load.py: checkpoints.load_validated."""
         load_validated(self, sd, **kw)
+
+
+def opened_by_torch_save() -> str:
+    """Where a pickling of the optimizer runs inside ``torch.save(obj, path)``: a sentence
+    naming ``path``, which torch.save opened (emptied) before it pickled (a user's find: a
+    checkpoint there was lost without a word); "" otherwise."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "save" and code.co_filename.endswith(
+            os.path.join("torch", "serialization.py")
+        ):
+            path = frame.f_locals.get("f")
+            if isinstance(path, (str, os.PathLike)):
+                return f" (torch.save had opened {os.fspath(path)!r} before this: a file that was there is now empty)"
+            return ""
+        frame = frame.f_back
+    return ""

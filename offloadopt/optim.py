@@ -14,7 +14,7 @@ import torch
 from torch.optim import Optimizer
 
 from offloadopt import wiring
-from offloadopt.checkpoints import Checkpoints
+from offloadopt.checkpoints import Checkpoints, opened_by_torch_save
 from offloadopt.debug import Debug
 from offloadopt.interrupts import no_grad_whole, signals_deferred
 from offloadopt.options import Options
@@ -390,5 +390,5 @@ class HybridOptimizer(Reports, Checkpoints, Optimizer):
         raise TypeError(
             f"{type(self).__name__} cannot be pickled or deep-copied: its state lives in pinned "
             "host buffers, a worker thread and CUDA streams of this process; save and load "
-            "opt.state_dict() instead"
+            f"opt.state_dict() instead{opened_by_torch_save()}"
         )

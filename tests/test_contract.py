@@ -1,7 +1,9 @@
 """The torch.optim contract and argument validation."""
 
 import copy
+import io
 import math
+import re
 import warnings
 
 import pytest
@@ -315,8 +317,24 @@ def test_pickling_is_refused_clearly():
     import copy
 
     opt = HybridAdamW([w()], min_offload_numel=1)
-    with pytest.raises(TypeError, match="cannot be pickled or deep-copied"):
+    with pytest.raises(TypeError, match="cannot be pickled or deep-copied") as info:
         copy.deepcopy(opt)
+    assert "torch.save" not in str(info.value)
+
+
+def test_a_refused_torch_save_names_the_file_it_emptied(tmp_path):
+    # A user's find: torch.save({"opt": opt}, path) over a checkpoint left an empty file and
+    # said nothing of it (torch.save opens the file before it pickles)
+    opt = HybridAdamW([w()], min_offload_numel=1)
+    path = tmp_path / "ck.pt"
+    torch.save({"x": torch.zeros(3)}, path)
+    with pytest.raises(
+        TypeError, match=re.escape(f"torch.save had opened {str(path)!r} before this")
+    ):
+        torch.save({"opt": opt}, path)
+    with pytest.raises(TypeError) as info:
+        torch.save({"opt": opt}, io.BytesIO())  # no file to name
+    assert "torch.save" not in str(info.value)
 
 
 @pytest.mark.parametrize("fraction", FRACTIONS)
