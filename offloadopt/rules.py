@@ -43,6 +43,8 @@ __all__ = [
     "ADAM",
     "SGD",
     "check_number",
+    "tensor_betas",
+    "tensor_hyper_flags",
 ]
 
 
@@ -188,6 +190,39 @@ class Rule:
 
 
 MOMENTS = ("fp32", "bf16", "int8")  # the values of state_dtype=
+
+
+def tensor_hyper_flags(hyper: dict[str, Any], *, foreach: bool | None, capturable: bool) -> None:
+    """torch's refusal of Tensor hyperparameters with ``foreach=True`` (torch/optim/adam.py's
+    constructor, in its order and words): a Tensor ``lr`` or ``betas[i]`` with ``foreach=True``
+    and ``capturable=False``. Checked before the values, as torch does.
+
+    Raises:
+        ValueError: with torch's message.
+    """
+    if not foreach or capturable or "betas" not in hyper:  # torch's SGD has no such check
+        return
+    named = [("lr", hyper.get("lr"))]
+    named += [(f"betas[{i}]", b) for i, b in enumerate(hyper.get("betas") or ())]
+    for name, value in named:
+        if isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"{name} as a Tensor is not supported for capturable=False and foreach=True"
+            )
+
+
+def tensor_betas(hyper: dict[str, Any]) -> None:
+    """torch's rule for ``betas`` of Adam and AdamW, after their ranges (the rule's check, which
+    refuses a Tensor beta of more than one element): both numbers or both Tensors.
+
+    Raises:
+        ValueError: with torch/optim/adam.py's message.
+    """
+    betas = hyper.get("betas")
+    if isinstance(betas, (tuple, list)):
+        tensors = [isinstance(b, torch.Tensor) for b in betas]
+        if any(tensors) and not all(tensors):
+            raise ValueError("betas must be either both floats or both Tensors")
 
 
 def _validate_adam_values(values: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from offloadopt.kernels.adam import device_step_env
 from offloadopt.options import OPTION_NAMES, Options
-from offloadopt.rules import MOMENTS, Rule
+from offloadopt.rules import MOMENTS, Rule, tensor_betas, tensor_hyper_flags
 from offloadopt.warn import warn
 
 # cpu_threads' upper bound is 4 a CPU, and at least this: tens of thousands of threads made
@@ -49,36 +49,6 @@ def validate_params_arg(params: Any) -> list:
     if not params:
         raise ValueError("optimizer got an empty parameter list")
     return params
-
-
-def tensor_hyper_flags(hyper: dict[str, Any], *, foreach: bool | None, capturable: bool) -> None:
-    """torch's refusal of Tensor hyperparameters with ``foreach=True`` (torch/optim/adam.py's
-    constructor, in its order and words): a Tensor ``lr`` or ``betas[i]`` with ``foreach=True``
-    and ``capturable=False``. Checked before the values, as torch does.
-
-    Raises:
-        ValueError: with torch's message.
-    """
-    if not foreach or capturable or "betas" not in hyper:  # torch's SGD has no such check
-        return
-    named = [("lr", hyper.get("lr"))]
-    named += [(f"betas[{i}]", b) for i, b in enumerate(hyper.get("betas") or ())]
-    for name, value in named:
-        _check(not isinstance(value, torch.Tensor),
-               f"{name} as a Tensor is not supported for capturable=False and foreach=True")  # fmt: skip
-
-
-def tensor_betas(hyper: dict[str, Any]) -> None:
-    """torch's rule for ``betas`` of Adam and AdamW, after their ranges (the rule's check, which
-    refuses a Tensor beta of more than one element): both numbers or both Tensors.
-
-    Raises:
-        ValueError: with torch/optim/adam.py's message.
-    """
-    betas = hyper.get("betas")
-    if isinstance(betas, (tuple, list)):
-        tensors = [isinstance(b, torch.Tensor) for b in betas]
-        _check(all(tensors) or not any(tensors), "betas must be either both floats or both Tensors")
 
 
 def _check_worker_cpus(value: Any) -> None:
@@ -396,7 +366,9 @@ def validate_group(
         _check(not p.is_complex(), f"complex parameters are not supported: {label} is {p.dtype}")
         _check(
             p.is_floating_point(),
-            f"{label} has dtype {p.dtype}: only floating-point params can be optimized",
+            f"{label} has dtype {p.dtype}: only floating-point params can be optimized (torch's "
+            "optimizers keep a non-float param that never gets a grad; leave it out: "
+            "[p for p in model.parameters() if p.is_floating_point()])",
         )
         _check(
             p.layout == torch.strided,

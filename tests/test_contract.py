@@ -63,6 +63,15 @@ def test_bad_param_lists():
             HybridAdamW([p], **{flag: True})
 
 
+def test_a_frozen_integer_param_is_refused_with_the_way_around():
+    # A user's find: torch's optimizers keep a frozen int64 Parameter (it never gets a grad);
+    # ours refuse it, and the message now says how to leave it out
+    frozen = torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(ValueError, match=r"torch.int64: only floating-point .*leave it out: "
+                                         r"\[p for p in model.parameters\(\) if p.is_floating_point\(\)\]"):  # fmt: skip
+        HybridAdamW([w(), frozen])
+
+
 def test_an_option_as_a_group_key_is_refused_unless_it_is_the_optimizers():
     # A user's find: an option in a group dict (min_offload_numel, overlap, ...) was ignored.
     p, q = w(), w()
