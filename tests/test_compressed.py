@@ -83,6 +83,25 @@ def test_buckets_cutting_params_give_the_same_bits():
     assert_same(state_of(b, cut), state_of(a, whole))
 
 
+@pytest.mark.parametrize(
+    "sizes,nbytes", [((100, 257), 1028), ((513, 258, 300), 1032), ((300, 9), 1200)]
+)
+def test_buckets_too_small_for_the_padding_before_a_param_give_the_same_bits(sizes, nbytes):
+    """A user's find: int8's 256-element alignment left some tiny buckets (1028 bytes: 257 fp32
+    elements) room for only the padding before the next param, and that padding became a bucket
+    with no segment: IndexError in the constructor."""
+    whole = [
+        torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(n)))
+        for n in sizes
+    ]
+    cut = [torch.nn.Parameter(p.detach().clone()) for p in whole]
+    a = run(whole, 3, state_dtype="int8")
+    b = run(cut, 3, state_dtype="int8", bucket_nbytes=nbytes)
+    assert all(bk.segments for r in b.debug.records.values() if r.offloaded for bk in r.buckets)
+    assert_same([p.detach() for p in cut], [p.detach() for p in whole])
+    assert_same(state_of(b, cut), state_of(a, whole))
+
+
 def test_backward_mode_gives_the_bits_of_step_mode():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))

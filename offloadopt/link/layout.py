@@ -257,8 +257,11 @@ def build_arenas(
                 take = n - done
                 if take > room:  # cut param k, at a multiple of align from its start
                     take = (done + room) // align * align - done
-                if take <= 0:  # no aligned cut fits: close this bucket first
-                    buckets.append(Bucket(arena, lo, start + done, segments))
+                if take <= 0:  # no aligned cut fits: close this bucket first (one that
+                    # would hold only the padding before param k is no bucket: a user's find,
+                    # an IndexError at tiny bucket_nbytes with int8's 256-element alignment)
+                    if segments:
+                        buckets.append(Bucket(arena, lo, start + done, segments))
                     lo, segments = start + done, []
                     continue
                 segments.append(Segment(k, done, done + take, start + done - lo))
