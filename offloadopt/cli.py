@@ -168,8 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line(e: BaseException) -> str:
+    """``e``'s first line, less the library's own "offloadopt: " (the line starts with it once:
+    "offloadopt: error: KernelBuildError: offloadopt: ..." was a user's find)."""
     lines = str(e).strip().splitlines() or [""]
-    return lines[0] + (" [...]" if len(lines) > 1 else "")
+    return lines[0].removeprefix("offloadopt: ") + (" [...]" if len(lines) > 1 else "")
 
 
 class Terminated(KeyboardInterrupt):

@@ -229,6 +229,24 @@ def test_a_failure_while_running_is_one_line_status_1_and_the_env_var_shows_it(m
         main(["train"])
 
 
+def test_a_library_error_starting_with_offloadopt_is_not_prefixed_twice(monkeypatch, capsys):
+    # A user's find: "offloadopt: error: KernelBuildError: offloadopt: offloadopt's CPU kernel ..."
+    from offloadopt.kernels import KernelBuildError
+
+    def boom(cfg):
+        raise KernelBuildError(
+            "offloadopt: offloadopt's CPU kernel cannot be built in /x: it is a file"
+        )
+
+    monkeypatch.setattr(train, "train", boom)
+    monkeypatch.delenv("OFFLOADOPT_TRACEBACK", raising=False)
+    assert main(["train"]) == 1
+    assert capsys.readouterr().err == (
+        "offloadopt: error: KernelBuildError: offloadopt's CPU kernel cannot be built in /x: it is a "
+        "file (OFFLOADOPT_TRACEBACK=1 shows the traceback)\n"
+    )
+
+
 def test_interrupt_and_help(monkeypatch, capsys):
     monkeypatch.setattr(train, "train", mock.Mock(side_effect=KeyboardInterrupt))
     assert main(["train"]) == 130
