@@ -258,7 +258,8 @@ def opened_by_torch_save() -> str:
         ):
             path = frame.f_locals.get("f")
             if isinstance(path, (str, os.PathLike)):
-                return f" (torch.save had opened {os.fspath(path)!r} before this: a file that was there is now empty)"
+                opened = os.fspath(path)
+                return f" (torch.save had opened {opened!r} before this: a file that was there is now empty)"
             return ""
         frame = frame.f_back
     return ""

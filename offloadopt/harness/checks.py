@@ -28,11 +28,12 @@ if TYPE_CHECKING:
 
 __all__ = ["UsageError", "check", "positive_int", "nonneg_int", "seed", "fraction"]
 __all__ += ["nonneg_float", "device", "input_file", "out_dir", "output_file", "text_data"]
+__all__ += ["preset", "chrome_trace_file", "json_output_file", "write_atomic"]
 __all__ += ["CHECKPOINT_FORMAT", "begins_as_train_checkpoint"]
 
-CHECKPOINT_FORMAT = (
-    "offloadopt-train-checkpoint"  # the "format" of a --save file (train_checkpoint.py)
-)
+INT_MAX = 2**63 - 1  # torch's int64: a larger count or seed fits neither tensors nor generators
+# the "format" of a --save file (train_checkpoint.py)
+CHECKPOINT_FORMAT = "offloadopt-train-checkpoint"
 
 
 def begins_as_train_checkpoint(path: str | os.PathLike) -> bool:
@@ -48,9 +49,6 @@ def begins_as_train_checkpoint(path: str | os.PathLike) -> bool:
     return head.startswith(b"PK\x03\x04") and CHECKPOINT_FORMAT.encode() in head
 
 
-__all__ += ["preset", "chrome_trace_file", "json_output_file", "write_atomic"]
-
-INT_MAX = 2**63 - 1  # torch's int64: a larger count or seed fits neither tensors nor generators
 T = TypeVar("T")
 
 
