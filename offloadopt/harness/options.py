@@ -284,13 +284,13 @@ class TrainConfig:
                 and os.path.samefile(cfg.save, cfg.data)
             ):
                 raise UsageError(f"--save {cfg.save} is the --data file; give another name")
-            if not zipfile.is_zipfile(cfg.save) and checks.begins_as_train_checkpoint(cfg.save):
-                raise UsageError(
-                    f"--save {cfg.save}: the checkpoint there is damaged (cut short or "
-                    "overwritten), and a save would replace it; restore it from a copy, resume "
-                    "from an earlier checkpoint, or give another name"
-                )
             if not zipfile.is_zipfile(cfg.save):  # what torch.save writes
+                if checks.begins_as_train_checkpoint(cfg.save):  # ours, cut short
+                    raise UsageError(
+                        f"--save {cfg.save}: the checkpoint there is damaged (cut short or "
+                        "overwritten), and a save would replace it; restore it from a copy, "
+                        "resume from an earlier checkpoint, or give another name"
+                    )
                 raise UsageError(
                     f"--save {cfg.save}: a file that is not a checkpoint is there, and a save "
                     "would replace it; give another name, or move it away"
