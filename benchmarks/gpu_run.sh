@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|spec|spec3|spec4|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|kernelab|steprows|buckets|hold|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|spec|spec3|spec4|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|kernelab|steprows|buckets|steptl|hold|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -234,6 +234,14 @@ for part in "${@:-all}"; do
       PYTHONPATH=$([[ -d /tmp/site ]] && echo /tmp/site:)$pp OFFLOADOPT_KERNEL_DIR=$kd timeout ${BUCKET_TIMEOUT:-240} python3 benchmarks/overlap_bench.py \
         --no-memory --no-probe --warmup 3 --steps 6 --out "$OUT/buckets-$v" --only "${rows[@]}" 2>&1 \
         | tee "$OUT/buckets-$v.log" | grep " step "
+    done
+  fi
+  if [[ $part == steptl ]]; then
+    # issue 43: where the fraction-1 step of bf16-sr + int8 goes (batch 4, backward mode), at the
+    # default buckets and at TL_BUCKETS MiB (small ones: are the grads and weights still in L3?)
+    for mib in "" ${TL_BUCKETS:-16}; do
+      timeout 150 python3 benchmarks/timeline.py --mode backward --batch-size 4 --steps 6 --state-dtype int8 \
+        --master-weights bf16-sr ${mib:+--bucket-mib $mib} --out "$OUT/steptl${mib}" 2>&1 | tail -10
     done
   fi
   if [[ $part == hold ]]; then

@@ -92,7 +92,7 @@ def summary(rows: list, mode: str, fraction: float, batch_size: int) -> None:
     starts = [t for k, _, t in rows if k == "iteration"] + [rows[-1][2]]
     print(f"{mode} f{fraction:g}, batch {batch_size}; ms from each iteration's start")
     print(f"{'iter':>4} {'period':>7} {'bwd ret':>8} {'gpu bwd':>8} {'step in':>8} {'out':>7} "
-          f"{'synced':>7} {'kernel':>7} {'not in kernel':>13}")  # fmt: skip
+          f"{'synced':>7} {'kernel':>7} {'not in kernel':>13} {'upd 1st':>7} {'upd end':>7} {'h2d end':>7}")  # fmt: skip
     periods = []
     for n in range(len(starts) - 1):
         t0, t1 = starts[n], starts[n + 1]
@@ -101,13 +101,17 @@ def summary(rows: list, mode: str, fraction: float, batch_size: int) -> None:
         def first(kind, mine=mine):
             return next((t for k, t in mine if k == kind), float("nan"))
 
+        def last(kind, mine=mine):
+            return max((t for k, t in mine if k == kind), default=float("nan"))
+
         kernel = sum(max(0.0, min(e, t1) - max(s, t0)) for s, e in spans)
         whole = first("synced") < t1 - t0 and n + 1 < len(starts) - 1  # a complete iteration
         if whole:
             periods.append(t1 - t0)
         print(f"{n:4d} {t1 - t0 if whole else float('nan'):7.1f} {first('backward_returned'):8.1f} "
               f"{first('backward_done'):8.1f} {first('step_in'):8.1f} {first('step_out'):7.1f} "
-              f"{first('synced'):7.1f} {kernel:7.1f} {t1 - t0 - kernel:13.1f}")  # fmt: skip
+              f"{first('synced'):7.1f} {kernel:7.1f} {t1 - t0 - kernel:13.1f} {first('update_start'):7.1f} "
+              f"{last('update_end'):7.1f} {last('h2d_done'):7.1f}")  # fmt: skip
     if periods:
         print(
             f"period median {statistics.median(periods):.1f} ms; "
@@ -126,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=checks.positive_int, default=4, help="timed steps")
     ap.add_argument("--out", type=checks.out_dir, default="timeline-out")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test")
+    ap.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
+                    help="the offloaded moments' format (HybridAdamW's state_dtype)")  # fmt: skip
+    ap.add_argument("--master-weights", choices=("fp32", "bf16-sr"), default="fp32",
+                    help="the offloaded masters' format (HybridAdamW's master_weights)")  # fmt: skip
+    ap.add_argument("--bucket-mib", type=checks.positive_int, default=None,
+                    help="the buckets' size in MiB (default: HybridAdamW's)")  # fmt: skip
     ap.add_argument(
         "--replay", metavar="JSON", help="print the table of a timeline.json written before"
     )
@@ -163,8 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     data = load_text(None)
     batches = [get_batch(data, "train", args.batch_size, args.seq_len, gen, device)
                for _ in range(args.warmup + args.steps)]  # fmt: skip
+    state = dict(state_dtype=args.state_dtype, master_weights=args.master_weights)
+    if args.bucket_mib:
+        state["bucket_nbytes"] = args.bucket_mib * 2**20
     opt = HybridAdamW(model.parameters(), lr=6e-4, weight_decay=0.1,
-                      offload_fraction=args.fraction, **MODES[args.mode])  # fmt: skip
+                      offload_fraction=args.fraction, **MODES[args.mode], **state)  # fmt: skip
     if MODES[args.mode].get("wait") == "module":
         opt.watch(model)
     marks = Marks()
