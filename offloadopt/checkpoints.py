@@ -109,6 +109,7 @@ def load_validated(opt: Any, sd: Any, before: Callable[[], None] | None = None,
     saved_groups, saved_state = checkpoint.validate(sd, opt.rule, specs)
     if check is not None:
         check()
+    opt._relocate.refuse_unsupported_casts()  # a cast to a dtype the representation does not update
     opt._relocate.budget_for_new_dtypes()  # a cast no budget's fraction meets: nothing changed
     # Copied in place entry by entry: a Ctrl-C (or SIGTERM) waits until every entry is in
     # (torch swaps its state in at once); any other failure part-way leaves the optimizer

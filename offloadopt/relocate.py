@@ -205,6 +205,7 @@ class Relocator:
         recast = [p for p, rec in self.placer.records.items() if rec.placement.dtype != p.dtype]
         if not recast:
             return
+        self.refuse_unsupported_casts()  # before the cast params' state is dropped
         if self.placer.keys_changed():
             self.placer.check_new_keys()  # placed with the new keys too: a budget refuses them
         self.in_new_dtypes(drop=recast)
@@ -255,7 +256,9 @@ class Relocator:
     def refuse_recast_state(self) -> None:
         """Refuse to move the state of a param cast since its placement (it would be copied into
         the new dtype silently, and a bf16 param's master made from its weights), as step()
-        refuses it, before anything changes: :meth:`relocate`'s first check, whoever moves.
+        refuses it, and a cast to a dtype the representation does not update
+        (:meth:`refuse_unsupported_casts`), before anything changes: :meth:`relocate`'s first
+        check, whoever moves.
 
         Raises:
             ValueError: such a param, named (``step.recast_error``).
@@ -265,6 +268,27 @@ class Relocator:
                 rec = self.placer.records.get(p)
                 if rec is not None and rec.placement.dtype != p.dtype and self.state.get(p):
                     raise ValueError(recast_error(gi, i, rec.name, rec.placement.dtype, p.dtype))
+        self.refuse_unsupported_casts()
+
+    def refuse_unsupported_casts(self) -> None:
+        """Refuse a param cast since its placement to a dtype the representation does not update
+        (fp64 under compressed state, fp16 under bf16-sr masters), as the constructor refuses
+        it, before anything changes: placed, it failed in the kernel without a name and left
+        state in the new dtype behind (a user's finding).
+
+        Raises:
+            ValueError: the first such param, named (``Rule.dtype_refusal``).
+        """
+        for gi, group in enumerate(self.placer.param_groups):
+            for i, p in enumerate(group["params"]):
+                rec = self.placer.records.get(p)
+                if rec is None or rec.placement.dtype == p.dtype:
+                    continue
+                label = (f"param group {gi}, param {i} ({rec.name}, cast from "
+                         f"{rec.placement.dtype} after the optimizer was built)")  # fmt: skip
+                refusal = self.placer.rule.dtype_refusal(p.dtype, label)
+                if refusal is not None:
+                    raise ValueError(f"{refusal}; or cast the model back to {rec.placement.dtype}")
 
     def for_new_placement(self) -> bool:
         """New state keys or a param's new dtype at ``step()`` (the step before was waited

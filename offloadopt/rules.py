@@ -109,6 +109,24 @@ class Rule:
         than torch's fused one."""
         return self.moments != "fp32" or self.master_sr
 
+    def dtype_refusal(self, dtype: torch.dtype, label: str) -> str | None:
+        """Why a param of ``dtype`` (``label`` names it) cannot be updated in this
+        representation (offloadopt's kernel takes fp32, bf16 and fp16 weights, bf16-sr only
+        bf16 ones), or None where it can: checked at construction and where a cast param is
+        placed again, before anything changes."""
+        if not self.compressed:
+            return None
+        if self.master_sr and dtype == torch.float16:
+            return (f"master_weights='bf16-sr' rounds bf16 weights stochastically: {label} is "
+                    "torch.float16 (give fp16 params fp32 masters, master_weights=True, or cast "
+                    "the model to bf16)")  # fmt: skip
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return (f"compressed optimizer state (state_dtype={self.moments!r}, master_weights="
+                    f"{'bf16-sr' if self.master_sr else True!r}) updates fp32, bf16 and fp16 "
+                    f"params: {label} is {dtype} (torch's kernel, the default state_dtype='fp32' "
+                    "and master_weights=True, updates it)")  # fmt: skip
+        return None
+
     def state_keys_for(self, values: dict[str, Any]) -> tuple[str, ...]:
         """The state keys a group with these values keeps (SGD without momentum: none)."""
         return self.state_keys

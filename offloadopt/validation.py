@@ -374,20 +374,8 @@ def validate_group(
             p.layout == torch.strided,
             f"sparse parameters are not supported: {label} has layout {p.layout}",
         )
-        if rule.compressed:  # offloadopt's kernel takes fp32 and bf16 weights, fp32 masters
-            _check(
-                not (rule.master_sr and p.dtype == torch.float16),
-                f"master_weights='bf16-sr' rounds bf16 weights stochastically: {label} is "
-                "torch.float16 (give fp16 params fp32 masters, master_weights=True, or cast "
-                "the model to bf16)",
-            )
-            _check(
-                p.dtype in (torch.float32, torch.bfloat16, torch.float16),
-                f"compressed optimizer state (state_dtype={rule.moments!r}, master_weights="
-                f"{'bf16-sr' if rule.master_sr else True!r}) updates fp32, bf16 and fp16 "
-                f"params: {label} is {p.dtype} (torch's kernel, the default state_dtype='fp32' "
-                "and master_weights=True, updates it)",
-            )
+        refusal = rule.dtype_refusal(p.dtype, label)
+        _check(refusal is None, refusal or "")
         _check(
             p.device.type in ("cpu", "cuda", "meta"),
             f"{label} is on {p.device}: HybridAdamW supports cpu and cuda params (and meta "

@@ -374,6 +374,49 @@ def test_params_the_kernel_cannot_update_are_refused_when_added(dtype, kw, match
     opt.close()
 
 
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+@pytest.mark.parametrize(
+    "start, cast, kw",
+    [
+        (torch.float32, torch.float64, dict(state_dtype="int8")),
+        (torch.float32, torch.float64, dict(state_dtype="bf16")),
+        (torch.bfloat16, torch.float16, dict(master_weights="bf16-sr")),
+        (torch.bfloat16, torch.float64, dict(master_weights="bf16-sr", state_dtype="int8")),
+    ],
+)
+def test_a_cast_to_a_dtype_the_kernel_cannot_update_is_refused_before_anything_changes(
+    fraction, start, cast, kw
+):
+    # A user's finding: a model cast after the optimizer was built, to a dtype the
+    # construction refuses, was placed again at step() in its new dtype; the kernel failed
+    # ("masters[0] has dtype Double; expected float32 (as masters[0])", no param named) with
+    # the new dtype's state made, so casting the model back was refused too. A load from a
+    # torch checkpoint failed part-way and left the optimizer refusing every step.
+    params = [torch.nn.Parameter(torch.randn(300, generator=torch.Generator().manual_seed(i)).to(start))
+              for i in range(2)]  # fmt: skip
+    opt = HybridAdamW(params, offload_fraction=fraction, min_offload_numel=64, **kw)
+    for p in params:
+        p.data = p.data.to(cast)  # as model.to(cast) does
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    match = rf"param group 0, param 0 \(group0\.param0, cast from {start} .*is {cast}.*cast the model back to {start}"
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True)) and not opt.state
+    ref = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], fused=True)
+    for q in ref.param_groups[0]["params"]:
+        q.grad = torch.ones_like(q)
+    ref.step()
+    with pytest.raises(ValueError, match=match):  # refused before the load changes anything
+        opt.load_state_dict(ref.state_dict())
+    assert not opt.state
+    for p in params:  # cast back: steps as one built now would
+        p.data, p.grad = p.data.to(start), torch.ones_like(p, dtype=start)
+    opt.step()
+    assert all(int(opt.state[p]["step"]) == 1 for p in params)
+    opt.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_codes_that_no_longer_match_the_moments_give_way_to_them(dtype):
     # int8 checkpoint -> torch.optim.AdamW (which casts the codes to the param's dtype and
