@@ -417,6 +417,33 @@ def test_a_cast_to_a_dtype_the_kernel_cannot_update_is_refused_before_anything_c
     opt.close()
 
 
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+@pytest.mark.parametrize("kw", [dict(state_dtype="int8"), dict(master_weights="bf16-sr")])
+def test_a_grad_in_another_dtype_than_its_param_is_refused_at_every_fraction(fraction, kw):
+    # A user's finding: with p.grad_dtype = torch.float32 on a bf16 param, an offloaded grad
+    # crossed the link in bf16 while one on the device was used whole: the bits depended on
+    # the fraction (torch's fused AdamW refuses such a grad).
+    p = torch.nn.Parameter(torch.randn(300, generator=torch.Generator().manual_seed(0)).bfloat16())
+    try:
+        p.grad_dtype = torch.float32
+    except (AttributeError, TypeError):
+        pytest.skip("this torch has no Tensor.grad_dtype (a grad always has its param's dtype)")
+    opt = HybridAdamW([p], offload_fraction=fraction, min_offload_numel=64, **kw)
+    p.grad = torch.ones(300)
+    before = p.detach().clone()
+    with pytest.raises(
+        RuntimeError,
+        match=r"the grad of group0\.param0 is torch\.float32, the param torch\.bfloat16",
+    ):
+        opt.step()
+    assert torch.equal(p, before) and not opt.state
+    p.grad_dtype = None
+    p.grad = torch.ones(300, dtype=torch.bfloat16)
+    opt.step()
+    assert int(opt.state[p]["step"]) == 1
+    opt.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_codes_that_no_longer_match_the_moments_give_way_to_them(dtype):
     # int8 checkpoint -> torch.optim.AdamW (which casts the codes to the param's dtype and

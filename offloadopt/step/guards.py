@@ -185,6 +185,15 @@ class Guards:
             raise RuntimeError(
                 f"grad of {rec.name} has shape {tuple(p.grad.shape)}, param {tuple(p.shape)}"
             )
+        if self.placer.rule.compressed and p.grad.dtype != p.dtype:
+            # offloaded, the grad crosses the link in the param's dtype; on the device it was
+            # used whole: the bits depended on the fraction (a user's finding, p.grad_dtype)
+            raise RuntimeError(
+                f"the grad of {rec.name} is {p.grad.dtype}, the param {p.dtype}: compressed "
+                "state (state_dtype='int8'/'bf16', master_weights='bf16-sr') takes grads in "
+                "their param's dtype, as torch's fused AdamW does; leave p.grad_dtype unset, "
+                "or keep the default state_dtype='fp32' and master_weights=True"
+            )
 
     def check_worker(self) -> None:
         """Raises:
