@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     data = load_text(None)
     batches = [get_batch(data, "train", args.batch_size, args.seq_len, gen, device)
                for _ in range(args.warmup + args.steps)]  # fmt: skip
-    state = dict(state_dtype=args.state_dtype, master_weights=args.master_weights)
+    masters = True if args.master_weights == "fp32" else args.master_weights
+    state = dict(state_dtype=args.state_dtype, master_weights=masters)
     if args.bucket_mib:
         state["bucket_nbytes"] = args.bucket_mib * 2**20
     opt = HybridAdamW(model.parameters(), lr=6e-4, weight_decay=0.1,
