@@ -205,7 +205,6 @@ class Relocator:
         recast = [p for p, rec in self.placer.records.items() if rec.placement.dtype != p.dtype]
         if not recast:
             return
-        self.refuse_unsupported_casts()  # before the cast params' state is dropped
         if self.placer.keys_changed():
             self.placer.check_new_keys()  # placed with the new keys too: a budget refuses them
         self.in_new_dtypes(drop=recast)
