@@ -24,6 +24,11 @@ bandwidth. ``x torch`` is the row's time over torch's fused fp32 kernel's in the
 (lower is faster; before 2026-12-07 this column was "vs torch", torch's time over the row's).
 ``--isa`` runs the kernel on another instruction set than the best this CPU has
 (``avx512``, ``avx2``, ``generic``); ``ATEN_CPU_CAPABILITY=avx2`` does the same for torch's row.
+
+``--paired`` is for a shared or noisy host (a VM whose neighbours move torch's own time by 20%
+between runs): each mode's calls alternate with torch's, call by call, with both sets of
+tensors alive, and ``x torch`` is the median of the per-pair ratios (``ms`` stays the mode's
+median). Its spread is printed: ``x torch lo-hi``, the ratios' quartiles.
 """
 
 from __future__ import annotations
@@ -92,8 +97,13 @@ def filled(n: int, dtype: torch.dtype, lo: float, hi: float) -> torch.Tensor:
 
 
 def run_torch(sizes: list[int], repeats: int, copy_backup: bool = False) -> float:
-    """torch's kernel; ``copy_backup``: after a copy of master, exp_avg and exp_avg_sq to a
-    backup (speculation before the kernel's backups)."""
+    """torch's kernel's median time; ``copy_backup``: after a copy of master, exp_avg and
+    exp_avg_sq to a backup (speculation before the kernel's backups)."""
+    return timed(torch_call(sizes, copy_backup), repeats)
+
+
+def torch_call(sizes: list[int], copy_backup: bool = False):
+    """One call of torch's kernel over fresh tensors of ``sizes`` (see ``run_torch``)."""
     ps = [filled(n, F32, -1, 1) for n in sizes]
     gs = [filled(n, F32, -1e-2, 1e-2) for n in sizes]
     ms = [filled(n, F32, -1e-3, 1e-3) for n in sizes]
@@ -106,10 +116,16 @@ def run_torch(sizes: list[int], repeats: int, copy_backup: bool = False) -> floa
             torch._foreach_copy_(bk, ps + ms + vs)
         torch._fused_adamw_(ps, gs, ms, vs, [], step, amsgrad=False, maximize=False, **HP)
 
-    return timed(call, repeats)
+    return call
 
 
 def run_ours(mod, sizes: list[int], mode: tuple, repeats: int, backup: bool = False) -> float:
+    """The kernel's median time in ``mode`` (a MODES value)."""
+    return timed(ours_call(mod, sizes, mode, backup), repeats)
+
+
+def ours_call(mod, sizes: list[int], mode: tuple, backup: bool = False):
+    """One call of the kernel in ``mode`` over fresh tensors of ``sizes``."""
     master, grad, moments, wout = mode
     sdt = STATE[moments][0]
     ps = [filled(n, master, -1, 1) for n in sizes]
@@ -137,7 +153,24 @@ def run_ours(mod, sizes: list[int], mode: tuple, repeats: int, backup: bool = Fa
                       HP["lr"], HP["beta1"], HP["beta2"], HP["weight_decay"], HP["eps"], False,
                       True, None, moments, master == B16, vec, False, backups=bk)  # fmt: skip
 
-    return timed(call, repeats)
+    return call
+
+
+def paired(first, second, repeats: int) -> tuple[float, list[float]]:
+    """``second``'s median time and the sorted ratios second/first of ``repeats`` back-to-back
+    pairs (one warm-up call each first): a neighbour's load moves both calls of a pair."""
+    first()
+    second()
+    times, ratios = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        first()
+        t1 = time.perf_counter()
+        second()
+        t2 = time.perf_counter()
+        times.append(t2 - t1)
+        ratios.append((t2 - t1) / (t1 - t0))
+    return statistics.median(times), sorted(ratios)
 
 
 def main() -> None:
@@ -151,6 +184,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="*", default=None, help=f"subset of {list(MODES)}")
     ap.add_argument("--backup", action="store_true", help="add the backup rows (see above)")
     ap.add_argument("--isa", default=None, help="the kernel's ISA (default: the best here)")
+    ap.add_argument("--paired", action="store_true",
+                    help="alternate each mode's calls with torch's; x torch: the pairs' median")  # fmt: skip
     ap.add_argument("--triad-numel", type=float, default=2**28,
                     help="elements per triad array (default 2**28: 3 GiB in all)")  # fmt: skip
     args = ap.parse_args()
@@ -170,21 +205,32 @@ def main() -> None:
           f"x{mod.lanes()}, kernel threads {mod.num_threads_used()}, load {built:.1f} s, "
           f"repeats {args.repeats}, triad {triad:.1f} GB/s")  # fmt: skip
     print(f"{'mode':<34} {'B/param':>8} {'passes':>6} {'ms':>9} {'ns/param':>9} {'GB/s':>7} "
-          f"{'x torch':>8} {'x bus':>6}")  # fmt: skip
-    base = run_torch(sizes, args.repeats)
+          f"{'x torch':>8} {'x bus':>6}" + (f" {'x torch lo-hi':>14}" if args.paired else ""))  # fmt: skip
+    base_call = torch_call(sizes) if args.paired else None
+    base = timed(base_call, args.repeats) if base_call else run_torch(sizes, args.repeats)
 
-    def row(name: str, b: float, sec: float, passes: int = 1) -> None:
+    def row(name: str, b: float, sec: float, passes: int = 1, ratios: list | None = None) -> None:
         # printed as measured: a timeout keeps the rows so far
         bus = sec / (b * n / (triad * 1e9))
+        x = statistics.median(ratios) if ratios else sec / base
+        spread = (
+            f" {ratios[len(ratios) // 4]:>6.2f}-{ratios[(3 * len(ratios)) // 4]:.2f}"
+            if ratios
+            else ""
+        )
         print(f"{name:<34} {b:>8.2f} {passes:>6} {sec * 1e3:>9.2f} {sec / n * 1e9:>9.3f} "
-              f"{b * n / sec / 1e9:>7.1f} {sec / base:>7.2f}x {bus:>5.2f}x", flush=True)  # fmt: skip
+              f"{b * n / sec / 1e9:>7.1f} {x:>7.2f}x {bus:>5.2f}x{spread}", flush=True)  # fmt: skip
 
     row("torch fused fp32", 28.0, base)
     for name, mode in MODES.items():
         if args.modes and name not in args.modes:
             continue
-        row(name, bytes_per_param(*mode), run_ours(mod, sizes, mode, args.repeats),
-            2 if mode[2] == 2 else 1)  # fmt: skip
+        passes = 2 if mode[2] == 2 else 1
+        if base_call:
+            sec, ratios = paired(base_call, ours_call(mod, sizes, mode), args.repeats)
+            row(name, bytes_per_param(*mode), sec, passes, ratios)
+        else:
+            row(name, bytes_per_param(*mode), run_ours(mod, sizes, mode, args.repeats), passes)
     if args.backup:
         fp32 = MODES["ours fp32"]
         row("torch fp32 + copy", 64.0, run_torch(sizes, args.repeats, copy_backup=True))
