@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|spec|spec3|spec4|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|kernelab|steprows|buckets|steptl|hold|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|spec|spec3|spec4|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|kernelab|steprows|buckets|steptl|spin|hold|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -243,6 +243,21 @@ for part in "${@:-all}"; do
       timeout 150 python3 benchmarks/timeline.py --mode backward --batch-size 4 --steps 6 --state-dtype int8 \
         --master-weights bf16-sr ${mib:+--bucket-mib $mib} --out "$OUT/steptl${mib}" 2>&1 | tail -10
     done
+  fi
+  if [[ $part == spin ]]; then
+    # issue 43: the kernel's fixed cost per call inside the step (1.2-2.5 ms a bucket on the
+    # H100 host, 2026-12-07, results/2026-12-07-small-buckets-h100). Two suspects: the worker's
+    # OpenMP threads sleep between buckets (the same rows with libgomp's threads left spinning,
+    # OMP_WAIT_POLICY=ACTIVE, read when libgomp starts: a process each), or a thread of the
+    # team is preempted holding a chunk by another runnable thread (the training thread or
+    # a driver thread on CPUs 1-15) and the call waits for it (threads14: a CPU to spare).
+    # torchao first and last in each process; then the per-call probe
+    for pol in passive active; do
+      OMP_WAIT_POLICY=${pol^^} timeout 280 python3 benchmarks/overlap_bench.py --no-memory --no-probe --warmup 3 \
+        --steps 6 --out "$OUT/spin-$pol" --only torchao "backward f1 sr8" "backward f1 sr8 threads14" \
+        "backward f1 int8" "backward f1 int8 threads14" torchao 2>&1 | tee "$OUT/spin-$pol.log" | grep " step "
+    done
+    timeout 60 python3 benchmarks/results/2026-12-07-small-buckets-h100/percall.py 15 2>&1 | tee "$OUT/percall.log" | tail -8
   fi
   if [[ $part == hold ]]; then
     # issue 46: speculation's held-back steps (FOLLOW_CLIP) against the clipped path, interleaved

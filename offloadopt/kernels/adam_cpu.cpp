@@ -122,6 +122,7 @@ namespace {
 #define OO_SIMD_AVX512
 #include "cpu/simd.h"
 #include "cpu/int8_codes.h"
+#include "cpu/bf16_bits.h"
 #include "cpu/adam_body.h"
 #undef OO_SIMD_AVX512
 }  // namespace
@@ -139,6 +140,7 @@ namespace {
 #define OO_SIMD_AVX2
 #include "cpu/simd.h"
 #include "cpu/int8_codes.h"
+#include "cpu/bf16_bits.h"
 #include "cpu/adam_body.h"
 #undef OO_SIMD_AVX2
 }  // namespace
@@ -156,6 +158,7 @@ namespace {
 #define OO_SIMD_GENERIC
 #include "cpu/simd.h"
 #include "cpu/int8_codes.h"
+#include "cpu/bf16_bits.h"
 #include "cpu/adam_body.h"
 #undef OO_SIMD_GENERIC
 }  // namespace

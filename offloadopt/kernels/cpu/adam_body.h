@@ -1,5 +1,5 @@
-// The kernel's body, written once over `struct V` (simd.h): decode, update, round, encode (the
-// int8 codes themselves: int8_codes.h).
+// The kernel's body, written once over `struct V` (simd.h): the update and its loops (the int8
+// codes' decode and encode: int8_codes.h; the bf16 roundings and the draws' hash: bf16_bits.h).
 //
 // No include guard: adam_cpu.cpp includes it once per ISA, inside that ISA's namespace, after
 // simd.h and after the ISA-free declarations (Job, Coefs, Master, Moments, BLOCK) of
@@ -79,57 +79,16 @@ struct Kern {
   static inline I draw(const Ctx& c, I lo, int d) {
     I key = c.key[d];
     if (!PLAIN && c.wraps) key = V::sel(V::lt_u(lo, c.lo_first), c.key_wrapped[d], key);
-    I x = V::bxor(lo, key);
-    x = V::bxor(x, V::template srl<16>(x));
-    x = V::mullo(x, V::seti(0x7FEB352Du));
-    x = V::bxor(x, V::template srl<15>(x));
-    x = V::mullo(x, V::seti(0x846CA68Bu));
-    return V::bxor(x, V::template srl<16>(x));
+    return Bf16::hash(V::bxor(lo, key));
   }
+  static inline I round_sr(F x, I r16) { return Bf16::round_sr(x, r16); }
+  static inline I round_ne_num(F x) { return Bf16::round_ne_num(x); }
+  static inline I round_ne(F x) { return Bf16::round_ne(x); }
 
-  // fp32 -> bf16 bits (low half of each lane): stochastic rounding with 16 random bits r16
-  static inline I round_sr(F x, I r16) {
-    I out = V::template srl<16>(V::add(V::bits(x), r16));
-    return V::sel(V::isnan(x), V::seti(0x7FC0u), out);
-  }
-
-  // fp32 -> bf16 bits, round to nearest even (torch's .to(torch.bfloat16)); round_ne_num leaves
-  // out the NaN case (a NaN lane's bits are wrong: the plain path's pairs redo those, fix_wo)
-  static inline I round_ne_num(F x) {
-    I u = V::bits(x);
-    I lsb = V::band(V::template srl<16>(u), V::seti(1u));
-    return V::template srl<16>(V::add(V::add(u, V::seti(0x7FFFu)), lsb));
-  }
-  static inline I round_ne(F x) { return V::sel(V::isnan(x), V::seti(0x7FC0u), round_ne_num(x)); }
-
-  // int8: the moments of the 2W elements at Ms, Vs, in the paired order (formats.py: m = +-scale
-  // * 2^(e-15) * (1 + f/8), v = (scale * 2^(e-15) * (1 + f/16))^2). A code's value is a bf16
-  // pattern (m: sign << 15 | (mag + 112 << 3) << 4, v: (code + 112 << 4) << 3; 0 for a zero
-  // magnitude), built in 16-bit lanes, 2W at a time. FINITE (the block's exp_avg scale): the sign goes
-  // into the pattern (scale * -x == -(scale * x) unless the product is NaN); otherwise it is
-  // flipped after the product, as formats.decode_m does (a NaN's sign then matches).
+  // int8: the moments of the 2W elements at Ms, Vs, in the paired order (Int8Codes::decode)
   template <bool FINITE>
   static inline void decode(const Ctx& c, const uint8_t* Ms, const uint8_t* Vs, F* m0, F* v0) {
-    using H = typename V::H;
-    if constexpr (FINITE) {
-      const H x = V::template sll16<4>(V::ld_s8h(Ms));  // sign in bits 15..11, mag << 4
-      const H b = V::addnz16(V::and16(x, V::set16(0x87F0)), V::and16(x, V::set16(0x07F0)), V::set16(112u << 7));
-      m0[0] = V::mul(c.m_scale, V::flt(V::hi16_lo(b)));
-      m0[1] = V::mul(c.m_scale, V::flt(V::hi16_hi(b)));
-    } else {
-      const H cmh = V::ld_u8h(Ms);
-      for (int h = 0; h < 2; ++h) {
-        const I cm = V::template srl<16>(h ? V::hi16_hi(cmh) : V::hi16_lo(cmh)), mag = V::band(cm, V::seti(0x7Fu));
-        const I mbits = V::keep_nonzero(mag, V::template sll<20>(V::add(mag, V::seti(112u << 3))));
-        const I msign = V::band(V::template sll<24>(cm), V::seti(0x80000000u));
-        m0[h] = V::flt(V::bxor(V::bits(V::mul(c.m_scale, V::flt(mbits))), msign));
-      }
-    }
-    const H cv = V::ld_u8h(Vs);
-    const H b = V::addnz16(V::template sll16<3>(cv), cv, V::set16(112u << 7));
-    const F s0 = V::mul(c.v_scale, V::flt(V::hi16_lo(b))), s1 = V::mul(c.v_scale, V::flt(V::hi16_hi(b)));
-    v0[0] = V::mul(s0, s0);
-    v0[1] = V::mul(s1, s1);
+    Int8Codes::decode<FINITE>(c.m_scale, c.v_scale, Ms, Vs, m0, v0);
   }
 
   // The update of W lanes: p (the master), g, m0, v0 in; the new master pn, m, v and y = sqrt(v)

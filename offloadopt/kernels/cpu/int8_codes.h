@@ -1,6 +1,6 @@
-// int8 block moments (formats.py): the encode of a whole block once its scales are known. The
-// update of a block, which writes the fresh moments into `Pending`, and the decode of a pair of
-// vectors' codes are `Kern`'s (adam_body.h).
+// int8 block moments (formats.py): the decode of a pair of vectors' codes, and the encode of a
+// whole block once its scales are known. The update of a block, which writes the fresh
+// moments into `Pending`, is `Kern`'s (adam_body.h).
 //
 // No include guard: adam_cpu.cpp includes it once per ISA, inside that ISA's namespace, after
 // simd.h and the ISA-free declarations (BLOCK), before adam_body.h.
@@ -23,6 +23,36 @@ struct Int8Codes {
     float minv = 1.f, yinv = 1.f;  // 1 / the scales (1 for a zero block)
     bool bad = false;               // inf or NaN in the block: codes 0
   };
+
+  // The moments of the 2W elements at Ms, Vs, in the paired order (formats.py: m = +-scale
+  // * 2^(e-15) * (1 + f/8), v = (scale * 2^(e-15) * (1 + f/16))^2). A code's value is a bf16
+  // pattern (m: sign << 15 | (mag + 112 << 3) << 4, v: (code + 112 << 4) << 3; 0 for a zero
+  // magnitude), built in 16-bit lanes, 2W at a time. FINITE (the block's exp_avg scale m_scale): the sign goes
+  // into the pattern (scale * -x == -(scale * x) unless the product is NaN); otherwise it is
+  // flipped after the product, as formats.decode_m does (a NaN's sign then matches).
+  template <bool FINITE>
+  static inline void decode(F m_scale, F v_scale, const uint8_t* Ms, const uint8_t* Vs, F* m0, F* v0) {
+    using H = V::H;
+    if constexpr (FINITE) {
+      const H x = V::template sll16<4>(V::ld_s8h(Ms));  // sign in bits 15..11, mag << 4
+      const H b = V::addnz16(V::and16(x, V::set16(0x87F0)), V::and16(x, V::set16(0x07F0)), V::set16(112u << 7));
+      m0[0] = V::mul(m_scale, V::flt(V::hi16_lo(b)));
+      m0[1] = V::mul(m_scale, V::flt(V::hi16_hi(b)));
+    } else {
+      const H cmh = V::ld_u8h(Ms);
+      for (int h = 0; h < 2; ++h) {
+        const I cm = V::template srl<16>(h ? V::hi16_hi(cmh) : V::hi16_lo(cmh)), mag = V::band(cm, V::seti(0x7Fu));
+        const I mbits = V::keep_nonzero(mag, V::template sll<20>(V::add(mag, V::seti(112u << 3))));
+        const I msign = V::band(V::template sll<24>(cm), V::seti(0x80000000u));
+        m0[h] = V::flt(V::bxor(V::bits(V::mul(m_scale, V::flt(mbits))), msign));
+      }
+    }
+    const H cv = V::ld_u8h(Vs);
+    const H b = V::addnz16(V::template sll16<3>(cv), cv, V::set16(112u << 7));
+    const F s0 = V::mul(v_scale, V::flt(V::hi16_lo(b))), s1 = V::mul(v_scale, V::flt(V::hi16_hi(b)));
+    v0[0] = V::mul(s0, s0);
+    v0[1] = V::mul(s1, s1);
+  }
 
   // The codes of a pending block (formats.py: round to nearest, ties up, on t's fp32 bits).
   static void encode(Pending& b) {
