@@ -6,7 +6,7 @@
 // adam_cpu.cpp. Its one export is `pick`, the span function of a mode.
 //
 // A span is a run of whole 256-element blocks of one tensor (the last may be short). The
-// compressed modes go 2W elements at a time through `Kern::pair`, in simd.h's paired order; the
+// compressed modes go 2W elements at a time through `Kern::two_pass`, in simd.h's paired order; the
 // all-fp32 mode (torch's) one vector at a time through `Kern::one`, in element order. A
 // tensor's ragged end (fewer than 2W or W elements, or a short int8 block) is copied into
 // zero-padded local arrays, run through the same function, and copied back: the lanes are
@@ -99,16 +99,26 @@ struct Kern {
   // decay: p * 1 == p), so the loop has no branch (nor has weights_out's store: STREAM).
   template <bool TAIL, bool PLAIN>
   static inline void math(const Ctx& c, F p, F g, F m0, F v0, typename V::M tail, F& pn, F& m, F& v, F& y) {
-    if (PLAIN) {
-      p = V::mul(p, c.decay);
-    } else {
+    moments<TAIL, PLAIN>(c, grad<PLAIN>(c, g, p), m0, v0, tail, m, v, y);
+    pn = step(c, decayed<PLAIN>(c, p), m, y);
+  }
+
+  // math's grad: scaled, signed and with Adam's (L2) decay of the master p where asked
+  template <bool PLAIN>
+  static inline F grad(const Ctx& c, F g, F p) {
+    if (!PLAIN) {
       if (c.has_gs) g = V::div(g, c.gscale);
       if (c.maximize) g = V::flt(V::bxor(V::bits(g), c.gsign));
-      if (c.adamw) p = V::mul(p, c.decay);
       if (c.l2) g = V::fma(p, c.wd, g);
     }
-    moments<TAIL, PLAIN>(c, g, m0, v0, tail, m, v, y);
-    pn = step(c, p, m, y);
+    return g;
+  }
+
+  // math's master before the step: AdamW's decay, p * (1 - lr*wd) (the plain path multiplies
+  // by exactly 1.0 without weight decay)
+  template <bool PLAIN>
+  static inline F decayed(const Ctx& c, F p) {
+    return PLAIN || c.adamw ? V::mul(p, c.decay) : p;
   }
 
   // math's moments: m, v and y = sqrt(v) from g (scaled, signed, decayed as math does), m0, v0
@@ -150,7 +160,7 @@ struct Kern {
   // element order.
   template <bool TAIL, bool PLAIN, bool STREAM = false>
   static inline void one(Ctx& c, MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo, typename V::M tail) {
-    static_assert(kParity, "the compressed modes go through pair");
+    static_assert(kParity, "the compressed modes go through two_pass");
     F g;
     if constexpr (GBF16) g = V::ld_bf16(G); else g = V::ldf(G);
     F pn, m, v, y;
@@ -170,7 +180,7 @@ struct Kern {
   static inline void ld2(const uint16_t* p, F x[2]) { V::ld2_bf16(p, x[0], x[1]); }
   static inline void ld2(const float* p, F x[2]) { V::ld2f(p, x[0], x[1]); }
 
-  // a pair's new masters pn to P (and weights_out to Wo), as pair stores them
+  // a pair's new masters pn to P (and weights_out to Wo)
   template <bool PLAIN, bool STREAM>
   static inline void store_master(const Ctx& c, MT* P, uint16_t* Wo, const F pn[2], typename V::M& wnan) {
     if constexpr (MK == Master::Bf16Sr) {
@@ -226,51 +236,26 @@ struct Kern {
     yabs = V::maxu(yabs, V::maxu(V::bits(y[0]), V::bits(y[1])));
   }
 
-  // The compressed modes: 2W elements at P, G, Ms, Vs (and Wo), in the paired order. int8: m0,
-  // v0 are the decoded moments (`decode`); the new m and y = sqrt(v) go to mb, yb (the pair's
-  // two vectors one after the other) and their magnitudes' bits into mabs, yabs; the codes are
-  // written by `encode` once the block's scales are known. The plain path rounds weights_out
-  // without its NaN case and marks NaN lanes in wnan: the caller redoes weights_out from the
-  // stored masters where any is set (fix_wo), two instructions a pair less.
-  template <bool PLAIN, bool STREAM = false>
-  static inline void pair(Ctx& c, MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo, float* mb, float* yb,
-                          I& mabs, I& yabs, F m0[2], F v0[2], typename V::M& wnan) {
-    static_assert(!kParity, "the all-fp32 mode goes through one");
-    F p[2], g[2], pn[2], m[2], v[2], y[2];
-    ld2(P, p);
-    ld2(G, g);
-    if constexpr (SK != Moments::Int8Block) {
-      ld2(Ms, m0);
-      ld2(Vs, v0);
-    }
-    for (int h = 0; h < 2; ++h)
-      math<false, PLAIN>(c, p[h], g[h], m0[h], v0[h], V::lanes_from(W), pn[h], m[h], v[h], y[h]);
-    store_master<PLAIN, STREAM>(c, P, Wo, pn, wnan);
-    if constexpr (SK == Moments::Int8Block)
-      keep(mb, yb, m, y, mabs, yabs);
-    else
-      store_moments<PLAIN>(c, Ms, Vs, m, v);
-    // the counters of the draws this mode makes (the master's: lo[0]; the moments': both); a
-    // counter kept with no draw costs its add and a store an iteration (Ctx lives in memory)
-    if constexpr (MK == Master::Bf16Sr || SK == Moments::Bf16Sr) c.lo[0] = V::add(c.lo[0], V::seti((uint32_t)(2 * W)));
-    if constexpr (SK == Moments::Bf16Sr) c.lo[1] = V::add(c.lo[1], V::seti((uint32_t)(2 * W)));
-  }
-
-  // The plain path of the compressed modes: n elements (a multiple of 2W, at most BLOCK) in
-  // two passes, with pair's bits. The first updates the moments (int8: decoded from the codes,
-  // fp32 or bf16: loaded) and keeps m and y = sqrt(v) in mb, yb (L1; int8's Pending, with the
-  // maxima); the second reads them back and updates the masters. In one pass the chain of a
-  // pair runs from its moments' load through sqrt and the division to weights_out's store,
-  // about 60 cycles, and the out-of-order window held about two pairs of it: the loop waited
-  // on latency, not on its instructions (AVX2, one Zen 4 core: the int8 modes 17-20% faster
-  // in two passes). The draws keep their counters: the moments' from lo[0] and lo[1] in the
-  // first pass, the bf16 master's from lo[0] again in the second.
-  template <bool STREAM, bool FINITE>
+  // The compressed modes: n elements (a multiple of 2W, at most BLOCK) at P, G, Ms, Vs (and
+  // Wo) in two passes, 2W elements (a pair, in simd.h's paired order) at a time. The first
+  // updates the moments (int8: decoded from the codes, fp32 or bf16: loaded) and keeps m and
+  // y = sqrt(v) in mb, yb (L1; int8's Pending, whose codes `encode` writes once the block's
+  // scales are known, from the maxima mabs, yabs); the second reads them back and updates the
+  // masters. In one pass the chain of a pair ran from its moments' load through sqrt and the
+  // division to weights_out's store, about 60 cycles, and the out-of-order window held about
+  // two pairs of it: the loop waited on latency, not on its instructions (AVX2, one Zen 4
+  // core: 18-25% faster in two passes, with 10-13% more instructions). The draws keep their
+  // counters: the moments' from lo[0] and lo[1] in the first pass, the bf16 master's from
+  // lo[0] again in the second. The plain path rounds weights_out without its NaN case and
+  // marks NaN lanes in wnan: the caller redoes weights_out from the stored masters where any
+  // is set (fix_wo), two instructions a pair less.
+  template <bool PLAIN, bool STREAM, bool FINITE>
   static inline void two_pass(Ctx& c, MT* P, const GT* G, ST* Ms, ST* Vs, uint16_t* Wo, float* mb, float* yb,
                               int n, I& mabs, I& yabs, typename V::M& wnan) {
+    static_assert(!kParity, "the all-fp32 mode goes through one");
     const I lo0 = c.lo[0];
     for (int k = 0; k < n; k += 2 * W) {
-      F m0[2], v0[2], g[2], m[2], v[2], y[2];
+      F m0[2], v0[2], g[2], m[2], v[2], y[2], p[2] = {V::setf(0.f), V::setf(0.f)};
       if constexpr (SK == Moments::Int8Block) {
         decode<FINITE>(c, Ms + k, Vs + k, m0, v0);
       } else {
@@ -278,11 +263,13 @@ struct Kern {
         ld2(Vs + k, v0);
       }
       ld2(G + k, g);
-      for (int h = 0; h < 2; ++h) moments<false, true>(c, g[h], m0[h], v0[h], V::lanes_from(W), m[h], v[h], y[h]);
+      if (!PLAIN && c.l2) ld2(P + k, p);  // Adam's decay: the grad takes the master
+      for (int h = 0; h < 2; ++h)
+        moments<false, PLAIN>(c, grad<PLAIN>(c, g[h], p[h]), m0[h], v0[h], V::lanes_from(W), m[h], v[h], y[h]);
       if constexpr (SK == Moments::Int8Block) {
         keep(mb + k, yb + k, m, y, mabs, yabs);
       } else {
-        store_moments<true>(c, Ms + k, Vs + k, m, v);
+        store_moments<PLAIN>(c, Ms + k, Vs + k, m, v);
         for (int h = 0; h < 2; ++h) {
           V::stf(mb + k + h * W, m[h]);
           V::stf(yb + k + h * W, y[h]);
@@ -298,14 +285,14 @@ struct Kern {
       F p[2], pn[2];
       ld2(P + k, p);
       for (int h = 0; h < 2; ++h)
-        pn[h] = step(c, V::mul(p[h], c.decay), V::ldf(mb + k + h * W), V::ldf(yb + k + h * W));
-      store_master<true, STREAM>(c, P + k, WOUT ? Wo + k : nullptr, pn, wnan);
+        pn[h] = step(c, decayed<PLAIN>(c, p[h]), V::ldf(mb + k + h * W), V::ldf(yb + k + h * W));
+      store_master<PLAIN, STREAM>(c, P + k, WOUT ? Wo + k : nullptr, pn, wnan);
       if constexpr (MK == Master::Bf16Sr) c.lo[0] = V::add(c.lo[0], V::seti((uint32_t)(2 * W)));
     }
   }
 
   // weights_out of n elements (a multiple of 2W) again from the stored masters, with round_ne's
-  // NaN case: after plain pairs that marked a NaN (pair)
+  // NaN case: after plain pairs that marked a NaN (two_pass)
   static void fix_wo(const MT* P, uint16_t* Wo, int64_t n) {
     for (int64_t k = 0; k < n; k += 2 * W) {
       F p[2];
@@ -317,22 +304,6 @@ struct Kern {
   // int8's two passes a block: int8_codes.h
   using Pending = Int8Codes::Pending;
 
-  template <bool PLAIN, bool STREAM, bool FINITE>
-  static inline void update_loop(Ctx& c, MT* P, const GT* G, uint8_t* Ms, uint8_t* Vs, uint16_t* Wo, Pending& out,
-                                 I& mabs, I& yabs, typename V::M& wnan) {
-    static_assert(BLOCK % (2 * W) == 0, "decode takes 2W codes at a time");
-    if constexpr (PLAIN) {
-      two_pass<STREAM, FINITE>(c, P, G, Ms, Vs, Wo, out.m, out.y, BLOCK, mabs, yabs, wnan);
-    } else {
-      for (int k = 0; k < BLOCK; k += 2 * W) {
-        F m0[2], v0[2];
-        decode<FINITE>(c, Ms + k, Vs + k, m0, v0);
-        pair<PLAIN, STREAM>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, out.m + k, out.y + k, mabs,
-                            yabs, m0, v0, wnan);
-      }
-    }
-  }
-
   template <bool PLAIN, bool STREAM = false>
   static void update_block(Ctx& c, MT* P, const GT* G, uint8_t* Ms, uint8_t* Vs, uint16_t* Wo, float* msc,
                            float* vsc, Pending& out) {
@@ -341,9 +312,9 @@ struct Kern {
     I mabs = V::seti(0u), yabs = V::seti(0u);
     typename V::M wnan = V::none();
     if (std::isfinite(*msc))
-      update_loop<PLAIN, STREAM, true>(c, P, G, Ms, Vs, Wo, out, mabs, yabs, wnan);
+      two_pass<PLAIN, STREAM, true>(c, P, G, Ms, Vs, Wo, out.m, out.y, BLOCK, mabs, yabs, wnan);
     else
-      update_loop<PLAIN, STREAM, false>(c, P, G, Ms, Vs, Wo, out, mabs, yabs, wnan);
+      two_pass<PLAIN, STREAM, false>(c, P, G, Ms, Vs, Wo, out.m, out.y, BLOCK, mabs, yabs, wnan);
     if constexpr (WOUT && PLAIN)
       if (V::any(wnan)) fix_wo(P, Wo, BLOCK);
     const uint32_t ma = V::hmaxu(mabs), ya = V::hmaxu(yabs);
@@ -408,9 +379,9 @@ struct Kern {
         one<false, false>(c, p, g, m, v, w, V::lanes_from(W));
     } else {
       I unused = V::seti(0u);
-      F m0[2], v0[2];
-      typename V::M no_wnan = V::none();  // not the plain path: pair rounds NaN itself
-      pair<false>(c, p, g, m, v, w, nullptr, nullptr, unused, unused, m0, v0, no_wnan);
+      alignas(64) float mb[N], yb[N];
+      typename V::M no_wnan = V::none();  // not the plain path: NaN rounded in the pass
+      two_pass<false, false, true>(c, p, g, m, v, w, mb, yb, N, unused, unused, no_wnan);
     }
     std::memcpy(P, p, len * sizeof(MT));
     std::memcpy(Ms, m, len * sizeof(ST));
@@ -465,19 +436,12 @@ struct Kern {
       }
     } else {
       I unused = V::seti(0u);
-      F m0[2], v0[2];
       typename V::M wnan = V::none();
+      alignas(64) float mb[BLOCK], yb[BLOCK];
       int64_t k = 0;
-      if constexpr (PLAIN) {
-        alignas(64) float mb[BLOCK], yb[BLOCK];
-        for (int n; (n = (int)std::min<int64_t>(BLOCK, (len - k) / (2 * W) * (2 * W))) > 0; k += n)
-          two_pass<STREAM, true>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, mb, yb, n, unused, unused,
-                                 wnan);
-      } else {
-        for (; k + 2 * W <= len; k += 2 * W)
-          pair<PLAIN, STREAM>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, nullptr, nullptr, unused,
-                              unused, m0, v0, wnan);
-      }
+      for (int n; (n = (int)std::min<int64_t>(BLOCK, (len - k) / (2 * W) * (2 * W))) > 0; k += n)
+        two_pass<PLAIN, STREAM, true>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, mb, yb, n, unused,
+                                      unused, wnan);
       if constexpr (WOUT && PLAIN)
         if (V::any(wnan)) fix_wo(P, Wo, k);
       if (k < len) short_run<2 * W>(c, P + k, G + k, Ms + k, Vs + k, WOUT ? Wo + k : nullptr, (int)(len - k), W);
