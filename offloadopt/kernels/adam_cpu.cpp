@@ -2,17 +2,19 @@
 //
 //   mode (master/moments)  grad  weights out  bytes/elem  passes  SR draws  GB/s (x triad)
 //   fp32/fp32 (torch's)    fp32  -            28          1       0         163 (0.57x)
-//   fp32/bf16              bf16  bf16 (RNE)   20          1       1         154 (0.61x)
-//   fp32/int8              bf16  bf16 (RNE)   16.06       2       0         135 (0.69x)
-//   bf16-sr/fp32           bf16  -            22          1       1         -
-//   bf16-sr/bf16           bf16  -            14          1       2         119 (0.78x)
-//   bf16-sr/int8           bf16  -            10.06       2       1         100 (0.94x)
+//   fp32/bf16              bf16  bf16 (RNE)   20          2       1         154 (0.61x)
+//   fp32/int8              bf16  bf16 (RNE)   16.06       3       0         135 (0.69x)
+//   bf16-sr/fp32           bf16  -            22          2       1         -
+//   bf16-sr/bf16           bf16  -            14          2       2         119 (0.78x)
+//   bf16-sr/int8           bf16  -            10.06       3       1         100 (0.94x)
 // Bytes read + written per element, bf16 grads (an fp32 grad adds 2), int8 block scales
 // included. GB/s: 1.558e9 params, 16 threads of the GPU host's Xeon (AVX-512), beside a STREAM
 // triad of 93.4 GB/s in the same run (x triad: time over bytes / triad; below 1 where no line
 // is read for ownership): benchmarks/RESULTS.md, "The CPU kernel at the memory bus" (d6bc17d,
-// 2026-12-07; on that machine torch's fp32 kernel ran above the triad). int8's second pass runs over one 256-element
-// block in L1. The body (cpu/adam_body.h) is written
+// 2026-12-07; on that machine torch's fp32 kernel ran above the triad; before the compressed
+// modes took two passes). Passes a 256-element block: the compressed modes update the moments,
+// then the masters from the moments kept in L1, and int8 writes its codes last (L1 too); each
+// operand is read from memory once. The body (cpu/adam_body.h) is written
 // once over cpu/simd.h and compiled here for AVX-512, AVX2 and plain C++ (generic);
 // `current_isa` takes the best the CPU has, and every ISA gives the same bits (IEEE operations
 // only). The math and the stochastic rounding are specified in reference.py, the formats in
