@@ -244,7 +244,7 @@ struct Kern {
   // masters. In one pass the chain of a pair ran from its moments' load through sqrt and the
   // division to weights_out's store, about 60 cycles, and the out-of-order window held about
   // two pairs of it: the loop waited on latency, not on its instructions (AVX2, one Zen 4
-  // core: 18-25% faster in two passes, with 10-13% more instructions). The draws keep their
+  // core: 10-17% less time in two passes, with 2-19% more instructions). The draws keep their
   // counters: the moments' from lo[0] and lo[1] in the first pass, the bf16 master's from
   // lo[0] again in the second. The plain path rounds weights_out without its NaN case and
   // marks NaN lanes in wnan: the caller redoes weights_out from the stored masters where any
