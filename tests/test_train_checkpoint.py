@@ -338,7 +338,9 @@ def test_a_checkpoint_cut_to_half_is_called_damaged_not_another_file(tmp_path, c
     """A user's find: a --save file cut to half its size (its checksum gone with its end) was
     "not a checkpoint of offloadopt train (... damaged?)", and with --save on the same path (the
     usual resume line) "a file that is not a checkpoint is there ... move it away". Both now say
-    it is a damaged checkpoint, status 2, and the file is kept as it was."""
+    it is a damaged checkpoint, status 2, and the file is kept as it was. The usual resume
+    line names the file it resumes (--resume), not --save (a later user's find); a damaged
+    file under --save alone still says that a save would replace it."""
     ck = str(tmp_path / "run.pt")
     assert _run(capsys, [*ARGS, "--save", ck])[0] == 0
     os.truncate(ck, os.path.getsize(ck) // 2)
@@ -349,7 +351,9 @@ def test_a_checkpoint_cut_to_half_is_called_damaged_not_another_file(tmp_path, c
     )
     assert "restore it from a copy, or resume from an earlier checkpoint" in resumed
     both = _error(capsys, [*ARGS, "--resume", ck, "--save", ck])
-    assert both.startswith(
+    assert both == resumed
+    saved = _error(capsys, [*ARGS, "--save", ck])
+    assert saved.startswith(
         f"--save {ck}: the checkpoint there is damaged (cut short or overwritten)"
     )
     assert open(ck, "rb").read() == before

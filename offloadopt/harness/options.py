@@ -284,7 +284,12 @@ class TrainConfig:
                 and os.path.samefile(cfg.save, cfg.data)
             ):
                 raise UsageError(f"--save {cfg.save} is the --data file; give another name")
-            if not zipfile.is_zipfile(cfg.save):  # what torch.save writes
+            resumed = (
+                cfg.resume is not None
+                and os.path.exists(cfg.resume)
+                and os.path.samefile(cfg.save, cfg.resume)
+            )
+            if not zipfile.is_zipfile(cfg.save) and not resumed:  # the resume names its own damage
                 if checks.begins_as_train_checkpoint(cfg.save):  # ours, cut short
                     raise UsageError(
                         f"--save {cfg.save}: the checkpoint there is damaged (cut short or "
