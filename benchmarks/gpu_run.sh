@@ -251,13 +251,15 @@ for part in "${@:-all}"; do
     # OMP_WAIT_POLICY=ACTIVE, read when libgomp starts: a process each), or a thread of the
     # team is preempted holding a chunk by another runnable thread (the training thread or
     # a driver thread on CPUs 1-15) and the call waits for it (threads14: a CPU to spare).
-    # torchao first and last in each process; then the per-call probe
-    for pol in passive active; do
+    # torchao first and last in each process (SPIN_POLICIES: which, default both); then the
+    # per-call probe (SPIN_PERCALL=0: not)
+    for pol in ${SPIN_POLICIES:-passive active}; do
       OMP_WAIT_POLICY=${pol^^} timeout 280 python3 benchmarks/overlap_bench.py --no-memory --no-probe --warmup 3 \
         --steps 6 --out "$OUT/spin-$pol" --only torchao "backward f1 sr8" "backward f1 sr8 threads14" \
         "backward f1 int8" "backward f1 int8 threads14" torchao 2>&1 | tee "$OUT/spin-$pol.log" | grep " step "
     done
-    timeout 60 python3 benchmarks/results/2026-12-07-small-buckets-h100/percall.py 15 2>&1 | tee "$OUT/percall.log" | tail -8
+    [[ ${SPIN_PERCALL:-1} == 0 ]] || timeout 60 python3 benchmarks/results/2026-12-07-small-buckets-h100/percall.py 15 2>&1 \
+      | tee "$OUT/percall.log" | tail -8
   fi
   if [[ $part == hold ]]; then
     # issue 46: speculation's held-back steps (FOLLOW_CLIP) against the clipped path, interleaved
