@@ -80,7 +80,14 @@ SOURCE = Path(__file__).with_name("adam_cpu.cpp")
 # everything the build compiles (the .cpp includes these headers): the cache key hashes them
 HEADERS = [
     Path(__file__).with_name("cpu") / name
-    for name in ("sr_keys.h", "arg_checks.h", "simd.h", "int8_codes.h", "bf16_bits.h", "adam_body.h")
+    for name in (
+        "sr_keys.h",
+        "arg_checks.h",
+        "simd.h",
+        "int8_codes.h",
+        "bf16_bits.h",
+        "adam_body.h",
+    )
 ]
 # No -march=native: the body is compiled for AVX-512, AVX2 and plain C++ in one build and the
 # kernel picks the ISA at run time (``isa()``), so one build serves every CPU of the

@@ -13,7 +13,9 @@ for line in open(sys.argv[1]):
     if m:
         side = m.group(1)
         continue
-    m = re.match(r"((?:fp32m|bf16m) (?:bf16|int8)) state .* ([\d.]+)x +[\d.]+x +[\d.]+-[\d.]+$", line)
+    m = re.match(
+        r"((?:fp32m|bf16m) (?:bf16|int8)) state .* ([\d.]+)x +[\d.]+x +[\d.]+-[\d.]+$", line
+    )
     if m:
         rows[(m.group(1), side)].append(float(m.group(2)))
     m = re.match(r"torch fused fp32 +28.00 +1 +[\d.]+ +([\d.]+)", line)
