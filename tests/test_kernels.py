@@ -642,11 +642,17 @@ def test_the_benchmark_runs_at_a_tiny_size(mod):
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_kernel.py"
-    r = subprocess.run([sys.executable, str(script), "--numel", "5000", "--repeats", "1"],
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    for row in ["torch fused fp32", "ours fp32", "fp32m int8 state", "bf16m int8 state"]:
-        assert row in r.stdout, r.stdout
+    for extra in ([], ["--paired"]):  # --paired: each mode's calls alternate with torch's
+        r = subprocess.run([sys.executable, str(script), "--numel", "5000", "--repeats", "3", *extra],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        for row in ["torch fused fp32", "ours fp32", "fp32m int8 state", "bf16m int8 state"]:
+            assert row in r.stdout, r.stdout
+        # the pairs' quartiles: printed with --paired only, one "lo-hi" a mode row
+        assert ("x torch lo-hi" in r.stdout) == bool(extra), r.stdout
+        assert len(re.findall(r"x +\d+\.\d\d-\d+\.\d\d$", r.stdout, re.M)) == (5 if extra else 0), (
+            r.stdout
+        )
 
 
 def test_two_differently_started_processes_reuse_one_build(mod, tmp_path):
