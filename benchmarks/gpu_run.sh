@@ -252,7 +252,8 @@ for part in "${@:-all}"; do
     # team is preempted holding a chunk by another runnable thread (the training thread or
     # a driver thread on CPUs 1-15) and the call waits for it (threads14: a CPU to spare).
     # torchao first and last in each process (SPIN_POLICIES: which, default both); then the
-    # per-call probe (SPIN_PERCALL=0: not)
+    # per-call probe (SPIN_PERCALL=0: not). At the default 128 MiB buckets neither changed a
+    # row (2026-12-07, results/2026-12-07-two-pass-step-h100)
     for pol in ${SPIN_POLICIES:-passive active}; do
       OMP_WAIT_POLICY=${pol^^} timeout 280 python3 benchmarks/overlap_bench.py --no-memory --no-probe --warmup 3 \
         --steps 6 --out "$OUT/spin-$pol" --only torchao "backward f1 sr8" "backward f1 sr8 threads14" \
