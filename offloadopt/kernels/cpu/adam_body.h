@@ -81,15 +81,6 @@ struct Kern {
     if (!PLAIN && c.wraps) key = V::sel(V::lt_u(lo, c.lo_first), c.key_wrapped[d], key);
     return Bf16::hash(V::bxor(lo, key));
   }
-  static inline I round_sr(F x, I r16) { return Bf16::round_sr(x, r16); }
-  static inline I round_ne_num(F x) { return Bf16::round_ne_num(x); }
-  static inline I round_ne(F x) { return Bf16::round_ne(x); }
-
-  // int8: the moments of the 2W elements at Ms, Vs, in the paired order (Int8Codes::decode)
-  template <bool FINITE>
-  static inline void decode(const Ctx& c, const uint8_t* Ms, const uint8_t* Vs, F* m0, F* v0) {
-    Int8Codes::decode<FINITE>(c.m_scale, c.v_scale, Ms, Vs, m0, v0);
-  }
 
   // The update of W lanes: p (the master), g, m0, v0 in; the new master pn, m, v and y = sqrt(v)
   // out. TAIL: lanes in `tail` use torch's scalar-tail form of exp_avg_sq (all-fp32 mode only;
@@ -168,9 +159,9 @@ struct Kern {
     V::stf(P, pn);
     if constexpr (WOUT) {
       if (streams<PLAIN, STREAM>(c))
-        V::st_u16_stream(Wo, round_ne(pn));
+        V::st_u16_stream(Wo, Bf16::round_ne(pn));
       else
-        V::st_u16(Wo, round_ne(pn));
+        V::st_u16(Wo, Bf16::round_ne(pn));
     }
     V::stf(Ms, m);
     V::stf(Vs, v);
@@ -187,18 +178,18 @@ struct Kern {
       // one hash for a lane of both vectors (elements j, j + 4): its low 16 bits round pn[0],
       // its high 16 pn[1] (rounding.master_bits)
       const I r = draw<PLAIN>(c, c.lo[0], 0);
-      V::st2_u16(P, round_sr(pn[0], V::band(r, V::seti(0xFFFFu))), round_sr(pn[1], V::template srl<16>(r)));
+      V::st2_u16(P, Bf16::round_sr(pn[0], V::band(r, V::seti(0xFFFFu))), Bf16::round_sr(pn[1], V::template srl<16>(r)));
     } else {
       V::st2f(P, pn[0], pn[1]);
       if constexpr (WOUT) {
         I w0, w1;
         if constexpr (PLAIN) {
-          w0 = round_ne_num(pn[0]);
-          w1 = round_ne_num(pn[1]);
+          w0 = Bf16::round_ne_num(pn[0]);
+          w1 = Bf16::round_ne_num(pn[1]);
           wnan = V::mor(wnan, V::isnan2(pn[0], pn[1]));
         } else {
-          w0 = round_ne(pn[0]);
-          w1 = round_ne(pn[1]);
+          w0 = Bf16::round_ne(pn[0]);
+          w1 = Bf16::round_ne(pn[1]);
         }
         if (streams<PLAIN, STREAM>(c))
           V::st2_u16_stream(Wo, w0, w1);
@@ -217,8 +208,8 @@ struct Kern {
     } else if constexpr (SK == Moments::Bf16Sr) {
       // low half: exp_avg, high half: exp_avg_sq
       const I r0 = draw<PLAIN>(c, c.lo[0], 1), r1 = draw<PLAIN>(c, c.lo[1], 1), lo16 = V::seti(0xFFFFu);
-      V::st2_u16(Ms, round_sr(m[0], V::band(r0, lo16)), round_sr(m[1], V::band(r1, lo16)));
-      V::st2_u16(Vs, round_sr(v[0], V::template srl<16>(r0)), round_sr(v[1], V::template srl<16>(r1)));
+      V::st2_u16(Ms, Bf16::round_sr(m[0], V::band(r0, lo16)), Bf16::round_sr(m[1], V::band(r1, lo16)));
+      V::st2_u16(Vs, Bf16::round_sr(v[0], V::template srl<16>(r0)), Bf16::round_sr(v[1], V::template srl<16>(r1)));
     }
   }
 
@@ -257,7 +248,7 @@ struct Kern {
     for (int k = 0; k < n; k += 2 * W) {
       F m0[2], v0[2], g[2], m[2], v[2], y[2], p[2] = {V::setf(0.f), V::setf(0.f)};
       if constexpr (SK == Moments::Int8Block) {
-        decode<FINITE>(c, Ms + k, Vs + k, m0, v0);
+        Int8Codes::decode<FINITE>(c.m_scale, c.v_scale, Ms + k, Vs + k, m0, v0);
       } else {
         ld2(Ms + k, m0);
         ld2(Vs + k, v0);
@@ -297,7 +288,7 @@ struct Kern {
     for (int64_t k = 0; k < n; k += 2 * W) {
       F p[2];
       ld2(P + k, p);
-      V::st2_u16(Wo + k, round_ne(p[0]), round_ne(p[1]));
+      V::st2_u16(Wo + k, Bf16::round_ne(p[0]), Bf16::round_ne(p[1]));
     }
   }
 
