@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, the audit fixture, the benchmark and the audits, results to $OUT.
-# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|spec|spec3|spec4|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|kernelab|steprows|buckets|steptl|spin|hold|conv|frameworks|endurance|fsdp|all]...
+# Usage on the GPU host (repo root, anchor wheels in .whl/): bash benchmarks/gpu_run.sh [tests|ctests|spec|spec3|spec4|streamed|prof8|kprobe|linktests|audit8|sweep8|ab8|delayed8|compressed|quality|launches|targets|timeline|amp|auditmodes|modes|modes2|bench|audit|ab|ab-backward|overlap|delayed|auto|largest|largest0|kernelab|steprows|buckets|updthread|steptl|spin|hold|conv|frameworks|endurance|fsdp|all]...
 # "ab" times this tree's step against a baseline package in .baseline/offloadopt_base, made here with
 #   git archive <commit> offloadopt | tar -x -C .baseline && mv .baseline/offloadopt .baseline/offloadopt_base
 #   grep -rl offloadopt .baseline/offloadopt_base | xargs sed -i 's/\boffloadopt\b\([.a-z_]*\)/offloadopt_base\1/g'
@@ -234,6 +234,20 @@ for part in "${@:-all}"; do
       PYTHONPATH=$([[ -d /tmp/site ]] && echo /tmp/site:)$pp OFFLOADOPT_KERNEL_DIR=$kd timeout ${BUCKET_TIMEOUT:-240} python3 benchmarks/overlap_bench.py \
         --no-memory --no-probe --warmup 3 --steps 6 --out "$OUT/buckets-$v" --only "${rows[@]}" 2>&1 \
         | tee "$OUT/buckets-$v.log" | grep " step "
+    done
+  fi
+  if [[ $part == updthread ]]; then
+    # issue 43: the worker's update thread (each bucket's update runs there while the worker
+    # launches the copies around it) against the rows without it ("oneworker", as before), in
+    # one process each time, in both orders; torchao first and last in each
+    for order in new old; do
+      if [[ $order == new ]]; then
+        rows=(torchao "backward f1 int8" "backward f1 int8 oneworker" "backward f1 sr8" "backward f1 sr8 oneworker" "backward f1" "backward f1 oneworker" torchao)
+      else
+        rows=(torchao "backward f1 int8 oneworker" "backward f1 int8" "backward f1 sr8 oneworker" "backward f1 sr8" "backward f1 oneworker" "backward f1" torchao)
+      fi
+      timeout ${UPD_TIMEOUT:-200} python3 benchmarks/overlap_bench.py --no-memory --no-probe --warmup 3 --steps 6 \
+        --out "$OUT/updthread-$order" --only "${rows[@]}" 2>&1 | tee "$OUT/updthread-$order.log" | grep " step "
     done
   fi
   if [[ $part == steptl ]]; then

@@ -27,6 +27,7 @@ from offloadopt import HybridAdamW
 from offloadopt.harness import anchors, checks, models
 from offloadopt.harness.data import get_batch, load_text
 from offloadopt.harness.probes import time_kernel_under_link
+from offloadopt.link import worker as worker_mod
 from offloadopt.link.pipeline import StepRun
 from offloadopt.place import auto
 from offloadopt.step import update
@@ -80,7 +81,9 @@ def derived(name: str, known: dict[str, dict]) -> dict:
     step speculates, none held back after a redo or a clipped step: a redo forced while the
     norm is over the limit), ``pertensor`` (the device-resident
     compressed update per tensor, ``OFFLOADOPT_DEVICE_FLAT=0``, as before the flat buffers of
-    2026-12-07), e.g. "backward f0.2 threads8 switch1"; "backward f0 int8" is issue 46's
+    2026-12-07), ``oneworker`` (no update thread: the worker runs each update between its copy
+    launches, as before the update thread; offloadopt/link/worker.py ``UPDATE_THREAD``), e.g.
+    "backward f0.2 threads8 switch1"; "backward f0 int8" is issue 46's
     fraction 0 in backward mode. Raises ValueError for a name that is none of these."""
     if name in known:
         return known[name]
@@ -109,6 +112,8 @@ def derived(name: str, known: dict[str, dict]) -> dict:
         return {**derived(base, known), "no_hold": True}
     if base and last == "pertensor":  # the device update per tensor (before 2026-12-07)
         return {**derived(base, known), "per_tensor": True}
+    if base and last == "oneworker":  # no update thread (as before it)
+        return {**derived(base, known), "one_worker": True}
     for prefix, key, unit in (("threads", "cpu_threads", 1), ("bucket", "bucket_nbytes", 2**20),
                               ("switch", "switch_s", 1e-3), ("maxnorm", "max_grad_norm", 1.0)):  # fmt: skip
         if base and last.startswith(prefix) and last[len(prefix) :].replace(".", "", 1).isdigit():
@@ -118,7 +123,7 @@ def derived(name: str, known: dict[str, dict]) -> dict:
                 raise ValueError(f"--only: {name!r}: {last!r} needs a number above 0")
             return {**derived(base, known), key: value}
     raise ValueError(f"--only: {name!r} is no configuration, nor one followed by variant words "
-                     "(threadsN, bucketN, switchN, maxnormN, fifo, perseg, base, int8, sr8, spec, copybk, nohold, pertensor); --help lists the names")  # fmt: skip
+                     "(threadsN, bucketN, switchN, maxnormN, fifo, perseg, base, int8, sr8, spec, copybk, nohold, pertensor, oneworker); --help lists the names")  # fmt: skip
 
 
 # Variant words for compressed optimizer state: "int8" (int8 moments, fp32 masters) and "sr8"
@@ -186,6 +191,8 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
         StepRun._take = lambda run: run._queue.popleft()
     if cfg.pop("perseg", False):  # main() puts the function back after each configuration
         update._joined = lambda segs, columns, steps: (columns, steps)
+    if cfg.pop("one_worker", False):  # main() puts the setting back after each configuration
+        worker_mod.UPDATE_THREAD = "never"
     if cfg.pop("per_tensor", False):  # main() puts the variable back after each configuration
         os.environ["OFFLOADOPT_DEVICE_FLAT"] = "0"  # (step/device_flat.py reads it per step)
     hybrid = HybridAdamW
@@ -294,7 +301,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "optionally followed by variant words: threadsN (cpu_threads=N), bucketN (N MiB buckets), "
         "switchN (sys.setswitchinterval of N ms), fifo (the worker takes queued buckets in feed "
         "order), perseg (one kernel operand per segment), base (the baseline package under "
-        "--baseline-dir); e.g. --only f0 'backward f0.2 threads8 switch1' 'delayed f1 bucket256 fifo'. "
+        "--baseline-dir), oneworker (no update thread), int8, sr8, spec; e.g. --only f0 'backward f0.2 threads8 switch1' 'delayed f1 bucket256 fifo'. "
         "Names: " + ", ".join(repr(n) for n, _ in configs(False) + EXTRA)))  # fmt: skip
     ap.add_argument("--no-probe", action="store_true", help="skip the kernel probe")
     ap.add_argument("--baseline-dir", default=".baseline", help=(
@@ -355,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                for _ in range(max(args.warmup, AUTO_WARMUP) + args.steps)]  # fmt: skip
     results["params"] = n
     rows = results["configs"] = []
-    take, joined = StepRun._take, update._joined
+    take, joined, update_thread = StepRun._take, update._joined, worker_mod.UPDATE_THREAD
     flat_env = os.environ.get("OFFLOADOPT_DEVICE_FLAT")
     for name, cfg in selected(args.only, args.quick):
         try:
@@ -371,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 StepRun._take = take  # a "fifo" variant replaced it
                 update._joined = joined  # a "perseg" variant replaced it
+                worker_mod.UPDATE_THREAD = update_thread  # a "oneworker" variant set it
                 if flat_env is None:  # a "pertensor" variant set it
                     os.environ.pop("OFFLOADOPT_DEVICE_FLAT", None)
                 else:

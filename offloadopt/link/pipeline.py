@@ -11,13 +11,16 @@ worker's OpenMP pool runs the kernel preempts one of its threads and stalls the 
 region): per bucket, taking of those queued the one the next forward reads first (not the feed
 order: :class:`StepRun`), it starts the D2H while a staging slot is free, waits for the oldest
 started bucket's D2H, runs the update, gives the slot back and queues the H2D. So the D2H of
-one bucket and the H2D of the one before run while the CPU updates the one between. The invariants
+one bucket and the H2D of the one before run while the CPU updates the one between. Where the
+worker has an update thread (it does when the copies cross to a GPU), the updates run there,
+back to back, and the worker's launches overlap them (:meth:`StepRun._serve`). The invariants
 (I1)-(I5) cited below are in transfer.py's note.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections import deque
@@ -30,7 +33,7 @@ import torch
 from offloadopt import kernels
 from offloadopt.link.layout import Bucket
 from offloadopt.link.transfer import SLOTS, Slot, Transfer, wait_event
-from offloadopt.link.worker import WaitTimeout, Worker
+from offloadopt.link.worker import Job, WaitTimeout, Worker
 
 __all__ = ["BucketWork", "BucketError", "StepRun", "Pipeline"]
 
@@ -228,16 +231,23 @@ class StepRun:
         return work
 
     def _serve(self) -> None:
-        """On the worker: at most :data:`SLOTS` buckets hold a slot at once; their D2H runs
-        while the oldest is updated."""
+        """On the worker: at most :data:`SLOTS` buckets hold a slot at once. Each bucket's
+        update is handed to the worker's update thread where it has one
+        (:meth:`Worker.run_update`), queued behind the one before; while it runs, this thread
+        queues the H2D of the bucket updated before it and starts the D2H of the next, so the
+        kernel never waits for those launches. Without an update thread the update runs here,
+        between the launches."""
         p, stats = self.pipeline, self.stats
-        pending: deque[tuple[BucketWork, Transfer, Slot, Any]] = deque()
+        pending: deque[tuple[BucketWork, Transfer, Slot, Any]] = deque()  # D2H started
+        updating: deque[tuple[BucketWork, Transfer, Slot, bool, Job]] = deque()  # handed on
+        depth = 2 if p.worker.overlap else 1  # updates handed on at once: one runs, one waits
+        cancel = threading.Event()  # set on a failure: updates handed on and not begun skip
         started = None  # the first bucket's arrival: the worker's busy time runs from there
         try:
             while True:
-                while len(pending) < SLOTS:
+                while len(pending) + len(updating) < SLOTS:
                     t = time.perf_counter()
-                    work = self._next(block=not pending)
+                    work = self._next(block=not pending and not updating)
                     if work is None:
                         break
                     if started is None:
@@ -251,41 +261,42 @@ class StepRun:
                     with self._cond:
                         self.launched += 1
                         self._cond.notify_all()
-                if not pending:
+                while pending and len(updating) < depth:
+                    work, tr, slot, d2h_done = pending.popleft()
+                    # a slot holding the new weights (the link dtype) stays taken until its H2D
+                    # is queued: that copy reads it (I5)
+                    keeps = slot.holds_weights(work.bucket)
+                    run = functools.partial(self._update_one, work, tr, slot, d2h_done, cancel)
+                    updating.append((work, tr, slot, keeps,
+                                     p.worker.run_update(run, work.bucket.label)))  # fmt: skip
+                if not updating:
                     return  # closed and drained
-                work, tr, slot, d2h_done = pending.popleft()
-                # a slot holding the new weights (the link dtype) stays taken until its H2D is
-                # queued: that copy reads it (I5)
-                keeps = slot.holds_weights(work.bucket)
+                work, tr, slot, keeps, job = updating.popleft()
                 try:
-                    p._update(work, tr, slot, d2h_done, self._update_fn, stats)
+                    job.result()
                 except BaseException:
                     if keeps:
                         tr.ring.release(slot)
                     raise
-                # Landed (waited for in _update). The worker never touches p.grad: setting it
-                # here while the training thread reads it crashed torch's tensor wrapper; the
-                # thread that owns the grads drops them (take_landed).
-                work.grads = []  # read by nothing from here on (the D2H has landed)
-                with self._cond:
-                    self._landed.append(work)
-                t = time.perf_counter()
-                try:
-                    with _traced("offloadopt.launch_h2d"):
-                        tr.start_h2d(work.bucket, work.idx, slot, work.ready, work.targets)
-                finally:
-                    if keeps:
-                        tr.ring.release(slot)
-                stats["launch_ms"] += (time.perf_counter() - t) * 1e3
-                if tr.cuda:  # without CUDA the copies are host to host: no link
-                    link = slot.link or work.bucket.arena.dtype
-                    stats["h2d_nbytes"] += work.bucket.link_nbytes(link)
-                stats["buckets"] += 1
-                stats["worker_ms"] = (time.perf_counter() - started) * 1e3
-                with self._cond:
-                    self.h2d_queued[work.bucket] = None
-                    self._cond.notify_all()
+                self._finish(work, tr, slot, keeps, started)
+        except BaseException:
+            cancel.set()  # the updates handed on and not yet begun skip theirs
+            raise
         finally:
+            # Handed on: wait until they ended (I5). An update that failed set ``cancel``
+            # itself, so the ones queued behind it skipped; one that had begun before a failure
+            # here ran to its end, and its H2D is queued as any other's: a failed step leaves
+            # every bucket either updated with its weights sent, or untouched.
+            for work, tr, slot, keeps, job in updating:
+                job.done.wait()
+                if job.error is None and job.value:
+                    try:
+                        self._finish(work, tr, slot, keeps, started)  # gives its slot back
+                    except Exception:  # noqa: BLE001, S110 - the step's own error is raised
+                        pass
+                    continue
+                if keeps:
+                    tr.ring.release(slot)
             for _, tr, slot, _ in pending:  # started, never updated: wait, then free (I5)
                 if tr.cuda:
                     tr.d2h.synchronize()
@@ -294,6 +305,51 @@ class StepRun:
                 self._queue.clear()
                 self._closed = True
                 self._cond.notify_all()
+
+    def _update_one(self, work: BucketWork, tr: Transfer, slot: Slot, d2h_done,
+                    cancel: threading.Event) -> bool:  # fmt: skip
+        """One bucket's update (on the update thread, or the worker's), unless ``cancel`` is
+        set: a bucket before it failed, and this one then frees its slot without an update.
+        Returns whether it updated; on its own failure it sets ``cancel`` before raising."""
+        if cancel.is_set():
+            if tr.cuda:
+                tr.d2h.synchronize()  # its D2H may still write the slot (I5)
+            if not slot.holds_weights(work.bucket):
+                tr.ring.release(slot)  # else the worker gives it back (_serve's finally)
+            return False
+        try:
+            self.pipeline._update(work, tr, slot, d2h_done, self._update_fn, self.stats)
+        except BaseException:
+            cancel.set()  # before the next update on this thread begins
+            raise
+        return True
+
+    def _finish(self, work: BucketWork, tr: Transfer, slot: Slot, keeps: bool, started) -> None:
+        """On the worker, after ``work``'s update: its grads are dropped, its H2D queued, its
+        slot given back where it held the new weights, its figures counted."""
+        stats = self.stats
+        # Landed (waited for in _update). The worker never touches p.grad: setting it here
+        # while the training thread reads it crashed torch's tensor wrapper; the thread that
+        # owns the grads drops them (take_landed).
+        work.grads = []  # read by nothing from here on (the D2H has landed)
+        with self._cond:
+            self._landed.append(work)
+        t = time.perf_counter()
+        try:
+            with _traced("offloadopt.launch_h2d"):
+                tr.start_h2d(work.bucket, work.idx, slot, work.ready, work.targets)
+        finally:
+            if keeps:
+                tr.ring.release(slot)
+        stats["launch_ms"] += (time.perf_counter() - t) * 1e3
+        if tr.cuda:  # without CUDA the copies are host to host: no link
+            link = slot.link or work.bucket.arena.dtype
+            stats["h2d_nbytes"] += work.bucket.link_nbytes(link)
+        stats["buckets"] += 1
+        stats["worker_ms"] = (time.perf_counter() - started) * 1e3
+        with self._cond:
+            self.h2d_queued[work.bucket] = None
+            self._cond.notify_all()
 
 
 class Pipeline:

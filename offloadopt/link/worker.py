@@ -183,9 +183,17 @@ class Job:
 
     def __init__(self, fn: Callable[[], None], label: str):
         self.fn, self.label = fn, label
+        self.value = None  # what ``fn`` returned
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.error_text = ""
+
+    def result(self) -> None:
+        """Block until the job ran (no limit: an update's own waits have theirs); re-raise its
+        error as it was raised."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
 
     def wait(self, timeout_s: float) -> None:
         """Block until the job ran.
@@ -203,11 +211,21 @@ class Job:
             ) from self.error
 
 
+def _run(job: Job) -> None:
+    try:
+        job.value = job.fn()
+    except BaseException as e:  # noqa: BLE001 - reported to the waiter, never lost
+        job.error, job.error_text = e, traceback.format_exc()
+    finally:
+        job.fn = None  # drop the closure (and what it holds) now
+        job.done.set()
+
+
 def _serve(jobs: queue.SimpleQueue, ready: threading.Event, threads: int, flush: bool,
            cpus: list[int] | None, failed: list[BaseException]) -> None:  # fmt: skip
-    """The worker's loop. Holds no reference to the optimizer (it can be collected while the
-    thread waits; its finalizer then stops the thread). A failure to start goes to ``failed``
-    (the thread then ends)."""
+    """A worker thread's loop. Holds no reference to the optimizer (it can be collected while
+    the thread waits; its finalizer then stops the thread). A failure to start goes to
+    ``failed`` (the thread then ends)."""
     try:
         if cpus:  # this thread's affinity (Linux: pid 0 is the calling thread); its pool inherits
             os.sched_setaffinity(0, cpus)
@@ -226,13 +244,28 @@ def _serve(jobs: queue.SimpleQueue, ready: threading.Event, threads: int, flush:
         job = jobs.get()
         if job is None:
             return
-        try:
-            job.fn()
-        except BaseException as e:  # noqa: BLE001 - reported to the waiter, never lost
-            job.error, job.error_text = e, traceback.format_exc()
-        finally:
-            job.fn = None  # drop the closure (and what it holds) now
-            job.done.set()
+        _run(job)
+
+
+def _start_thread(name: str, threads: int, flush: bool, cpus: list[int] | None,
+                  timeout_s: float) -> tuple[queue.SimpleQueue, threading.Thread]:  # fmt: skip
+    """A daemon thread running :func:`_serve` (a live optimizer never keeps the process from
+    exiting), started: its job queue and the thread."""
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    ready = threading.Event()
+    failed: list[BaseException] = []
+    thread = threading.Thread(target=_serve, args=(jobs, ready, threads, flush, cpus, failed),
+                              name=name, daemon=True)  # fmt: skip
+    thread.start()
+    started = ready.wait(timeout_s)
+    if failed:  # before the wait's timeout, not after it
+        raise RuntimeError(
+            f"offloadopt: the CPU worker thread did not start ({threads} threads, CPUs "
+            f"{cpus or 'any'}): {type(failed[0]).__name__}: {failed[0]}"
+        ) from failed[0]
+    if not started:
+        raise WaitTimeout(f"offloadopt: the CPU worker thread did not start in {timeout_s:g} s")
+    return jobs, thread
 
 
 def _stop(jobs: queue.SimpleQueue, thread: threading.Thread, stopping: threading.Event) -> None:
@@ -242,49 +275,65 @@ def _stop(jobs: queue.SimpleQueue, thread: threading.Thread, stopping: threading
         thread.join(timeout=60)
 
 
+def _stop_all(worker, updates, stopping: threading.Event) -> None:
+    """The worker's thread first (its open job may still hand the update thread work), then
+    the update thread's."""
+    _stop(*worker, stopping)
+    if updates is not None:
+        _stop(*updates, stopping)
+
+
 class Worker:
-    """One daemon thread running submitted jobs in FIFO order.
+    """One daemon thread running submitted jobs in FIFO order, and with ``overlap`` a second
+    one, the *update thread*, that runs the updates the first hands it (:meth:`run_update`).
+
+    Why two: the worker launches each bucket's copies (a few hundred microseconds of CUDA calls
+    a bucket) between its updates; on one thread the CPU kernel and the memory bus wait while it
+    does. With an update thread, bucket k is updated there while the worker launches the H2D of
+    bucket k-1 and the D2H of bucket k+1 (offloadopt/link/pipeline.py). The update thread's pool
+    then has ``threads - 1`` threads and the worker's one: the worker takes the plan's last CPU
+    for its launches, and no thread of the parallel region is preempted by them.
 
     Args:
-        threads: OpenMP threads of the worker's own pool (``torch.set_num_threads`` there).
+        threads: OpenMP threads of the worker's own pool (``torch.set_num_threads`` there); with
+            ``overlap``, the update thread's pool has one fewer and the worker's has one.
         flush_denormal: set flush-to-zero and denormals-are-zero on the worker (its pool too).
         cpus: the CPUs the worker and its pool run on (their affinity), or None: any.
-        timeout_s: how long :meth:`__init__` waits for the thread to start.
+        timeout_s: how long :meth:`__init__` waits for a thread to start.
+        overlap: start the update thread (not for fewer than 2 threads).
 
     Raises:
-        TimeoutError: the thread did not start in time.
-        RuntimeError: the thread failed to start (its affinity or thread count refused); the
+        TimeoutError: a thread did not start in time.
+        RuntimeError: a thread failed to start (its affinity or thread count refused); the
             cause is chained.
     """
 
     def __init__(self, threads: int, flush_denormal: bool, timeout_s: float = 60.0,
-                 cpus: list[int] | None = None):  # fmt: skip
+                 cpus: list[int] | None = None, overlap: bool = False):  # fmt: skip
         self.threads, self.flush_denormal, self.cpus = threads, flush_denormal, cpus
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.overlap = bool(overlap) and threads >= 2
         self.stopping = threading.Event()  # set when the worker is closed or collected
-        ready = threading.Event()
-        failed: list[BaseException] = []
         before = torch.get_num_threads()
-        self._thread = threading.Thread(
-            target=_serve,
-            args=(self._jobs, ready, threads, flush_denormal, cpus, failed),
-            name="offloadopt-worker",
-            daemon=True,  # a live optimizer never keeps the process from exiting
-        )
-        self._thread.start()
-        started = ready.wait(timeout_s)
-        # The worker's pool exists with its own count: give the training thread (and threads
-        # started later) torch's count back.
-        torch.set_num_threads(before)
-        if failed:  # before the wait's timeout, not after it
-            raise RuntimeError(
-                f"offloadopt: the CPU worker thread did not start ({threads} threads, CPUs "
-                f"{cpus or 'any'}): {type(failed[0]).__name__}: {failed[0]}"
-            ) from failed[0]
-        if not started:
-            raise WaitTimeout(f"offloadopt: the CPU worker thread did not start in {timeout_s:g} s")
-        # Stops the thread when the worker is collected, closed, or at interpreter exit.
-        self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread, self.stopping)
+        self._updates = None
+        try:
+            if self.overlap:  # the update thread first: the worker's own count is set last
+                self._updates = _start_thread("offloadopt-update", threads - 1, flush_denormal,
+                                              cpus, timeout_s)  # fmt: skip
+            self._jobs = _start_thread("offloadopt-worker", 1 if self.overlap else threads,
+                                       flush_denormal, cpus, timeout_s)  # fmt: skip
+        except BaseException:
+            if self._updates is not None:
+                _stop(*self._updates, self.stopping)
+            raise
+        finally:
+            # The pools exist with their own counts: give the training thread (and threads
+            # started later) torch's count back.
+            torch.set_num_threads(before)
+        self._thread = self._jobs[1]
+        self._update_thread = None if self._updates is None else self._updates[1]
+        # Stops the threads when the worker is collected, closed, or at interpreter exit.
+        self._finalizer = weakref.finalize(self, _stop_all, self._jobs, self._updates,
+                                           self.stopping)  # fmt: skip
 
     @property
     def alive(self) -> bool:
@@ -299,20 +348,40 @@ class Worker:
         if not self.alive:
             raise RuntimeError("offloadopt: the CPU worker is closed (opt.close() was called)")
         job = Job(fn, label)
-        self._jobs.put(job)
+        self._jobs[0].put(job)
+        return job
+
+    def run_update(self, fn: Callable[[], None], label: str) -> Job:
+        """Called on the worker: queue ``fn`` on the update thread, after the updates queued
+        before it, and return at once; without an update thread, run it here first.
+        :meth:`Job.result` waits for it and re-raises its own error."""
+        job = Job(fn, label)
+        if self._updates is None:
+            _run(job)
+        else:
+            self._updates[0].put(job)
         return job
 
     def close(self) -> None:
-        """Let queued jobs finish, then stop the thread (idempotent)."""
+        """Let queued jobs finish, then stop the threads (idempotent)."""
         self._finalizer()
 
 
+# When a worker gets an update thread (:class:`Worker`): "link" (its copies cross to a GPU:
+# they are launches, short beside an update), "always" (host copies too: they are then memcpys
+# on one thread; the tests use it to run the update thread's schedule without a GPU) or "never"
+# (benchmarks/overlap_bench.py's "oneworker" rows: the worker updates between its launches).
+UPDATE_THREAD = "link"
+
+
 def start_worker(
-    plan: CpuPlan, flush_denormal: bool, warn_once: Callable[[str, str], None]
-) -> Worker:
+    plan: CpuPlan, flush_denormal: bool, warn_once: Callable[[str, str], None],
+    copies_cross_link: bool = False,
+) -> Worker:  # fmt: skip
     """The CPU worker on ``plan``'s CPUs and threads, the count said where it surprises: a log
     line under ``OMP_NUM_THREADS=1`` (torchrun's), a warning (``warn_once(key, message)``)
-    when it is above the usable cores or far below them."""
+    when it is above the usable cores or far below them. With ``copies_cross_link`` (a GPU's
+    buckets) and at least 2 threads, it has an update thread (:class:`Worker`)."""
     cpu_threads = plan.threads
     cores, ranks = usable_cores(), local_ranks()
     if os.environ.get("OMP_NUM_THREADS") == "1" and cpu_threads > 1:
@@ -340,4 +409,5 @@ def start_worker(
             f"the CPU update will run on {cpu_threads} threads x {ranks} local ranks, "
             f"far below the {cores} cores this process may use (cpu_threads=)",
         )
-    return Worker(cpu_threads, flush_denormal, cpus=plan.cpus)
+    overlap = UPDATE_THREAD == "always" or (UPDATE_THREAD == "link" and copies_cross_link)
+    return Worker(cpu_threads, flush_denormal, cpus=plan.cpus, overlap=overlap)

@@ -294,10 +294,9 @@ class Placer:
                 if old is None or old.nbytes < need:
                     new_transfers[d] = Transfer(d, need, pin[d])
             if buckets and self.pipeline is None:
-                self.pipeline = Pipeline(
-                    start_worker(self.cpu_plan, self.flush_denormal, self.warn_once),
-                    self.timeout_s,
-                )
+                cross = any(d.type == "cuda" for d in devices)  # the worker's update thread
+                worker = start_worker(self.cpu_plan, self.flush_denormal, self.warn_once, cross)
+                self.pipeline = Pipeline(worker, self.timeout_s)
         except BaseException:
             for arena in arenas:
                 arena.release()
