@@ -48,8 +48,8 @@ class Options:
     1.2e-38) in the offloaded state become 0, where torch's kernel keeps them. False: bitwise
     torch's there too, at 4-9x torch's time on subnormal operands."""
     cpu_threads: int | None = None
-    """The CPU worker's OpenMP threads, at most 4 a CPU (64 at least); None: one per CPU of
-    worker_cpus."""
+    """The CPU worker's threads, at most 4 a CPU (64 at least); None: one per CPU of
+    worker_cpus. With a GPU, one launches the copies and the others run the update."""
     worker_cpus: Any = None
     """The CPUs the worker runs on: None (this process's CPUs, or its local rank's slice, less
     the training thread's core when updates overlap its work), "any" (no affinity) or CPU ids."""
