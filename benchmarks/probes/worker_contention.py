@@ -5,6 +5,8 @@ call after another), with the worker's cores chosen three ways:
 
   idle          no update running (the baseline, measured before and after the others)
   chosen        worker_cpus=None: this process's CPUs less the training thread's core
+  chosen+upd    the same CPUs, the kernel on the worker's update thread (threads - 1 in its
+                pool, the worker's own thread idle beside it: a GPU's buckets run this way)
   last left     the worker pinned to all CPUs but the last one
   unpinned      worker_cpus="any", one thread fewer than the cores (the choice before)
   all cores     worker_cpus="any", one thread per core
@@ -82,6 +84,7 @@ def main() -> None:
     rows = [("idle", None)]
     mine = usable_cpus() or list(range(cores))
     plans = {"chosen": plan_cpus(None, None, training_thread_busy=True),
+             "chosen+upd": plan_cpus(None, None, training_thread_busy=True),
              "last left": CpuPlan(mine[:-1], len(mine) - 1, mine[-1:]),
              "unpinned": plan_cpus("any", cores - 1, training_thread_busy=True),
              "all cores": plan_cpus("any", cores, training_thread_busy=True)}  # fmt: skip
@@ -91,7 +94,8 @@ def main() -> None:
         calls = 0
         worker = stop = None
         if plan is not None:
-            worker = Worker(plan.threads, flush_denormal=True, cpus=plan.cpus)
+            worker = Worker(plan.threads, flush_denormal=True, cpus=plan.cpus,
+                            overlap=name == "chosen+upd")  # fmt: skip
             stop = threading.Event()
 
             def loop(stop: threading.Event = stop) -> None:
@@ -102,7 +106,10 @@ def main() -> None:
                                   kernels.torch_vec_size(), True)  # fmt: skip
                     calls += 1
 
-            job = worker.submit(loop, "contention")
+            if worker.overlap:  # on the update thread, as the step's updates run
+                job = worker.submit(lambda w=worker, f=loop: w.run_update(f, "c").result(), "c")
+            else:
+                job = worker.submit(loop, "contention")
             time.sleep(1.0)  # the loop is running
         start = time.perf_counter()
         ms = fwd_bwd_ms(model, x, y, args.iters, args.warmup)
