@@ -4,6 +4,7 @@ cross to a GPU; ``UPDATE_THREAD = "always"`` runs the same schedule here, withou
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -112,3 +113,31 @@ def test_a_failed_update_leaves_each_bucket_updated_and_sent_or_untouched(always
     the ones behind it, and one that ran anyway has its H2D queued."""
     for nth in (1, 2):
         assert worker_error(nth, mode, 1.0, nth, recover) == recover
+
+
+def test_an_optimizer_dropped_after_a_failed_step_stops_its_threads(always):
+    """Found in review: an idle worker thread held its last job, and a failed job's error holds
+    its traceback's frames, so an optimizer dropped after a failed step was never collected and
+    its threads (and pinned buffers) stayed."""
+    model = Probe(0)
+    opt, ref = hybrid(model, 1.0, "step"), Reference(model)
+    train(model, opt, ref, range(1))
+    w = opt.debug.pipeline.worker
+    threads = [w._thread, w._update_thread]
+    del w
+
+    def failing(work, grads):
+        raise RuntimeError("injected")
+
+    opt.debug.updater.update_bucket = failing
+    opt.zero_grad()
+    model(1).backward()
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.step()
+    del opt.debug.updater.update_bucket
+    opt.discard_failed_step()
+    del opt
+    gc.collect()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)

@@ -311,6 +311,10 @@ class StepRun:
         """One bucket's update (on the update thread, or the worker's), unless ``cancel`` is
         set: a bucket before it failed, and this one then frees its slot without an update.
         Returns whether it updated; on its own failure it sets ``cancel`` before raising."""
+        if tr.cuda and torch.cuda.current_device() != tr.device.index:
+            # this thread's device is the bucket's before its first CUDA call (an event query
+            # on a thread still on device 0 would make a context on GPU 0 on another GPU's rank)
+            torch.cuda.set_device(tr.device)
         if cancel.is_set():
             if tr.cuda:
                 tr.d2h.synchronize()  # its D2H may still write the slot (I5)

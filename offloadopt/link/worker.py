@@ -245,6 +245,9 @@ def _serve(jobs: queue.SimpleQueue, ready: threading.Event, threads: int, flush:
         if job is None:
             return
         _run(job)
+        # Not held while the thread waits for the next: a failed job's error holds its
+        # traceback's frames, and with them the optimizer that ran it.
+        del job
 
 
 def _start_thread(name: str, threads: int, flush: bool, cpus: list[int] | None,
@@ -291,8 +294,8 @@ class Worker:
     a bucket) between its updates; on one thread the CPU kernel and the memory bus wait while it
     does. With an update thread, bucket k is updated there while the worker launches the H2D of
     bucket k-1 and the D2H of bucket k+1 (offloadopt/link/pipeline.py). The update thread's pool
-    then has ``threads - 1`` threads and the worker's one: the worker takes the plan's last CPU
-    for its launches, and no thread of the parallel region is preempted by them.
+    then has ``threads - 1`` threads and the worker's one, on the same CPUs: one thread a CPU,
+    so that the launches need not preempt a thread of the parallel region.
 
     Args:
         threads: OpenMP threads of the worker's own pool (``torch.set_num_threads`` there); with
@@ -353,10 +356,11 @@ class Worker:
 
     def run_update(self, fn: Callable[[], None], label: str) -> Job:
         """Called on the worker: queue ``fn`` on the update thread, after the updates queued
-        before it, and return at once; without an update thread, run it here first.
+        before it, and return at once; without an update thread (or once the worker is
+        stopping), run it here first.
         :meth:`Job.result` waits for it and re-raises its own error."""
         job = Job(fn, label)
-        if self._updates is None:
+        if self._updates is None or self.stopping.is_set():  # stopping: it may be gone
             _run(job)
         else:
             self._updates[0].put(job)
