@@ -238,17 +238,21 @@ for part in "${@:-all}"; do
   fi
   if [[ $part == updthread ]]; then
     # issue 43: the worker's update thread (each bucket's update runs there while the worker
-    # launches the copies around it) against the rows without it ("oneworker", as before), in
-    # one process each time, in both orders; torchao first and last in each
+    # launches the copies around it; "updthread", OFFLOADOPT_UPDATE_THREAD=link) against the
+    # rows without it (the default), in one process each time, in both orders; torchao first
+    # and last in each. Then the CUDA tests of the pipeline with the update thread on.
     for order in new old; do
       if [[ $order == new ]]; then
-        rows=(torchao "backward f1 int8" "backward f1 int8 oneworker" "backward f1 sr8" "backward f1 sr8 oneworker" "backward f1" "backward f1 oneworker" torchao)
+        rows=(torchao "backward f1 int8 updthread" "backward f1 int8" "backward f1 sr8 updthread" "backward f1 sr8" "backward f1 updthread" "backward f1" torchao)
       else
-        rows=(torchao "backward f1 int8 oneworker" "backward f1 int8" "backward f1 sr8 oneworker" "backward f1 sr8" "backward f1 oneworker" "backward f1" torchao)
+        rows=(torchao "backward f1 int8" "backward f1 int8 updthread" "backward f1 sr8" "backward f1 sr8 updthread" "backward f1" "backward f1 updthread" torchao)
       fi
       timeout ${UPD_TIMEOUT:-200} python3 benchmarks/overlap_bench.py --no-memory --no-probe --warmup 3 --steps 6 \
         --out "$OUT/updthread-$order" --only "${rows[@]}" 2>&1 | tee "$OUT/updthread-$order.log" | grep " step "
     done
+    OFFLOADOPT_UPDATE_THREAD=link timeout ${UPD_TESTS_TIMEOUT:-300} python3 -m pytest tests/cuda/test_optim_cuda.py \
+      tests/cuda/test_amp_cuda.py tests/cuda/test_speculate_cuda.py -m cuda -q -rs -p no:cacheprovider 2>&1 \
+      | tee "$OUT/pytest_updthread.log" | tail -6
   fi
   if [[ $part == steptl ]]; then
     # issue 43: where the fraction-1 step of bf16-sr + int8 goes (batch 4, backward mode), at the

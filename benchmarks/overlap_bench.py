@@ -82,7 +82,8 @@ def derived(name: str, known: dict[str, dict]) -> dict:
     norm is over the limit), ``pertensor`` (the device-resident
     compressed update per tensor, ``OFFLOADOPT_DEVICE_FLAT=0``, as before the flat buffers of
     2026-12-07), ``oneworker`` (no update thread: the worker runs each update between its copy
-    launches, as before the update thread; offloadopt/link/worker.py ``UPDATE_THREAD``), e.g.
+    launches, the default; offloadopt/link/worker.py ``UPDATE_THREAD``), ``updthread`` (the
+    update thread: each update runs there while the worker launches the copies), e.g.
     "backward f0.2 threads8 switch1"; "backward f0 int8" is issue 46's
     fraction 0 in backward mode. Raises ValueError for a name that is none of these."""
     if name in known:
@@ -112,8 +113,10 @@ def derived(name: str, known: dict[str, dict]) -> dict:
         return {**derived(base, known), "no_hold": True}
     if base and last == "pertensor":  # the device update per tensor (before 2026-12-07)
         return {**derived(base, known), "per_tensor": True}
-    if base and last == "oneworker":  # no update thread (as before it)
-        return {**derived(base, known), "one_worker": True}
+    if base and last == "oneworker":  # no update thread (the default)
+        return {**derived(base, known), "update_thread": "never"}
+    if base and last == "updthread":  # the update thread (link/worker.py UPDATE_THREAD "link")
+        return {**derived(base, known), "update_thread": "link"}
     for prefix, key, unit in (("threads", "cpu_threads", 1), ("bucket", "bucket_nbytes", 2**20),
                               ("switch", "switch_s", 1e-3), ("maxnorm", "max_grad_norm", 1.0)):  # fmt: skip
         if base and last.startswith(prefix) and last[len(prefix) :].replace(".", "", 1).isdigit():
@@ -123,7 +126,7 @@ def derived(name: str, known: dict[str, dict]) -> dict:
                 raise ValueError(f"--only: {name!r}: {last!r} needs a number above 0")
             return {**derived(base, known), key: value}
     raise ValueError(f"--only: {name!r} is no configuration, nor one followed by variant words "
-                     "(threadsN, bucketN, switchN, maxnormN, fifo, perseg, base, int8, sr8, spec, copybk, nohold, pertensor, oneworker); --help lists the names")  # fmt: skip
+                     "(threadsN, bucketN, switchN, maxnormN, fifo, perseg, base, int8, sr8, spec, copybk, nohold, pertensor, oneworker, updthread); --help lists the names")  # fmt: skip
 
 
 # Variant words for compressed optimizer state: "int8" (int8 moments, fp32 masters) and "sr8"
@@ -191,8 +194,8 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
         StepRun._take = lambda run: run._queue.popleft()
     if cfg.pop("perseg", False):  # main() puts the function back after each configuration
         update._joined = lambda segs, columns, steps: (columns, steps)
-    if cfg.pop("one_worker", False):  # main() puts the setting back after each configuration
-        worker_mod.UPDATE_THREAD = "never"
+    if "update_thread" in cfg:  # main() puts the setting back after each configuration
+        worker_mod.UPDATE_THREAD = cfg.pop("update_thread")
     if cfg.pop("per_tensor", False):  # main() puts the variable back after each configuration
         os.environ["OFFLOADOPT_DEVICE_FLAT"] = "0"  # (step/device_flat.py reads it per step)
     hybrid = HybridAdamW
@@ -301,7 +304,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "optionally followed by variant words: threadsN (cpu_threads=N), bucketN (N MiB buckets), "
         "switchN (sys.setswitchinterval of N ms), fifo (the worker takes queued buckets in feed "
         "order), perseg (one kernel operand per segment), base (the baseline package under "
-        "--baseline-dir), oneworker (no update thread), int8, sr8, spec; e.g. --only f0 'backward f0.2 threads8 switch1' 'delayed f1 bucket256 fifo'. "
+        "--baseline-dir), oneworker (no update thread), updthread (the update thread), int8, sr8, spec; e.g. --only f0 'backward f0.2 threads8 switch1' 'delayed f1 bucket256 fifo'. "
         "Names: " + ", ".join(repr(n) for n, _ in configs(False) + EXTRA)))  # fmt: skip
     ap.add_argument("--no-probe", action="store_true", help="skip the kernel probe")
     ap.add_argument("--baseline-dir", default=".baseline", help=(
@@ -378,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 StepRun._take = take  # a "fifo" variant replaced it
                 update._joined = joined  # a "perseg" variant replaced it
-                worker_mod.UPDATE_THREAD = update_thread  # a "oneworker" variant set it
+                worker_mod.UPDATE_THREAD = update_thread  # a "oneworker"/"updthread" variant set it
                 if flat_env is None:  # a "pertensor" variant set it
                     os.environ.pop("OFFLOADOPT_DEVICE_FLAT", None)
                 else:

@@ -117,9 +117,10 @@ class HybridAdamW(HybridOptimizer):
             copy launches on the worker, and fewer hand-offs of the GIL between it and the
             training thread while it launches the next forward and backward).
         flush_denormal: run the CPU update with flush-to-zero (see above).
-        cpu_threads: threads of the CPU worker; default one per CPU of ``worker_cpus``. Where
-            the copies cross to a GPU and there are at least 2, one launches them and the
-            others (an OpenMP pool) run the update, so the update never waits for a launch.
+        cpu_threads: threads of the CPU worker; default one per CPU of ``worker_cpus``. With
+            the update thread (``OFFLOADOPT_UPDATE_THREAD=link``, off by default), where the
+            copies cross to a GPU and there are at least 2, one launches them and the others
+            (an OpenMP pool) run the update, so the update never waits for a launch.
         worker_cpus: the CPUs the worker and its threads run on (their affinity). ``None``
             (default): the CPUs this process may use (``os.sched_getaffinity``; with several
             local ranks, this rank's slice), less the first core and its hyperthread siblings

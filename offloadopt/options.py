@@ -49,7 +49,7 @@ class Options:
     torch's there too, at 4-9x torch's time on subnormal operands."""
     cpu_threads: int | None = None
     """The CPU worker's threads, at most 4 a CPU (64 at least); None: one per CPU of
-    worker_cpus. With a GPU, one launches the copies and the others run the update."""
+    worker_cpus."""
     worker_cpus: Any = None
     """The CPUs the worker runs on: None (this process's CPUs, or its local rank's slice, less
     the training thread's core when updates overlap its work), "any" (no affinity) or CPU ids."""

@@ -72,6 +72,21 @@ def _check_worker_cpus(value: Any) -> None:
                          f"process may run on ({sorted(allowed)})")  # fmt: skip
 
 
+# When the CPU worker gets an update thread (offloadopt/link/worker.py, docs/how-it-works.md):
+# "link" (where its copies cross to a GPU), "always" (host copies too) or "never".
+UPDATE_THREADS = ("link", "always", "never")
+
+
+def update_thread_env() -> str:
+    """``OFFLOADOPT_UPDATE_THREAD``, one of :data:`UPDATE_THREADS`; "never" where unset or
+    empty (the update thread is not yet measured on a GPU host). Raises ValueError for
+    another value (the constructor asks, so a bad one fails there, not at the first step)."""
+    mode = os.environ.get("OFFLOADOPT_UPDATE_THREAD") or "never"
+    if mode not in UPDATE_THREADS:
+        raise ValueError(f"OFFLOADOPT_UPDATE_THREAD={mode!r}; expected 'link', 'always' or 'never'")
+    return mode
+
+
 def validate_options(
     rule: Rule,
     hyper: dict[str, Any],
@@ -91,7 +106,7 @@ def validate_options(
 
     Raises:
         ValueError: a bad value, named in the message (the environment's
-            ``OFFLOADOPT_DEVICE_STEP`` too).
+            ``OFFLOADOPT_DEVICE_STEP`` and ``OFFLOADOPT_UPDATE_THREAD`` too).
         TypeError: an object of the wrong kind (``grad_scaler``, ``ddp``, ``lr``).
         NotImplementedError: ``amsgrad``, ``capturable`` or ``differentiable`` set.
         RuntimeError: ``fused`` and ``foreach`` both True (torch's words).
@@ -106,6 +121,7 @@ def validate_options(
     if fused and foreach:  # torch's Adam, AdamW and SGD, after their values
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
     device_step_env()  # a bad OFFLOADOPT_DEVICE_STEP fails here, on any device
+    update_thread_env()  # and a bad OFFLOADOPT_UPDATE_THREAD
 
     def number(x) -> bool:  # numpy's scalars too (numbers.Real), not a bool or a tensor
         return isinstance(x, numbers.Real) and not isinstance(x, bool)

@@ -1,6 +1,7 @@
 """The worker's update thread (offloadopt/link/worker.py, pipeline.py): each bucket's update runs
-there while the worker launches the copies of the buckets around it. It is on where the copies
-cross to a GPU; ``UPDATE_THREAD = "always"`` runs the same schedule here, without one."""
+there while the worker launches the copies of the buckets around it. It is opt-in
+(``OFFLOADOPT_UPDATE_THREAD=link``: where the copies cross to a GPU); ``UPDATE_THREAD =
+"always"`` runs the same schedule here, without one."""
 
 from __future__ import annotations
 
@@ -88,6 +89,31 @@ def test_a_cpu_optimizer_has_no_update_thread_by_default():
         p.grad = torch.randn(100)
         opt.step()
         assert opt.debug.pipeline.worker._update_thread is None
+
+
+@pytest.mark.parametrize(
+    ("env", "cross", "has_thread"),
+    [(None, True, False), ("", True, False), ("never", True, False), ("link", True, True),
+     ("link", False, False), ("always", False, True)],
+)  # fmt: skip
+def test_the_environment_chooses_the_update_thread_off_by_default(monkeypatch, env, cross,
+                                                                  has_thread):  # fmt: skip
+    if env is None:
+        monkeypatch.delenv("OFFLOADOPT_UPDATE_THREAD", raising=False)
+    else:
+        monkeypatch.setenv("OFFLOADOPT_UPDATE_THREAD", env)
+    w = worker_mod.start_worker(CpuPlan(None, 2, []), False, lambda key, msg: None, cross)
+    try:
+        assert w.overlap is has_thread and (w._update_thread is not None) is has_thread
+    finally:
+        w.close()
+
+
+def test_a_bad_update_thread_setting_is_refused_by_the_constructor(monkeypatch):
+    monkeypatch.setenv("OFFLOADOPT_UPDATE_THREAD", "yes")
+    p = torch.nn.Parameter(torch.randn(100))
+    with pytest.raises(ValueError, match=r"OFFLOADOPT_UPDATE_THREAD='yes'; expected 'link'"):
+        HybridAdamW([p], min_offload_numel=1)
 
 
 @pytest.mark.parametrize("mode", MODES)

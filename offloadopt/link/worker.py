@@ -32,6 +32,8 @@ from collections.abc import Callable
 
 import torch
 
+from offloadopt.validation import update_thread_env
+
 __all__ = [
     "Worker",
     "Job",
@@ -374,8 +376,11 @@ class Worker:
 # When a worker gets an update thread (:class:`Worker`): "link" (its copies cross to a GPU:
 # they are launches, short beside an update), "always" (host copies too: they are then memcpys
 # on one thread; the tests use it to run the update thread's schedule without a GPU) or "never"
-# (benchmarks/overlap_bench.py's "oneworker" rows: the worker updates between its launches).
-UPDATE_THREAD = "link"
+# (the worker updates between its launches). None: the environment's OFFLOADOPT_UPDATE_THREAD,
+# "never" where unset (validation.update_thread_env): the update thread waits for its step
+# rows and CUDA tests on a GPU host (benchmarks/gpu_run.sh updthread) before it is the default.
+# Tests and benchmarks/overlap_bench.py ("oneworker", "updthread" rows) set it.
+UPDATE_THREAD: str | None = None
 
 
 def start_worker(
@@ -385,7 +390,8 @@ def start_worker(
     """The CPU worker on ``plan``'s CPUs and threads, the count said where it surprises: a log
     line under ``OMP_NUM_THREADS=1`` (torchrun's), a warning (``warn_once(key, message)``)
     when it is above the usable cores or far below them. With ``copies_cross_link`` (a GPU's
-    buckets) and at least 2 threads, it has an update thread (:class:`Worker`)."""
+    buckets), at least 2 threads and :data:`UPDATE_THREAD` (or ``OFFLOADOPT_UPDATE_THREAD``)
+    "link", it has an update thread (:class:`Worker`); "always" gives it one without."""
     cpu_threads = plan.threads
     cores, ranks = usable_cores(), local_ranks()
     if os.environ.get("OMP_NUM_THREADS") == "1" and cpu_threads > 1:
@@ -413,5 +419,6 @@ def start_worker(
             f"the CPU update will run on {cpu_threads} threads x {ranks} local ranks, "
             f"far below the {cores} cores this process may use (cpu_threads=)",
         )
-    overlap = UPDATE_THREAD == "always" or (UPDATE_THREAD == "link" and copies_cross_link)
+    mode = UPDATE_THREAD or update_thread_env()
+    overlap = mode == "always" or (mode == "link" and copies_cross_link)
     return Worker(cpu_threads, flush_denormal, cpus=plan.cpus, overlap=overlap)
