@@ -252,13 +252,28 @@ def _unavailable() -> type[Exception]:
     return anchors.Unavailable if anchors is not None else UsageError
 
 
+def _check_environment() -> None:
+    """The environment's settings that HybridAdamW reads (``OFFLOADOPT_DEVICE_STEP``,
+    ``OFFLOADOPT_UPDATE_THREAD``), checked as the flags are: a bad value is a usage error
+    (status 2) before the data is read (a user's trial: status 1, from the constructor)."""
+    from offloadopt.harness.checks import UsageError
+    from offloadopt.kernels.adam import device_step_env
+    from offloadopt.validation import update_thread_env
+
+    try:
+        device_step_env()
+        update_thread_env()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit status.
 
     Bad input (a value out of range, a device torch does not have here, a missing or too short
     data file, an output path that cannot be written, an anchor that is not installed) ends
     with one ``offloadopt: error: ...`` line on stderr and status 2, before a model is built
-    or a file written. A failure while running prints one line naming the exception and
+    or a file written; so does a bad ``OFFLOADOPT_DEVICE_STEP`` or ``OFFLOADOPT_UPDATE_THREAD``. A failure while running prints one line naming the exception and
     returns 1; with ``OFFLOADOPT_TRACEBACK=1`` in the environment it is re-raised instead.
     ``--help`` returns 0, Ctrl-C 130, SIGTERM 143 (raised as :class:`Terminated`, a
     ``KeyboardInterrupt``, so the same clean-up runs). A second Ctrl-C interrupts the clean-up,
@@ -291,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit as e:  # argparse's exit: --help (0) or a usage error (2)
             return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
         run = importlib.import_module(args.run_module).run  # torch is imported here
+        _check_environment()
         with _output_level(args), warnings.catch_warnings():
             warnings.showwarning = _show_warning  # restored on the way out
             return run(args)

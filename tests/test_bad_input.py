@@ -305,6 +305,20 @@ def test_train_combinations_are_refused_before_the_data_is_loaded(monkeypatch):
         assert one_error_line(["train", *argv]).startswith(argv[0])
 
 
+@pytest.mark.parametrize("name", ["OFFLOADOPT_UPDATE_THREAD", "OFFLOADOPT_DEVICE_STEP"])
+@pytest.mark.parametrize("command", ["train", "bench", "audit"])
+def test_a_bad_environment_setting_is_a_usage_error_before_the_data_is_loaded(
+    monkeypatch, command, name
+):
+    """A user's trial: ``OFFLOADOPT_UPDATE_THREAD=yes offloadopt train`` read the data, then
+    ended with status 1 from HybridAdamW's constructor; a bad flag is status 2 before that."""
+    boom = AssertionError("got past the checks: the data was loaded")
+    monkeypatch.setattr(checks, "text_data", mock.Mock(side_effect=boom))
+    monkeypatch.setattr(train, "mock_data", mock.Mock(side_effect=boom))
+    monkeypatch.setenv(name, "yes")
+    assert one_error_line([command]).startswith(f"{name}='yes'; expected ")
+
+
 @pytest.mark.parametrize("fraction", [[], ["--offload-fraction", "auto"]], ids=str)
 def test_a_gpu_budget_on_a_run_without_a_gpu_is_refused(fraction):
     """A new user's finding: ``train --max-gpu-memory 10GB`` without a GPU was taken without a
