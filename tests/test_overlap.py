@@ -211,6 +211,20 @@ def test_a_grad_edited_after_its_update_started_is_named():
         opt.step()
 
 
+def test_a_grad_whose_data_was_replaced_after_its_update_started_is_named():
+    """A user's trial: ``w.grad.data = torch.zeros(3, 3)`` after backward (a new shape, the
+    same grad object and version) passed step() without a word."""
+    model = mlp()
+    opt = make_opt(model, 1.0, **MODES["backward"])
+    model(batch(0)).pow(2).mean().backward()
+    w = model[0].weight
+    w.grad.data = torch.zeros(3, 3)
+    with pytest.raises(
+        RuntimeError, match=r"the grad of group0.param0 changed after its bucket's update"
+    ):
+        opt.step()
+
+
 def test_without_declarations_backward_mode_waits_for_step_and_sees_torchs_clip():
     ref_model = mlp()
     ref = train(

@@ -102,8 +102,8 @@ class Guards:
             if now is None:
                 if p not in st.released:
                     dropped.append(p)
-            elif now is not grad() or local(now)._version != version:
-                moved[p] = now
+            elif now is not grad() or local(now)._version != version or now.shape != p.shape:
+                moved[p] = now  # (``grad.data = x`` leaves the object and its version)
         if dropped:
             # A fresh user's finding: model.zero_grad() (or p.grad = None) between
             # backward and step() to skip a step, after the step's updates began: they
@@ -122,7 +122,7 @@ class Guards:
                 "updates wait for step() (an attached GradScaler, grad_scaler=, skips a step "
                 "whose grads hold an inf or NaN by itself)"
             )
-        same = self.same_values(st, moved)
+        same = self.same_values(st, {p: g for p, g in moved.items() if g.shape == p.shape})
         for p in moved:
             if p not in same:
                 self.timeline.refuse(f"the grad of {records[p].name} changed after its update")
