@@ -27,7 +27,6 @@ from offloadopt import HybridAdamW
 from offloadopt.harness import anchors, checks, models
 from offloadopt.harness.data import get_batch, load_text
 from offloadopt.harness.probes import time_kernel_under_link
-from offloadopt.link import worker as worker_mod
 from offloadopt.link.pipeline import StepRun
 from offloadopt.place import auto
 from offloadopt.step import update
@@ -82,7 +81,7 @@ def derived(name: str, known: dict[str, dict]) -> dict:
     norm is over the limit), ``pertensor`` (the device-resident
     compressed update per tensor, ``OFFLOADOPT_DEVICE_FLAT=0``, as before the flat buffers of
     2026-12-07), ``oneworker`` (no update thread: the worker runs each update between its copy
-    launches, the default; offloadopt/link/worker.py ``UPDATE_THREAD``), ``updthread`` (the
+    launches, the default: ``OFFLOADOPT_UPDATE_THREAD=never``), ``updthread`` (the
     update thread: each update runs there while the worker launches the copies), e.g.
     "backward f0.2 threads8 switch1"; "backward f0 int8" is issue 46's
     fraction 0 in backward mode. Raises ValueError for a name that is none of these."""
@@ -115,7 +114,7 @@ def derived(name: str, known: dict[str, dict]) -> dict:
         return {**derived(base, known), "per_tensor": True}
     if base and last == "oneworker":  # no update thread (the default)
         return {**derived(base, known), "update_thread": "never"}
-    if base and last == "updthread":  # the update thread (link/worker.py UPDATE_THREAD "link")
+    if base and last == "updthread":  # the update thread (OFFLOADOPT_UPDATE_THREAD=link)
         return {**derived(base, known), "update_thread": "link"}
     for prefix, key, unit in (("threads", "cpu_threads", 1), ("bucket", "bucket_nbytes", 2**20),
                               ("switch", "switch_s", 1e-3), ("maxnorm", "max_grad_norm", 1.0)):  # fmt: skip
@@ -195,7 +194,7 @@ def run(model, init, batches, name, cfg, warmup, steps, lr=6e-4):
     if cfg.pop("perseg", False):  # main() puts the function back after each configuration
         update._joined = lambda segs, columns, steps: (columns, steps)
     if "update_thread" in cfg:  # main() puts the setting back after each configuration
-        worker_mod.UPDATE_THREAD = cfg.pop("update_thread")
+        os.environ["OFFLOADOPT_UPDATE_THREAD"] = cfg.pop("update_thread")  # read at start_worker
     if cfg.pop("per_tensor", False):  # main() puts the variable back after each configuration
         os.environ["OFFLOADOPT_DEVICE_FLAT"] = "0"  # (step/device_flat.py reads it per step)
     hybrid = HybridAdamW
@@ -365,8 +364,9 @@ def main(argv: list[str] | None = None) -> int:
                for _ in range(max(args.warmup, AUTO_WARMUP) + args.steps)]  # fmt: skip
     results["params"] = n
     rows = results["configs"] = []
-    take, joined, update_thread = StepRun._take, update._joined, worker_mod.UPDATE_THREAD
-    flat_env = os.environ.get("OFFLOADOPT_DEVICE_FLAT")
+    take, joined = StepRun._take, update._joined
+    # the variables a "pertensor", "oneworker" or "updthread" variant sets
+    env = {k: os.environ.get(k) for k in ("OFFLOADOPT_DEVICE_FLAT", "OFFLOADOPT_UPDATE_THREAD")}
     for name, cfg in selected(args.only, args.quick):
         try:
             if "budget_of" in cfg:  # a budget of a measured row's peak: fractions above it fit
@@ -381,11 +381,11 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 StepRun._take = take  # a "fifo" variant replaced it
                 update._joined = joined  # a "perseg" variant replaced it
-                worker_mod.UPDATE_THREAD = update_thread  # a "oneworker"/"updthread" variant set it
-                if flat_env is None:  # a "pertensor" variant set it
-                    os.environ.pop("OFFLOADOPT_DEVICE_FLAT", None)
-                else:
-                    os.environ["OFFLOADOPT_DEVICE_FLAT"] = flat_env
+                for k, v in env.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
         except anchors.Unavailable as e:
             rows.append({"name": name, "error": f"skipped: {e}"})
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the rest

@@ -253,16 +253,13 @@ def _unavailable() -> type[Exception]:
 
 
 def _check_environment() -> None:
-    """The environment's settings that HybridAdamW reads (``OFFLOADOPT_DEVICE_STEP``,
-    ``OFFLOADOPT_UPDATE_THREAD``), checked as the flags are: a bad value is a usage error
+    """The environment's settings, checked as the flags are: a bad one is a usage error
     (status 2) before the data is read (a user's trial: status 1, from the constructor)."""
     from offloadopt.harness.checks import UsageError
-    from offloadopt.kernels.adam import device_step_env
-    from offloadopt.validation import update_thread_env
+    from offloadopt.validation import check_environment
 
     try:
-        device_step_env()
-        update_thread_env()
+        check_environment()
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -273,8 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Bad input (a value out of range, a device torch does not have here, a missing or too short
     data file, an output path that cannot be written, an anchor that is not installed) ends
     with one ``offloadopt: error: ...`` line on stderr and status 2, before a model is built
-    or a file written; so does a bad ``OFFLOADOPT_DEVICE_STEP`` or ``OFFLOADOPT_UPDATE_THREAD``. A failure while running prints one line naming the exception and
-    returns 1; with ``OFFLOADOPT_TRACEBACK=1`` in the environment it is re-raised instead.
+    or a file written; so does a bad ``OFFLOADOPT_DEVICE_STEP`` or ``OFFLOADOPT_UPDATE_THREAD``.
+    A failure while running prints one line naming the exception and returns 1; with ``OFFLOADOPT_TRACEBACK=1`` in the environment it is re-raised instead.
     ``--help`` returns 0, Ctrl-C 130, SIGTERM 143 (raised as :class:`Terminated`, a
     ``KeyboardInterrupt``, so the same clean-up runs). A second Ctrl-C interrupts the clean-up,
     a third exits at once (130, the same line). With ``argv`` None (the console script,

@@ -6,7 +6,8 @@ or a piece of its state, named for what it is, so a test that patches or reads o
 owner it reaches into. The commonest uses:
 
 - ``opt.debug.pipeline.worker_hook = fn``: ``fn(bucket)`` runs on the CPU worker (on its update
-  thread where it has one) before each bucket's update (a sleep makes the worker slow; a raise makes it fail).
+  thread where it has one) before each bucket's update (a sleep makes the worker slow; a raise
+  makes it fail).
 - ``opt.debug.pipeline.transfers[device]``: that device's staging slots, side streams and
   per-bucket events (offloadopt/link/transfer.py).
 - ``opt.debug.step`` / ``opt.debug.inflight``: the :class:`~offloadopt.step.step.Step` being

@@ -87,6 +87,14 @@ def update_thread_env() -> str:
     return mode
 
 
+def check_environment() -> None:
+    """The environment's settings that the optimizer reads (``OFFLOADOPT_DEVICE_STEP``,
+    ``OFFLOADOPT_UPDATE_THREAD``): raises ValueError naming a bad one. The constructor and the
+    CLI (before it reads any data) ask."""
+    device_step_env()
+    update_thread_env()
+
+
 def validate_options(
     rule: Rule,
     hyper: dict[str, Any],
@@ -120,8 +128,7 @@ def validate_options(
     tensor_betas(hyper)
     if fused and foreach:  # torch's Adam, AdamW and SGD, after their values
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-    device_step_env()  # a bad OFFLOADOPT_DEVICE_STEP fails here, on any device
-    update_thread_env()  # and a bad OFFLOADOPT_UPDATE_THREAD
+    check_environment()  # a bad setting fails here, on any device
 
     def number(x) -> bool:  # numpy's scalars too (numbers.Real), not a bool or a tensor
         return isinstance(x, numbers.Real) and not isinstance(x, bool)

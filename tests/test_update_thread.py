@@ -1,7 +1,7 @@
 """The worker's update thread (offloadopt/link/worker.py, pipeline.py): each bucket's update runs
 there while the worker launches the copies of the buckets around it. It is opt-in
-(``OFFLOADOPT_UPDATE_THREAD=link``: where the copies cross to a GPU); ``UPDATE_THREAD =
-"always"`` runs the same schedule here, without one."""
+(``OFFLOADOPT_UPDATE_THREAD=link``: where the copies cross to a GPU); ``always`` runs the
+same schedule here, without one."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from offloadopt.place import placer
 
 @pytest.fixture
 def always(monkeypatch):
-    monkeypatch.setattr(worker_mod, "UPDATE_THREAD", "always")
+    monkeypatch.setenv("OFFLOADOPT_UPDATE_THREAD", "always")
     # two threads on any CPU in every mode: with a core left to the training thread (backward,
     # delayed), this 2-CPU machine's plan has one thread, and one has none to spare
     monkeypatch.setattr(placer, "plan_cpus", lambda option, threads, **_: CpuPlan(None, 2, []))
@@ -83,7 +83,9 @@ def test_updates_run_in_order_and_an_error_comes_back_as_raised():
         w.close()
 
 
-def test_a_cpu_optimizer_has_no_update_thread_by_default():
+def test_a_cpu_optimizer_has_no_update_thread_under_link(monkeypatch):
+    """Under "link" only where the copies cross to a GPU (the placer says whether they do)."""
+    monkeypatch.setenv("OFFLOADOPT_UPDATE_THREAD", "link")
     p = torch.nn.Parameter(torch.randn(100))
     with HybridAdamW([p], min_offload_numel=1) as opt:
         p.grad = torch.randn(100)

@@ -12,7 +12,7 @@ region): per bucket, taking of those queued the one the next forward reads first
 order: :class:`StepRun`), it starts the D2H while a staging slot is free, waits for the oldest
 started bucket's D2H, runs the update, gives the slot back and queues the H2D. So the D2H of
 one bucket and the H2D of the one before run while the CPU updates the one between. Where the
-worker has an update thread (opt-in: link/worker.py UPDATE_THREAD), the updates run there,
+worker has an update thread (opt-in: OFFLOADOPT_UPDATE_THREAD), the updates run there,
 back to back, and the worker's launches overlap them (:meth:`StepRun._serve`). The invariants
 (I1)-(I5) cited below are in transfer.py's note.
 """

@@ -373,25 +373,19 @@ class Worker:
         self._finalizer()
 
 
-# When a worker gets an update thread (:class:`Worker`): "link" (its copies cross to a GPU:
-# they are launches, short beside an update), "always" (host copies too: they are then memcpys
-# on one thread; the tests use it to run the update thread's schedule without a GPU) or "never"
-# (the worker updates between its launches). None: the environment's OFFLOADOPT_UPDATE_THREAD,
-# "never" where unset (validation.update_thread_env): the update thread waits for its step
-# rows and CUDA tests on a GPU host (benchmarks/gpu_run.sh updthread) before it is the default.
-# Tests and benchmarks/overlap_bench.py ("oneworker", "updthread" rows) set it.
-UPDATE_THREAD: str | None = None
-
-
 def start_worker(
     plan: CpuPlan, flush_denormal: bool, warn_once: Callable[[str, str], None],
     copies_cross_link: bool = False,
 ) -> Worker:  # fmt: skip
     """The CPU worker on ``plan``'s CPUs and threads, the count said where it surprises: a log
     line under ``OMP_NUM_THREADS=1`` (torchrun's), a warning (``warn_once(key, message)``)
-    when it is above the usable cores or far below them. With ``copies_cross_link`` (a GPU's
-    buckets), at least 2 threads and :data:`UPDATE_THREAD` (or ``OFFLOADOPT_UPDATE_THREAD``)
-    "link", it has an update thread (:class:`Worker`); "always" gives it one without."""
+    when it is above the usable cores or far below them. The environment's
+    ``OFFLOADOPT_UPDATE_THREAD`` (validation.update_thread_env) says when it has an update
+    thread (:class:`Worker`, at least 2 threads): "link", where ``copies_cross_link`` (a GPU's
+    buckets: the copies are launches, short beside an update); "always", host copies too (then
+    memcpys on one thread: the tests run the update thread's schedule that way); "never", the
+    default until its step rows and CUDA tests have run on a GPU host
+    (benchmarks/gpu_run.sh updthread)."""
     cpu_threads = plan.threads
     cores, ranks = usable_cores(), local_ranks()
     if os.environ.get("OMP_NUM_THREADS") == "1" and cpu_threads > 1:
@@ -419,6 +413,6 @@ def start_worker(
             f"the CPU update will run on {cpu_threads} threads x {ranks} local ranks, "
             f"far below the {cores} cores this process may use (cpu_threads=)",
         )
-    mode = UPDATE_THREAD or update_thread_env()
+    mode = update_thread_env()
     overlap = mode == "always" or (mode == "link" and copies_cross_link)
     return Worker(cpu_threads, flush_denormal, cpus=plan.cpus, overlap=overlap)
